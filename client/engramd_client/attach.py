@@ -1,0 +1,157 @@
+"""`attach()`: the one call a worker makes to get its Engram tables.
+
+Shared when the node's daemon can serve them, private when it cannot (auto
+mode, one warning per cause and process), an error in strict mode. See the
+decision table in DESIGN.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
+from .config import ClientConfig
+from .errors import NotAllowed, SegmentNotVisible, ShareError
+from .layout import MANIFEST_NAME, ManifestError, read_manifest
+from .lease import Lease, open_channel, probe_socket, wait_attached
+from .pb import engramd_pb2 as pb
+from .pb import engramd_pb2_grpc as pb_grpc
+from .tables import Region, RowRanges, Tables, check_row_names, map_shared
+
+log = logging.getLogger("engramd_client")
+
+_warned: set[str] = set()
+
+_FIX_NAMESPACE = (
+    "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "
+    "--ipc=container:<engramd>; in Kubernetes mount the daemon's /dev/shm hostPath or "
+    "shared memory-backed emptyDir at the same path)"
+)
+
+
+def _warn_once(cause: str, message: str) -> None:
+    if cause in _warned:
+        log.debug("%s", message)
+        return
+    _warned.add(cause)
+    log.warning("%s", message)
+
+
+def attach(
+    checkpoint: str | os.PathLike[str],
+    *,
+    tensors: str = DEFAULT_TENSORS,
+    rows: RowRanges | None = None,
+    share: bool | None = None,
+    socket: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> Tables:
+    """Attach to the node's copy of a checkpoint's Engram tables, or load them privately.
+
+    Args:
+        checkpoint: the checkpoint folder (or one .safetensors file) as this
+            worker sees it, or a set id (then no private fallback is possible).
+        tensors: fnmatch selection of tensor names, the daemon's default.
+        rows: {name: (start, stop)} maps only those rows of a tensor (a TP shard).
+        share: None for auto (or ENGRAMD_SHARE), True strict, False private.
+        socket: the daemon's socket; default ENGRAMD_SOCKET, then /run/engramd/engramd.sock.
+        labels: shown with this worker's lease in `engramd status` (dp_rank, tp_rank, ...).
+
+    Raises:
+        CheckpointError: the checkpoint cannot be read at all.
+        ShareError: strict mode (or a bare set id) and the tables cannot be shared.
+        ValueError: `rows` names an unselected tensor or a range outside it.
+    """
+    config = ClientConfig.from_env(socket=socket, share=share)
+    target = os.fspath(checkpoint)
+    plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
+    if plan is not None:
+        check_row_names(rows, [t.name for t in plan.tensors])
+    if config.share is False:
+        if plan is None:
+            raise ValueError(f"share=False needs a checkpoint folder, not the set id {target}")
+        return Tables.private(plan, rows, reason=None)
+    try:
+        return _attach_shared(config, target if plan is None else plan, rows, labels or {})
+    except ShareError as e:
+        if config.share or plan is None:
+            raise
+        reason = f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
+        _warn_once(e.cause, reason)
+        return Tables.private(plan, rows, reason=reason)
+
+
+def _attach_shared(
+    config: ClientConfig,
+    target: TablePlan | str,
+    rows: RowRanges | None,
+    labels: Mapping[str, str],
+) -> Tables:
+    probe_socket(config.socket, config.connect_timeout_s)
+    plan = target if isinstance(target, TablePlan) else None
+    request = pb.AttachRequest(
+        set_id=plan.set_id if plan else str(target),
+        checkpoint=str(plan.checkpoint) if plan else "",
+        tensors=plan.selection if plan else "",
+        pid=os.getpid(),
+        labels=dict(labels),
+        accept=[pb.HANDLE_KIND_SHM],
+    )
+    channel = open_channel(config)
+    call = pb_grpc.TableServiceStub(channel).Attach(request)
+    try:
+        attachment = wait_attached(call, plan.checkpoint.name if plan else request.set_id)
+        if plan is None:
+            check_row_names(rows, [h.name for h in attachment.tensors])
+        tensors = _map(attachment, rows)
+    except BaseException:
+        call.cancel()
+        channel.close()
+        raise
+    lease = Lease(config, channel, request, call, attachment)
+    return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
+
+
+def _map(attachment: pb.Attachment, rows: RowRanges | None) -> dict[str, torch.Tensor]:
+    folder = Path(attachment.set_dir)
+    try:
+        manifest = read_manifest(folder)
+    except (OSError, ManifestError) as e:
+        raise SegmentNotVisible(
+            f"engramd holds set {attachment.set_id} at {folder}, but this worker cannot read "
+            f"{folder / MANIFEST_NAME} ({getattr(e, 'strerror', None) or e}): it sees another "
+            f"/dev/shm; {_FIX_NAMESPACE}"
+        ) from None
+    if manifest.nonce != attachment.nonce:
+        raise SegmentNotVisible(
+            f"{folder} here is not the daemon's copy of set {attachment.set_id} (nonce differs): "
+            f"this worker sees another /dev/shm; {_FIX_NAMESPACE}"
+        )
+    tensors = {}
+    for handle in attachment.tensors:
+        if handle.kind != pb.HANDLE_KIND_SHM:
+            raise ShareError(f"engramd offered handle kind {handle.kind}, this client maps shm")
+        region = Region(
+            name=handle.name,
+            dtype=handle.dtype,
+            shape=tuple(handle.shape),
+            path=handle.shm.path,
+            offset=handle.shm.offset,
+            length=handle.shm.length,
+        ).cut(rows)
+        try:
+            tensors[handle.name] = map_shared(region)
+        except PermissionError:
+            raise NotAllowed(
+                f"permission denied on {region.path}; add this worker's user to the group "
+                "of the daemon's shm files (engramd by default)"
+            ) from None
+        except OSError as e:
+            raise SegmentNotVisible(f"cannot map {region.path}: {e}; {_FIX_NAMESPACE}") from None
+    return tensors
+

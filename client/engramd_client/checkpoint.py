@@ -1,0 +1,288 @@
+"""Read a safetensors checkpoint's headers and pick the tensors of a table set.
+
+Only headers are read here (a few KiB per file), so a worker can compute the
+set id of its own copy in milliseconds and the daemon can validate a request
+before it copies a byte. Every header is checked against its file: a bad
+checkpoint raises `CheckpointError` naming the file, the tensor and the fix.
+
+safetensors format: an 8-byte little-endian header length N, N bytes of JSON
+({name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {...}}),
+then the data; offsets count from the end of the header.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import CheckpointError
+
+#: Selection used when none is given: the Engram embedding tables.
+DEFAULT_TENSORS = "*engram.embed.*"
+
+#: Bumped whenever the on-tmpfs layout changes; part of every set id.
+LAYOUT_VERSION = 1
+
+INDEX_FILE = "model.safetensors.index.json"
+
+# The reference implementation refuses headers above 100 MB; so do we, before
+# allocating anything for a header length read from an untrusted file.
+MAX_HEADER_BYTES = 100_000_000
+
+#: safetensors dtype name -> (bytes per element, torch dtype name).
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E4M3FNUZ": (1, "float8_e4m3fnuz"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E5M2FNUZ": (1, "float8_e5m2fnuz"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F64": (8, "float64"),
+    "C64": (8, "complex64"),
+}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    try:
+        dtype = getattr(torch, DTYPES[name][1])
+    except (KeyError, AttributeError):
+        raise CheckpointError(
+            f"dtype {name!r} is not supported by this torch {torch.__version__}"
+        ) from None
+    assert isinstance(dtype, torch.dtype)
+    return dtype
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint: where its bytes are in which file."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: Path
+    #: Absolute byte offset of the tensor's data in `file`.
+    offset: int
+    nbytes: int
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row (first dimension); the whole tensor for a scalar."""
+        if not self.shape:
+            return self.nbytes
+        return self.nbytes // self.shape[0] if self.shape[0] else 0
+
+
+@dataclass(frozen=True)
+class SafetensorsFile:
+    """A parsed and validated safetensors header."""
+
+    path: Path
+    size: int
+    header: bytes
+    tensors: dict[str, TensorEntry]
+
+
+@dataclass(frozen=True)
+class TablePlan:
+    """The selected tensors of one checkpoint and the identity of their bytes."""
+
+    checkpoint: Path
+    selection: str
+    tensors: tuple[TensorEntry, ...]
+    fingerprint: str
+    set_id: str
+
+    @property
+    def nbytes(self) -> int:
+        """The selected tensors' bytes, without padding."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def tensor(self, name: str) -> TensorEntry:
+        """The entry named `name`."""
+        for entry in self.tensors:
+            if entry.name == name:
+                return entry
+        raise KeyError(name)
+
+
+def read_header(path: Path) -> SafetensorsFile:
+    """Parse and validate the header of one safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(
+                    f"{path}: {size} bytes is too short for a safetensors file "
+                    "(truncated download or copy?); fetch the file again"
+                )
+            (length,) = struct.unpack("<Q", head)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{path}: header length {length} runs past the file's {size} bytes "
+                    "(truncated or not a safetensors file); fetch the file again"
+                )
+            header = f.read(length)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
+    try:
+        doc = json.loads(header)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(
+            f"{path}: malformed safetensors header ({e}); fetch the file again"
+        ) from None
+    if not isinstance(doc, dict):
+        raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
+    data_start = 8 + length
+    data_size = size - data_start
+    tensors = {}
+    for name, info in doc.items():
+        if name == "__metadata__":
+            continue
+        tensors[name] = _entry(path, name, info, data_start, data_size)
+    return SafetensorsFile(path=path, size=size, header=header, tensors=tensors)
+
+
+def _entry(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(f"{path}: tensor {name!r}: {problem}; fetch the file again")
+
+    if not isinstance(info, dict):
+        raise bad("header entry is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise bad(f"shape {shape!r} is not a list of non-negative integers")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+    ):
+        raise bad(f"data_offsets {offsets!r} is not a pair of integers")
+    begin, end = offsets
+    nbytes = math.prod(shape) * DTYPES[dtype][0]
+    if not 0 <= begin <= end:
+        raise bad(f"data_offsets [{begin}, {end}] are reversed or negative")
+    if end - begin != nbytes:
+        raise bad(f"data_offsets [{begin}, {end}] hold {end - begin} bytes, {dtype}{shape} needs {nbytes}")
+    if end > data_size:
+        raise bad(
+            f"data_offsets end {end} lies past the file's {data_size} data bytes "
+            "(truncated file)"
+        )
+    return TensorEntry(
+        name=name,
+        dtype=dtype,
+        shape=tuple(shape),
+        file=path,
+        offset=data_start + begin,
+        nbytes=nbytes,
+    )
+
+
+def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | None]:
+    """The safetensors files of a checkpoint folder (or file) and its index's weight map."""
+    if checkpoint.is_file():
+        return [checkpoint], None
+    if not checkpoint.is_dir():
+        raise CheckpointError(f"{checkpoint}: no such checkpoint file or folder")
+    index_path = checkpoint / INDEX_FILE
+    if index_path.exists():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+            ):
+                raise TypeError("weight_map is not an object of strings")
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
+        names = sorted(set(weight_map.values()))
+        for name in names:
+            if Path(name).name != name:
+                raise CheckpointError(f"{index_path}: file {name!r} is not inside the folder")
+        return [checkpoint / n for n in names], weight_map
+    files = sorted(checkpoint.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{checkpoint}: no *.safetensors files in this folder")
+    return files, None
+
+
+def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TENSORS) -> TablePlan:
+    """Read the headers of a checkpoint and select the tensors of its table set."""
+    root = Path(checkpoint).resolve()
+    files, weight_map = checkpoint_files(root)
+    headers = [read_header(p) for p in files]
+    by_name: dict[str, TensorEntry] = {}
+    for h in headers:
+        by_name.update(h.tensors)
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            entry = by_name.get(name)
+            if entry is None or entry.file.name != file:
+                raise CheckpointError(
+                    f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
+                    "from that file; fetch the checkpoint again"
+                )
+    selected = tuple(
+        by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection)
+    )
+    if not selected:
+        raise CheckpointError(
+            f"{root}: no tensor matches {selection!r} among {len(by_name)} tensors; "
+            "pass the right selection (tensors=...)"
+        )
+    fingerprint = _fingerprint(headers, selected)
+    return TablePlan(
+        checkpoint=root,
+        selection=selection,
+        tensors=selected,
+        fingerprint=fingerprint,
+        set_id=set_id_of(fingerprint),
+    )
+
+
+def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:
+    # Identifies the bytes without reading them: what each file is (name, size,
+    # header) and which tensors were taken. Folder paths and mtimes are left
+    # out so that copies of one checkpoint on different mounts agree.
+    h = hashlib.sha256()
+    for f in sorted(headers, key=lambda f: f.path.name):
+        h.update(f"{f.path.name}\0{f.size}\0{len(f.header)}\0".encode())
+        h.update(f.header)
+    for t in selected:
+        h.update(f"\0{t.name}".encode())
+    return h.hexdigest()
+
+
+def set_id_of(fingerprint: str) -> str:
+    """The set id of a fingerprint under this layout version."""
+    return hashlib.sha256(f"engramd-layout-{LAYOUT_VERSION}:{fingerprint}".encode()).hexdigest()[:20]
+
+
+def is_set_id(text: str) -> bool:
+    """True when `text` has the shape of a set id."""
+    return len(text) == 20 and all(c in "0123456789abcdef" for c in text)

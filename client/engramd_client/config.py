@@ -1,0 +1,58 @@
+"""The worker side's settings, and the one place that reads its environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+#: Where the daemon listens unless told otherwise (systemd RuntimeDirectory).
+DEFAULT_SOCKET = "/run/engramd/engramd.sock"
+
+_SHARE_WORDS: dict[str, bool | None] = {
+    "auto": None,
+    "": None,
+    "on": True,
+    "true": True,
+    "1": True,
+    "strict": True,
+    "off": False,
+    "false": False,
+    "0": False,
+}
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """How a worker attaches to the daemon."""
+
+    #: Unix socket of the daemon's TableService.
+    socket: str = DEFAULT_SOCKET
+    #: None: share when possible, else private (auto); True: share or raise; False: private.
+    share: bool | None = None
+    #: Longest wait for the daemon to accept a connection before falling back.
+    connect_timeout_s: float = 0.5
+    #: Longest wait for one RPC answer from the daemon (not counting a load).
+    rpc_timeout_s: float = 10.0
+    #: Longest wait for a set the daemon is still loading; None waits as long as it takes.
+    load_timeout_s: float | None = None
+    #: First and longest pause between reconnects after the daemon went away.
+    reconnect_min_s: float = 0.05
+    reconnect_max_s: float = 2.0
+
+    @classmethod
+    def from_env(
+        cls,
+        env: Mapping[str, str] | None = None,
+        *,
+        socket: str | None = None,
+        share: bool | None = None,
+    ) -> ClientConfig:
+        """Settings from ENGRAMD_SOCKET and ENGRAMD_SHARE; explicit arguments win."""
+        env = os.environ if env is None else env
+        if share is None:
+            word = env.get("ENGRAMD_SHARE", "auto").strip().lower()
+            if word not in _SHARE_WORDS:
+                raise ValueError(f"ENGRAMD_SHARE={word!r}: use auto, on or off")
+            share = _SHARE_WORDS[word]
+        return cls(socket=socket or env.get("ENGRAMD_SOCKET") or DEFAULT_SOCKET, share=share)

@@ -1,0 +1,81 @@
+"""Exceptions a worker can see, one class per cause of failure.
+
+`CheckpointError` means the checkpoint itself is unusable: neither sharing nor
+a private load can help. Every `ShareError` means sharing is impossible but a
+private load is not; in auto mode the client falls back and logs the message
+once, in strict mode it raises.
+"""
+
+from __future__ import annotations
+
+
+class EngramdError(Exception):
+    """Base class of every engramd error."""
+
+
+class CheckpointError(EngramdError):
+    """A checkpoint that cannot be read as safetensors: names the file, the tensor and the fix."""
+
+
+class ShareError(EngramdError):
+    """Sharing is impossible; the message names the cause, the sizes and the fix."""
+
+    #: Short cause name, used in logs and metrics ("daemon-unavailable", ...).
+    cause = "share"
+
+
+class DaemonUnavailable(ShareError):
+    """No daemon answers at the socket."""
+
+    cause = "daemon-unavailable"
+
+
+class ShmCapacityError(ShareError):
+    """The daemon's shm folder cannot hold the set."""
+
+    cause = "capacity"
+
+
+class SegmentNotVisible(ShareError):
+    """The daemon's files are not visible to this worker (another mount or IPC namespace)."""
+
+    cause = "not-visible"
+
+
+class FingerprintMismatch(ShareError):
+    """The daemon's copy of the checkpoint differs from the worker's."""
+
+    cause = "fingerprint"
+
+
+class NotAllowed(ShareError):
+    """The daemon refuses to load this checkpoint for a worker (outside its allowed roots)."""
+
+    cause = "not-allowed"
+
+
+class UnknownSet(ShareError):
+    """The daemon holds no such set and was given nothing to load it from."""
+
+    cause = "unknown-set"
+
+
+class DaemonError(ShareError):
+    """The daemon answered with an error that has no more specific class."""
+
+    cause = "daemon-error"
+
+
+#: Wire reason (trailing metadata "engramd-reason") -> client exception class.
+#: Reasons not listed (a checkpoint the daemon cannot read where the worker
+#: can, an internal error) become DaemonError.
+BY_REASON: dict[str, type[ShareError]] = {
+    "capacity": ShmCapacityError,
+    "fingerprint": FingerprintMismatch,
+    "not-allowed": NotAllowed,
+    "unknown-set": UnknownSet,
+    "draining": DaemonUnavailable,
+}
+
+#: Trailing-metadata key that carries the daemon's reason for an error.
+REASON_KEY = "engramd-reason"

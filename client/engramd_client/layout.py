@@ -1,0 +1,162 @@
+"""The on-tmpfs layout of table sets, shared by the daemon and its workers.
+
+::
+
+    <shm_dir>/engramd/                       0750, owned by the daemon
+        <set_id>/                            a complete set; appears by rename
+            manifest.json                    written last, 0640
+            0000.bin  0001.bin  ...          one file per tensor, 0640, the
+                                             tensor's bytes at offset 0, exactly
+                                             `nbytes` long (posix_fallocate'd)
+        <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
+                                             to, removed by the next daemon
+
+manifest.json::
+
+    {"layout_version": 1, "set_id": "...", "fingerprint": "<sha256>",
+     "nonce": "<32 hex, random per load>", "checkpoint": "/abs/path",
+     "selection": "*engram.embed.*", "created": <unix time>,
+     "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
+                  "shape": [rows, 256], "file": "0000.bin", "offset": 0,
+                  "nbytes": ..., "checksum": "crc32:1a2b3c4d"}, ...]}
+
+A set folder never changes after its rename: the daemon writes everything
+under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
+and renames. A crash at any point leaves either no set folder or a complete
+one. The nonce lets a worker prove that the file it opened is the one the
+daemon described: a worker in another mount or IPC namespace sees another
+/dev/shm, where the manifest is missing or carries another nonce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .checkpoint import DTYPES, LAYOUT_VERSION, is_set_id
+
+#: Folder inside the shm folder that holds every set.
+ROOT_NAME = "engramd"
+MANIFEST_NAME = "manifest.json"
+LOADING_MARK = ".loading-"
+
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
+
+
+class ManifestError(ValueError):
+    """A manifest that does not describe a complete set."""
+
+
+@dataclass(frozen=True)
+class ManifestTensor:
+    """Where one tensor of a set lies in the set's folder."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete set folder holds."""
+
+    set_id: str
+    fingerprint: str
+    nonce: str
+    checkpoint: str
+    selection: str
+    created: float
+    tensors: tuple[ManifestTensor, ...]
+    layout_version: int = LAYOUT_VERSION
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes, without padding."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_json(self) -> str:
+        """Serialize for manifest.json."""
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse manifest.json; raises ManifestError on anything malformed."""
+        try:
+            doc = json.loads(text)
+            if doc["layout_version"] != LAYOUT_VERSION:
+                raise ManifestError(
+                    f"layout version {doc['layout_version']}, this engramd reads {LAYOUT_VERSION}"
+                )
+            tensors = tuple(
+                ManifestTensor(
+                    name=str(t["name"]),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(int(d) for d in t["shape"]),
+                    file=str(t["file"]),
+                    offset=int(t["offset"]),
+                    nbytes=int(t["nbytes"]),
+                    checksum=str(t["checksum"]),
+                )
+                for t in doc["tensors"]
+            )
+            manifest = cls(
+                set_id=str(doc["set_id"]),
+                fingerprint=str(doc["fingerprint"]),
+                nonce=str(doc["nonce"]),
+                checkpoint=str(doc["checkpoint"]),
+                selection=str(doc["selection"]),
+                created=float(doc["created"]),
+                tensors=tensors,
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"malformed manifest ({e!r})") from None
+        if not is_set_id(manifest.set_id) or not _NONCE.match(manifest.nonce):
+            raise ManifestError("malformed set id or nonce")
+        for t in manifest.tensors:
+            if t.dtype not in DTYPES or Path(t.file).name != t.file or t.offset < 0:
+                raise ManifestError(f"malformed entry for tensor {t.name!r}")
+        return manifest
+
+
+def sets_root(shm_dir: str | os.PathLike[str]) -> Path:
+    """The folder that holds every set in a shm folder."""
+    return Path(shm_dir) / ROOT_NAME
+
+
+def set_dir(shm_dir: str | os.PathLike[str], set_id: str) -> Path:
+    """The folder of a complete set."""
+    return sets_root(shm_dir) / set_id
+
+
+def tensor_file_name(index: int) -> str:
+    """The file name of the index-th tensor of a set."""
+    return f"{index:04d}.bin"
+
+
+def read_manifest(folder: Path) -> Manifest:
+    """Read and parse the manifest of a set folder."""
+    return Manifest.from_json((folder / MANIFEST_NAME).read_bytes())
+
+
+def check_complete(folder: Path, manifest: Manifest) -> None:
+    """Raise ManifestError unless every tensor file is there at its full size."""
+    if manifest.set_id != folder.name:
+        raise ManifestError(f"manifest names set {manifest.set_id}, folder is {folder.name}")
+    for t in manifest.tensors:
+        try:
+            size = (folder / t.file).stat().st_size
+        except OSError as e:
+            raise ManifestError(f"tensor {t.name!r}: {t.file}: {e.strerror}") from None
+        if size != t.offset + t.nbytes:
+            raise ManifestError(
+                f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says {t.offset + t.nbytes}"
+            )

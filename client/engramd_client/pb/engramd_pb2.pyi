@@ -1,0 +1,195 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
+    HANDLE_KIND_SHM: _ClassVar[HandleKind]
+HANDLE_KIND_UNSPECIFIED: HandleKind
+HANDLE_KIND_SHM: HandleKind
+
+class AttachRequest(_message.Message):
+    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_FIELD_NUMBER: _ClassVar[int]
+    REATTACH_FIELD_NUMBER: _ClassVar[int]
+    set_id: str
+    checkpoint: str
+    tensors: str
+    pid: int
+    labels: _containers.ScalarMap[str, str]
+    accept: _containers.RepeatedScalarFieldContainer[HandleKind]
+    reattach: bool
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ...) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("progress", "attached", "draining")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    progress: LoadProgress
+    attached: Attachment
+    draining: Draining
+    def __init__(self, progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., attached: _Optional[_Union[Attachment, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+
+class LoadProgress(_message.Message):
+    __slots__ = ("bytes_done", "bytes_total")
+    BYTES_DONE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    bytes_done: int
+    bytes_total: int
+    def __init__(self, bytes_done: _Optional[int] = ..., bytes_total: _Optional[int] = ...) -> None: ...
+
+class Draining(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Attachment(_message.Message):
+    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors")
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    SET_DIR_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    set_id: str
+    fingerprint: str
+    nonce: str
+    lease_id: str
+    shm_dir: str
+    set_dir: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
+    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
+
+class TensorHandle(_message.Message):
+    __slots__ = ("name", "dtype", "shape", "kind", "shm")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    kind: HandleKind
+    shm: ShmHandle
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ...) -> None: ...
+
+class ShmHandle(_message.Message):
+    __slots__ = ("path", "offset", "length")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    offset: int
+    length: int
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("daemon", "shm", "sets")
+    DAEMON_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    SETS_FIELD_NUMBER: _ClassVar[int]
+    daemon: DaemonInfo
+    shm: ShmInfo
+    sets: _containers.RepeatedCompositeFieldContainer[SetInfo]
+    def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ...) -> None: ...
+
+class DaemonInfo(_message.Message):
+    __slots__ = ("version", "pid", "uptime_s", "socket", "ready")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    pid: int
+    uptime_s: float
+    socket: str
+    ready: bool
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+
+class ShmInfo(_message.Message):
+    __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages")
+    DIR_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HUGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    dir: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    huge_pages: bool
+    def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ...) -> None: ...
+
+class SetInfo(_message.Message):
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds")
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    BACKING_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_LOADED_FIELD_NUMBER: _ClassVar[int]
+    ADOPTED_FIELD_NUMBER: _ClassVar[int]
+    LOCKED_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    set_id: str
+    checkpoint: str
+    fingerprint: str
+    bytes: int
+    backing: str
+    state: str
+    bytes_loaded: int
+    adopted: bool
+    locked: bool
+    error: str
+    leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
+    tensors: int
+    load_seconds: float
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+
+class LeaseInfo(_message.Message):
+    __slots__ = ("lease_id", "pid", "labels", "attached_s")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ATTACHED_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    pid: int
+    labels: _containers.ScalarMap[str, str]
+    attached_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,198 @@
+"""Tensors over memory: read-only mappings of the daemon's files, or private copies.
+
+Both paths hand out CPU tensors that view their memory without a copy. A
+shared tensor views a PROT_READ mapping: a write through it faults (SIGSEGV)
+instead of changing the table for every worker. A private tensor views an
+anonymous mapping of exactly the tensor's bytes (rounded to a page), filled
+with positional reads from the checkpoint; no caching allocator rounds it up.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import torch
+
+from .checkpoint import CheckpointError, TablePlan, TensorEntry, torch_dtype
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+#: {tensor name: (first row, end row)} to map only a row range (a TP shard).
+RowRanges = Mapping[str, tuple[int, int]]
+
+_READ_CHUNK = 256 << 20
+
+
+@dataclass(frozen=True)
+class Region:
+    """Bytes of one tensor to map: `length` bytes at `offset` of `path`."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    path: str
+    offset: int
+    length: int
+
+    def cut(self, rows: RowRanges | None) -> Region:
+        """This region narrowed to its row range in `rows` (itself when it has none)."""
+        if rows is None or self.name not in rows:
+            return self
+        start, stop = rows[self.name]
+        if not self.shape or not 0 <= start <= stop <= self.shape[0]:
+            raise ValueError(
+                f"rows[{self.name!r}] = ({start}, {stop}) is outside the tensor's "
+                f"{self.shape[0] if self.shape else 0} rows"
+            )
+        row_bytes = self.length // self.shape[0] if self.shape[0] else 0
+        return replace(
+            self,
+            shape=(stop - start, *self.shape[1:]),
+            offset=self.offset + start * row_bytes,
+            length=(stop - start) * row_bytes,
+        )
+
+
+def check_row_names(rows: RowRanges | None, names: list[str]) -> None:
+    """Raise ValueError when `rows` names a tensor that is not selected."""
+    unknown = sorted(set(rows or ()) - set(names))
+    if unknown:
+        raise ValueError(f"rows names tensors that are not selected: {unknown}")
+
+
+def _view(buffer: mmap.mmap, delta: int, region: Region) -> torch.Tensor:
+    dtype = torch_dtype(region.dtype)
+    if region.length == 0:
+        return torch.empty(region.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # torch warns that a read-only buffer gives a tensor it cannot protect;
+        # the mapping itself is PROT_READ, so the kernel protects it.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buffer, dtype=torch.uint8, count=region.length, offset=delta)
+    return flat.view(dtype).view(region.shape)
+
+
+def map_shared(region: Region) -> torch.Tensor:
+    """Map a region of a daemon file read-only and view it as a tensor."""
+    if region.length == 0:
+        return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
+    start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(region.path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+        if region.offset + region.length > size:
+            raise OSError(f"{region.path} is {size} bytes, the handle needs "
+                          f"{region.offset + region.length}")
+        buffer = mmap.mmap(fd, region.offset + region.length - start, flags=mmap.MAP_SHARED,
+                           prot=mmap.PROT_READ, offset=start)
+    finally:
+        os.close(fd)
+    return _view(buffer, region.offset - start, region)
+
+
+def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
+    """Read a tensor (or its row range) from the checkpoint into private memory."""
+    region = Region(entry.name, entry.dtype, entry.shape, str(entry.file), entry.offset,
+                    entry.nbytes).cut(rows)
+    if region.length == 0:
+        return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
+    buffer = mmap.mmap(-1, region.length)
+    view = memoryview(buffer)
+    try:
+        with open(region.path, "rb", buffering=0) as f:
+            done = 0
+            while done < region.length:
+                chunk = view[done:done + _READ_CHUNK]
+                n = os.preadv(f.fileno(), [chunk], region.offset + done)
+                chunk.release()
+                if n == 0:
+                    raise CheckpointError(
+                        f"{region.path}: tensor {region.name!r}: file ends before its data "
+                        "(truncated file); fetch the file again"
+                    )
+                done += n
+    finally:
+        view.release()
+    return _view(buffer, 0, region)
+
+
+class Tables(Mapping[str, torch.Tensor]):
+    """The tensors of a table set, by name; shared (read-only mappings) or private.
+
+    Use as a mapping (`tables[name]`, `list(tables)`) and close it, or use it as
+    a context manager. Closing ends the lease; the memory goes when the last
+    tensor taken from it is garbage collected.
+    """
+
+    def __init__(
+        self,
+        tensors: dict[str, torch.Tensor],
+        *,
+        mode: str,
+        set_id: str,
+        reason: str | None = None,
+        lease: Lease | None = None,
+    ) -> None:
+        self._tensors = tensors
+        self._lease = lease
+        #: "shared" or "private".
+        self.mode = mode
+        #: Why the tables are private (the warning's text), or None.
+        self.reason = reason
+        #: The set id of these tables.
+        self.set_id = set_id
+
+    @classmethod
+    def private(cls, plan: TablePlan, rows: RowRanges | None, reason: str | None) -> Tables:
+        """Private copies of a plan's tensors, read from the checkpoint."""
+        check_row_names(rows, [t.name for t in plan.tensors])
+        tensors = {t.name: load_private(t, rows) for t in plan.tensors}
+        return cls(tensors, mode="private", set_id=plan.set_id, reason=reason)
+
+    @property
+    def lease_id(self) -> str | None:
+        """The daemon's id of this worker's lease (shared mode), or None."""
+        return self._lease.lease_id if self._lease else None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensors handed out (row ranges only, when given)."""
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def close(self) -> None:
+        """End the lease (if shared) and drop this object's references to the memory."""
+        if self._lease is not None:
+            self._lease.close()
+            self._lease = None
+        self._tensors = {}
+
+    def __enter__(self) -> Tables:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Tables(mode={self.mode!r}, set_id={self.set_id!r}, tensors={len(self)}, "
+                f"nbytes={self.nbytes})")

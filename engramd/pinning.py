@@ -1,0 +1,68 @@
+"""Lock a set's pages in memory so the tables are never swapped out.
+
+The daemon maps each tensor file read-only and mlocks the mapping for as long
+as it holds the set. Python's mmap cannot mlock, and taking the address of
+its buffer needs a writable mapping, so the mapping is made through libc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+from pathlib import Path
+
+log = logging.getLogger("engramd")
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
+
+FIX_MEMLOCK = (
+    "raise the daemon's locked-memory limit (systemd LimitMEMLOCK=infinity, "
+    "ulimit -l unlimited, or CAP_IPC_LOCK)"
+)
+
+
+class PinnedFiles:
+    """Read-only, mlocked mappings of a set's files; unmapped by `release()`."""
+
+    def __init__(self) -> None:
+        self._maps: list[tuple[int, int]] = []
+        #: Why locking a file failed (the first failure), or None.
+        self.error: str | None = None
+
+    def pin(self, path: Path) -> None:
+        """Map `path` read-only and lock its pages; records the failure instead of raising."""
+        size = path.stat().st_size
+        if size == 0:
+            return
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        finally:
+            os.close(fd)
+        if addr in (None, _MAP_FAILED):
+            self._fail(f"mmap {path}: {os.strerror(ctypes.get_errno())}")
+            return
+        if _libc.mlock(addr, size) != 0:
+            self._fail(f"mlock {path} ({size} bytes): {os.strerror(ctypes.get_errno())}")
+            _libc.munmap(addr, size)
+            return
+        self._maps.append((addr, size))
+
+    def _fail(self, error: str) -> None:
+        if self.error is None:
+            self.error = error
+
+    def release(self) -> None:
+        """Unmap (and so unlock) every file."""
+        for addr, size in self._maps:
+            _libc.munmap(addr, size)
+        self._maps.clear()

@@ -1,0 +1,196 @@
+"""engramd.v1.TableService: attach (a lease held by an open stream) and status."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+from engramd_client.checkpoint import is_set_id, plan_tables
+from engramd_client.layout import set_dir
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+from . import __version__
+from .config import DaemonConfig
+from .errors import FingerprintDiffers, InvalidRequest, NotAllowed, UnknownSet, abort
+from .shmfs import huge_pages, usage
+from .store import Lease, SetStore, TableSet
+
+#: How often a worker waiting for a load hears about its progress.
+PROGRESS_INTERVAL_S = 0.25
+
+_MAX_LABELS = 32
+_MAX_LABEL_KEY = 63
+_MAX_LABEL_VALUE = 256
+_MAX_PATH = 4096
+
+
+class TableService(pb_grpc.TableServiceServicer):
+    """Serves attaches and status from a SetStore."""
+
+    def __init__(self, config: DaemonConfig, store: SetStore) -> None:
+        self._config = config
+        self._store = store
+        self._started = time.monotonic()
+        self._allowed = [Path(p).resolve() for p in config.allow_roots]
+        self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
+        #: Every configured set is ready (the health service says SERVING).
+        self.ready = False
+
+    async def Attach(  # noqa: N802 (gRPC method name)
+        self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AttachEvent]:
+        """Wait for the set to be ready, hand out its handles, hold the lease."""
+        try:
+            _validate(request)
+            ts = await self._resolve(request)
+            while not ts.done.is_set():
+                yield pb.AttachEvent(progress=pb.LoadProgress(
+                    bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes))
+                try:
+                    await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+                except TimeoutError:
+                    pass
+            if ts.error is not None:
+                raise ts.error
+            lease = self._store.add_lease(ts, request.pid, dict(request.labels))
+        except Exception as e:
+            await abort(context, e)
+            return
+        try:
+            yield pb.AttachEvent(attached=self._attachment(ts, lease))
+            await lease.ended.wait()
+            if lease.draining:
+                yield pb.AttachEvent(draining=pb.Draining())
+        finally:
+            self._store.end_lease(lease)
+
+    async def _resolve(self, request: pb.AttachRequest) -> TableSet:
+        ts = self._store.get(request.set_id)
+        if ts is not None and ts.state != "failed":
+            return ts
+        if request.reattach or not request.checkpoint:
+            if ts is not None and ts.error is not None:
+                raise ts.error
+            raise UnknownSet(
+                f"engramd holds no set {request.set_id}; attach with the checkpoint folder, "
+                "or have the daemon load it at start (--checkpoint)"
+            )
+        path = self._check_allowed(request.checkpoint)
+        plan = await asyncio.to_thread(plan_tables, path, request.tensors or self._config.tensors)
+        if plan.set_id != request.set_id:
+            raise FingerprintDiffers(
+                f"the daemon's copy of {path} is set {plan.set_id}, the worker's is set "
+                f"{request.set_id}: the files' names, sizes or headers differ; give the daemon "
+                "and the worker the same checkpoint"
+            )
+        return self._store.ensure(plan)
+
+    def _check_allowed(self, checkpoint: str) -> Path:
+        path = Path(checkpoint).resolve()
+        if str(path) in self._configured or any(path.is_relative_to(r) for r in self._allowed):
+            return path
+        roots = ", ".join(map(str, self._allowed)) or "none"
+        raise NotAllowed(
+            f"engramd may not load {checkpoint} for a worker (resolved {path}; allowed roots: "
+            f"{roots}); start the daemon with --checkpoint {checkpoint} or --allow-root <dir>"
+        )
+
+    def _attachment(self, ts: TableSet, lease: Lease) -> pb.Attachment:
+        assert ts.manifest is not None
+        folder = set_dir(self._store.shm_dir, ts.set_id)
+        return pb.Attachment(
+            set_id=ts.set_id,
+            fingerprint=ts.fingerprint,
+            nonce=ts.manifest.nonce,
+            lease_id=lease.lease_id,
+            shm_dir=self._store.shm_dir,
+            set_dir=str(folder),
+            tensors=[
+                pb.TensorHandle(
+                    name=t.name,
+                    dtype=t.dtype,
+                    shape=t.shape,
+                    kind=pb.HANDLE_KIND_SHM,
+                    shm=pb.ShmHandle(path=str(folder / t.file), offset=t.offset, length=t.nbytes),
+                )
+                for t in ts.manifest.tensors
+            ],
+        )
+
+    async def Status(  # noqa: N802 (gRPC method name)
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """What the node holds."""
+        try:
+            return self.status()
+        except Exception as e:
+            await abort(context, e)
+            raise AssertionError("unreachable") from e
+
+    def status(self) -> pb.StatusReply:
+        """The status reply, built from the store."""
+        u = usage(self._store.shm_dir)
+        now = time.monotonic()
+        return pb.StatusReply(
+            daemon=pb.DaemonInfo(
+                version=__version__,
+                pid=os.getpid(),
+                uptime_s=now - self._started,
+                socket=self._config.socket,
+                ready=self.ready,
+            ),
+            shm=pb.ShmInfo(
+                dir=u.dir,
+                total_bytes=u.total,
+                used_bytes=u.used,
+                free_bytes=u.free,
+                huge_pages=huge_pages(self._store.shm_dir),
+            ),
+            sets=[
+                pb.SetInfo(
+                    set_id=ts.set_id,
+                    checkpoint=ts.checkpoint,
+                    fingerprint=ts.fingerprint,
+                    bytes=ts.nbytes,
+                    backing="shm",
+                    state=ts.state,
+                    bytes_loaded=ts.bytes_loaded,
+                    adopted=ts.adopted,
+                    locked=ts.locked,
+                    error=str(ts.error) if ts.error else "",
+                    tensors=ts.ntensors,
+                    load_seconds=ts.load_seconds,
+                    leases=[
+                        pb.LeaseInfo(lease_id=lease.lease_id, pid=lease.pid, labels=lease.labels,
+                                     attached_s=now - lease.started)
+                        for lease in ts.leases.values()
+                    ],
+                )
+                for ts in self._store.sets.values()
+            ],
+        )
+
+
+def _validate(request: pb.AttachRequest) -> None:
+    if not is_set_id(request.set_id):
+        raise InvalidRequest(f"set_id {request.set_id[:64]!r} is not a set id (20 hex digits)")
+    if len(request.checkpoint) > _MAX_PATH or len(request.tensors) > _MAX_PATH:
+        raise InvalidRequest("checkpoint or tensors is longer than 4096 characters")
+    if request.pid < 0:
+        raise InvalidRequest(f"pid {request.pid} is negative")
+    if len(request.labels) > _MAX_LABELS or any(
+        len(k) > _MAX_LABEL_KEY or len(v) > _MAX_LABEL_VALUE for k, v in request.labels.items()
+    ):
+        raise InvalidRequest(
+            f"labels: at most {_MAX_LABELS}, keys up to {_MAX_LABEL_KEY} and values up to "
+            f"{_MAX_LABEL_VALUE} characters"
+        )
+    if request.accept and pb.HANDLE_KIND_SHM not in request.accept:
+        raise InvalidRequest(
+            "this daemon hands out shm handles (HANDLE_KIND_SHM); the request accepts none"
+        )

@@ -1,0 +1,85 @@
+"""What the shm folder can hold, and whether it backs files with huge pages."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ShmFull
+
+_HUGE_TMPFS = {"always", "within_size"}
+
+FIX_SHM_SIZE = (
+    "give the daemon a larger /dev/shm (docker run --shm-size=<bytes> or --ipc=host; "
+    "in Kubernetes a memory-backed emptyDir at /dev/shm with a sizeLimit), "
+    "or point --shm-dir at a tmpfs sized for the tables"
+)
+
+
+@dataclass(frozen=True)
+class ShmUsage:
+    """Sizes of the filesystem behind a folder, in bytes."""
+
+    dir: str
+    total: int
+    used: int
+    free: int
+
+
+def usage(folder: str | os.PathLike[str]) -> ShmUsage:
+    """Total, used and free bytes of the filesystem that holds `folder`."""
+    st = os.statvfs(folder)
+    total = st.f_blocks * st.f_frsize
+    free = st.f_bavail * st.f_frsize
+    return ShmUsage(dir=str(folder), total=total, used=total - st.f_bfree * st.f_frsize, free=free)
+
+
+def gib(n: int) -> str:
+    """Bytes as a short human-readable size."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{n} B"
+
+
+def check_capacity(folder: str | os.PathLike[str], needed: int, what: str) -> None:
+    """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit in `folder`."""
+    u = usage(folder)
+    if needed > u.total:
+        raise ShmFull(
+            f"{what} needs {gib(needed)} but the shm folder {u.dir} holds {gib(u.total)} in all; "
+            f"{FIX_SHM_SIZE}"
+        )
+    if needed > u.free:
+        raise ShmFull(
+            f"{what} needs {gib(needed)} but the shm folder {u.dir} has {gib(u.free)} free "
+            f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
+        )
+
+
+def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:
+    """(filesystem type, mount options) of the mount that holds `folder`."""
+    path = Path(folder).resolve()
+    best: tuple[int, str, set[str]] = (-1, "", set())
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        left, _, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        # Mount points escape blanks as octal (\040).
+        mount_point = Path(fields[4].encode().decode("unicode_escape"))
+        if (path == mount_point or mount_point in path.parents) and len(str(mount_point)) >= best[0]:
+            options = set(fields[5].split(",")) | set(tail[2].split(",") if len(tail) > 2 else [])
+            best = (len(str(mount_point)), tail[0], options)
+    return best[1], best[2]
+
+
+def huge_pages(folder: str | os.PathLike[str]) -> bool:
+    """True when new files in `folder` are backed by 2 MiB pages (tmpfs huge=, or forced)."""
+    fstype, options = mount_of(folder)
+    if fstype != "tmpfs":
+        return False
+    try:
+        forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        forced = False
+    return forced or any(o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge="))

@@ -1,0 +1,76 @@
+"""`engramd status`: ask the daemon what the node holds, print it for people or scripts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from google.protobuf.json_format import MessageToDict
+
+from .shmfs import gib
+
+
+def fetch(socket: str, timeout_s: float = 2.0) -> pb.StatusReply:
+    """The daemon's StatusReply; raises grpc.RpcError when it does not answer."""
+    with grpc.insecure_channel(f"unix:{socket}", options=[("grpc.enable_http_proxy", 0)]) as ch:
+        reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
+            pb.StatusRequest(), timeout=timeout_s
+        )
+        return reply
+
+
+def saved_bytes(s: pb.SetInfo) -> int:
+    """Host memory that one shared copy saves against a private copy per lease."""
+    return s.bytes * max(len(s.leases) - 1, 0)
+
+
+def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    """The reply as plain JSON types, field names as in the proto, every field present."""
+    doc = MessageToDict(reply, preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True)
+    # JSON has no 64-bit integers, so protobuf's mapping writes them as
+    # strings; byte counts are far below 2**53, so give scripts numbers.
+    for section in (doc["shm"], *doc["sets"]):
+        for key, value in section.items():
+            if key.endswith("bytes") or key == "bytes_loaded":
+                section[key] = int(value)
+    for s, info in zip(doc["sets"], reply.sets, strict=True):
+        s["saved_bytes"] = saved_bytes(info)
+    doc["saved_bytes"] = sum(saved_bytes(s) for s in reply.sets)
+    return doc
+
+
+def render(reply: pb.StatusReply) -> str:
+    """A readable summary of the node."""
+    d, shm = reply.daemon, reply.shm
+    lines = [
+        f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
+        f"{'ready' if d.ready else 'not ready'}",
+        f"shm {shm.dir}: {gib(shm.used_bytes)} used, {gib(shm.free_bytes)} free of "
+        f"{gib(shm.total_bytes)}  ({'2 MiB' if shm.huge_pages else '4 KiB'} pages)",
+        "",
+    ]
+    if not reply.sets:
+        lines.append("no sets")
+    header = f"{'SET':20}  {'STATE':8}  {'BYTES':>10}  {'LOADED':>6}  {'LOCKED':6}  {'LEASES':>6}  CHECKPOINT"
+    if reply.sets:
+        lines.append(header)
+    for s in reply.sets:
+        loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
+        state = s.state + ("*" if s.adopted else "")
+        lines.append(
+            f"{s.set_id:20}  {state:8}  {gib(s.bytes):>10}  {loaded:>6}  "
+            f"{'yes' if s.locked else 'no':6}  {len(s.leases):>6}  {s.checkpoint}"
+        )
+        if s.error:
+            lines.append(f"    error: {s.error}")
+        for lease in s.leases:
+            labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
+            lines.append(f"    lease {lease.lease_id}  pid {lease.pid}  {labels}")
+    if any(s.adopted for s in reply.sets):
+        lines.append("(* adopted from an earlier daemon without reloading)")
+    total = sum(saved_bytes(s) for s in reply.sets)
+    lines.append(f"host memory saved versus a private copy per lease: {gib(total)}")
+    return "\n".join(lines)
