@@ -6,11 +6,14 @@
     tables.mode            # "shared" or "private"
     tables["layers.1.engram.embed.weight"]
 
-This package never imports the daemon (engramd); the daemon imports it for
-the layout, the checkpoint reader and the wire stubs.
+This package never imports the daemon (engramd). The daemon imports it for
+the layout, the checkpoint reader and the wire stubs, so `attach` and
+`Tables` (which need torch) are imported on first use: the daemon never
+loads torch.
 """
 
-from .attach import attach
+from typing import TYPE_CHECKING, Any
+
 from .checkpoint import DEFAULT_TENSORS, TablePlan, plan_tables
 from .config import ClientConfig
 from .errors import (
@@ -25,7 +28,10 @@ from .errors import (
     ShmCapacityError,
     UnknownSet,
 )
-from .tables import Tables
+
+if TYPE_CHECKING:
+    from .share import attach
+    from .tables import Tables
 
 __all__ = [
     "DEFAULT_TENSORS",
@@ -45,3 +51,15 @@ __all__ = [
     "attach",
     "plan_tables",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "attach":
+        from .share import attach
+
+        return attach
+    if name == "Tables":
+        from .tables import Tables
+
+        return Tables
+    raise AttributeError(f"module 'engramd_client' has no attribute {name!r}")

@@ -21,8 +21,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from .errors import CheckpointError
 
 #: Selection used when none is given: the Engram embedding tables.
@@ -37,7 +35,8 @@ INDEX_FILE = "model.safetensors.index.json"
 # allocating anything for a header length read from an untrusted file.
 MAX_HEADER_BYTES = 100_000_000
 
-#: safetensors dtype name -> (bytes per element, torch dtype name).
+#: safetensors dtype name -> (bytes per element, torch dtype name). Torch itself is
+#: imported only on the worker side (tables.py): the daemon never needs it.
 DTYPES: dict[str, tuple[int, str]] = {
     "BOOL": (1, "bool"),
     "U8": (1, "uint8"),
@@ -59,18 +58,6 @@ DTYPES: dict[str, tuple[int, str]] = {
     "F64": (8, "float64"),
     "C64": (8, "complex64"),
 }
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a safetensors dtype name."""
-    try:
-        dtype = getattr(torch, DTYPES[name][1])
-    except (KeyError, AttributeError):
-        raise CheckpointError(
-            f"dtype {name!r} is not supported by this torch {torch.__version__}"
-        ) from None
-    assert isinstance(dtype, torch.dtype)
-    return dtype
 
 
 @dataclass(frozen=True)

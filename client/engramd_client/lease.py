@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
-from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -84,11 +84,27 @@ def share_error(e: grpc.RpcError) -> ShareError:
     return cls(f"engramd: {e.details()}")
 
 
-def wait_attached(events: Iterator[pb.AttachEvent], what: str) -> pb.Attachment:
-    """Read an Attach stream until the daemon hands out the set; log load progress."""
+def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
+    """Read an Attach stream until the daemon hands out the set; log load progress.
+
+    A loading daemon sends progress several times a second, so `silence_s`
+    without any event means it hangs: the call is cancelled.
+    """
     last_logged = -1
+    silent = False
+
+    def give_up() -> None:
+        nonlocal silent
+        silent = True
+        call.cancel()
+
+    watchdog = threading.Timer(silence_s, give_up)
+    watchdog.start()
     try:
-        for event in events:
+        for event in call:
+            watchdog.cancel()
+            watchdog = threading.Timer(silence_s, give_up)
+            watchdog.start()
             kind = event.WhichOneof("event")
             if kind == "attached":
                 return event.attached
@@ -102,7 +118,13 @@ def wait_attached(events: Iterator[pb.AttachEvent], what: str) -> pb.Attachment:
             elif kind == "draining":
                 raise DaemonUnavailable("engramd is stopping; it sent no tables")
     except grpc.RpcError as e:
+        if silent:
+            raise DaemonUnavailable(
+                f"engramd sent nothing for {silence_s} s while attaching {what} (hung?)"
+            ) from None
         raise share_error(e) from None
+    finally:
+        watchdog.cancel()
     raise DaemonUnavailable("engramd closed the attach stream before it sent the tables")
 
 

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import CheckpointError, TablePlan, TensorEntry, torch_dtype
+from .checkpoint import DTYPES, TablePlan, TensorEntry
+from .errors import CheckpointError
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -28,6 +29,18 @@ if TYPE_CHECKING:
 RowRanges = Mapping[str, tuple[int, int]]
 
 _READ_CHUNK = 256 << 20
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype name."""
+    try:
+        dtype = getattr(torch, DTYPES[name][1])
+    except (KeyError, AttributeError):
+        raise CheckpointError(
+            f"dtype {name!r} is not supported by this torch {torch.__version__}"
+        ) from None
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,12 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import grpc
 import torch
 
 from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
-from .errors import NotAllowed, SegmentNotVisible, ShareError
+from .errors import DaemonUnavailable, NotAllowed, SegmentNotVisible, ShareError
 from .layout import MANIFEST_NAME, ManifestError, read_manifest
 from .lease import Lease, open_channel, probe_socket, wait_attached
 from .pb import engramd_pb2 as pb
@@ -103,9 +104,18 @@ def _attach_shared(
         accept=[pb.HANDLE_KIND_SHM],
     )
     channel = open_channel(config)
+    try:
+        grpc.channel_ready_future(channel).result(timeout=config.connect_timeout_s)
+    except grpc.FutureTimeoutError:
+        channel.close()
+        raise DaemonUnavailable(
+            f"engramd at {config.socket} accepted the connection but did not answer within "
+            f"{config.connect_timeout_s} s (hung or not engramd); restart it"
+        ) from None
     call = pb_grpc.TableServiceStub(channel).Attach(request)
     try:
-        attachment = wait_attached(call, plan.checkpoint.name if plan else request.set_id)
+        attachment = wait_attached(call, plan.checkpoint.name if plan else request.set_id,
+                                   config.rpc_timeout_s)
         if plan is None:
             check_row_names(rows, [h.name for h in attachment.tensors])
         tensors = _map(attachment, rows)

@@ -1,0 +1,45 @@
+# The README's commands. Each target creates (or reuses) .venv in the checkout
+# and installs what it needs; torch is installed first, pinned, so that the
+# project's own range never pulls a multi-GB CUDA build. Override with
+# `make test TORCH=torch==2.5.1`, or `TORCH=` to keep whatever is installed.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+
+.PHONY: setup demo test bench proto lint format clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || { test -z "$(TORCH)" || $(PIP) "$(TORCH)"; }
+	$(PIP) -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/engramd demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PIP) -e ".[dev,bench]"
+	$(PY) -m bench $(ARGS)
+
+proto: setup
+	$(PY) tools/gen_proto.py
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy engramd client/engramd_client tests tools
+
+format: setup
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,206 @@
+"""Fixtures that start the real daemon and real worker processes.
+
+Sockets live in short folders under /tmp (AF_UNIX paths stop at 107 bytes);
+sets live in a fresh folder under /dev/shm that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from engramd.synth import SynthSpec, synthesize
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+TESTS = Path(__file__).resolve().parent
+WORKER = TESTS / "worker.py"
+START_TIMEOUT_S = 60.0
+
+
+class Daemon:
+    """`engramd serve` in a child process, on a socket and shm folder of the test's."""
+
+    def __init__(self, socket: Path, shm_dir: Path, args: list[str], log: Path) -> None:
+        self.socket = socket
+        self.shm_dir = shm_dir
+        self.args = args
+        self.log_path = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: str = "serving") -> Daemon:
+        """Start the daemon; wait until health says SERVING ("serving") or it answers ("up")."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "engramd", "serve", "--socket", str(self.socket),
+                 "--shm-dir", str(self.shm_dir), *self.args],
+                stdout=log, stderr=subprocess.STDOUT,
+            )
+        self._wait(serving=wait == "serving")
+        return self
+
+    def _wait(self, serving: bool) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with self.channel() as ch:
+            grpc.channel_ready_future(ch).result(timeout=START_TIMEOUT_S)
+            if not serving:
+                return
+            stream = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=max(deadline - time.monotonic(), 1),
+            )
+            for reply in stream:
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    stream.cancel()
+                    return
+        raise AssertionError(f"daemon never became ready:\n{self.log}")
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the daemon's socket."""
+        return grpc.insecure_channel(f"unix:{self.socket}")
+
+    def status(self) -> pb.StatusReply:
+        """The daemon's status."""
+        with self.channel() as ch:
+            reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
+                pb.StatusRequest(), timeout=5
+            )
+            return reply
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the daemon and wait for it to exit; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def log(self) -> str:
+        """Everything the daemon logged so far."""
+        return self.log_path.read_text(errors="replace")
+
+
+class Worker:
+    """tests/worker.py in a child process: attaches, then answers commands on stdin."""
+
+    def __init__(self, checkpoint: Path | str, socket: Path, *, share: str = "auto",
+                 rows: dict[str, tuple[int, int]] | None = None, tensors: str | None = None,
+                 labels: dict[str, str] | None = None, env: dict[str, str] | None = None) -> None:
+        args = [sys.executable, str(WORKER), str(checkpoint), "--socket", str(socket),
+                "--share", share]
+        if rows:
+            args += ["--rows", json.dumps(rows)]
+        if tensors:
+            args += ["--tensors", tensors]
+        for k, v in (labels or {}).items():
+            args += ["--label", f"{k}={v}"]
+        self.proc = subprocess.Popen(
+            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, **(env or {})},
+        )
+        #: What the worker printed once attached (or its error).
+        self.hello = self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"worker exited ({self.proc.wait()}): {self.stderr()}")
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send one command line and return the worker's JSON answer."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def stderr(self) -> str:
+        """What the worker wrote to stderr (waits for it to exit)."""
+        assert self.proc.stderr is not None
+        self.proc.wait(timeout=30)
+        return self.proc.stderr.read()
+
+    def exit(self) -> int:
+        """Ask the worker to close its tables and exit; returns its exit code."""
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.flush()
+        return self.proc.wait(timeout=30)
+
+    def kill(self) -> None:
+        """SIGKILL, no goodbye."""
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short folder for Unix sockets."""
+    path = Path(tempfile.mkdtemp(prefix="ed", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    """A fresh folder under /dev/shm for the daemon's sets; removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="engramd-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A sharded synthetic Engram checkpoint: 2 layers, about 21 MB of tables."""
+    return synthesize(tmp_path_factory.mktemp("ckpt") / "engram", SynthSpec(rows=40_000))
+
+
+@pytest.fixture
+def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
+    """Make daemons: `daemons(*serve_args)`; every one is stopped afterwards."""
+    started: list[Daemon] = []
+
+    def make(*args: str, wait: str = "serving") -> Daemon:
+        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log")
+        started.append(d)
+        return d.start(wait=wait)
+
+    yield make
+    for d in started:
+        if d.proc is not None and d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    """A list to put workers in; every one still running is killed afterwards."""
+    started: list[Worker] = []
+    yield started
+    for w in started:
+        if w.proc.poll() is None:
+            w.kill()
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll `predicate` (an RPC, a file check) until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - start

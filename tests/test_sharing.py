@@ -1,0 +1,74 @@
+"""Several worker processes share one copy; a shared mapping cannot be written."""
+
+from __future__ import annotations
+
+import hashlib
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from conftest import Worker
+from safetensors.torch import load_file
+
+
+def shmem_bytes() -> int:
+    """The node's shared memory (tmpfs and shm pages), from /proc/meminfo."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+def expected_digests(checkpoint: Path) -> dict[str, str]:
+    out = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if ".engram.embed." in name:
+                out[name] = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+    return out
+
+
+def test_four_workers_share_one_copy(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
+    before = shmem_bytes()
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    expected = expected_digests(checkpoint)
+    for rank in range(4):
+        workers.append(Worker(checkpoint, d.socket, share="on", labels={"dp_rank": str(rank)}))
+    for w in workers:
+        assert w.hello["mode"] == "shared", w.hello
+        # The digest read every byte, so every page is mapped in every worker.
+        assert w.hello["digests"] == expected
+    grown = shmem_bytes() - before
+    assert grown <= 1.05 * s.bytes, f"shared memory grew {grown} bytes for a {s.bytes}-byte set"
+    assert grown >= 0.95 * s.bytes, "the set is not in shared memory at all"
+    [s] = d.status().sets
+    assert sorted(lease.labels["dp_rank"] for lease in s.leases) == ["0", "1", "2", "3"]
+    assert {lease.pid for lease in s.leases} == {w.proc.pid for w in workers}
+    for w in workers:
+        assert w.exit() == 0
+    assert not d.status().sets[0].leases
+
+
+def test_write_through_shared_tensor_faults(checkpoint: Path, daemons: Any,
+                                            workers: list[Worker]) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    name = "layers.1.engram.embed.weight"
+    victim = Worker(checkpoint, d.socket, share="on")
+    workers.append(victim)
+    victim.proc.stdin.write(f"write {name}\n")  # type: ignore[union-attr]
+    victim.proc.stdin.flush()  # type: ignore[union-attr]
+    assert victim.proc.wait(timeout=30) == -signal.SIGSEGV
+    reader = Worker(checkpoint, d.socket, share="on")
+    workers.append(reader)
+    assert reader.hello["digests"][name] == expected_digests(checkpoint)[name]
+
+
+def test_private_tensor_is_writable_and_separate(checkpoint: Path, workers: list[Worker],
+                                                 sock_dir: Path) -> None:
+    w = Worker(checkpoint, sock_dir / "none.sock", share="off")
+    workers.append(w)
+    name = "layers.1.engram.embed.weight"
+    assert w.ask(f"write {name}") == {"wrote": name}
+    assert w.ask("digest")["digests"][name] != expected_digests(checkpoint)[name]

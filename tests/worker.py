@@ -1,0 +1,82 @@
+"""A worker process for the tests: attach, print one JSON line, then obey stdin.
+
+Commands (one per line, each answered by one JSON line):
+  digest        sha256 of every tensor's bytes (touches every page)
+  mem           this process's memory (rss, uss, pss, shared) from psutil
+  lease         the lease id (it changes when the lease is re-established)
+  write NAME    write into tensor NAME (a shared one must fault)
+  exit          close the tables and exit 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import time
+from typing import Any
+
+import psutil
+import torch
+from engramd_client import EngramdError, Tables, attach
+
+
+def digests(tables: Tables) -> dict[str, str]:
+    """sha256 of each tensor's bytes, read in place."""
+    return {
+        name: hashlib.sha256(tables[name].contiguous().view(torch.uint8).numpy()).hexdigest()
+        for name in tables
+    }
+
+
+def say(doc: dict[str, Any]) -> None:
+    print(json.dumps(doc), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checkpoint")
+    parser.add_argument("--socket", required=True)
+    parser.add_argument("--share", choices=["auto", "on", "off"], default="auto")
+    parser.add_argument("--rows", type=json.loads, default=None)
+    parser.add_argument("--tensors", default=None)
+    parser.add_argument("--label", action="append", default=[])
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+    share = {"auto": None, "on": True, "off": False}[args.share]
+    rows = {k: tuple(v) for k, v in args.rows.items()} if args.rows else None
+    extra = {"tensors": args.tensors} if args.tensors else {}
+    start = time.perf_counter()
+    try:
+        tables = attach(args.checkpoint, share=share, socket=args.socket, rows=rows,
+                        labels=dict(kv.split("=", 1) for kv in args.label), **extra)
+    except EngramdError as e:
+        say({"error": type(e).__name__, "message": str(e)})
+        return 3
+    say({"mode": tables.mode, "reason": tables.reason, "set_id": tables.set_id,
+         "lease_id": tables.lease_id, "attach_s": time.perf_counter() - start,
+         "digests": digests(tables)})
+    for line in sys.stdin:
+        command, _, arg = line.strip().partition(" ")
+        if command == "digest":
+            say({"digests": digests(tables)})
+        elif command == "mem":
+            m = psutil.Process().memory_full_info()
+            say({"rss": m.rss, "uss": m.uss, "pss": m.pss, "shared": m.shared})
+        elif command == "lease":
+            say({"lease_id": tables.lease_id})
+        elif command == "write":
+            tables[arg].view(torch.uint8).view(-1)[:4096].fill_(0x5A)
+            say({"wrote": arg})
+        elif command == "exit":
+            tables.close()
+            say({"closed": True})
+            return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
