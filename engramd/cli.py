@@ -15,44 +15,70 @@ from typing import Annotated
 
 import grpc
 import typer
+
 from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
 from . import __version__
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
-                  help="One copy of the Engram tables per node, shared by every worker.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="One copy of the Engram tables per node, shared by every worker.",
+)
 
-Socket = Annotated[str, typer.Option("--socket", envvar="ENGRAMD_SOCKET",
-                                     help="The daemon's Unix socket.")]
+Socket = Annotated[
+    str, typer.Option("--socket", envvar="ENGRAMD_SOCKET", help="The daemon's Unix socket.")
+]
 
 
 def _logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
 
 @app.command()
 def serve(
-    checkpoint: Annotated[list[Path] | None, typer.Option(
-        "--checkpoint", envvar="ENGRAMD_CHECKPOINT",
-        help="Checkpoint folder to load at start (repeatable; ENGRAMD_CHECKPOINT takes "
-             "space-separated folders).")] = None,
-    tensors: Annotated[str, typer.Option(envvar="ENGRAMD_TENSORS",
-                                         help="Tensors that make a set (fnmatch).")]
-    = DEFAULT_TENSORS,
+    checkpoint: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--checkpoint",
+            envvar="ENGRAMD_CHECKPOINT",
+            help="Checkpoint folder to load at start (repeatable; ENGRAMD_CHECKPOINT takes "
+            "space-separated folders).",
+        ),
+    ] = None,
+    tensors: Annotated[
+        str, typer.Option(envvar="ENGRAMD_TENSORS", help="Tensors that make a set (fnmatch).")
+    ] = DEFAULT_TENSORS,
     socket: Socket = DEFAULT_SOCKET,
-    shm_dir: Annotated[Path, typer.Option(envvar="ENGRAMD_SHM_DIR",
-                                          help="tmpfs folder for the sets.")] = Path("/dev/shm"),
-    allow_root: Annotated[list[Path] | None, typer.Option(
-        "--allow-root", envvar="ENGRAMD_ALLOW_ROOT",
-        help="Folder under which a worker's attach may start a load (repeatable).")] = None,
-    drop_on_exit: Annotated[bool, typer.Option(
-        envvar="ENGRAMD_DROP_ON_EXIT", help="Remove the sets from tmpfs at shutdown.")] = False,
-    mlock: Annotated[bool, typer.Option(
-        envvar="ENGRAMD_MLOCK", help="Lock the sets' pages in memory.")] = True,
-    load_threads: Annotated[int, typer.Option(
-        envvar="ENGRAMD_LOAD_THREADS", min=1, help="Threads that copy a set into tmpfs.")] = 2,
+    shm_dir: Annotated[
+        Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
+    ] = Path("/dev/shm"),
+    allow_root: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--allow-root",
+            envvar="ENGRAMD_ALLOW_ROOT",
+            help="Folder under which a worker's attach may start a load (repeatable).",
+        ),
+    ] = None,
+    drop_on_exit: Annotated[
+        bool,
+        typer.Option(envvar="ENGRAMD_DROP_ON_EXIT", help="Remove the sets from tmpfs at shutdown."),
+    ] = False,
+    mlock: Annotated[
+        bool, typer.Option(envvar="ENGRAMD_MLOCK", help="Lock the sets' pages in memory.")
+    ] = True,
+    load_threads: Annotated[
+        int,
+        typer.Option(
+            envvar="ENGRAMD_LOAD_THREADS", min=1, help="Threads that copy a set into tmpfs."
+        ),
+    ] = 2,
     log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
@@ -112,8 +138,9 @@ def synth(
 
 @app.command()
 def demo(
-    rows: Annotated[int, typer.Option(help="Rows per Engram table (default: about 1 GiB).")]
-    = 2_000_000,
+    rows: Annotated[
+        int, typer.Option(help="Rows per Engram table (default: about 1 GiB).")
+    ] = 2_000_000,
     replicas: int = 4,
     steps: Annotated[int, typer.Option(help="Lookup steps per replica.")] = 20,
     tokens: Annotated[int, typer.Option(help="Tokens per step.")] = 4096,
@@ -123,8 +150,9 @@ def demo(
     from .demo import run_demo
 
     _logging("warning")
-    raise typer.Exit(run_demo(rows=rows, replicas=replicas, steps=steps, tokens=tokens,
-                              workdir=workdir))
+    raise typer.Exit(
+        run_demo(rows=rows, replicas=replicas, steps=steps, tokens=tokens, workdir=workdir)
+    )
 
 
 @app.command()

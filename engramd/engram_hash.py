@@ -65,7 +65,7 @@ class EngramHash:
         for k, order in enumerate(ORDERS):
             x = torch.zeros(t, dtype=torch.int64)
             for i in range(order):
-                x ^= tokens[span - i: span - i + t] * multipliers[i]
+                x ^= tokens[span - i : span - i + t] * multipliers[i]
             heads = slice(k * per_order, (k + 1) * per_order)
             out[:, heads] = torch.remainder(x[:, None], primes[heads]) + offsets[heads]
         return out

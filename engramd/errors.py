@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+
 from engramd_client.errors import REASON_KEY, CheckpointError
 
 log = logging.getLogger("engramd")

@@ -81,14 +81,22 @@ def load_set(plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress
     fds: list[int] = []
     try:
         for i, entry in enumerate(plan.tensors):
-            fd = os.open(staging / tensor_file_name(i),
-                         os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+            fd = os.open(
+                staging / tensor_file_name(i),
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o640,
+            )
             fds.append(fd)
             _reserve(fd, entry, staging, plan.nbytes)
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="engramd-load") as pool:
-            sums = dict(zip(order, pool.map(
-                lambda i: _copy(plan.tensors[i], fds[i], progress), order), strict=True))
+            sums = dict(
+                zip(
+                    order,
+                    pool.map(lambda i: _copy(plan.tensors[i], fds[i], progress), order),
+                    strict=True,
+                )
+            )
         manifest = Manifest(
             set_id=plan.set_id,
             fingerprint=plan.fingerprint,
@@ -97,14 +105,21 @@ def load_set(plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress
             selection=plan.selection,
             created=time.time(),
             tensors=tuple(
-                ManifestTensor(name=t.name, dtype=t.dtype, shape=t.shape,
-                               file=tensor_file_name(i), offset=0, nbytes=t.nbytes,
-                               checksum=sums[i])
+                ManifestTensor(
+                    name=t.name,
+                    dtype=t.dtype,
+                    shape=t.shape,
+                    file=tensor_file_name(i),
+                    offset=0,
+                    nbytes=t.nbytes,
+                    checksum=sums[i],
+                )
                 for i, t in enumerate(plan.tensors)
             ),
         )
-        manifest_fd = os.open(staging / MANIFEST_NAME,
-                              os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        manifest_fd = os.open(
+            staging / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640
+        )
         with os.fdopen(manifest_fd, "w") as f:
             f.write(manifest.to_json())
         os.rename(staging, root / plan.set_id)
@@ -148,10 +163,14 @@ def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
                         "being loaded (truncated or rewritten); fetch the file again"
                     )
                 got += n
-            with mmap.mmap(dst, want, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                           prot=mmap.PROT_READ, offset=done) as written:
+            with mmap.mmap(
+                dst,
+                want,
+                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                prot=mmap.PROT_READ,
+                offset=done,
+            ) as written:
                 crc = zlib.crc32(written, crc)
             done += want
             progress.add(want)
     return f"crc32:{crc:08x}"
-

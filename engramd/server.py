@@ -19,10 +19,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import grpc
-from engramd_client.checkpoint import CheckpointError, plan_tables
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
+
+from engramd_client.checkpoint import CheckpointError, plan_tables
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .config import DaemonConfig
 from .errors import ServiceError
@@ -66,8 +67,12 @@ class EngramdServer:
         self.grpc.add_insecure_port(f"unix:{self.config.socket}")
         await self.grpc.start()
         os.chmod(self.config.socket, 0o660)
-        log.info("engramd serving on %s (shm folder %s, pid %d)",
-                 self.config.socket, self.config.shm_dir, os.getpid())
+        log.info(
+            "engramd serving on %s (shm folder %s, pid %d)",
+            self.config.socket,
+            self.config.shm_dir,
+            os.getpid(),
+        )
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch_ready()), loop.create_task(self._sweep())]
 
@@ -108,15 +113,19 @@ class EngramdServer:
         await self.store.close(drop=self.config.drop_on_exit)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.config.socket)
-        log.info("engramd stopped; sets %s", "dropped" if self.config.drop_on_exit else
-                 "kept in tmpfs for the next start")
+        log.info(
+            "engramd stopped; sets %s",
+            "dropped" if self.config.drop_on_exit else "kept in tmpfs for the next start",
+        )
 
 
 def create_server(config: DaemonConfig) -> EngramdServer:
     """A daemon for `config`, not yet started: `await server.start()`, later `stop()`."""
     if len(config.socket.encode()) > _MAX_UNIX_PATH:
-        raise ValueError(f"socket path {config.socket} is longer than {_MAX_UNIX_PATH} bytes, "
-                         "the limit of a Unix socket address; choose a shorter path")
+        raise ValueError(
+            f"socket path {config.socket} is longer than {_MAX_UNIX_PATH} bytes, "
+            "the limit of a Unix socket address; choose a shorter path"
+        )
     return EngramdServer(replace(config, shm_dir=str(Path(config.shm_dir).resolve())))
 
 
@@ -147,8 +156,13 @@ async def serve(config: DaemonConfig) -> None:
     stop = asyncio.Event()
     received: list[int] = []
     loop = asyncio.get_running_loop()
+
+    def record(sig: int) -> None:
+        received.append(sig)
+        stop.set()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, lambda s=sig: (received.append(s), stop.set()))
+        loop.add_signal_handler(sig, record, sig)
     await server.start()
     await stop.wait()
     log.info("received %s; stopping", signal.Signals(received[0]).name)

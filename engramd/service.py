@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+
 from engramd_client.checkpoint import is_set_id, plan_tables
 from engramd_client.layout import set_dir
 from engramd_client.pb import engramd_pb2 as pb
@@ -41,7 +43,7 @@ class TableService(pb_grpc.TableServiceServicer):
         #: Every configured set is ready (the health service says SERVING).
         self.ready = False
 
-    async def Attach(  # noqa: N802 (gRPC method name)
+    async def Attach(
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttachEvent]:
         """Wait for the set to be ready, hand out its handles, hold the lease."""
@@ -49,12 +51,11 @@ class TableService(pb_grpc.TableServiceServicer):
             _validate(request)
             ts = await self._resolve(request)
             while not ts.done.is_set():
-                yield pb.AttachEvent(progress=pb.LoadProgress(
-                    bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes))
-                try:
+                yield pb.AttachEvent(
+                    progress=pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
+                )
+                with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
-                except TimeoutError:
-                    pass
             if ts.error is not None:
                 raise ts.error
             lease = self._store.add_lease(ts, request.pid, dict(request.labels))
@@ -122,7 +123,7 @@ class TableService(pb_grpc.TableServiceServicer):
             ],
         )
 
-    async def Status(  # noqa: N802 (gRPC method name)
+    async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
         """What the node holds."""
@@ -166,8 +167,12 @@ class TableService(pb_grpc.TableServiceServicer):
                     tensors=ts.ntensors,
                     load_seconds=ts.load_seconds,
                     leases=[
-                        pb.LeaseInfo(lease_id=lease.lease_id, pid=lease.pid, labels=lease.labels,
-                                     attached_s=now - lease.started)
+                        pb.LeaseInfo(
+                            lease_id=lease.lease_id,
+                            pid=lease.pid,
+                            labels=lease.labels,
+                            attached_s=now - lease.started,
+                        )
                         for lease in ts.leases.values()
                     ],
                 )

@@ -38,7 +38,7 @@ def usage(folder: str | os.PathLike[str]) -> ShmUsage:
 def gib(n: int) -> str:
     """Bytes as a short human-readable size."""
     for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
+        if abs(n) >= 1 << shift:
             return f"{n / (1 << shift):.2f} {unit}"
     return f"{n} B"
 
@@ -67,7 +67,9 @@ def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:
         fields, tail = left.split(), right.split()
         # Mount points escape blanks as octal (\040).
         mount_point = Path(fields[4].encode().decode("unicode_escape"))
-        if (path == mount_point or mount_point in path.parents) and len(str(mount_point)) >= best[0]:
+        if (path == mount_point or mount_point in path.parents) and len(str(mount_point)) >= best[
+            0
+        ]:
             options = set(fields[5].split(",")) | set(tail[2].split(",") if len(tail) > 2 else [])
             best = (len(str(mount_point)), tail[0], options)
     return best[1], best[2]
@@ -82,4 +84,6 @@ def huge_pages(folder: str | os.PathLike[str]) -> bool:
         forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
     except OSError:
         forced = False
-    return forced or any(o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge="))
+    return forced or any(
+        o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge=")
+    )

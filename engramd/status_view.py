@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
+from google.protobuf.json_format import MessageToDict
+
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from google.protobuf.json_format import MessageToDict
 
 from .shmfs import gib
 
@@ -28,8 +29,9 @@ def saved_bytes(s: pb.SetInfo) -> int:
 
 def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
     """The reply as plain JSON types, field names as in the proto, every field present."""
-    doc = MessageToDict(reply, preserving_proto_field_name=True,
-                        always_print_fields_with_no_presence=True)
+    doc = MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
     # JSON has no 64-bit integers, so protobuf's mapping writes them as
     # strings; byte counts are far below 2**53, so give scripts numbers.
     for section in (doc["shm"], *doc["sets"]):
@@ -52,11 +54,13 @@ def render(reply: pb.StatusReply) -> str:
         f"{gib(shm.total_bytes)}  ({'2 MiB' if shm.huge_pages else '4 KiB'} pages)",
         "",
     ]
-    if not reply.sets:
-        lines.append("no sets")
-    header = f"{'SET':20}  {'STATE':8}  {'BYTES':>10}  {'LOADED':>6}  {'LOCKED':6}  {'LEASES':>6}  CHECKPOINT"
     if reply.sets:
-        lines.append(header)
+        lines.append(
+            f"{'SET':20}  {'STATE':8}  {'BYTES':>10}  {'LOADED':>6}  {'LOCKED':6}  "
+            f"{'LEASES':>6}  CHECKPOINT"
+        )
+    else:
+        lines.append("no sets")
     for s in reply.sets:
         loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
         state = s.state + ("*" if s.adopted else "")

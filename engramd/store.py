@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
+
 from engramd_client.checkpoint import CheckpointError, TablePlan
 from engramd_client.layout import (
     LOADING_MARK,
@@ -130,8 +131,12 @@ class SetStore:
             self.sets[ts.set_id] = ts
             self._spawn(self._pin(ts))
             adopted.append(ts)
-            log.info("adopted set %s (%s, %s) without reloading",
-                     ts.set_id, ts.checkpoint, gib(ts.nbytes))
+            log.info(
+                "adopted set %s (%s, %s) without reloading",
+                ts.set_id,
+                ts.checkpoint,
+                gib(ts.nbytes),
+            )
         return adopted
 
     def get(self, set_id: str) -> TableSet | None:
@@ -164,8 +169,13 @@ class SetStore:
 
     async def _load(self, ts: TableSet, plan: TablePlan) -> None:
         assert ts.progress is not None
-        log.info("loading set %s: %d tensors, %s from %s",
-                 ts.set_id, ts.ntensors, gib(ts.nbytes), plan.checkpoint)
+        log.info(
+            "loading set %s: %d tensors, %s from %s",
+            ts.set_id,
+            ts.ntensors,
+            gib(ts.nbytes),
+            plan.checkpoint,
+        )
         try:
             ts.manifest = await asyncio.to_thread(
                 load_set, plan, self.shm_dir, self._load_threads, ts.progress
@@ -181,8 +191,13 @@ class SetStore:
         ts.load_seconds = time.monotonic() - ts.progress.started
         ts.state = "ready"
         ts.done.set()
-        log.info("set %s ready: %s in %.2f s (%.2f GB/s)", ts.set_id, gib(ts.nbytes),
-                 ts.load_seconds, ts.nbytes / max(ts.load_seconds, 1e-9) / 1e9)
+        log.info(
+            "set %s ready: %s in %.2f s (%.2f GB/s)",
+            ts.set_id,
+            gib(ts.nbytes),
+            ts.load_seconds,
+            ts.nbytes / max(ts.load_seconds, 1e-9) / 1e9,
+        )
         await self._pin(ts)
 
     async def _pin(self, ts: TableSet) -> None:
@@ -194,8 +209,12 @@ class SetStore:
         ts.locked = ts.pins.error is None
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
-            log.warning("cannot lock set %s in memory (%s); its pages may be swapped out; %s",
-                        ts.set_id, ts.pins.error, FIX_MEMLOCK)
+            log.warning(
+                "cannot lock set %s in memory (%s); its pages may be swapped out; %s",
+                ts.set_id,
+                ts.pins.error,
+                FIX_MEMLOCK,
+            )
 
     # -- leases ---------------------------------------------------------------
 
@@ -223,8 +242,12 @@ class SetStore:
         for ts in self.sets.values():
             for lease in list(ts.leases.values()):
                 if lease.local and not psutil.pid_exists(lease.pid):
-                    log.info("ending lease %s of set %s: pid %d is gone",
-                             lease.lease_id, ts.set_id, lease.pid)
+                    log.info(
+                        "ending lease %s of set %s: pid %d is gone",
+                        lease.lease_id,
+                        ts.set_id,
+                        lease.pid,
+                    )
                     lease.ended.set()
                     ts.leases.pop(lease.lease_id, None)
                     ended += 1
@@ -259,4 +282,3 @@ def _load_error(ts: TableSet, e: BaseException) -> BaseException:
     if isinstance(e, LoadCancelled | asyncio.CancelledError):
         return Draining(f"engramd stopped while loading set {ts.set_id}; attach again")
     return LoadFailed(f"loading set {ts.set_id} from {ts.checkpoint} failed: {e}")
-

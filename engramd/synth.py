@@ -39,7 +39,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 33)
 
 
-def expected_rows(seed: int, layer: int, table: str, rows: torch.Tensor, width: int) -> torch.Tensor:
+def expected_rows(
+    seed: int, layer: int, table: str, rows: torch.Tensor, width: int
+) -> torch.Tensor:
     """The bytes (uint8, [len(rows), width]) of the given rows of a synthetic table."""
     salt = seed * 1_000_003 + layer * 7_919 + (0 if table == "weight" else 104_729)
     keys = _mix(rows.to(torch.int64) * 2 + salt * 0x2545F491 + 1)
@@ -112,8 +114,11 @@ def write_safetensors(path: Path, tensors: list[_Tensor]) -> int:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": t.dtype,
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the reference writer aligns the data to 8 bytes

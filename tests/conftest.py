@@ -20,86 +20,38 @@ from typing import Any
 
 import grpc
 import pytest
+
+from engramd.daemon_process import DaemonProcess as Daemon
 from engramd.synth import SynthSpec, synthesize
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from engramd_client.errors import REASON_KEY
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"
-START_TIMEOUT_S = 60.0
-
-
-class Daemon:
-    """`engramd serve` in a child process, on a socket and shm folder of the test's."""
-
-    def __init__(self, socket: Path, shm_dir: Path, args: list[str], log: Path) -> None:
-        self.socket = socket
-        self.shm_dir = shm_dir
-        self.args = args
-        self.log_path = log
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, wait: str = "serving") -> Daemon:
-        """Start the daemon; wait until health says SERVING ("serving") or it answers ("up")."""
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "engramd", "serve", "--socket", str(self.socket),
-                 "--shm-dir", str(self.shm_dir), *self.args],
-                stdout=log, stderr=subprocess.STDOUT,
-            )
-        self._wait(serving=wait == "serving")
-        return self
-
-    def _wait(self, serving: bool) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        with self.channel() as ch:
-            grpc.channel_ready_future(ch).result(timeout=START_TIMEOUT_S)
-            if not serving:
-                return
-            stream = health_pb2_grpc.HealthStub(ch).Watch(
-                health_pb2.HealthCheckRequest(service=""),
-                timeout=max(deadline - time.monotonic(), 1),
-            )
-            for reply in stream:
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    stream.cancel()
-                    return
-        raise AssertionError(f"daemon never became ready:\n{self.log}")
-
-    def channel(self) -> grpc.Channel:
-        """A channel to the daemon's socket."""
-        return grpc.insecure_channel(f"unix:{self.socket}")
-
-    def status(self) -> pb.StatusReply:
-        """The daemon's status."""
-        with self.channel() as ch:
-            reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
-                pb.StatusRequest(), timeout=5
-            )
-            return reply
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-        """Signal the daemon and wait for it to exit; returns its exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        return self.proc.wait(timeout=timeout)
-
-    @property
-    def log(self) -> str:
-        """Everything the daemon logged so far."""
-        return self.log_path.read_text(errors="replace")
 
 
 class Worker:
     """tests/worker.py in a child process: attaches, then answers commands on stdin."""
 
-    def __init__(self, checkpoint: Path | str, socket: Path, *, share: str = "auto",
-                 rows: dict[str, tuple[int, int]] | None = None, tensors: str | None = None,
-                 labels: dict[str, str] | None = None, env: dict[str, str] | None = None) -> None:
-        args = [sys.executable, str(WORKER), str(checkpoint), "--socket", str(socket),
-                "--share", share]
+    def __init__(
+        self,
+        checkpoint: Path | str,
+        socket: Path,
+        *,
+        share: str = "auto",
+        rows: dict[str, tuple[int, int]] | None = None,
+        tensors: str | None = None,
+        labels: dict[str, str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        args = [
+            sys.executable,
+            str(WORKER),
+            str(checkpoint),
+            "--socket",
+            str(socket),
+            "--share",
+            share,
+        ]
         if rows:
             args += ["--rows", json.dumps(rows)]
         if tensors:
@@ -107,8 +59,12 @@ class Worker:
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env={**os.environ, **(env or {})},
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
         )
         #: What the worker printed once attached (or its error).
         self.hello = self._read()
@@ -121,11 +77,15 @@ class Worker:
         doc: dict[str, Any] = json.loads(line)
         return doc
 
-    def ask(self, command: str) -> dict[str, Any]:
-        """Send one command line and return the worker's JSON answer."""
+    def send(self, command: str) -> None:
+        """Send one command line."""
         assert self.proc.stdin is not None
         self.proc.stdin.write(command + "\n")
         self.proc.stdin.flush()
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """Send one command line and return the worker's JSON answer."""
+        self.send(command)
         return self._read()
 
     def stderr(self) -> str:
@@ -137,9 +97,7 @@ class Worker:
     def exit(self) -> int:
         """Ask the worker to close its tables and exit; returns its exit code."""
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("exit\n")
-            self.proc.stdin.flush()
+            self.send("exit")
         return self.proc.wait(timeout=30)
 
     def kill(self) -> None:
@@ -194,6 +152,11 @@ def workers() -> Iterator[list[Worker]]:
     for w in started:
         if w.proc.poll() is None:
             w.kill()
+
+
+def reason(err: grpc.RpcError) -> str:
+    """The daemon's reason for an error status (trailing metadata)."""
+    return next((str(v) for k, v in err.trailing_metadata() or () if k == REASON_KEY), "")
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:

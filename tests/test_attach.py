@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from engramd_client import attach
 from safetensors.torch import load_file, save_file
+
+from engramd_client import attach
 
 # Every safetensors dtype the issue names, plus a few more.
 DTYPES = [

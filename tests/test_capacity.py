@@ -9,9 +9,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from conftest import Daemon, Worker
+
+from conftest import Daemon, Worker, reason
 from engramd_client import plan_tables
-from engramd_client.errors import REASON_KEY
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
@@ -20,8 +20,11 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 def small_shm() -> Iterator[Path]:
     """A real 8 MiB tmpfs, mounted for the test; skipped where mounting is not permitted."""
     path = Path(tempfile.mkdtemp(prefix="engramd-small-", dir="/tmp"))
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
-                             capture_output=True, text=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
     if mounted.returncode != 0:
         path.rmdir()
         pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root")
@@ -33,21 +36,26 @@ def small_shm() -> Iterator[Path]:
 def test_small_tmpfs_refuses_and_keeps_serving(
     checkpoint: Path, small_shm: Path, sock_dir: Path, workers: list[Worker]
 ) -> None:
-    d = Daemon(sock_dir / "d.sock", small_shm, ["--allow-root", str(checkpoint.parent)],
-               sock_dir / "daemon.log")
+    d = Daemon(
+        sock_dir / "d.sock",
+        small_shm,
+        ["--allow-root", str(checkpoint.parent)],
+        sock_dir / "daemon.log",
+    )
     d.start()
     try:
         plan = plan_tables(checkpoint)
         with d.channel() as ch:
-            call = pb_grpc.TableServiceStub(ch).Attach(pb.AttachRequest(
-                set_id=plan.set_id, checkpoint=str(checkpoint), pid=1))
+            call = pb_grpc.TableServiceStub(ch).Attach(
+                pb.AttachRequest(set_id=plan.set_id, checkpoint=str(checkpoint), pid=1)
+            )
             with pytest.raises(grpc.RpcError) as info:
                 next(iter(call))
         err = info.value
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert dict(err.trailing_metadata())[REASON_KEY] == "capacity"
-        assert "--shm-size" in err.details() and "--ipc=host" in err.details()
-        assert "8.00 MiB" in err.details(), err.details()
+        assert reason(err) == "capacity"
+        assert "--shm-size" in str(err.details()) and "--ipc=host" in str(err.details())
+        assert "8.00 MiB" in str(err.details()), str(err.details())
 
         auto = Worker(checkpoint, d.socket)
         workers.append(auto)
@@ -66,14 +74,15 @@ def test_small_tmpfs_refuses_and_keeps_serving(
     assert [p for p in small_shm.rglob("*") if p.is_file()] == []
 
 
-def test_daemon_reports_the_refusal_in_its_log(checkpoint: Path, small_shm: Path,
-                                               sock_dir: Path) -> None:
-    d = Daemon(sock_dir / "d.sock", small_shm, ["--checkpoint", str(checkpoint)],
-               sock_dir / "daemon.log")
+def test_daemon_reports_the_refusal_in_its_log(
+    checkpoint: Path, small_shm: Path, sock_dir: Path
+) -> None:
+    d = Daemon(
+        sock_dir / "d.sock", small_shm, ["--checkpoint", str(checkpoint)], sock_dir / "daemon.log"
+    )
     d.start(wait="up")
     try:
         assert not d.status().daemon.ready
         assert "holds 8.00 MiB in all" in d.log
     finally:
         assert d.stop() == 0
-

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from conftest import Worker
 from engramd_client import DaemonUnavailable, ShareError, attach
 from engramd_client import share as share_module
@@ -21,8 +22,9 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ENGRAMD_SOCKET", raising=False)
 
 
-def test_auto_falls_back_with_one_warning(checkpoint: Path, sock_dir: Path,
-                                          caplog: pytest.LogCaptureFixture) -> None:
+def test_auto_falls_back_with_one_warning(
+    checkpoint: Path, sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     missing = sock_dir / "missing.sock"
     caplog.set_level(logging.WARNING, logger="engramd_client")
     start = time.monotonic()
@@ -71,8 +73,9 @@ def test_strict_raises(checkpoint: Path, sock_dir: Path) -> None:
     assert "missing.sock" in str(info.value)
 
 
-def test_env_selects_strict(checkpoint: Path, sock_dir: Path,
-                            monkeypatch: pytest.MonkeyPatch) -> None:
+def test_env_selects_strict(
+    checkpoint: Path, sock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("ENGRAMD_SHARE", "on")
     monkeypatch.setenv("ENGRAMD_SOCKET", str(sock_dir / "missing.sock"))
     with pytest.raises(DaemonUnavailable):
@@ -96,8 +99,9 @@ def test_off_never_contacts_the_daemon(checkpoint: Path, sock_dir: Path) -> None
     server.close()
 
 
-def test_fallback_in_a_worker_process_warns_once(checkpoint: Path, sock_dir: Path,
-                                                 workers: list[Worker]) -> None:
+def test_fallback_in_a_worker_process_warns_once(
+    checkpoint: Path, sock_dir: Path, workers: list[Worker]
+) -> None:
     w = Worker(checkpoint, sock_dir / "missing.sock")
     workers.append(w)
     assert w.hello["mode"] == "private"

@@ -14,8 +14,9 @@ def lease_pids(d: Any) -> set[int]:
     return {lease.pid for s in d.status().sets for lease in s.leases}
 
 
-def test_killed_worker_loses_its_lease_within_2s(checkpoint: Path, daemons: Any,
-                                                 workers: list[Worker]) -> None:
+def test_killed_worker_loses_its_lease_within_2s(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
     d = daemons("--checkpoint", str(checkpoint))
     keeper, victim = Worker(checkpoint, d.socket), Worker(checkpoint, d.socket)
     workers += [keeper, victim]
@@ -25,8 +26,7 @@ def test_killed_worker_loses_its_lease_within_2s(checkpoint: Path, daemons: Any,
     assert took < 2.0
 
 
-def test_closed_tables_end_the_lease(checkpoint: Path, daemons: Any,
-                                     workers: list[Worker]) -> None:
+def test_closed_tables_end_the_lease(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
     d = daemons("--checkpoint", str(checkpoint))
     w = Worker(checkpoint, d.socket)
     workers.append(w)
@@ -35,8 +35,9 @@ def test_closed_tables_end_the_lease(checkpoint: Path, daemons: Any,
     wait_until(lambda: lease_pids(d) == set(), 2.0, "the lease to end")
 
 
-def test_restart_adopts_and_workers_reattach(checkpoint: Path, daemons: Any,
-                                             workers: list[Worker]) -> None:
+def test_restart_adopts_and_workers_reattach(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
     d = daemons("--checkpoint", str(checkpoint))
     [before] = d.status().sets
     assert not before.adopted
@@ -65,8 +66,7 @@ def test_restart_adopts_and_workers_reattach(checkpoint: Path, daemons: Any,
     assert w.ask("digest")["digests"] == w.hello["digests"]
 
 
-def test_partial_loads_are_removed_at_start(checkpoint: Path, daemons: Any,
-                                            shm_dir: Path) -> None:
+def test_partial_loads_are_removed_at_start(checkpoint: Path, daemons: Any, shm_dir: Path) -> None:
     root = sets_root(shm_dir)
     root.mkdir()
     leftover = root / "0123456789abcdef0123.loading-1-deadbeef"

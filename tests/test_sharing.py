@@ -8,8 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from conftest import Worker
 from safetensors.torch import load_file
+
+from conftest import Worker
 
 
 def shmem_bytes() -> int:
@@ -25,7 +26,7 @@ def expected_digests(checkpoint: Path) -> dict[str, str]:
     for f in sorted(checkpoint.glob("*.safetensors")):
         for name, t in load_file(f).items():
             if ".engram.embed." in name:
-                out[name] = hashlib.sha256(t.view(torch.uint8).numpy()).hexdigest()
+                out[name] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
     return out
 
 
@@ -51,22 +52,23 @@ def test_four_workers_share_one_copy(checkpoint: Path, daemons: Any, workers: li
     assert not d.status().sets[0].leases
 
 
-def test_write_through_shared_tensor_faults(checkpoint: Path, daemons: Any,
-                                            workers: list[Worker]) -> None:
+def test_write_through_shared_tensor_faults(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
     d = daemons("--checkpoint", str(checkpoint))
     name = "layers.1.engram.embed.weight"
     victim = Worker(checkpoint, d.socket, share="on")
     workers.append(victim)
-    victim.proc.stdin.write(f"write {name}\n")  # type: ignore[union-attr]
-    victim.proc.stdin.flush()  # type: ignore[union-attr]
+    victim.send(f"write {name}")
     assert victim.proc.wait(timeout=30) == -signal.SIGSEGV
     reader = Worker(checkpoint, d.socket, share="on")
     workers.append(reader)
     assert reader.hello["digests"][name] == expected_digests(checkpoint)[name]
 
 
-def test_private_tensor_is_writable_and_separate(checkpoint: Path, workers: list[Worker],
-                                                 sock_dir: Path) -> None:
+def test_private_tensor_is_writable_and_separate(
+    checkpoint: Path, workers: list[Worker], sock_dir: Path
+) -> None:
     w = Worker(checkpoint, sock_dir / "none.sock", share="off")
     workers.append(w)
     name = "layers.1.engram.embed.weight"

@@ -20,13 +20,14 @@ from typing import Any
 
 import psutil
 import torch
+
 from engramd_client import EngramdError, Tables, attach
 
 
 def digests(tables: Tables) -> dict[str, str]:
     """sha256 of each tensor's bytes, read in place."""
     return {
-        name: hashlib.sha256(tables[name].contiguous().view(torch.uint8).numpy()).hexdigest()
+        name: hashlib.sha256(tables[name].contiguous().view(torch.uint8).numpy().data).hexdigest()
         for name in tables
     }
 
@@ -44,21 +45,35 @@ def main() -> int:
     parser.add_argument("--tensors", default=None)
     parser.add_argument("--label", action="append", default=[])
     args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
     share = {"auto": None, "on": True, "off": False}[args.share]
     rows = {k: tuple(v) for k, v in args.rows.items()} if args.rows else None
     extra = {"tensors": args.tensors} if args.tensors else {}
     start = time.perf_counter()
     try:
-        tables = attach(args.checkpoint, share=share, socket=args.socket, rows=rows,
-                        labels=dict(kv.split("=", 1) for kv in args.label), **extra)
+        tables = attach(
+            args.checkpoint,
+            share=share,
+            socket=args.socket,
+            rows=rows,
+            labels=dict(kv.split("=", 1) for kv in args.label),
+            **extra,
+        )
     except EngramdError as e:
         say({"error": type(e).__name__, "message": str(e)})
         return 3
-    say({"mode": tables.mode, "reason": tables.reason, "set_id": tables.set_id,
-         "lease_id": tables.lease_id, "attach_s": time.perf_counter() - start,
-         "digests": digests(tables)})
+    say(
+        {
+            "mode": tables.mode,
+            "reason": tables.reason,
+            "set_id": tables.set_id,
+            "lease_id": tables.lease_id,
+            "attach_s": time.perf_counter() - start,
+            "digests": digests(tables),
+        }
+    )
     for line in sys.stdin:
         command, _, arg = line.strip().partition(" ")
         if command == "digest":

@@ -175,11 +175,12 @@ def _entry(path: Path, name: str, info: object, data_start: int, data_size: int)
     if not 0 <= begin <= end:
         raise bad(f"data_offsets [{begin}, {end}] are reversed or negative")
     if end - begin != nbytes:
-        raise bad(f"data_offsets [{begin}, {end}] hold {end - begin} bytes, {dtype}{shape} needs {nbytes}")
+        raise bad(
+            f"data_offsets [{begin}, {end}] hold {end - begin} bytes, {dtype}{shape} needs {nbytes}"
+        )
     if end > data_size:
         raise bad(
-            f"data_offsets end {end} lies past the file's {data_size} data bytes "
-            "(truncated file)"
+            f"data_offsets end {end} lies past the file's {data_size} data bytes (truncated file)"
         )
     return TensorEntry(
         name=name,
@@ -234,9 +235,7 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
                     f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
                     "from that file; fetch the checkpoint again"
                 )
-    selected = tuple(
-        by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection)
-    )
+    selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
     if not selected:
         raise CheckpointError(
             f"{root}: no tensor matches {selection!r} among {len(by_name)} tensors; "
@@ -267,7 +266,9 @@ def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ..
 
 def set_id_of(fingerprint: str) -> str:
     """The set id of a fingerprint under this layout version."""
-    return hashlib.sha256(f"engramd-layout-{LAYOUT_VERSION}:{fingerprint}".encode()).hexdigest()[:20]
+    return hashlib.sha256(f"engramd-layout-{LAYOUT_VERSION}:{fingerprint}".encode()).hexdigest()[
+        :20
+    ]
 
 
 def is_set_id(text: str) -> bool:

@@ -76,8 +76,8 @@ def open_channel(config: ClientConfig) -> grpc.Channel:
 
 def share_error(e: grpc.RpcError) -> ShareError:
     """The client exception for an error status from the daemon."""
-    metadata = dict(e.trailing_metadata() or ())
-    cls = BY_REASON.get(str(metadata.get(REASON_KEY, "")))
+    reason = next((str(v) for k, v in e.trailing_metadata() or () if k == REASON_KEY), "")
+    cls = BY_REASON.get(reason)
     if cls is None:
         unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         cls = DaemonUnavailable if unreachable else DaemonError
@@ -113,8 +113,9 @@ def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
                 percent = 100 * p.bytes_done // max(p.bytes_total, 1)
                 if percent // 10 > last_logged:
                     last_logged = percent // 10
-                    log.info("engramd is loading %s: %d%% of %d MiB",
-                             what, percent, p.bytes_total >> 20)
+                    log.info(
+                        "engramd is loading %s: %d%% of %d MiB", what, percent, p.bytes_total >> 20
+                    )
             elif kind == "draining":
                 raise DaemonUnavailable("engramd is stopping; it sent no tables")
     except grpc.RpcError as e:
@@ -136,7 +137,7 @@ class Lease:
         config: ClientConfig,
         channel: grpc.Channel,
         request: pb.AttachRequest,
-        call: grpc.Call,
+        call: Any,  # grpc's stream call: a grpc.Call that is also the event iterator
         attachment: pb.Attachment,
     ) -> None:
         self._config = config
@@ -171,8 +172,9 @@ class Lease:
                 if self._closed.is_set():
                     return
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
-                    log.warning("engramd lease for set %s: %s; retrying",
-                                self._request.set_id, e.details())
+                    log.warning(
+                        "engramd lease for set %s: %s; retrying", self._request.set_id, e.details()
+                    )
             if self._closed.wait(delay):
                 return
             delay = min(delay * 2, self._config.reconnect_max_s)
@@ -187,8 +189,9 @@ class Lease:
         if attachment.nonce != self._nonce:
             # The daemon reloaded the set; this worker still maps the earlier
             # copy, which holds the same bytes (same fingerprint).
-            log.info("engramd reloaded set %s; this worker keeps its earlier mapping",
-                     attachment.set_id)
+            log.info(
+                "engramd reloaded set %s; this worker keeps its earlier mapping", attachment.set_id
+            )
         else:
             log.info("engramd lease for set %s re-established", attachment.set_id)
 

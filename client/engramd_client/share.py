@@ -82,7 +82,9 @@ def attach(
     except ShareError as e:
         if config.share or plan is None:
             raise
-        reason = f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
+        reason = (
+            f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
+        )
         _warn_once(e.cause, reason)
         return Tables.private(plan, rows, reason=reason)
 
@@ -114,8 +116,9 @@ def _attach_shared(
         ) from None
     call = pb_grpc.TableServiceStub(channel).Attach(request)
     try:
-        attachment = wait_attached(call, plan.checkpoint.name if plan else request.set_id,
-                                   config.rpc_timeout_s)
+        attachment = wait_attached(
+            call, plan.checkpoint.name if plan else request.set_id, config.rpc_timeout_s
+        )
         if plan is None:
             check_row_names(rows, [h.name for h in attachment.tensors])
         tensors = _map(attachment, rows)
@@ -164,4 +167,3 @@ def _map(attachment: pb.Attachment, rows: RowRanges | None) -> dict[str, torch.T
         except OSError as e:
             raise SegmentNotVisible(f"cannot map {region.path}: {e}; {_FIX_NAMESPACE}") from None
     return tensors
-

@@ -101,10 +101,16 @@ def map_shared(region: Region) -> torch.Tensor:
     try:
         size = os.fstat(fd).st_size
         if region.offset + region.length > size:
-            raise OSError(f"{region.path} is {size} bytes, the handle needs "
-                          f"{region.offset + region.length}")
-        buffer = mmap.mmap(fd, region.offset + region.length - start, flags=mmap.MAP_SHARED,
-                           prot=mmap.PROT_READ, offset=start)
+            raise OSError(
+                f"{region.path} is {size} bytes, the handle needs {region.offset + region.length}"
+            )
+        buffer = mmap.mmap(
+            fd,
+            region.offset + region.length - start,
+            flags=mmap.MAP_SHARED,
+            prot=mmap.PROT_READ,
+            offset=start,
+        )
     finally:
         os.close(fd)
     return _view(buffer, region.offset - start, region)
@@ -112,8 +118,9 @@ def map_shared(region: Region) -> torch.Tensor:
 
 def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
     """Read a tensor (or its row range) from the checkpoint into private memory."""
-    region = Region(entry.name, entry.dtype, entry.shape, str(entry.file), entry.offset,
-                    entry.nbytes).cut(rows)
+    region = Region(
+        entry.name, entry.dtype, entry.shape, str(entry.file), entry.offset, entry.nbytes
+    ).cut(rows)
     if region.length == 0:
         return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
     buffer = mmap.mmap(-1, region.length)
@@ -122,7 +129,7 @@ def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
         with open(region.path, "rb", buffering=0) as f:
             done = 0
             while done < region.length:
-                chunk = view[done:done + _READ_CHUNK]
+                chunk = view[done : done + _READ_CHUNK]
                 n = os.preadv(f.fileno(), [chunk], region.offset + done)
                 chunk.release()
                 if n == 0:
@@ -207,5 +214,7 @@ class Tables(Mapping[str, torch.Tensor]):
         self.close()
 
     def __repr__(self) -> str:
-        return (f"Tables(mode={self.mode!r}, set_id={self.set_id!r}, tensors={len(self)}, "
-                f"nbytes={self.nbytes})")
+        return (
+            f"Tables(mode={self.mode!r}, set_id={self.set_id!r}, tensors={len(self)}, "
+            f"nbytes={self.nbytes})"
+        )

@@ -1,0 +1,102 @@
+"""`engramd serve` in a child process, for the demo, the benchmark and the tests."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+START_TIMEOUT_S = 60.0
+
+
+class DaemonProcess:
+    """`engramd serve` in a child process, on the given socket and shm folder."""
+
+    def __init__(self, socket: Path, shm_dir: Path, args: list[str], log: Path) -> None:
+        self.socket = socket
+        self.shm_dir = shm_dir
+        self.args = args
+        self.log_path = log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, wait: str = "serving") -> DaemonProcess:
+        """Start the daemon; wait until health says SERVING ("serving") or it answers ("up")."""
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engramd",
+                    "serve",
+                    "--socket",
+                    str(self.socket),
+                    "--shm-dir",
+                    str(self.shm_dir),
+                    *self.args,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        self._wait(serving=wait == "serving")
+        return self
+
+    def _wait(self, serving: bool) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + START_TIMEOUT_S
+        with self.channel() as ch:
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"engramd exited with {self.proc.returncode}:\n{self.log}")
+                try:
+                    grpc.channel_ready_future(ch).result(timeout=0.25)
+                    break
+                except grpc.FutureTimeoutError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"engramd did not answer:\n{self.log}") from None
+            if not serving:
+                return
+            stream = health_pb2_grpc.HealthStub(ch).Watch(
+                health_pb2.HealthCheckRequest(service=""),
+                timeout=max(deadline - time.monotonic(), 1),
+            )
+            try:
+                for reply in stream:
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        stream.cancel()
+                        return
+            except grpc.RpcError as e:
+                raise RuntimeError(
+                    f"engramd never became ready ({e.code()}):\n{self.log}"
+                ) from None
+
+    def channel(self) -> grpc.Channel:
+        """A channel to the daemon's socket."""
+        return grpc.insecure_channel(f"unix:{self.socket}")
+
+    def status(self) -> pb.StatusReply:
+        """The daemon's status."""
+        with self.channel() as ch:
+            reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
+                pb.StatusRequest(), timeout=5
+            )
+            return reply
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+        """Signal the daemon and wait for it to exit; returns its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
+
+    @property
+    def log(self) -> str:
+        """Everything the daemon logged so far."""
+        return self.log_path.read_text(errors="replace")

@@ -1,0 +1,286 @@
+"""`engramd demo`: N replicas share one copy of the tables; one private replica beside them.
+
+Synthesizes a checkpoint, starts the daemon on a temporary socket and shm
+folder, starts the replicas (auto mode), runs each replica's checked Engram
+lookups in turn, measures every process's memory while all are attached, then
+does the same with one private replica and prints the comparison. Everything
+it made is removed at the end, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from .daemon_process import DaemonProcess
+from .shmfs import gib, usage
+from .synth import SynthSpec, synthesize
+
+
+class Replica:
+    """A demo_replica child process."""
+
+    def __init__(
+        self, checkpoint: Path, socket: Path, rank: int, share: str, steps: int, tokens: int
+    ) -> None:
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "engramd.demo_replica",
+                "--checkpoint",
+                str(checkpoint),
+                "--socket",
+                str(socket),
+                "--share",
+                share,
+                "--rank",
+                str(rank),
+                "--steps",
+                str(steps),
+                "--tokens",
+                str(tokens),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.rank = rank
+        self.hello: dict[str, Any] = {}
+
+    def read(self) -> dict[str, Any]:
+        """The replica's next JSON line."""
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"replica {self.rank} exited with {self.proc.wait()}")
+        doc: dict[str, Any] = json.loads(line)
+        return doc
+
+    def send(self, command: str) -> None:
+        """One command line."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+
+    def memory(self) -> dict[str, int]:
+        """RSS, PSS and USS of the replica now."""
+        m = psutil.Process(self.proc.pid).memory_full_info()
+        return {"rss": m.rss, "pss": m.pss, "uss": m.uss}
+
+    def close(self) -> None:
+        """Ask it to exit; kill it if it does not."""
+        if self.proc.poll() is None:
+            try:
+                self.send("exit")
+                self.proc.wait(timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _start_replicas(
+    checkpoint: Path,
+    socket: Path,
+    share: str,
+    count: int,
+    steps: int,
+    tokens: int,
+    started: list[Replica],
+) -> list[Replica]:
+    replicas = [Replica(checkpoint, socket, rank, share, steps, tokens) for rank in range(count)]
+    started += replicas
+    for r in replicas:
+        r.hello = r.read()
+    return replicas
+
+
+def _run(replicas: list[Replica]) -> list[dict[str, Any]]:
+    # One at a time: on a small machine concurrent replicas would share cores
+    # and the lookups/s would measure the scheduler.
+    results = []
+    for r in replicas:
+        r.send("run")
+        results.append(r.read())
+    return results
+
+
+def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | None) -> int:
+    """Run the demo; returns the process exit code (0 when every check passed)."""
+    own_workdir = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="engramd-demo-")) if workdir is None else workdir
+    shm = Path(tempfile.mkdtemp(prefix="engramd-demo-", dir="/dev/shm"))
+    sock_dir = Path(tempfile.mkdtemp(prefix="ed", dir="/tmp"))
+    started: list[Replica] = []
+    daemon: DaemonProcess | None = None
+    try:
+        spec = SynthSpec(rows=rows)
+        print(
+            f"synthesizing {spec.layers} Engram layers x {rows:,} rows "
+            f"({gib(spec.table_bytes)} of fp8 tables + e8m0 scales) ...",
+            flush=True,
+        )
+        checkpoint = synthesize(work / "checkpoint", spec)
+        daemon = DaemonProcess(
+            sock_dir / "engramd.sock",
+            shm,
+            ["--checkpoint", str(checkpoint), "--drop-on-exit"],
+            work / "engramd.log",
+        )
+        start = time.perf_counter()
+        daemon.start()
+        [table_set] = daemon.status().sets
+        print(
+            f"engramd loaded the set in {table_set.load_seconds:.2f} s "
+            f"(ready {time.perf_counter() - start:.2f} s after start)",
+            flush=True,
+        )
+
+        shared = _start_replicas(
+            checkpoint, daemon.socket, "auto", replicas, steps, tokens, started
+        )
+        shared_runs = _run(shared)
+        shared_mem = [r.memory() for r in shared]
+        daemon_uss = psutil.Process(daemon.proc.pid).memory_full_info().uss  # type: ignore[union-attr]
+        shm_used = usage(shm).used
+        leases = len(daemon.status().sets[0].leases)
+        for r in shared:
+            r.close()
+
+        [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens, started)
+        [private_run] = _run([private])
+        private_mem = private.memory()
+        private.close()
+
+        return _report(
+            spec,
+            replicas,
+            tokens,
+            table_set.bytes,
+            shm_used,
+            leases,
+            daemon_uss,
+            shared,
+            shared_runs,
+            shared_mem,
+            private,
+            private_run,
+            private_mem,
+        )
+    finally:
+        for r in started:
+            r.close()
+        if daemon is not None and daemon.proc is not None:
+            daemon.stop()
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        if own_workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(
+    spec: SynthSpec,
+    n: int,
+    tokens: int,
+    table_bytes: int,
+    shm_used: int,
+    leases: int,
+    daemon_uss: int,
+    shared: list[Replica],
+    runs: list[dict[str, Any]],
+    mems: list[dict[str, int]],
+    private: Replica,
+    private_run: dict[str, Any],
+    private_mem: dict[str, int],
+) -> int:
+    def rate(run: dict[str, Any]) -> float:
+        return float(run["lookups"]) / max(float(run["gather_s"]), 1e-9)
+
+    shared_host = shm_used + daemon_uss + sum(m["uss"] for m in mems)
+    private_host = n * private_mem["uss"]
+    attach_s = statistics.median(r.hello["attach_s"] for r in shared)
+    load_s = private.hello["attach_s"]
+    shared_rate = statistics.median(rate(r) for r in runs)
+    private_rate = rate(private_run)
+    rows = [
+        ("table bytes", gib(table_bytes), "", ""),
+        ("shm used (one copy)", gib(shm_used), "", f"{shm_used / table_bytes:.3f}x table"),
+    ]
+    for r, m in zip(shared, mems, strict=True):
+        rows.append(
+            (
+                f"replica {r.rank} RSS / PSS / USS",
+                f"{gib(m['rss'])} / {gib(m['pss'])} / {gib(m['uss'])}",
+                "",
+                "",
+            )
+        )
+    rows += [
+        (
+            "private replica RSS / PSS / USS",
+            "",
+            f"{gib(private_mem['rss'])} / {gib(private_mem['pss'])} / {gib(private_mem['uss'])}",
+            "",
+        ),
+        (
+            f"host memory, {n} replicas",
+            gib(shared_host),
+            gib(private_host),
+            f"saved {gib(private_host - shared_host)} ({private_host / shared_host:.2f}x)",
+        ),
+        (
+            "attach (median) vs private load",
+            f"{attach_s * 1e3:.1f} ms",
+            f"{load_s * 1e3:.0f} ms",
+            f"{load_s / attach_s:.0f}x faster",
+        ),
+        (
+            "lookups/s (median replica)",
+            f"{shared_rate / 1e6:.2f} M",
+            f"{private_rate / 1e6:.2f} M",
+            f"{shared_rate / private_rate:.2f}x",
+        ),
+    ]
+    print()
+    print(
+        f"engramd demo: {n} replicas, {spec.layers} Engram layers x {spec.rows:,} rows; "
+        f"each lookup step gathers 24 heads x {tokens} tokens per layer"
+    )
+    width = max(len(r[0]) for r in rows)
+    print(f"{'':{width}}  {'shared (engramd)':>24}  {'private':>24}  ratio")
+    for label, a, b, ratio in rows:
+        print(f"{label:{width}}  {a:>24}  {b:>24}  {ratio}")
+    print(
+        f"(host memory: shm + daemon USS + each replica's USS, against {n} x the private "
+        "replica's USS)"
+    )
+
+    failures = []
+    modes = [r.hello["mode"] for r in shared]
+    if modes != ["shared"] * n:
+        failures.append(
+            f"replicas fell back to private tables: {[r.hello['reason'] for r in shared]}"
+        )
+    if leases != n:
+        failures.append(f"the daemon counted {leases} leases for {n} replicas")
+    checked = sum(r["checked"] for r in runs) + private_run["checked"]
+    bad = sum(r["bad"] for r in runs) + private_run["bad"]
+    if bad:
+        failures.append(f"{bad} of {checked:,} gathered rows differ from the checkpoint")
+    for f in failures:
+        print(f"FAILED: {f}")
+    if not failures:
+        print(
+            f"all checks passed: {checked:,} gathered rows matched the checkpoint, "
+            f"{n} leases, every replica shared"
+        )
+    return 1 if failures else 0

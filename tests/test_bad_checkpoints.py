@@ -1,0 +1,197 @@
+"""Broken checkpoints get a clear INVALID_ARGUMENT; the daemon keeps serving other sets."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import Worker, reason
+from engramd_client import CheckpointError, attach
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+SHARD = "model-00001-of-00002.safetensors"
+
+
+def _raw_file(path: Path, header: bytes | dict[str, Any], data: bytes = b"") -> None:
+    body = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(body)) + body + data)
+
+
+def truncate(folder: Path) -> None:
+    shard = folder / SHARD
+    os.truncate(shard, shard.stat().st_size - 1000)
+
+
+def malformed_header(folder: Path) -> None:
+    _raw_file(folder / SHARD, b'{"layers.1.engram.embed.weight": {"dtype": "F8_E4M3", "sha')
+
+
+def offsets_outside(folder: Path) -> None:
+    _raw_file(
+        folder / SHARD,
+        {
+            "layers.1.engram.embed.weight": {
+                "dtype": "F8_E4M3",
+                "shape": [4, 256],
+                "data_offsets": [4096, 5120],
+            }
+        },
+        b"\0" * 1024,
+    )
+
+
+def reversed_offsets(folder: Path) -> None:
+    _raw_file(
+        folder / SHARD,
+        {
+            "layers.1.engram.embed.weight": {
+                "dtype": "F8_E4M3",
+                "shape": [0],
+                "data_offsets": [8, 0],
+            }
+        },
+        b"\0" * 8,
+    )
+
+
+def unknown_dtype(folder: Path) -> None:
+    _raw_file(
+        folder / SHARD,
+        {
+            "layers.1.engram.embed.weight": {
+                "dtype": "F4_E2M1X",
+                "shape": [4],
+                "data_offsets": [0, 4],
+            }
+        },
+        b"\0" * 4,
+    )
+
+
+def missing_tensor(folder: Path) -> None:
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    index["weight_map"]["layers.5.engram.embed.weight"] = SHARD
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def header_past_file(folder: Path) -> None:
+    (folder / SHARD).write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+
+
+Breakage = Callable[[Path], None]
+
+#: Each breakage and the words its error must contain.
+BREAKAGES: list[tuple[Breakage, str]] = [
+    (truncate, "truncated"),
+    (malformed_header, "malformed safetensors header"),
+    (offsets_outside, "lies past the file"),
+    (reversed_offsets, "reversed"),
+    (unknown_dtype, "unknown dtype"),
+    (missing_tensor, "missing from that file"),
+    (header_past_file, "runs past the file"),
+]
+
+
+@pytest.fixture
+def broken(checkpoint: Path, tmp_path: Path) -> Callable[[Breakage], Path]:
+    def make(breakage: Breakage) -> Path:
+        folder = tmp_path / breakage.__name__
+        shutil.copytree(checkpoint, folder)
+        breakage(folder)
+        return folder
+
+    return make
+
+
+@pytest.mark.parametrize(("breakage", "words"), BREAKAGES, ids=[b.__name__ for b, _ in BREAKAGES])
+def test_worker_gets_a_clear_error(breakage: Breakage, words: str, broken: Any) -> None:
+    folder = broken(breakage)
+    with pytest.raises(CheckpointError) as info:
+        attach(folder, share=False)
+    assert words in str(info.value)
+    assert SHARD in str(info.value) or "index" in str(info.value)
+
+
+def test_daemon_answers_invalid_argument_and_keeps_serving(
+    checkpoint: Path, broken: Any, daemons: Any, workers: list[Worker], tmp_path: Path
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint), "--allow-root", str(tmp_path))
+    for breakage, words in BREAKAGES:
+        folder = broken(breakage)
+        with d.channel() as ch:
+            call = pb_grpc.TableServiceStub(ch).Attach(
+                pb.AttachRequest(set_id="0" * 20, checkpoint=str(folder), pid=os.getpid()),
+                timeout=10,
+            )
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(call))
+        err = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (breakage.__name__, err)
+        assert reason(err) == "checkpoint"
+        assert words in str(err.details())
+        assert str(folder) in str(err.details())
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    assert [s.state for s in d.status().sets] == ["ready"]
+
+
+def test_bad_configured_checkpoint_does_not_stop_the_daemon(broken: Any, daemons: Any) -> None:
+    folder = broken(malformed_header)
+    d = daemons("--checkpoint", str(folder), wait="up")
+    status = d.status()
+    assert not status.daemon.ready
+    assert "malformed safetensors header" in d.log
+
+
+def test_requests_the_daemon_must_refuse(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
+    d = daemons("--allow-root", str(tmp_path / "elsewhere"))
+    cases = [
+        (pb.AttachRequest(set_id="not-an-id"), grpc.StatusCode.INVALID_ARGUMENT),
+        (pb.AttachRequest(set_id="0" * 20), grpc.StatusCode.NOT_FOUND),
+        (
+            pb.AttachRequest(set_id="0" * 20, checkpoint=str(checkpoint)),
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            pb.AttachRequest(set_id="0" * 20, checkpoint=str(tmp_path / "elsewhere/../../x")),
+            grpc.StatusCode.PERMISSION_DENIED,
+        ),
+        (
+            pb.AttachRequest(set_id="0" * 20, accept=[pb.HANDLE_KIND_UNSPECIFIED]),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+        (
+            pb.AttachRequest(set_id="0" * 20, labels={f"k{i}": "v" for i in range(100)}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+        ),
+    ]
+    with d.channel() as ch:
+        stub = pb_grpc.TableServiceStub(ch)
+        for request, code in cases:
+            with pytest.raises(grpc.RpcError) as info:
+                next(iter(stub.Attach(request, timeout=10)))
+            assert info.value.code() == code, (request, info.value)
+    assert d.status().daemon.ready
+
+
+def test_fingerprint_mismatch_is_failed_precondition(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--allow-root", str(checkpoint.parent))
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(
+            pb.AttachRequest(set_id="0" * 20, checkpoint=str(checkpoint)), timeout=10
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(call))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(info.value) == "fingerprint"
+    assert "differ" in str(info.value.details())

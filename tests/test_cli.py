@@ -1,0 +1,100 @@
+"""`engramd status`, `synth` and `demo` as an operator runs them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from conftest import Worker
+from engramd.synth import expected_rows
+
+
+def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "engramd", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    w = Worker(checkpoint, d.socket, labels={"dp_rank": "3", "tp_rank": "0"})
+    workers.append(w)
+    result = engramd("status", "--socket", str(d.socket), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    assert doc["daemon"]["pid"] == d.proc.pid
+    assert doc["daemon"]["version"] and doc["daemon"]["uptime_s"] >= 0
+    assert doc["shm"]["dir"] == str(d.shm_dir)
+    assert doc["shm"]["total_bytes"] >= doc["shm"]["used_bytes"] > 0
+    assert doc["shm"]["free_bytes"] > 0
+    [s] = doc["sets"]
+    assert s["checkpoint"] == str(checkpoint)
+    assert s["bytes"] == 2 * 40_000 * (256 + 8)
+    assert s["state"] == "ready" and s["adopted"] is False
+    assert s["leases"] == [
+        {
+            "lease_id": w.hello["lease_id"],
+            "pid": w.proc.pid,
+            "labels": {"dp_rank": "3", "tp_rank": "0"},
+            "attached_s": s["leases"][0]["attached_s"],
+        }
+    ]
+
+    text = engramd("status", "--socket", str(d.socket))
+    assert text.returncode == 0
+    assert s["set_id"] in text.stdout and "dp_rank=3" in text.stdout
+
+
+def test_status_without_daemon_exits_1(sock_dir: Path) -> None:
+    result = engramd("status", "--socket", str(sock_dir / "none.sock"))
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1
+    assert "none.sock" in result.stderr
+
+
+def test_synth_writes_what_the_reference_reader_reads(tmp_path: Path) -> None:
+    out = tmp_path / "synth"
+    result = engramd("synth", str(out), "--layers", "3", "--rows", "5000", "--shards", "2")
+    assert result.returncode == 0, result.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(set(index["weight_map"].values())):
+        tensors.update(load_file(out / f))
+    assert set(index["weight_map"]) == set(tensors)
+    for layer in (1, 3, 5):
+        w = tensors[f"layers.{layer}.engram.embed.weight"]
+        s = tensors[f"layers.{layer}.engram.embed.scale"]
+        assert w.dtype == torch.float8_e4m3fn and w.shape == (5000, 256)
+        assert s.dtype == torch.float8_e8m0fnu and s.shape == (5000, 8)
+        rows = torch.arange(5000)
+        assert torch.equal(w.view(torch.uint8), expected_rows(0, layer, "weight", rows, 256))
+        assert torch.equal(s.view(torch.uint8), expected_rows(0, layer, "scale", rows, 8))
+        assert not torch.isnan(w.float()).any()
+    assert any(".engram." not in name for name in tensors)
+
+
+def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
+    before = set(Path("/dev/shm").iterdir())
+    result = engramd(
+        "demo",
+        "--rows",
+        "20000",
+        "--replicas",
+        "2",
+        "--steps",
+        "2",
+        "--tokens",
+        "64",
+        "--workdir",
+        str(tmp_path),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "lookups/s" in result.stdout and "all checks passed" in result.stdout
+    assert set(Path("/dev/shm").iterdir()) == before
