@@ -7,7 +7,6 @@ sets live in a fresh folder under /dev/shm that is removed afterwards.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -38,33 +37,19 @@ class Worker:
         socket: Path,
         *,
         share: str = "auto",
-        rows: dict[str, tuple[int, int]] | None = None,
-        tensors: str | None = None,
         labels: dict[str, str] | None = None,
-        env: dict[str, str] | None = None,
+        prefix: list[str] | None = None,
     ) -> None:
-        args = [
-            sys.executable,
-            str(WORKER),
-            str(checkpoint),
-            "--socket",
-            str(socket),
-            "--share",
-            share,
-        ]
-        if rows:
-            args += ["--rows", json.dumps(rows)]
-        if tensors:
-            args += ["--tensors", tensors]
+        """Start the worker; `prefix` runs it under another command (unshare, ...)."""
+        args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         self.proc = subprocess.Popen(
-            args,
+            [*(prefix or []), sys.executable, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env={**os.environ, **(env or {})},
         )
         #: What the worker printed once attached (or its error).
         self.hello = self._read()

@@ -41,25 +41,19 @@ def main() -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("--socket", required=True)
     parser.add_argument("--share", choices=["auto", "on", "off"], default="auto")
-    parser.add_argument("--rows", type=json.loads, default=None)
-    parser.add_argument("--tensors", default=None)
     parser.add_argument("--label", action="append", default=[])
     args = parser.parse_args()
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
     share = {"auto": None, "on": True, "off": False}[args.share]
-    rows = {k: tuple(v) for k, v in args.rows.items()} if args.rows else None
-    extra = {"tensors": args.tensors} if args.tensors else {}
     start = time.perf_counter()
     try:
         tables = attach(
             args.checkpoint,
             share=share,
             socket=args.socket,
-            rows=rows,
             labels=dict(kv.split("=", 1) for kv in args.label),
-            **extra,
         )
     except EngramdError as e:
         say({"error": type(e).__name__, "message": str(e)})
