@@ -44,6 +44,9 @@ class DaemonProcess:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # Its own session: a Ctrl-C meant for the parent must not stop
+                # it behind the parent's back; the parent stops it in order.
+                start_new_session=True,
             )
         self._wait(serving=wait == "serving")
         return self
@@ -55,10 +58,12 @@ class DaemonProcess:
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"engramd exited with {self.proc.returncode}:\n{self.log}")
+                ready = grpc.channel_ready_future(ch)
                 try:
-                    grpc.channel_ready_future(ch).result(timeout=0.25)
+                    ready.result(timeout=0.25)
                     break
                 except grpc.FutureTimeoutError:
+                    ready.cancel()
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"engramd did not answer:\n{self.log}") from None
             if not serving:
@@ -76,6 +81,12 @@ class DaemonProcess:
                 raise RuntimeError(
                     f"engramd never became ready ({e.code()}):\n{self.log}"
                 ) from None
+
+    @property
+    def pid(self) -> int:
+        """The daemon's process id."""
+        assert self.proc is not None
+        return self.proc.pid
 
     def channel(self) -> grpc.Channel:
         """A channel to the daemon's socket."""

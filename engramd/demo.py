@@ -53,6 +53,7 @@ class Replica:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
         )
         self.rank = rank
         self.hello: dict[str, Any] = {}
@@ -78,14 +79,9 @@ class Replica:
         return {"rss": m.rss, "pss": m.pss, "uss": m.uss}
 
     def close(self) -> None:
-        """Ask it to exit; kill it if it does not."""
-        if self.proc.poll() is None:
-            try:
-                self.send("exit")
-                self.proc.wait(timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+        """Ask it to close its tables and exit."""
+        self.send("exit")
+        self.proc.wait(timeout=30)
 
 
 def _start_replicas(
@@ -95,10 +91,8 @@ def _start_replicas(
     count: int,
     steps: int,
     tokens: int,
-    started: list[Replica],
 ) -> list[Replica]:
     replicas = [Replica(checkpoint, socket, rank, share, steps, tokens) for rank in range(count)]
-    started += replicas
     for r in replicas:
         r.hello = r.read()
     return replicas
@@ -120,7 +114,6 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
     work = Path(tempfile.mkdtemp(prefix="engramd-demo-")) if workdir is None else workdir
     shm = Path(tempfile.mkdtemp(prefix="engramd-demo-", dir="/dev/shm"))
     sock_dir = Path(tempfile.mkdtemp(prefix="ed", dir="/tmp"))
-    started: list[Replica] = []
     daemon: DaemonProcess | None = None
     try:
         spec = SynthSpec(rows=rows)
@@ -145,18 +138,16 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
             flush=True,
         )
 
-        shared = _start_replicas(
-            checkpoint, daemon.socket, "auto", replicas, steps, tokens, started
-        )
+        shared = _start_replicas(checkpoint, daemon.socket, "auto", replicas, steps, tokens)
         shared_runs = _run(shared)
         shared_mem = [r.memory() for r in shared]
-        daemon_uss = psutil.Process(daemon.proc.pid).memory_full_info().uss  # type: ignore[union-attr]
+        daemon_uss = psutil.Process(daemon.pid).memory_full_info().uss
         shm_used = usage(shm).used
         leases = len(daemon.status().sets[0].leases)
         for r in shared:
             r.close()
 
-        [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens, started)
+        [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens)
         [private_run] = _run([private])
         private_mem = private.memory()
         private.close()
@@ -176,9 +167,16 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
             private_run,
             private_mem,
         )
+    except KeyboardInterrupt:
+        print("interrupted; stopping the replicas and the daemon, removing what the demo made")
+        return 130
     finally:
-        for r in started:
-            r.close()
+        # Every replica, also one whose Popen a Ctrl-C interrupted half-way:
+        # they hold nothing that needs a goodbye, their leases end with them.
+        for child in psutil.Process().children():
+            if daemon is None or daemon.proc is None or child.pid != daemon.pid:
+                child.kill()
+                child.wait()
         if daemon is not None and daemon.proc is not None:
             daemon.stop()
         shutil.rmtree(shm, ignore_errors=True)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
@@ -98,3 +100,26 @@ def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "lookups/s" in result.stdout and "all checks passed" in result.stdout
     assert set(Path("/dev/shm").iterdir()) == before
+
+
+def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
+    before = set(Path("/dev/shm").iterdir())
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "engramd", "demo", "--rows", "20000", "--steps", "50"],
+        stdout=subprocess.PIPE,
+        text=True,
+        # CI may start us with SIGINT ignored (a background job); a terminal would not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    assert demo.stdout is not None
+    for line in demo.stdout:
+        if line.startswith("engramd loaded the set"):
+            break
+    children = psutil.Process(demo.pid).children(recursive=True)
+    assert children, "the demo started no daemon"
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(timeout=60) == 130
+    assert "interrupted" in demo.stdout.read()
+    assert set(Path("/dev/shm").iterdir()) == before
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [c.cmdline() for c in alive]
