@@ -26,7 +26,7 @@ test: setup
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
-	$(PIP) -e ".[dev,bench]"
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"
 	$(PY) -m bench $(ARGS)
 
 proto: setup
@@ -35,7 +35,7 @@ proto: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy engramd client/engramd_client tests tools
+	$(PY) -m mypy engramd client/engramd_client tests tools bench
 
 format: setup
 	$(PY) -m ruff format .

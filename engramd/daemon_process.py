@@ -90,7 +90,16 @@ class DaemonProcess:
 
     def channel(self) -> grpc.Channel:
         """A channel to the daemon's socket."""
-        return grpc.insecure_channel(f"unix:{self.socket}")
+        # Short reconnect backoff: while the daemon starts, the socket does not
+        # exist yet, and gRPC's default first retry comes a second later.
+        return grpc.insecure_channel(
+            f"unix:{self.socket}",
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 10),
+                ("grpc.min_reconnect_backoff_ms", 10),
+                ("grpc.max_reconnect_backoff_ms", 100),
+            ],
+        )
 
     def status(self) -> pb.StatusReply:
         """The daemon's status."""

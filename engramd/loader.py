@@ -4,11 +4,15 @@
    posix_fallocate'd to its full size first. A tmpfs too small fails here with
    ENOSPC, before a byte is copied, and a reserved page can never raise SIGBUS
    later in the daemon or in any worker.
-2. Copy: sendfile from the checkpoint file into the tensor file, in large
-   chunks on several threads (largest tensors first). The kernel copies page
-   cache to tmpfs directly: no user-space buffer, no intermediate tensor, and
-   a checkpoint truncated under us gives a short count instead of a SIGBUS.
-   Each chunk is checksummed (CRC32) from the tmpfs pages just written.
+2. Copy: positional reads from the checkpoint into a small reused buffer,
+   CRC32 of the buffer while it is still in the CPU cache, positional write
+   into the tensor file; one thread per tensor, largest first, on several
+   threads. Neither file is mapped, so a checkpoint truncated under the
+   daemon gives a short read (a clear error) instead of a SIGBUS. Measured
+   by bench/ against sendfile, pwrite from a mapping and reads into a
+   mapping: with the checksum, this is the fastest (the checksum of data
+   that is already in cache costs little; a second pass over tmpfs pages
+   costs a third of the load).
 3. Describe and publish: manifest.json is written last, then the folder is
    renamed to the set id. A crash before the rename leaves only a
    `.loading-*` folder, which the next daemon removes.
@@ -17,7 +21,6 @@
 from __future__ import annotations
 
 import errno
-import mmap
 import os
 import secrets
 import shutil
@@ -40,9 +43,11 @@ from engramd_client.layout import (
 from .errors import ShmFull
 from .shmfs import FIX_SHM_SIZE, gib
 
-# Large enough that per-chunk Python overhead vanishes (64 MiB is ~20 ms of
-# copying), small enough that progress and cancellation stay responsive.
-CHUNK_BYTES = 64 << 20
+# Small enough to stay in a core's L2 cache between the read and the
+# checksum, large enough that per-call overhead vanishes (~5 us per 2 MiB).
+BUFFER_BYTES = 2 << 20
+# How often a copy thread reports progress and checks for cancellation.
+PROGRESS_BYTES = 64 << 20
 
 
 class LoadCancelled(Exception):
@@ -149,28 +154,25 @@ def _reserve(fd: int, entry: TensorEntry, staging: Path, set_bytes: int) -> None
 
 def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
     crc = 0
+    buffer = memoryview(bytearray(BUFFER_BYTES))
     with open(entry.file, "rb", buffering=0) as src:
         os.posix_fadvise(src.fileno(), entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
-        done = 0
+        done = unreported = 0
         while done < entry.nbytes:
-            want = min(CHUNK_BYTES, entry.nbytes - done)
-            got = 0
-            while got < want:
-                n = os.sendfile(dst, src.fileno(), entry.offset + done + got, want - got)
-                if n == 0:
-                    raise CheckpointError(
-                        f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
-                        "being loaded (truncated or rewritten); fetch the file again"
-                    )
-                got += n
-            with mmap.mmap(
-                dst,
-                want,
-                flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
-                prot=mmap.PROT_READ,
-                offset=done,
-            ) as written:
-                crc = zlib.crc32(written, crc)
-            done += want
-            progress.add(want)
+            n = os.preadv(src.fileno(), [buffer[: entry.nbytes - done]], entry.offset + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
+                    "being loaded (truncated or rewritten); fetch the file again"
+                )
+            chunk = buffer[:n]
+            crc = zlib.crc32(chunk, crc)
+            written = 0
+            while written < n:
+                written += os.pwrite(dst, chunk[written:], done + written)
+            done += n
+            unreported += n
+            if unreported >= PROGRESS_BYTES or done == entry.nbytes:
+                progress.add(unreported)
+                unreported = 0
     return f"crc32:{crc:08x}"

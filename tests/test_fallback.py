@@ -62,7 +62,9 @@ def test_silent_listener_costs_under_a_second(checkpoint: Path, sock_dir: Path) 
     start = time.monotonic()
     with pytest.raises(DaemonUnavailable, match="did not answer"):
         attach(checkpoint, socket=str(path), share=True)
-    assert time.monotonic() - start < 1.0
+    # Bounded by ClientConfig.reply_timeout_s: a live daemon answers within it
+    # even under an attach storm on two cores.
+    assert time.monotonic() - start < 3.0
     server.close()
 
 

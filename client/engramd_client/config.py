@@ -32,10 +32,9 @@ class ClientConfig:
     share: bool | None = None
     #: Longest wait for the daemon to accept a connection before falling back.
     connect_timeout_s: float = 0.5
-    #: Longest wait for one RPC answer from the daemon (not counting a load).
-    rpc_timeout_s: float = 10.0
-    #: Longest wait for a set the daemon is still loading; None waits as long as it takes.
-    load_timeout_s: float | None = None
+    #: Longest silence from the daemon while attaching (it reports load progress
+    #: four times a second) before the worker gives up on it.
+    reply_timeout_s: float = 2.0
     #: First and longest pause between reconnects after the daemon went away.
     reconnect_min_s: float = 0.05
     reconnect_max_s: float = 2.0

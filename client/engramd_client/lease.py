@@ -16,6 +16,10 @@ from typing import Any
 
 import grpc
 
+# grpc imports its channel machinery on the first channel (~7 ms): do it with
+# the client's import, not inside a worker's first attach.
+import grpc._channel
+
 from .config import ClientConfig
 from .errors import (
     BY_REASON,
@@ -88,23 +92,26 @@ def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
     """Read an Attach stream until the daemon hands out the set; log load progress.
 
     A loading daemon sends progress several times a second, so `silence_s`
-    without any event means it hangs: the call is cancelled.
+    without any event means it hangs (or the peer is not engramd): a watchdog
+    cancels the call and the worker falls back instead of waiting forever.
     """
     last_logged = -1
-    silent = False
+    heard = threading.Event()
+    done = threading.Event()
+    silent = threading.Event()
 
-    def give_up() -> None:
-        nonlocal silent
-        silent = True
-        call.cancel()
+    def watch() -> None:
+        while not done.is_set():
+            if not heard.wait(silence_s) and not done.is_set():
+                silent.set()
+                call.cancel()
+                return
+            heard.clear()
 
-    watchdog = threading.Timer(silence_s, give_up)
-    watchdog.start()
+    threading.Thread(target=watch, name="engramd-attach-watchdog", daemon=True).start()
     try:
         for event in call:
-            watchdog.cancel()
-            watchdog = threading.Timer(silence_s, give_up)
-            watchdog.start()
+            heard.set()
             kind = event.WhichOneof("event")
             if kind == "attached":
                 return event.attached
@@ -119,13 +126,15 @@ def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
             elif kind == "draining":
                 raise DaemonUnavailable("engramd is stopping; it sent no tables")
     except grpc.RpcError as e:
-        if silent:
+        if silent.is_set():
             raise DaemonUnavailable(
-                f"engramd sent nothing for {silence_s} s while attaching {what} (hung?)"
+                f"engramd did not answer for {silence_s} s while attaching {what} "
+                "(hung, or not engramd at that socket); restart it"
             ) from None
         raise share_error(e) from None
     finally:
-        watchdog.cancel()
+        done.set()
+        heard.set()
     raise DaemonUnavailable("engramd closed the attach stream before it sent the tables")
 
 

@@ -12,12 +12,11 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-import grpc
 import torch
 
 from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
-from .errors import DaemonUnavailable, NotAllowed, SegmentNotVisible, ShareError
+from .errors import NotAllowed, SegmentNotVisible, ShareError
 from .layout import MANIFEST_NAME, ManifestError, read_manifest
 from .lease import Lease, open_channel, probe_socket, wait_attached
 from .pb import engramd_pb2 as pb
@@ -51,6 +50,7 @@ def attach(
     share: bool | None = None,
     socket: str | None = None,
     labels: Mapping[str, str] | None = None,
+    populate: bool = False,
 ) -> Tables:
     """Attach to the node's copy of a checkpoint's Engram tables, or load them privately.
 
@@ -62,6 +62,8 @@ def attach(
         share: None for auto (or ENGRAMD_SHARE), True strict, False private.
         socket: the daemon's socket; default ENGRAMD_SOCKET, then /run/engramd/engramd.sock.
         labels: shown with this worker's lease in `engramd status` (dp_rank, tp_rank, ...).
+        populate: fill the page tables of shared mappings at attach (MAP_POPULATE):
+            the attach takes longer, the first lookups no longer fault page by page.
 
     Raises:
         CheckpointError: the checkpoint cannot be read at all.
@@ -78,7 +80,9 @@ def attach(
             raise ValueError(f"share=False needs a checkpoint folder, not the set id {target}")
         return Tables.private(plan, rows, reason=None)
     try:
-        return _attach_shared(config, target if plan is None else plan, rows, labels or {})
+        return _attach_shared(
+            config, target if plan is None else plan, rows, labels or {}, populate
+        )
     except ShareError as e:
         if config.share or plan is None:
             raise
@@ -94,6 +98,7 @@ def _attach_shared(
     target: TablePlan | str,
     rows: RowRanges | None,
     labels: Mapping[str, str],
+    populate: bool,
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
     plan = target if isinstance(target, TablePlan) else None
@@ -106,22 +111,14 @@ def _attach_shared(
         accept=[pb.HANDLE_KIND_SHM],
     )
     channel = open_channel(config)
-    try:
-        grpc.channel_ready_future(channel).result(timeout=config.connect_timeout_s)
-    except grpc.FutureTimeoutError:
-        channel.close()
-        raise DaemonUnavailable(
-            f"engramd at {config.socket} accepted the connection but did not answer within "
-            f"{config.connect_timeout_s} s (hung or not engramd); restart it"
-        ) from None
     call = pb_grpc.TableServiceStub(channel).Attach(request)
     try:
         attachment = wait_attached(
-            call, plan.checkpoint.name if plan else request.set_id, config.rpc_timeout_s
+            call, plan.checkpoint.name if plan else request.set_id, config.reply_timeout_s
         )
         if plan is None:
             check_row_names(rows, [h.name for h in attachment.tensors])
-        tensors = _map(attachment, rows)
+        tensors = _map(attachment, rows, populate)
     except BaseException:
         call.cancel()
         channel.close()
@@ -130,7 +127,9 @@ def _attach_shared(
     return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
 
 
-def _map(attachment: pb.Attachment, rows: RowRanges | None) -> dict[str, torch.Tensor]:
+def _map(
+    attachment: pb.Attachment, rows: RowRanges | None, populate: bool
+) -> dict[str, torch.Tensor]:
     folder = Path(attachment.set_dir)
     try:
         manifest = read_manifest(folder)
@@ -158,7 +157,7 @@ def _map(attachment: pb.Attachment, rows: RowRanges | None) -> dict[str, torch.T
             length=handle.shm.length,
         ).cut(rows)
         try:
-            tensors[handle.name] = map_shared(region)
+            tensors[handle.name] = map_shared(region, populate)
         except PermissionError:
             raise NotAllowed(
                 f"permission denied on {region.path}; add this worker's user to the group "

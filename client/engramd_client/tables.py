@@ -92,8 +92,12 @@ def _view(buffer: mmap.mmap, delta: int, region: Region) -> torch.Tensor:
     return flat.view(dtype).view(region.shape)
 
 
-def map_shared(region: Region) -> torch.Tensor:
-    """Map a region of a daemon file read-only and view it as a tensor."""
+def map_shared(region: Region, populate: bool = False) -> torch.Tensor:
+    """Map a region of a daemon file read-only and view it as a tensor.
+
+    `populate` fills the page tables now (MAP_POPULATE), so the first lookups
+    do not take a page fault per page touched.
+    """
     if region.length == 0:
         return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
     start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
@@ -107,7 +111,7 @@ def map_shared(region: Region) -> torch.Tensor:
         buffer = mmap.mmap(
             fd,
             region.offset + region.length - start,
-            flags=mmap.MAP_SHARED,
+            flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0),
             prot=mmap.PROT_READ,
             offset=start,
         )

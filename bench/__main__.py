@@ -1,0 +1,149 @@
+"""`make bench`: every performance claim of engramd, measured side by side in one run.
+
+    python -m bench [--size-gib 2] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
+                    [--reps 5] [--storm 64] [--only memory,attach,...]
+
+Prints a table (ours, baseline, ratio, spread of ours over repetitions,
+target), writes bench/results/latest.json and, with matplotlib (the `bench`
+extra), bench/results/memory.png. Synthetic checkpoints are cached in
+--workdir between runs; every shm folder and mount it makes is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from .attach import attach_and_restart
+from .common import Figure, as_json, checkpoint, machine
+from .gather import gather_throughput
+from .load import load_throughput
+from .memory import host_memory, page_tables
+from .storm import attach_storm
+
+SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm"]
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--size-gib", type=float, default=2.0, help="tables for memory, load and gather (default 2)"
+    )
+    parser.add_argument("--replicas", default="1,2,4,8", help="replica counts for host memory")
+    parser.add_argument("--attach-sizes", default="0.25,1,4", help="set sizes (GiB) for attach")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
+    parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
+    parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run")
+    parser.add_argument(
+        "--workdir",
+        type=Path,
+        default=Path("/tmp/engramd-bench"),
+        help="cache of synthetic checkpoints",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    unknown = only - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {SECTIONS}")
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    counts = [int(n) for n in args.replicas.split(",")]
+
+    started = time.time()
+    host = machine()
+    # Importing torch leaves ~10^6 objects; the interpreter's first full
+    # collection of them (~70 ms) would land in whichever attach happens to
+    # allocate next. It is the runtime's one-off cost, not engramd's.
+    gc.collect()
+    gc.freeze()
+    print("machine:", ", ".join(f"{k}={v}" for k, v in host.items()), flush=True)
+    figures: list[Figure] = []
+    curves: dict[str, dict[int, float]] = {}
+    main_ckpt = checkpoint(args.workdir, args.size_gib)
+    if "memory" in only:
+        print("host memory, shared versus private replicas")
+        figures += host_memory(main_ckpt, counts, curves)
+    if "pagetables" in only:
+        print("page tables, 4 KiB versus 2 MiB tmpfs pages")
+        figures += page_tables(main_ckpt, max(counts), args.size_gib)
+    if "attach" in only:
+        print("attach and restart, by set size")
+        sizes = {gib: checkpoint(args.workdir, gib) for gib in _floats(args.attach_sizes)}
+        figures += attach_and_restart(sizes)
+    if "load" in only:
+        print("load throughput into tmpfs")
+        figures += load_throughput(main_ckpt, args.reps)
+    if "gather" in only:
+        print("gather throughput and the first gather after attach")
+        figures += gather_throughput(main_ckpt, args.reps, args.size_gib)
+    if "storm" in only:
+        print(f"{args.storm} workers attaching at once")
+        figures += attach_storm(checkpoint(args.workdir, 0.25), args.storm, args.reps)
+
+    _print(figures)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "machine": host,
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "seconds": round(time.time() - started, 1),
+        "memory_curves_gib": curves,
+        "figures": as_json(figures),
+    }
+    args.out.write_text(json.dumps(doc, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if curves:
+        _plot(curves, args.out.with_name("memory.png"))
+    return 0
+
+
+def _print(figures: list[Figure]) -> None:
+    header = ["figure", "engramd", "baseline", "ratio", "spread (ours)", "target"]
+    rows = [header] + [f.row() for f in figures]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    print()
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    for f in figures:
+        if f.note:
+            print(f"  {f.name}: {f.note}")
+
+
+def _plot(curves: dict[str, dict[int, float]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no plot")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, curve in curves.items():
+        ns = sorted(curve)
+        ax.plot(ns, [curve[n] for n in ns], marker="o", label=label)
+    ax.set_xlabel("replicas on the node")
+    ax.set_ylabel("host memory (GiB): Shmem + every replica's USS")
+    ax.set_title("engramd: one shared copy versus private tables")
+    ax.set_xticks(sorted(next(iter(curves.values()))))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

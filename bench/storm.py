@@ -1,0 +1,54 @@
+"""Many workers attaching at the same moment, against one worker alone."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from .common import Figure, compare, daemon, percentile, shm_folder
+from .replicas import Replica
+
+
+def _attach_together(ckpt: Path, socket: str, n: int) -> list[float]:
+    # Every worker imports torch first and waits; then all get "go" at once,
+    # so the storm measures the daemon and the client, not the imports.
+    group: list[Replica] = []
+    try:
+        for _ in range(n):
+            group.append(Replica(ckpt, socket, "shared", wait_go=True))
+        for r in group:
+            r.send("go")
+        replies = [r.read() for r in group]
+    finally:
+        for r in group:
+            r.stop()
+    modes = {reply["mode"] for reply in replies}
+    if modes != {"shared"}:
+        raise RuntimeError(f"some workers did not share: {modes}")
+    return [reply["attach_s"] * 1e3 for reply in replies]
+
+
+def attach_storm(ckpt: Path, n: int, reps: int) -> list[Figure]:
+    """p99 attach time of `n` simultaneous workers against one alone."""
+    with shm_folder() as shm, daemon(shm, "--checkpoint", str(ckpt)) as d:
+        alone = [t for _ in range(reps) for t in _attach_together(ckpt, str(d.socket), 1)]
+        storm = _attach_together(ckpt, str(d.socket), n)
+        leases = sum(len(s.leases) for s in d.status().sets)
+    print(
+        f"  {n} at once: p50 {statistics.median(storm):.1f} ms, p99 "
+        f"{percentile(storm, 99):.1f} ms, max {max(storm):.1f} ms; one alone "
+        f"{statistics.median(alone):.1f} ms; {leases} leases left after all exited",
+        flush=True,
+    )
+    return [
+        compare(
+            f"{n} workers attaching at once, p99",
+            "ms",
+            [percentile(storm, 99)],
+            [statistics.median(alone)],
+            higher_is_better=False,
+            target="all attached, p99 < 250 ms",
+            met=percentile(storm, 99) < 250,
+            note=f"p50 {statistics.median(storm):.1f} ms, all {len(storm)} shared",
+        ),
+    ]

@@ -1,0 +1,132 @@
+"""The deployment files: systemd units verify, manifests validate, and all agree with the daemon."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from engramd_client.config import DEFAULT_SOCKET
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+SOCKET_DIR = str(Path(DEFAULT_SOCKET).parent)
+
+
+def _args(container: dict[str, Any]) -> dict[str, str]:
+    """--flag=value arguments of a container."""
+    flags = [a[2:] for a in container.get("args", []) if a.startswith("--") and "=" in a]
+    return dict(f.split("=", 1) for f in flags)
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, str]:
+    return {m["mountPath"]: m["name"] for m in container.get("volumeMounts", [])}
+
+
+def _manifest(name: str) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((DEPLOY / "kubernetes" / name).read_text())
+    return doc
+
+
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.skip("systemd-analyze is not installed (apt-get install systemd)")
+    # verify checks that ExecStart exists: point it at this checkout's engramd.
+    engramd = Path(sys.executable).with_name("engramd")
+    unit = (DEPLOY / "systemd" / "engramd.service").read_text()
+    unit = unit.replace("/usr/local/bin/engramd", str(engramd))
+    (tmp_path / "engramd.service").write_text(unit)
+    shutil.copy(DEPLOY / "systemd" / "srv-engramd-shm.mount", tmp_path)
+    result = subprocess.run(
+        [
+            analyze,
+            "verify",
+            "--man=no",
+            str(tmp_path / "engramd.service"),
+            str(tmp_path / "srv-engramd-shm.mount"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    problems = [ln for ln in result.stderr.splitlines() if "engramd" in ln or ".mount" in ln]
+    assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_systemd_unit_matches_the_daemon() -> None:
+    unit = (DEPLOY / "systemd" / "engramd.service").read_text()
+    assert "Type=notify" in unit
+    assert "RuntimeDirectory=engramd" in unit and DEFAULT_SOCKET.startswith("/run/engramd/")
+    assert "LimitMEMLOCK=infinity" in unit
+    assert "RemoveIPC=no" in unit
+    for forbidden in ("PrivateDevices=yes", "PrivateIPC=yes", "MemoryDenyWriteExecute=yes"):
+        assert forbidden not in unit
+    mount = (DEPLOY / "systemd" / "srv-engramd-shm.mount").read_text()
+    assert "huge=within_size" in mount and "Where=/srv/engramd/shm" in mount
+
+
+@pytest.mark.parametrize("name", ["daemonset.yaml", "sidecar.yaml", "engine-pod.yaml"])
+def test_manifests_validate(name: str) -> None:
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    version = kubernetes_validate.latest_version()
+    kubernetes_validate.validate(_manifest(name), version, strict=True)
+
+
+def test_daemonset_agrees_with_the_daemon() -> None:
+    spec = _manifest("daemonset.yaml")["spec"]["template"]["spec"]
+    [daemon] = spec["containers"]
+    args = _args(daemon)
+    assert args["socket"] == DEFAULT_SOCKET
+    assert _mounts(daemon)[SOCKET_DIR] == "socket"
+    assert _mounts(daemon)[args["shm-dir"]] == "shm"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["socket"]["hostPath"]["path"] == SOCKET_DIR
+    assert volumes["shm"]["hostPath"]["path"] == "/dev/shm"
+    health = int(args["health-port"])
+    assert {p["containerPort"] for p in daemon["ports"]} >= {health}
+    for probe in ("startupProbe", "readinessProbe"):
+        assert daemon[probe]["grpc"]["port"] == health
+    # The kubelet probes the pod IP: the port must not be bound to loopback.
+    assert args["health-address"] == "$(POD_IP)"
+    assert "IPC_LOCK" in daemon["securityContext"]["capabilities"]["add"]
+
+    engine = _manifest("engine-pod.yaml")["spec"]
+    [worker] = engine["containers"]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["ENGRAMD_SOCKET"] == args["socket"]
+    assert _mounts(worker)[SOCKET_DIR] == "socket" and _mounts(worker)["/dev/shm"] == "shm"
+    engine_volumes = {v["name"]: v for v in engine["volumes"]}
+    assert engine_volumes["shm"]["hostPath"]["path"] == volumes["shm"]["hostPath"]["path"]
+    assert engine_volumes["socket"]["hostPath"]["path"] == SOCKET_DIR
+    group = daemon["securityContext"]["runAsGroup"]
+    assert group in engine["securityContext"]["supplementalGroups"]
+
+
+def test_sidecar_shares_socket_and_shm() -> None:
+    spec = _manifest("sidecar.yaml")["spec"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    args = _args(containers["engramd"])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
+    assert volumes["shm"]["emptyDir"]["sizeLimit"]
+    assert "emptyDir" in volumes["socket"]
+    for c in containers.values():
+        assert _mounts(c)[SOCKET_DIR] == "socket" and _mounts(c)["/dev/shm"] == "shm"
+    env = {e["name"]: e.get("value") for e in containers["engine"]["env"]}
+    assert env["ENGRAMD_SOCKET"] == args["socket"] == DEFAULT_SOCKET
+    assert containers["engramd"]["readinessProbe"]["grpc"]["port"] == int(args["health-port"])
+
+
+def test_compose_shares_socket_and_ipc() -> None:
+    doc = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    daemon, engine = doc["services"]["engramd"], doc["services"]["engine"]
+    assert daemon["ipc"] == "shareable" and engine["ipc"] == "service:engramd"
+    assert daemon["shm_size"]
+    socket_volume = f"engramd-socket:{SOCKET_DIR}"
+    assert socket_volume in daemon["volumes"] and socket_volume in engine["volumes"]
+    assert engine["environment"]["ENGRAMD_SOCKET"] == DEFAULT_SOCKET
+    assert f"--socket={DEFAULT_SOCKET}" in daemon["command"]
