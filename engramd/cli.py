@@ -1,7 +1,9 @@
-"""The `engramd` command: serve, status, synth, demo.
+"""The `engramd` command: serve, status, load, drop, verify, synth, demo.
 
 Every `serve` flag can also be set through the ENGRAMD_* variable named in
-its help; this signature is the one place where the daemon reads them.
+its help, or as a key of the TOML file given with --config; a flag wins over
+its variable, which wins over the file. This signature is the one place
+where the daemon reads its environment.
 """
 
 from __future__ import annotations
@@ -9,9 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
+import time
+import tomllib
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import grpc
 import typer
@@ -30,18 +35,82 @@ app = typer.Typer(
 Socket = Annotated[
     str, typer.Option("--socket", envvar="ENGRAMD_SOCKET", help="The daemon's Unix socket.")
 ]
+AdminSocket = Annotated[
+    str,
+    typer.Option(
+        "--admin-socket",
+        envvar="ENGRAMD_ADMIN_SOCKET",
+        help="The daemon's admin socket (default: admin.sock beside --socket).",
+    ),
+]
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
 
 
-def _logging(level: str) -> None:
-    logging.basicConfig(
-        level=level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+def parse_size(text: str) -> int:
+    """Bytes from "200G", "1.5TiB", "4096"; K/M/G/T/P are powers of 1024."""
+    match = _SIZE.match(text)
+    if not match:
+        raise typer.BadParameter(f"{text!r} is not a size (examples: 200G, 1.5TiB, 4096)")
+    number, unit, _ = match.groups()
+    return int(float(number) * 1024 ** " kmgtp".index(unit.lower() or " "))
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg (and exc when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        doc = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            doc["exc"] = self.formatException(record.exc_info)
+        return json.dumps(doc)
+
+
+def _logging(level: str, as_json: bool = False) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if as_json
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def _apply_config_file(ctx: typer.Context, path: Path) -> dict[str, Any]:
+    """ctx.params with the file's values where neither a flag nor a variable set one."""
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+    values = dict(ctx.params)
+    params = {p.name: p for p in ctx.command.params if p.name}
+    for key, value in doc.items():
+        name = key.replace("-", "_")
+        if name not in params or name == "config":
+            known = ", ".join(sorted(n for n in params if n != "config"))
+            raise typer.BadParameter(
+                f"unknown key {key!r} in {path} (known: {known})", param_hint="--config"
+            )
+        source = ctx.get_parameter_source(name)
+        if source is None or source.name == "DEFAULT":
+            if getattr(params[name], "multiple", False) and isinstance(value, str):
+                value = [value]
+            values[name] = params[name].process_value(ctx, value)
+    return values
 
 
 @app.command()
 def serve(
+    ctx: typer.Context,
+    config: Annotated[
+        Path | None,
+        typer.Option(envvar="ENGRAMD_CONFIG", help="TOML file with the same keys as the flags."),
+    ] = None,
     checkpoint: Annotated[
         list[Path] | None,
         typer.Option(
@@ -55,6 +124,11 @@ def serve(
         str, typer.Option(envvar="ENGRAMD_TENSORS", help="Tensors that make a set (fnmatch).")
     ] = DEFAULT_TENSORS,
     socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+    socket_group: Annotated[
+        str,
+        typer.Option(envvar="ENGRAMD_SOCKET_GROUP", help="Group that may attach (socket, sets)."),
+    ] = "engramd",
     shm_dir: Annotated[
         Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
     ] = Path("/dev/shm"),
@@ -66,57 +140,216 @@ def serve(
             help="Folder under which a worker's attach may start a load (repeatable).",
         ),
     ] = None,
-    drop_on_exit: Annotated[
+    memory_budget: Annotated[
+        str,
+        typer.Option(envvar="ENGRAMD_MEMORY_BUDGET", help="Most bytes of sets held (0: no limit)."),
+    ] = "0",
+    evict_idle: Annotated[
         bool,
-        typer.Option(envvar="ENGRAMD_DROP_ON_EXIT", help="Remove the sets from tmpfs at shutdown."),
+        typer.Option(
+            envvar="ENGRAMD_EVICT_IDLE",
+            help="Drop unleased sets, oldest first, to stay within the budget.",
+        ),
+    ] = False,
+    verify: Annotated[
+        bool,
+        typer.Option(envvar="ENGRAMD_VERIFY", help="Recompute checksums of adopted sets."),
+    ] = False,
+    drop_on_exit: Annotated[
+        bool, typer.Option(envvar="ENGRAMD_DROP_ON_EXIT", help="Remove the sets at shutdown.")
     ] = False,
     mlock: Annotated[
         bool, typer.Option(envvar="ENGRAMD_MLOCK", help="Lock the sets' pages in memory.")
     ] = True,
     load_threads: Annotated[
         int,
-        typer.Option(
-            envvar="ENGRAMD_LOAD_THREADS", min=1, help="Threads that copy a set into tmpfs."
-        ),
+        typer.Option(envvar="ENGRAMD_LOAD_THREADS", min=1, help="Threads that copy a set."),
     ] = 2,
+    health_port: Annotated[
+        int, typer.Option(envvar="ENGRAMD_HEALTH_PORT", help="TCP port for gRPC health (0: off).")
+    ] = 0,
+    health_address: Annotated[
+        str, typer.Option(envvar="ENGRAMD_HEALTH_ADDRESS", help="Address of the health port.")
+    ] = "127.0.0.1",
+    metrics_port: Annotated[
+        int, typer.Option(envvar="ENGRAMD_METRICS_PORT", help="TCP port for metrics (0: off).")
+    ] = 0,
+    metrics_address: Annotated[
+        str, typer.Option(envvar="ENGRAMD_METRICS_ADDRESS", help="Address of the metrics port.")
+    ] = "127.0.0.1",
     log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
+    log_json: Annotated[
+        bool, typer.Option(envvar="ENGRAMD_LOG_JSON", help="One JSON object per log line.")
+    ] = False,
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
     from .config import DaemonConfig
     from .server import serve as run
 
-    _logging(log_level)
-    config = DaemonConfig(
-        checkpoints=[str(p) for p in checkpoint or []],
-        tensors=tensors,
-        socket=socket,
-        shm_dir=str(shm_dir),
-        allow_roots=[str(p) for p in allow_root or []],
-        drop_on_exit=drop_on_exit,
-        mlock=mlock,
-        load_threads=load_threads,
+    values = _apply_config_file(ctx, config) if config else dict(ctx.params)
+    _logging(values["log_level"], values["log_json"])
+    daemon_config = DaemonConfig(
+        checkpoints=[str(p) for p in values["checkpoint"] or []],
+        tensors=values["tensors"],
+        socket=values["socket"],
+        admin_socket=values["admin_socket"],
+        socket_group=values["socket_group"],
+        shm_dir=str(values["shm_dir"]),
+        allow_roots=[str(p) for p in values["allow_root"] or []],
+        memory_budget=parse_size(str(values["memory_budget"])),
+        evict_idle=values["evict_idle"],
+        verify=values["verify"],
+        drop_on_exit=values["drop_on_exit"],
+        mlock=values["mlock"],
+        load_threads=values["load_threads"],
+        health_port=values["health_port"],
+        health_address=values["health_address"],
+        metrics_port=values["metrics_port"],
+        metrics_address=values["metrics_address"],
     )
     try:
-        asyncio.run(run(config))
+        asyncio.run(run(daemon_config))
     except (RuntimeError, ValueError, OSError) as e:
         logging.getLogger("engramd").error("%s", e)
         raise typer.Exit(1) from None
+
+
+def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
+    typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
+    return typer.Exit(1)
 
 
 @app.command()
 def status(
     socket: Socket = DEFAULT_SOCKET,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
 ) -> None:
     """Show what the node holds: shm folder, sets, leases, memory saved."""
     from .status_view import as_dict, fetch, render
 
+    if not watch:
+        try:
+            reply = fetch(socket)
+        except grpc.RpcError as e:
+            raise _unanswered(socket, e) from None
+        typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply))
+        return
     try:
-        reply = fetch(socket)
+        while True:
+            try:
+                text = render(fetch(socket))
+            except grpc.RpcError as e:
+                text = f"engramd is not answering on {socket}: {e.details()}"
+            # Home the cursor and clear: the table redraws in place.
+            typer.echo(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}")
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        pass
+
+
+def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
+    from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+    from .server import admin_socket_for
+
+    path = admin_socket or admin_socket_for(socket)
+    channel = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+    return pb_grpc.AdminServiceStub(channel), path
+
+
+def _bar(done: int, total: int, started: float) -> str:
+    from .shmfs import gib
+
+    width = 30
+    filled = width * done // max(total, 1)
+    rate = done / max(time.monotonic() - started, 1e-9)
+    eta = (total - done) / rate if rate else 0
+    return (
+        f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}% "
+        f"{gib(done)} / {gib(total)}  {rate / 1e9:.2f} GB/s  ETA {eta:.0f} s "
+    )
+
+
+@app.command()
+def load(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder, as the daemon sees it.")],
+    tensors: str = DEFAULT_TENSORS,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Load a checkpoint's tables into the daemon, with a progress bar."""
+    from engramd_client.pb import engramd_pb2 as pb
+
+    from .shmfs import gib
+
+    stub, _ = _admin(socket, admin_socket)
+    started = time.monotonic()
+    try:
+        for event in stub.Load(
+            pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
+        ):
+            if event.WhichOneof("event") == "progress":
+                p = event.progress
+                typer.echo(_bar(p.bytes_done, p.bytes_total, started), nl=False, err=True)
+            else:
+                s = event.ready
+                typer.echo(_bar(s.bytes, s.bytes, started), err=True)
+                typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
     except grpc.RpcError as e:
-        typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
+        typer.echo(f"\nload failed: {e.details()}", err=True)
         raise typer.Exit(1) from None
-    typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply))
+
+
+@app.command()
+def drop(
+    set_id: str,
+    force: Annotated[bool, typer.Option(help="Drop even while workers hold leases.")] = False,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Remove a set from shared memory (workers that map it keep their mapping)."""
+    from engramd_client.pb import engramd_pb2 as pb
+
+    from .shmfs import gib
+
+    stub, _ = _admin(socket, admin_socket)
+    try:
+        reply = stub.Drop(pb.DropRequest(set_id=set_id, force=force), timeout=30)
+    except grpc.RpcError as e:
+        typer.echo(f"drop failed: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"dropped set {set_id}: {gib(reply.bytes)}, {reply.leases} leases ended")
+
+
+@app.command()
+def verify(
+    set_id: str,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    from engramd_client.pb import engramd_pb2 as pb
+
+    from .shmfs import gib
+
+    stub, _ = _admin(socket, admin_socket)
+    try:
+        reply = stub.Verify(pb.VerifyRequest(set_id=set_id))
+    except grpc.RpcError as e:
+        typer.echo(f"verify failed: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    if reply.corrupted:
+        for name in reply.corrupted:
+            typer.echo(f"corrupted: {name}")
+        typer.echo(
+            f"set {set_id}: {len(reply.corrupted)} of {reply.tensors} tensors differ "
+            "from their checksums; drop the set and load it again",
+            err=True,
+        )
+        raise typer.Exit(1)
+    typer.echo(f"set {set_id}: all {reply.tensors} tensors match ({gib(reply.bytes)})")
 
 
 @app.command()

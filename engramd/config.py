@@ -1,4 +1,4 @@
-"""The daemon's settings. `engramd serve` fills them from flags and ENGRAMD_* variables."""
+"""The daemon's settings: `engramd serve` fills them from flags, ENGRAMD_* and --config."""
 
 from __future__ import annotations
 
@@ -16,18 +16,36 @@ class DaemonConfig:
     checkpoints: list[str] = field(default_factory=list)
     #: fnmatch selection of the tensors that make a set.
     tensors: str = DEFAULT_TENSORS
-    #: Unix socket of the TableService and the health service.
+    #: Unix socket of the TableService and the health service (0660).
     socket: str = DEFAULT_SOCKET
+    #: Unix socket of the AdminService (load, drop, verify; 0600); "": admin.sock beside `socket`.
+    admin_socket: str = ""
+    #: Group that may attach: owns the socket, its folder and the sets' files.
+    socket_group: str = "engramd"
     #: tmpfs folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"
     #: Roots under which a worker's attach may start a load; none by default.
     allow_roots: list[str] = field(default_factory=list)
+    #: Most bytes of sets the daemon holds at once; 0 for no limit but the tmpfs.
+    memory_budget: int = 0
+    #: Make room within the budget by dropping sets no worker holds, oldest first.
+    evict_idle: bool = False
+    #: Recompute the checksums of sets adopted at start; drop the corrupted ones.
+    verify: bool = False
     #: Unlink every set at shutdown instead of keeping it for a fast restart.
     drop_on_exit: bool = False
     #: Lock each set's pages in memory (mlock) so they are never swapped out.
     mlock: bool = True
     #: Threads that copy tensors into tmpfs during a load.
     load_threads: int = 2
+    #: TCP port for gRPC health checks only (Kubernetes probes); 0: none.
+    health_port: int = 0
+    #: Address of the health port.
+    health_address: str = "127.0.0.1"
+    #: TCP port for Prometheus metrics; 0: none.
+    metrics_port: int = 0
+    #: Address of the metrics port.
+    metrics_address: str = "127.0.0.1"
     #: Seconds in-flight RPCs get to finish at shutdown before they are cancelled.
     grace_s: float = 5.0
     #: Seconds between sweeps that end leases of workers whose process is gone.

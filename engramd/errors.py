@@ -51,6 +51,13 @@ class ShmFull(ServiceError):
     reason = "capacity"
 
 
+class BudgetExceeded(ServiceError):
+    """The set would take the daemon past its memory budget."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "budget"
+
+
 class FingerprintDiffers(ServiceError):
     """The daemon's copy of the checkpoint is not the worker's."""
 

@@ -77,12 +77,24 @@ class LoadProgress:
             raise LoadCancelled("the daemon is stopping")
 
 
-def load_set(plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress) -> Manifest:
-    """Copy the plan's tensors into `<shm_dir>/engramd/<set_id>` and return its manifest."""
+def own(path: Path, gid: int | None) -> None:
+    """Give `path` to the group that may attach (files 0640, folders 0750 say the rest)."""
+    if gid is not None:
+        os.chown(path, -1, gid)
+
+
+def load_set(
+    plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress, gid: int | None = None
+) -> Manifest:
+    """Copy the plan's tensors into `<shm_dir>/engramd/<set_id>` and return its manifest.
+
+    Files are created 0640 and folders 0750, owned by group `gid` when given.
+    """
     root = sets_root(shm_dir)
     root.mkdir(mode=0o750, parents=True, exist_ok=True)
     staging = root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     staging.mkdir(mode=0o750)
+    own(staging, gid)
     fds: list[int] = []
     try:
         for i, entry in enumerate(plan.tensors):
@@ -92,6 +104,8 @@ def load_set(plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress
                 0o640,
             )
             fds.append(fd)
+            if gid is not None:
+                os.fchown(fd, -1, gid)
             _reserve(fd, entry, staging, plan.nbytes)
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="engramd-load") as pool:
@@ -125,6 +139,8 @@ def load_set(plan: TablePlan, shm_dir: str, threads: int, progress: LoadProgress
         manifest_fd = os.open(
             staging / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640
         )
+        if gid is not None:
+            os.fchown(manifest_fd, -1, gid)
         with os.fdopen(manifest_fd, "w") as f:
             f.write(manifest.to_json())
         os.rename(staging, root / plan.set_id)
@@ -175,4 +191,19 @@ def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
             if unreported >= PROGRESS_BYTES or done == entry.nbytes:
                 progress.add(unreported)
                 unreported = 0
+    return f"crc32:{crc:08x}"
+
+
+def checksum_file(path: Path, nbytes: int) -> str:
+    """The manifest checksum of the first `nbytes` bytes of a tensor file."""
+    crc = 0
+    buffer = memoryview(bytearray(BUFFER_BYTES))
+    with open(path, "rb", buffering=0) as f:
+        done = 0
+        while done < nbytes:
+            n = os.preadv(f.fileno(), [buffer[: nbytes - done]], done)
+            if n == 0:
+                break
+            crc = zlib.crc32(buffer[:n], crc)
+            done += n
     return f"crc32:{crc:08x}"

@@ -1,9 +1,15 @@
-"""The daemon's lifecycle: claim the socket, adopt and load sets, serve, stop.
+"""The daemon's lifecycle: claim the sockets, adopt and load sets, serve, stop.
 
 `create_server(config)` builds everything without touching the process
 (no signal handlers), so tests start real servers in-process or in a child;
 `serve(config)` is what `engramd serve` runs: start, wait for SIGTERM/SIGINT,
 stop gracefully.
+
+Listeners, each its own gRPC server on the one event loop:
+  socket        TableService + Health, 0660, group `socket_group`
+  admin_socket  AdminService, 0600 (the daemon's owner)
+  health_port   Health only, TCP, when asked for (Kubernetes probes)
+  metrics_port  Prometheus text over HTTP, when asked for
 """
 
 from __future__ import annotations
@@ -11,12 +17,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import grp
 import logging
 import os
 import signal
 import socket
+import time
 from dataclasses import replace
 from pathlib import Path
+from wsgiref.simple_server import WSGIServer
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,36 +34,66 @@ from grpc_health.v1.health import aio as health_aio
 from engramd_client.checkpoint import CheckpointError, plan_tables
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
+from .admin import AdminService
 from .config import DaemonConfig
 from .errors import ServiceError
+from .metrics import serve_metrics
+from .sdnotify import Notifier
 from .service import TableService
+from .shmfs import gib, huge_pages
 from .store import SetStore, TableSet
 
 log = logging.getLogger("engramd")
 
 SERVICE_NAME = "engramd.v1.TableService"
 _MAX_UNIX_PATH = 107
+#: How often systemd hears about load progress (STATUS=, EXTEND_TIMEOUT_USEC=).
+NOTIFY_INTERVAL_S = 1.0
 
 
 class EngramdServer:
-    """One daemon: the gRPC server, the set store and the background tasks."""
+    """One daemon: the gRPC servers, the set store and the background tasks."""
 
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
-        self.store = SetStore(config.shm_dir, config.load_threads, config.mlock)
+        self.gid = _group_id(config.socket_group)
+        self.store = SetStore(
+            config.shm_dir,
+            config.load_threads,
+            config.mlock,
+            gid=self.gid,
+            memory_budget=config.memory_budget,
+            evict_idle=config.evict_idle,
+        )
         self.service = TableService(config, self.store)
         self.health = health_aio.HealthServicer()
+        self.notifier = Notifier()
         self.grpc = grpc.aio.server()
         pb_grpc.add_TableServiceServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.admin = grpc.aio.server()
+        pb_grpc.add_AdminServiceServicer_to_server(AdminService(config, self.store), self.admin)
+        self.probes: grpc.aio.Server | None = None
+        if config.health_port:
+            self.probes = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._metrics: WSGIServer | None = None
 
     async def start(self) -> None:
         """Adopt what tmpfs holds, start the configured loads, bind and serve."""
-        _claim_socket(self.config.socket)
+        for path in (self.config.socket, self.config.admin_socket):
+            _claim_socket(path, self.gid)
         Path(self.config.shm_dir).mkdir(parents=True, exist_ok=True)
-        self.store.adopt_existing()
+        if not huge_pages(self.config.shm_dir):
+            log.info(
+                "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
+                "huge=within_size gives faster gathers and ~500x smaller page tables "
+                "(deploy/systemd/srv-engramd-shm.mount)",
+                self.config.shm_dir,
+            )
+        await self.store.adopt_existing(verify=self.config.verify)
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await asyncio.to_thread(plan_tables, checkpoint, self.config.tensors)
@@ -65,11 +104,29 @@ class EngramdServer:
                 log.error("cannot load configured checkpoint %s: %s", checkpoint, e)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.add_insecure_port(f"unix:{self.config.socket}")
+        self.admin.add_insecure_port(f"unix:{self.config.admin_socket}")
         await self.grpc.start()
-        os.chmod(self.config.socket, 0o660)
+        await self.admin.start()
+        _secure(self.config.socket, 0o660, self.gid)
+        _secure(self.config.admin_socket, 0o600, None)
+        if self.probes is not None:
+            address = f"{_host(self.config.health_address)}:{self.config.health_port}"
+            self.probes.add_insecure_port(address)
+            await self.probes.start()
+            log.info("health checks on %s", address)
+        if self.config.metrics_port:
+            self._metrics = serve_metrics(
+                self.store, self.service, self.config.metrics_address, self.config.metrics_port
+            )
+            log.info(
+                "metrics on http://%s:%d/metrics",
+                _host(self.config.metrics_address),
+                self.config.metrics_port,
+            )
         log.info(
-            "engramd serving on %s (shm folder %s, pid %d)",
+            "engramd serving on %s (admin %s, shm folder %s, pid %d)",
             self.config.socket,
+            self.config.admin_socket,
             self.config.shm_dir,
             os.getpid(),
         )
@@ -77,16 +134,41 @@ class EngramdServer:
         self._tasks = [loop.create_task(self._watch_ready()), loop.create_task(self._sweep())]
 
     async def _watch_ready(self) -> None:
-        for ts in self._configured:
-            await ts.done.wait()
+        while not all(ts.done.is_set() for ts in self._configured):
+            self._notify_progress()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(ts.done.wait() for ts in self._configured)),
+                    NOTIFY_INTERVAL_S,
+                )
         if len(self._configured) < len(self.config.checkpoints) or any(
             ts.state != "ready" for ts in self._configured
         ):
             log.error("not every configured set is ready; health stays NOT_SERVING")
+            self.notifier.send(STATUS="not every configured set is ready; see the log")
             return
         self.service.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        held = sum(ts.nbytes for ts in self.store.sets.values() if ts.state == "ready")
+        self.notifier.send(READY=1, STATUS=f"serving {len(self.store.sets)} set(s), {gib(held)}")
         log.info("ready: %d configured set(s) loaded", len(self._configured))
+
+    def _notify_progress(self) -> None:
+        loading = [ts for ts in self._configured if ts.progress and not ts.done.is_set()]
+        if not loading:
+            return
+        done = sum(ts.bytes_loaded for ts in loading)
+        total = sum(ts.nbytes for ts in loading)
+        elapsed = max(
+            time.monotonic() - min(ts.progress.started for ts in loading if ts.progress), 1e-9
+        )
+        rate = done / elapsed
+        eta = (total - done) / rate if rate else 0.0
+        self.notifier.send(
+            STATUS=f"loading {gib(done)} of {gib(total)} ({rate / 1e9:.2f} GB/s, ETA {eta:.0f} s)",
+            # Each progress report buys time; a stalled load still times out.
+            EXTEND_TIMEOUT_USEC=int(NOTIFY_INTERVAL_S * 30 * 1e6),
+        )
 
     async def wait_ready(self) -> bool:
         """Wait until every configured set finished loading; True when all are ready."""
@@ -103,16 +185,23 @@ class EngramdServer:
             await self.health.set(name, status)
 
     async def stop(self, grace: float | None = None) -> None:
-        """Stop serving: tell workers, finish RPCs, keep (or drop) the sets, free the socket."""
+        """Stop serving: tell workers, finish RPCs, keep (or drop) the sets, free the sockets."""
+        self.notifier.send(STOPPING=1, STATUS="stopping")
         await self.health.enter_graceful_shutdown()
         self.store.drain()
-        await self.grpc.stop(self.config.grace_s if grace is None else grace)
+        grace = self.config.grace_s if grace is None else grace
+        servers = [s for s in (self.grpc, self.admin, self.probes) if s is not None]
+        await asyncio.gather(*(s.stop(grace) for s in servers))
+        if self._metrics is not None:
+            self._metrics.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.close(drop=self.config.drop_on_exit)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.config.socket)
+        for path in (self.config.socket, self.config.admin_socket):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.notifier.close()
         log.info(
             "engramd stopped; sets %s",
             "dropped" if self.config.drop_on_exit else "kept in tmpfs for the next start",
@@ -121,19 +210,56 @@ class EngramdServer:
 
 def create_server(config: DaemonConfig) -> EngramdServer:
     """A daemon for `config`, not yet started: `await server.start()`, later `stop()`."""
-    if len(config.socket.encode()) > _MAX_UNIX_PATH:
-        raise ValueError(
-            f"socket path {config.socket} is longer than {_MAX_UNIX_PATH} bytes, "
-            "the limit of a Unix socket address; choose a shorter path"
+    for path in (config.socket, config.admin_socket or admin_socket_for(config.socket)):
+        if len(path.encode()) > _MAX_UNIX_PATH:
+            raise ValueError(
+                f"socket path {path} is longer than {_MAX_UNIX_PATH} bytes, "
+                "the limit of a Unix socket address; choose a shorter path"
+            )
+    return EngramdServer(
+        replace(
+            config,
+            shm_dir=str(Path(config.shm_dir).resolve()),
+            admin_socket=config.admin_socket or admin_socket_for(config.socket),
         )
-    return EngramdServer(replace(config, shm_dir=str(Path(config.shm_dir).resolve())))
+    )
 
 
-def _claim_socket(path: str) -> None:
-    """Make the socket's folder and remove a stale socket; refuse if a daemon answers there."""
+def admin_socket_for(socket_path: str) -> str:
+    """The admin socket beside a worker socket (the default)."""
+    return str(Path(socket_path).with_name("admin.sock"))
+
+
+def _group_id(name: str) -> int | None:
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        log.warning(
+            "group %r does not exist: the socket and the sets keep the daemon's group; "
+            "create it (deploy/systemd/engramd.sysusers.conf) or set --socket-group",
+            name,
+        )
+        return None
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
+
+
+def _secure(path: str, mode: int, gid: int | None) -> None:
+    os.chmod(path, mode)
+    if gid is not None:
+        os.chown(path, -1, gid)
+
+
+def _claim_socket(path: str, gid: int | None) -> None:
+    """Make the socket's folder (0750) and remove a stale socket; refuse if a daemon answers."""
     folder = Path(path).parent
     if not folder.exists():
         folder.mkdir(mode=0o750, parents=True)
+        _secure(str(folder), 0o750, gid)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)

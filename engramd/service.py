@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import AsyncIterator
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from engramd_client.checkpoint import is_set_id, plan_tables
+from engramd_client.checkpoint import TablePlan, is_set_id, plan_tables
 from engramd_client.layout import set_dir
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -19,8 +20,10 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from . import __version__
 from .config import DaemonConfig
 from .errors import FingerprintDiffers, InvalidRequest, NotAllowed, UnknownSet, abort
-from .shmfs import huge_pages, usage
+from .shmfs import gib, huge_pages, mount_id, usage
 from .store import Lease, SetStore, TableSet
+
+log = logging.getLogger("engramd")
 
 #: How often a worker waiting for a load hears about its progress.
 PROGRESS_INTERVAL_S = 0.25
@@ -40,6 +43,7 @@ class TableService(pb_grpc.TableServiceServicer):
         self._started = time.monotonic()
         self._allowed = [Path(p).resolve() for p in config.allow_roots]
         self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
+        self._huge_pages = huge_pages(store.shm_dir)
         #: Every configured set is ready (the health service says SERVING).
         self.ready = False
 
@@ -60,8 +64,10 @@ class TableService(pb_grpc.TableServiceServicer):
                 raise ts.error
             lease = self._store.add_lease(ts, request.pid, dict(request.labels))
         except Exception as e:
+            self._store.attaches["error"] += 1
             await abort(context, e)
             return
+        self._store.attaches["ok"] += 1
         try:
             yield pb.AttachEvent(attached=self._attachment(ts, lease))
             await lease.ended.wait()
@@ -83,6 +89,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         path = self._check_allowed(request.checkpoint)
         plan = await asyncio.to_thread(plan_tables, path, request.tensors or self._config.tensors)
+        self._check_mounts(path, plan)
         if plan.set_id != request.set_id:
             raise FingerprintDiffers(
                 f"the daemon's copy of {path} is set {plan.set_id}, the worker's is set "
@@ -100,6 +107,20 @@ class TableService(pb_grpc.TableServiceServicer):
             f"engramd may not load {checkpoint} for a worker (resolved {path}; allowed roots: "
             f"{roots}); start the daemon with --checkpoint {checkpoint} or --allow-root <dir>"
         )
+
+    def _check_mounts(self, path: Path, plan: TablePlan) -> None:
+        # resolve() undoes symlinks and "..", not bind mounts: a file bound
+        # into the root from elsewhere has the root's path but another mount.
+        if str(path) in self._configured:
+            return
+        root = next(r for r in self._allowed if path.is_relative_to(r))
+        allowed = mount_id(root)
+        for f in {t.file for t in plan.tensors}:
+            if mount_id(f) != allowed:
+                raise NotAllowed(
+                    f"{f} is on another mount than the allowed root {root} (a bind mount?); "
+                    "engramd loads for workers only files on the root's own mount"
+                )
 
     def _attachment(self, ts: TableSet, lease: Lease) -> pb.Attachment:
         assert ts.manifest is not None
@@ -133,6 +154,21 @@ class TableService(pb_grpc.TableServiceServicer):
             await abort(context, e)
             raise AssertionError("unreachable") from e
 
+    async def ReportFallback(
+        self, request: pb.FallbackReport, context: grpc.aio.ServicerContext
+    ) -> pb.FallbackAck:
+        """Count a worker's fallback to private tables by cause."""
+        cause = request.cause[:32] or "unknown"
+        self._store.fallbacks[cause] = self._store.fallbacks.get(cause, 0) + 1
+        log.info(
+            "pid %d fell back to private tables (%s, set %s, %s)",
+            request.pid,
+            cause,
+            request.set_id[:20],
+            gib(request.bytes),
+        )
+        return pb.FallbackAck()
+
     def status(self) -> pb.StatusReply:
         """The status reply, built from the store."""
         u = usage(self._store.shm_dir)
@@ -150,35 +186,38 @@ class TableService(pb_grpc.TableServiceServicer):
                 total_bytes=u.total,
                 used_bytes=u.used,
                 free_bytes=u.free,
-                huge_pages=huge_pages(self._store.shm_dir),
+                huge_pages=self._huge_pages,
             ),
-            sets=[
-                pb.SetInfo(
-                    set_id=ts.set_id,
-                    checkpoint=ts.checkpoint,
-                    fingerprint=ts.fingerprint,
-                    bytes=ts.nbytes,
-                    backing="shm",
-                    state=ts.state,
-                    bytes_loaded=ts.bytes_loaded,
-                    adopted=ts.adopted,
-                    locked=ts.locked,
-                    error=str(ts.error) if ts.error else "",
-                    tensors=ts.ntensors,
-                    load_seconds=ts.load_seconds,
-                    leases=[
-                        pb.LeaseInfo(
-                            lease_id=lease.lease_id,
-                            pid=lease.pid,
-                            labels=lease.labels,
-                            attached_s=now - lease.started,
-                        )
-                        for lease in ts.leases.values()
-                    ],
-                )
-                for ts in self._store.sets.values()
-            ],
+            sets=[set_info(ts, now) for ts in self._store.sets.values()],
         )
+
+
+def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
+    """The wire view of a set."""
+    now = time.monotonic() if now is None else now
+    return pb.SetInfo(
+        set_id=ts.set_id,
+        checkpoint=ts.checkpoint,
+        fingerprint=ts.fingerprint,
+        bytes=ts.nbytes,
+        backing="shm",
+        state=ts.state,
+        bytes_loaded=ts.bytes_loaded,
+        adopted=ts.adopted,
+        locked=ts.locked,
+        error=str(ts.error) if ts.error else "",
+        tensors=ts.ntensors,
+        load_seconds=ts.load_seconds,
+        leases=[
+            pb.LeaseInfo(
+                lease_id=lease.lease_id,
+                pid=lease.pid,
+                labels=lease.labels,
+                attached_s=now - lease.started,
+            )
+            for lease in ts.leases.values()
+        ],
+    )
 
 
 def _validate(request: pb.AttachRequest) -> None:

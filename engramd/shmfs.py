@@ -87,3 +87,15 @@ def huge_pages(folder: str | os.PathLike[str]) -> bool:
     return forced or any(
         o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge=")
     )
+
+
+def mount_id(path: str | os.PathLike[str]) -> int:
+    """The kernel's id of the mount that holds `path` (differs across bind mounts)."""
+    fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+    try:
+        for line in Path(f"/proc/self/fdinfo/{fd}").read_text().splitlines():
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    finally:
+        os.close(fd)
+    raise OSError(f"no mnt_id for {path} in /proc/self/fdinfo")

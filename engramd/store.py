@@ -1,9 +1,9 @@
 """The sets the daemon holds: adopted at start, loaded on demand, leased to workers.
 
-Runs on the daemon's event loop; the copying and pinning run on threads. A set
-is served only once its folder is published and complete (state "ready");
-a set that failed keeps its error for status and is replaced by the next
-load of the same checkpoint.
+Runs on the daemon's event loop; copying, checksumming and pinning run on
+threads. A set is served only once its folder is published and complete
+(state "ready"); a set that failed keeps its error for status and is
+replaced by the next load of the same checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import shutil
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -30,8 +31,8 @@ from engramd_client.layout import (
     sets_root,
 )
 
-from .errors import Draining, LoadFailed, ServiceError
-from .loader import LoadCancelled, LoadProgress, load_set
+from .errors import BudgetExceeded, Draining, LoadFailed, ServiceError, UnknownSet
+from .loader import LoadCancelled, LoadProgress, checksum_file, load_set, own
 from .pinning import FIX_MEMLOCK, PinnedFiles
 from .shmfs import check_capacity, gib
 
@@ -51,7 +52,7 @@ class Lease:
     #: The pid was alive in the daemon's pid namespace at attach, so the sweep may judge it.
     local: bool
     started: float = field(default_factory=time.monotonic)
-    #: Set when the daemon ends the lease (sweep or shutdown).
+    #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.
     draining: bool = False
@@ -76,6 +77,8 @@ class TableSet:
     #: Every page of the set is locked in memory.
     locked: bool = False
     leases: dict[str, Lease] = field(default_factory=dict)
+    #: When a worker last attached or detached (or the set became ready).
+    last_used: float = field(default_factory=time.monotonic)
     #: Set once the load ends, ready or failed.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -87,23 +90,47 @@ class TableSet:
         return self.progress.done if self.progress else 0
 
 
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // _PAGE) * _PAGE
+
+
 class SetStore:
     """Holds the daemon's sets and their leases."""
 
-    def __init__(self, shm_dir: str, load_threads: int, mlock: bool) -> None:
+    def __init__(
+        self,
+        shm_dir: str,
+        load_threads: int,
+        mlock: bool,
+        gid: int | None = None,
+        memory_budget: int = 0,
+        evict_idle: bool = False,
+    ) -> None:
         self.shm_dir = shm_dir
         self._load_threads = load_threads
         self._mlock = mlock
+        self._gid = gid
+        self._budget = memory_budget
+        self._evict_idle = evict_idle
         self.sets: dict[str, TableSet] = {}
+        #: Attaches served and refused since start (metrics).
+        self.attaches = {"ok": 0, "error": 0}
+        #: Fallbacks workers reported, by cause (metrics).
+        self.fallbacks: dict[str, int] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_mlock = False
 
     # -- sets -----------------------------------------------------------------
 
-    def adopt_existing(self) -> list[TableSet]:
-        """Take over complete sets left by an earlier daemon; remove partial loads."""
+    async def adopt_existing(self, verify: bool) -> list[TableSet]:
+        """Take over complete sets left by an earlier daemon; remove partial loads.
+
+        With `verify`, every adopted set's checksums are recomputed first and a
+        corrupted set is removed (a configured one is then loaded again).
+        """
         root = sets_root(self.shm_dir)
         root.mkdir(mode=0o750, parents=True, exist_ok=True)
+        own(root, self._gid)
         adopted = []
         for folder in sorted(root.iterdir()):
             if LOADING_MARK in folder.name:
@@ -117,6 +144,16 @@ class SetStore:
                 log.warning("removing %s: not a complete set (%s)", folder, e)
                 shutil.rmtree(folder, ignore_errors=True)
                 continue
+            if verify:
+                corrupted = await asyncio.to_thread(_corrupted, folder, manifest)
+                if corrupted:
+                    log.error(
+                        "removing set %s: tensors %s no longer match their checksums",
+                        manifest.set_id,
+                        ", ".join(corrupted),
+                    )
+                    shutil.rmtree(folder, ignore_errors=True)
+                    continue
             ts = TableSet(
                 set_id=manifest.set_id,
                 checkpoint=manifest.checkpoint,
@@ -148,8 +185,10 @@ class SetStore:
         ts = self.sets.get(plan.set_id)
         if ts is not None and ts.state != "failed":
             return ts
-        needed = sum(-(-t.nbytes // _PAGE) * _PAGE for t in plan.tensors)
-        check_capacity(self.shm_dir, needed, f"set {plan.set_id} ({plan.checkpoint})")
+        needed = sum(_pages(t.nbytes) for t in plan.tensors)
+        what = f"set {plan.set_id} ({plan.checkpoint})"
+        self._within_budget(needed, what)
+        check_capacity(self.shm_dir, needed, what)
         ts = TableSet(
             set_id=plan.set_id,
             checkpoint=str(plan.checkpoint),
@@ -161,6 +200,60 @@ class SetStore:
         self.sets[plan.set_id] = ts
         self._spawn(self._load(ts, plan))
         return ts
+
+    def _within_budget(self, needed: int, what: str) -> None:
+        if not self._budget:
+            return
+        held = sum(_pages(ts.nbytes) for ts in self.sets.values() if ts.state != "failed")
+        if held + needed > self._budget and self._evict_idle:
+            idle = sorted(
+                (ts for ts in self.sets.values() if ts.state == "ready" and not ts.leases),
+                key=lambda ts: ts.last_used,
+            )
+            for ts in idle:
+                if held + needed <= self._budget:
+                    break
+                log.info(
+                    "evicting idle set %s (%s) to make room for %s", ts.set_id, gib(ts.nbytes), what
+                )
+                held -= _pages(ts.nbytes)
+                self.drop(ts.set_id, force=False)
+        if held + needed > self._budget:
+            raise BudgetExceeded(
+                f"{what} needs {gib(needed)}, the daemon holds {gib(held)} of its "
+                f"{gib(self._budget)} memory budget; drop a set (engramd drop), raise "
+                "--memory-budget, or let idle sets be evicted (--evict-idle)"
+            )
+
+    def drop(self, set_id: str, force: bool) -> tuple[int, int]:
+        """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`."""
+        ts = self.sets.get(set_id)
+        if ts is None:
+            raise UnknownSet(f"engramd holds no set {set_id}")
+        if ts.state == "loading":
+            raise LoadFailed(f"set {set_id} is still loading; drop it once it is ready")
+        if ts.leases and not force:
+            raise LoadFailed(
+                f"set {set_id} has {len(ts.leases)} leases (pids "
+                f"{', '.join(str(lease.pid) for lease in ts.leases.values())}); "
+                "stop those workers or drop with --force (they keep their mappings)"
+            )
+        leases = len(ts.leases)
+        for lease in ts.leases.values():
+            lease.ended.set()
+        ts.leases.clear()
+        ts.pins.release()
+        del self.sets[set_id]
+        shutil.rmtree(set_dir(self.shm_dir, set_id), ignore_errors=True)
+        log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
+        return ts.nbytes, leases
+
+    async def verify(self, set_id: str) -> list[str]:
+        """Names of the set's tensors whose bytes no longer match the manifest."""
+        ts = self.sets.get(set_id)
+        if ts is None or ts.manifest is None:
+            raise UnknownSet(f"engramd holds no ready set {set_id}")
+        return await asyncio.to_thread(_corrupted, set_dir(self.shm_dir, set_id), ts.manifest)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -178,7 +271,7 @@ class SetStore:
         )
         try:
             ts.manifest = await asyncio.to_thread(
-                load_set, plan, self.shm_dir, self._load_threads, ts.progress
+                load_set, plan, self.shm_dir, self._load_threads, ts.progress, self._gid
             )
         except BaseException as e:
             ts.state = "failed"
@@ -190,6 +283,7 @@ class SetStore:
             return
         ts.load_seconds = time.monotonic() - ts.progress.started
         ts.state = "ready"
+        ts.last_used = time.monotonic()
         ts.done.set()
         log.info(
             "set %s ready: %s in %.2f s (%.2f GB/s)",
@@ -201,12 +295,14 @@ class SetStore:
         await self._pin(ts)
 
     async def _pin(self, ts: TableSet) -> None:
+        # After the set is served: locking walks every page (~0.4 s per GiB
+        # on 4 KiB pages), which must not delay readiness or adoption.
         if not self._mlock or ts.manifest is None:
             return
         folder = set_dir(self.shm_dir, ts.set_id)
         for t in ts.manifest.tensors:
             await asyncio.to_thread(ts.pins.pin, folder / t.file)
-        ts.locked = ts.pins.error is None
+        ts.locked = ts.pins.error is None and ts.set_id in self.sets
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(
@@ -228,13 +324,14 @@ class SetStore:
             local=pid > 0 and psutil.pid_exists(pid),
         )
         ts.leases[lease.lease_id] = lease
+        ts.last_used = time.monotonic()
         return lease
 
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
         ts = self.sets.get(lease.set_id)
-        if ts is not None:
-            ts.leases.pop(lease.lease_id, None)
+        if ts is not None and ts.leases.pop(lease.lease_id, None) is not None:
+            ts.last_used = time.monotonic()
 
     def sweep_dead(self) -> int:
         """End the leases of local workers whose process is gone; returns how many."""
@@ -274,6 +371,12 @@ class SetStore:
             if drop and ts.state == "ready":
                 shutil.rmtree(set_dir(self.shm_dir, ts.set_id), ignore_errors=True)
                 log.info("dropped set %s", ts.set_id)
+
+
+def _corrupted(folder: Path, manifest: Manifest) -> list[str]:
+    return [
+        t.name for t in manifest.tensors if checksum_file(folder / t.file, t.nbytes) != t.checksum
+    ]
 
 
 def _load_error(ts: TableSet, e: BaseException) -> BaseException:

@@ -53,15 +53,17 @@ def test_refused_socket_costs_under_a_second(checkpoint: Path, sock_dir: Path) -
     assert time.monotonic() - start < 1.0
 
 
-def test_silent_listener_costs_under_a_second(checkpoint: Path, sock_dir: Path) -> None:
+def test_silent_listener_costs_under_three_seconds(checkpoint: Path, sock_dir: Path) -> None:
     # Something accepts connections but never speaks gRPC (a hung daemon).
     path = sock_dir / "hung.sock"
     server = socket.socket(socket.AF_UNIX)
     server.bind(str(path))
     server.listen(8)
     start = time.monotonic()
-    with pytest.raises(DaemonUnavailable, match="did not answer"):
+    with pytest.raises(DaemonUnavailable) as info:
         attach(checkpoint, socket=str(path), share=True)
+    # gRPC's own connect timeout or the client's watchdog, whichever fires first.
+    assert "hung.sock" in str(info.value) or "did not answer" in str(info.value)
     # Bounded by ClientConfig.reply_timeout_s: a live daemon answers within it
     # even under an attach storm on two cores.
     assert time.monotonic() - start < 3.0

@@ -71,6 +71,7 @@ class DaemonError(ShareError):
 #: can, an internal error) become DaemonError.
 BY_REASON: dict[str, type[ShareError]] = {
     "capacity": ShmCapacityError,
+    "budget": ShmCapacityError,
     "fingerprint": FingerprintMismatch,
     "not-allowed": NotAllowed,
     "unknown-set": UnknownSet,

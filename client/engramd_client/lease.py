@@ -10,6 +10,7 @@ status without the worker doing anything.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
 from typing import Any
@@ -76,6 +77,18 @@ def open_channel(config: ClientConfig) -> grpc.Channel:
             ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
         ],
     )
+
+
+def report_fallback(config: ClientConfig, cause: str, set_id: str, nbytes: int) -> None:
+    """Tell the daemon (best effort, a few ms) that this worker loads privately, and why."""
+    try:
+        with open_channel(config) as channel:
+            pb_grpc.TableServiceStub(channel).ReportFallback(
+                pb.FallbackReport(cause=cause, set_id=set_id, pid=os.getpid(), bytes=nbytes),
+                timeout=0.5,
+            )
+    except grpc.RpcError:
+        pass  # the daemon's metrics miss one count; the worker carries on
 
 
 def share_error(e: grpc.RpcError) -> ShareError:

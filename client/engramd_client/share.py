@@ -16,9 +16,9 @@ import torch
 
 from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
-from .errors import NotAllowed, SegmentNotVisible, ShareError
+from .errors import DaemonUnavailable, NotAllowed, SegmentNotVisible, ShareError
 from .layout import MANIFEST_NAME, ManifestError, read_manifest
-from .lease import Lease, open_channel, probe_socket, wait_attached
+from .lease import Lease, open_channel, probe_socket, report_fallback, wait_attached
 from .pb import engramd_pb2 as pb
 from .pb import engramd_pb2_grpc as pb_grpc
 from .tables import Region, RowRanges, Tables, check_row_names, map_shared
@@ -90,6 +90,9 @@ def attach(
             f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
         )
         _warn_once(e.cause, reason)
+        if not isinstance(e, DaemonUnavailable | NotAllowed):
+            # The daemon answered but cannot serve: count it where operators look.
+            report_fallback(config, e.cause, plan.set_id, plan.nbytes)
         return Tables.private(plan, rows, reason=reason)
 
 

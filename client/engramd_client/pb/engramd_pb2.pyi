@@ -193,3 +193,67 @@ class LeaseInfo(_message.Message):
     labels: _containers.ScalarMap[str, str]
     attached_s: float
     def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ...) -> None: ...
+
+class FallbackReport(_message.Message):
+    __slots__ = ("cause", "set_id", "pid", "bytes")
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    cause: str
+    set_id: str
+    pid: int
+    bytes: int
+    def __init__(self, cause: _Optional[str] = ..., set_id: _Optional[str] = ..., pid: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class FallbackAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class LoadRequest(_message.Message):
+    __slots__ = ("checkpoint", "tensors")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    tensors: str
+    def __init__(self, checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ...) -> None: ...
+
+class LoadEvent(_message.Message):
+    __slots__ = ("progress", "ready")
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    progress: LoadProgress
+    ready: SetInfo
+    def __init__(self, progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., ready: _Optional[_Union[SetInfo, _Mapping]] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("set_id", "force")
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    set_id: str
+    force: bool
+    def __init__(self, set_id: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class DropReply(_message.Message):
+    __slots__ = ("bytes", "leases")
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    bytes: int
+    leases: int
+    def __init__(self, bytes: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+
+class VerifyRequest(_message.Message):
+    __slots__ = ("set_id",)
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    set_id: str
+    def __init__(self, set_id: _Optional[str] = ...) -> None: ...
+
+class VerifyReply(_message.Message):
+    __slots__ = ("tensors", "bytes", "corrupted")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    tensors: int
+    bytes: int
+    corrupted: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., corrupted: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -44,6 +44,11 @@ class TableServiceStub:
                 request_serializer=engramd_dot_v1_dot_engramd__pb2.StatusRequest.SerializeToString,
                 response_deserializer=engramd_dot_v1_dot_engramd__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ReportFallback = channel.unary_unary(
+                '/engramd.v1.TableService/ReportFallback',
+                request_serializer=engramd_dot_v1_dot_engramd__pb2.FallbackReport.SerializeToString,
+                response_deserializer=engramd_dot_v1_dot_engramd__pb2.FallbackAck.FromString,
+                _registered_method=True)
 
 
 class TableServiceServicer:
@@ -66,6 +71,13 @@ class TableServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFallback(self, request, context):
+        """A worker that could not share says why (counted in the metrics).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TableServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +90,11 @@ def add_TableServiceServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=engramd_dot_v1_dot_engramd__pb2.StatusRequest.FromString,
                     response_serializer=engramd_dot_v1_dot_engramd__pb2.StatusReply.SerializeToString,
+            ),
+            'ReportFallback': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFallback,
+                    request_deserializer=engramd_dot_v1_dot_engramd__pb2.FallbackReport.FromString,
+                    response_serializer=engramd_dot_v1_dot_engramd__pb2.FallbackAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +151,198 @@ class TableService:
             '/engramd.v1.TableService/Status',
             engramd_dot_v1_dot_engramd__pb2.StatusRequest.SerializeToString,
             engramd_dot_v1_dot_engramd__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFallback(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engramd.v1.TableService/ReportFallback',
+            engramd_dot_v1_dot_engramd__pb2.FallbackReport.SerializeToString,
+            engramd_dot_v1_dot_engramd__pb2.FallbackAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class AdminServiceStub:
+    """Served only on the admin socket (0600: the daemon's owner).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Load = channel.unary_stream(
+                '/engramd.v1.AdminService/Load',
+                request_serializer=engramd_dot_v1_dot_engramd__pb2.LoadRequest.SerializeToString,
+                response_deserializer=engramd_dot_v1_dot_engramd__pb2.LoadEvent.FromString,
+                _registered_method=True)
+        self.Drop = channel.unary_unary(
+                '/engramd.v1.AdminService/Drop',
+                request_serializer=engramd_dot_v1_dot_engramd__pb2.DropRequest.SerializeToString,
+                response_deserializer=engramd_dot_v1_dot_engramd__pb2.DropReply.FromString,
+                _registered_method=True)
+        self.Verify = channel.unary_unary(
+                '/engramd.v1.AdminService/Verify',
+                request_serializer=engramd_dot_v1_dot_engramd__pb2.VerifyRequest.SerializeToString,
+                response_deserializer=engramd_dot_v1_dot_engramd__pb2.VerifyReply.FromString,
+                _registered_method=True)
+
+
+class AdminServiceServicer:
+    """Served only on the admin socket (0600: the daemon's owner).
+    """
+
+    def Load(self, request, context):
+        """Load a checkpoint's set (any path the daemon can read); progress, then
+        the set once ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Drop(self, request, context):
+        """Unlink a set; its memory returns when the last worker unmaps it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Verify(self, request, context):
+        """Recompute every tensor's checksum and name the ones that differ.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdminServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Load': grpc.unary_stream_rpc_method_handler(
+                    servicer.Load,
+                    request_deserializer=engramd_dot_v1_dot_engramd__pb2.LoadRequest.FromString,
+                    response_serializer=engramd_dot_v1_dot_engramd__pb2.LoadEvent.SerializeToString,
+            ),
+            'Drop': grpc.unary_unary_rpc_method_handler(
+                    servicer.Drop,
+                    request_deserializer=engramd_dot_v1_dot_engramd__pb2.DropRequest.FromString,
+                    response_serializer=engramd_dot_v1_dot_engramd__pb2.DropReply.SerializeToString,
+            ),
+            'Verify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Verify,
+                    request_deserializer=engramd_dot_v1_dot_engramd__pb2.VerifyRequest.FromString,
+                    response_serializer=engramd_dot_v1_dot_engramd__pb2.VerifyReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'engramd.v1.AdminService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('engramd.v1.AdminService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class AdminService:
+    """Served only on the admin socket (0600: the daemon's owner).
+    """
+
+    @staticmethod
+    def Load(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/engramd.v1.AdminService/Load',
+            engramd_dot_v1_dot_engramd__pb2.LoadRequest.SerializeToString,
+            engramd_dot_v1_dot_engramd__pb2.LoadEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Drop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engramd.v1.AdminService/Drop',
+            engramd_dot_v1_dot_engramd__pb2.DropRequest.SerializeToString,
+            engramd_dot_v1_dot_engramd__pb2.DropReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Verify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engramd.v1.AdminService/Verify',
+            engramd_dot_v1_dot_engramd__pb2.VerifyRequest.SerializeToString,
+            engramd_dot_v1_dot_engramd__pb2.VerifyReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,73 @@
+"""engramd.v1.AdminService: load, drop, verify. Served only on the admin socket (0600)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engramd_client.checkpoint import plan_tables
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+from .config import DaemonConfig
+from .errors import InvalidRequest, abort
+from .service import PROGRESS_INTERVAL_S, set_info
+from .store import SetStore
+
+
+class AdminService(pb_grpc.AdminServiceServicer):
+    """What only the daemon's owner may ask for."""
+
+    def __init__(self, config: DaemonConfig, store: SetStore) -> None:
+        self._config = config
+        self._store = store
+
+    async def Load(
+        self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadEvent]:
+        """Load a checkpoint's set; stream progress, then the ready set."""
+        try:
+            if not request.checkpoint:
+                raise InvalidRequest("checkpoint is empty; name a checkpoint folder")
+            plan = await asyncio.to_thread(
+                plan_tables, request.checkpoint, request.tensors or self._config.tensors
+            )
+            ts = self._store.ensure(plan)
+            while not ts.done.is_set():
+                yield pb.LoadEvent(
+                    progress=pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
+                )
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+            if ts.error is not None:
+                raise ts.error
+        except Exception as e:
+            await abort(context, e)
+            return
+        yield pb.LoadEvent(ready=set_info(ts))
+
+    async def Drop(
+        self, request: pb.DropRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DropReply:
+        """Unlink a set."""
+        try:
+            nbytes, leases = self._store.drop(request.set_id, request.force)
+        except Exception as e:
+            await abort(context, e)
+            raise
+        return pb.DropReply(bytes=nbytes, leases=leases)
+
+    async def Verify(
+        self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.VerifyReply:
+        """Recompute a set's checksums; name the tensors that differ."""
+        try:
+            corrupted = await self._store.verify(request.set_id)
+        except Exception as e:
+            await abort(context, e)
+            raise
+        ts = self._store.sets[request.set_id]
+        return pb.VerifyReply(tensors=ts.ntensors, bytes=ts.nbytes, corrupted=corrupted)
