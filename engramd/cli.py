@@ -242,8 +242,10 @@ def status(
                 text = render(fetch(socket))
             except grpc.RpcError as e:
                 text = f"engramd is not answering on {socket}: {e.details()}"
-            # Home the cursor and clear: the table redraws in place.
-            typer.echo(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}")
+            # Home the cursor and clear, so the table redraws in place (written
+            # directly: typer.echo strips escape codes when not on a terminal).
+            sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
+            sys.stdout.flush()
             time.sleep(interval)
     except KeyboardInterrupt:
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -20,11 +21,20 @@ START_TIMEOUT_S = 60.0
 class DaemonProcess:
     """`engramd serve` in a child process, on the given socket and shm folder."""
 
-    def __init__(self, socket: Path, shm_dir: Path, args: list[str], log: Path) -> None:
+    def __init__(
+        self,
+        socket: Path,
+        shm_dir: Path,
+        args: list[str],
+        log: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.socket = socket
         self.shm_dir = shm_dir
         self.args = args
         self.log_path = log
+        #: Variables added to the daemon's environment.
+        self.env = env or {}
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait: str = "serving") -> DaemonProcess:
@@ -44,6 +54,7 @@ class DaemonProcess:
                 ],
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                env={**os.environ, **self.env},
                 # Its own session: a Ctrl-C meant for the parent must not stop
                 # it behind the parent's back; the parent stops it in order.
                 start_new_session=True,

@@ -118,8 +118,8 @@ def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
     """Make daemons: `daemons(*serve_args)`; every one is stopped afterwards."""
     started: list[Daemon] = []
 
-    def make(*args: str, wait: str = "serving") -> Daemon:
-        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log")
+    def make(*args: str, wait: str = "serving", env: dict[str, str] | None = None) -> Daemon:
+        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log", env)
         started.append(d)
         return d.start(wait=wait)
 
