@@ -87,6 +87,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 f"engramd holds no set {request.set_id}; attach with the checkpoint folder, "
                 "or have the daemon load it at start (--checkpoint)"
             )
+        self._check_unchanged(request)
         path = self._check_allowed(request.checkpoint)
         plan = await asyncio.to_thread(plan_tables, path, request.tensors or self._config.tensors)
         self._check_mounts(path, plan)
@@ -97,6 +98,23 @@ class TableService(pb_grpc.TableServiceServicer):
                 "and the worker the same checkpoint"
             )
         return self._store.ensure(plan)
+
+    def _check_unchanged(self, request: pb.AttachRequest) -> None:
+        # The worker's files are not the ones the daemon loaded from this
+        # path: the checkpoint changed on disk (or the worker sees other
+        # files there). Never hand out the old bytes; load the new ones only
+        # where workers may trigger loads.
+        path = Path(request.checkpoint).resolve()
+        if any(path.is_relative_to(r) for r in self._allowed):
+            return
+        for ts in self._store.sets.values():
+            if ts.checkpoint == str(path) and ts.state != "failed":
+                raise FingerprintDiffers(
+                    f"the checkpoint at {path} is not the one engramd loaded as set {ts.set_id} "
+                    f"(the worker's files make set {request.set_id}): it changed on disk, or "
+                    f"the worker sees other files there; `engramd load {path}` loads the new "
+                    "version, or give the daemon and the worker the same files"
+                )
 
     def _check_allowed(self, checkpoint: str) -> Path:
         path = Path(checkpoint).resolve()

@@ -31,6 +31,10 @@ LAYOUT_VERSION = 1
 
 INDEX_FILE = "model.safetensors.index.json"
 
+#: Data samples per file that go into the fingerprint, and their size.
+SAMPLES = 8
+SAMPLE_BYTES = 4096
+
 # The reference implementation refuses headers above 100 MB; so do we, before
 # allocating anything for a header length read from an untrusted file.
 MAX_HEADER_BYTES = 100_000_000
@@ -88,6 +92,8 @@ class SafetensorsFile:
     size: int
     header: bytes
     tensors: dict[str, TensorEntry]
+    #: sha256 of a few small samples of the data (see SAMPLES).
+    samples: str
 
 
 @dataclass(frozen=True)
@@ -131,6 +137,7 @@ def read_header(path: Path) -> SafetensorsFile:
                     "(truncated or not a safetensors file); fetch the file again"
                 )
             header = f.read(length)
+            samples = _sample(f.fileno(), 8 + length, size)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
     try:
@@ -148,7 +155,19 @@ def read_header(path: Path) -> SafetensorsFile:
         if name == "__metadata__":
             continue
         tensors[name] = _entry(path, name, info, data_start, data_size)
-    return SafetensorsFile(path=path, size=size, header=header, tensors=tensors)
+    return SafetensorsFile(path=path, size=size, header=header, tensors=tensors, samples=samples)
+
+
+def _sample(fd: int, start: int, end: int) -> str:
+    # A file rewritten in place with new values but the same header and size
+    # (a re-export, a fine-tune) must not keep the old set id. Hashing every
+    # byte would take minutes per attach at 189 GiB; SAMPLES small reads
+    # spread over the data catch any rewrite of more than a sliver of it.
+    h = hashlib.sha256()
+    span = max(end - start - SAMPLE_BYTES, 0)
+    for k in range(SAMPLES):
+        h.update(os.pread(fd, SAMPLE_BYTES, start + span * k // (SAMPLES - 1)))
+    return h.hexdigest()
 
 
 def _entry(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:
@@ -252,12 +271,13 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
 
 
 def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:
-    # Identifies the bytes without reading them: what each file is (name, size,
-    # header) and which tensors were taken. Folder paths and mtimes are left
-    # out so that copies of one checkpoint on different mounts agree.
+    # Identifies the bytes without reading them all: what each file is (name,
+    # size, header, samples of its data) and which tensors were taken. Folder
+    # paths and mtimes are left out so that copies of one checkpoint on
+    # different mounts agree.
     h = hashlib.sha256()
     for f in sorted(headers, key=lambda f: f.path.name):
-        h.update(f"{f.path.name}\0{f.size}\0{len(f.header)}\0".encode())
+        h.update(f"{f.path.name}\0{f.size}\0{len(f.header)}\0{f.samples}\0".encode())
         h.update(f.header)
     for t in selected:
         h.update(f"\0{t.name}".encode())

@@ -182,20 +182,27 @@ class Lease:
     def _hold(self) -> None:
         delay = self._config.reconnect_min_s
         call = self._call
+        last_error = ""
         while True:
             try:
                 for event in call:
                     if event.WhichOneof("event") == "attached":
                         self._adopt(event.attached)
                         delay = self._config.reconnect_min_s
+                        last_error = ""
                     elif event.WhichOneof("event") == "draining":
                         break
             except grpc.RpcError as e:
                 if self._closed.is_set():
                     return
-                if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                expected = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+                if not expected and e.details() != last_error:
+                    # Once per distinct answer: the mapping keeps working meanwhile.
+                    last_error = e.details()
                     log.warning(
-                        "engramd lease for set %s: %s; retrying", self._request.set_id, e.details()
+                        "engramd lease for set %s: %s; this worker keeps its mapping and retries",
+                        self._request.set_id,
+                        last_error,
                     )
             if self._closed.wait(delay):
                 return
