@@ -7,9 +7,13 @@ class per cause without parsing messages.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engramd_client.errors import REASON_KEY, CheckpointError
 
@@ -93,3 +97,70 @@ async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
     """End the RPC with the status that `exc` maps to."""
     code, reason, message = to_status(exc)
     await context.abort(code, message, trailing_metadata=((REASON_KEY, reason),))
+
+
+class _Undecodable:
+    """Stands in for a request whose bytes are not the expected message."""
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def _tolerant(deserialize: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def run(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except DecodeError as e:
+            return _Undecodable(str(e))
+
+    return run
+
+
+async def _reject(request: _Undecodable, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"the request is not a valid message ({request.error}); "
+        "use the stubs generated from proto/engramd/v1",
+        trailing_metadata=((REASON_KEY, InvalidRequest.reason),),
+    )
+
+
+class DecodeGuard(grpc.aio.ServerInterceptor):
+    """Answers undecodable requests (bad UTF-8, corrupt wire format) with INVALID_ARGUMENT.
+
+    gRPC would otherwise answer UNKNOWN and log a traceback for every one.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """The method's handler, its deserializer made tolerant."""
+        handler = await continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        tolerant = _tolerant(handler.request_deserializer)
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await _reject(request, context)
+                return await unary(request, context)
+
+            return handler._replace(request_deserializer=tolerant, unary_unary=unary_unary)
+        if handler.unary_stream is not None and inspect.isasyncgenfunction(handler.unary_stream):
+            # (Handlers that stream with context.write, like health's Watch,
+            # keep gRPC's own decoding: they cannot be wrapped as generators.)
+            stream = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if isinstance(request, _Undecodable):
+                    await _reject(request, context)
+                    return
+                async for reply in stream(request, context):
+                    yield reply
+
+            return handler._replace(request_deserializer=tolerant, unary_stream=unary_stream)
+        return handler

@@ -93,10 +93,10 @@ def load_set(
     root = sets_root(shm_dir)
     root.mkdir(mode=0o750, parents=True, exist_ok=True)
     staging = root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-    staging.mkdir(mode=0o750)
-    own(staging, gid)
     fds: list[int] = []
     try:
+        staging.mkdir(mode=0o750)
+        own(staging, gid)
         for i, entry in enumerate(plan.tensors):
             fd = os.open(
                 staging / tensor_file_name(i),
@@ -145,8 +145,15 @@ def load_set(
             f.write(manifest.to_json())
         os.rename(staging, root / plan.set_id)
         return manifest
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            # Only the folder and the manifest are not reserved up front.
+            raise ShmFull(
+                f"the shm folder {root.parent} ran out of space while loading set "
+                f"{plan.set_id} ({gib(plan.nbytes)}; another writer took the space?); "
+                f"{FIX_SHM_SIZE}"
+            ) from None
         raise
     finally:
         for fd in fds:

@@ -36,7 +36,7 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .admin import AdminService
 from .config import DaemonConfig
-from .errors import ServiceError
+from .errors import DecodeGuard, ServiceError
 from .metrics import serve_metrics
 from .sdnotify import Notifier
 from .service import TableService
@@ -68,14 +68,14 @@ class EngramdServer:
         self.service = TableService(config, self.store)
         self.health = health_aio.HealthServicer()
         self.notifier = Notifier()
-        self.grpc = grpc.aio.server()
+        self.grpc = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_TableServiceServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
-        self.admin = grpc.aio.server()
+        self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_AdminServiceServicer_to_server(AdminService(config, self.store), self.admin)
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
-            self.probes = grpc.aio.server()
+            self.probes = grpc.aio.server(interceptors=[DecodeGuard()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
         self._tasks: list[asyncio.Task[None]] = []

@@ -6,6 +6,7 @@ sets live in a fresh folder under /dev/shm that is removed afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import signal
@@ -52,9 +53,10 @@ class Worker:
             text=True,
         )
         #: What the worker printed once attached (or its error).
-        self.hello = self._read()
+        self.hello = self.read()
 
-    def _read(self) -> dict[str, Any]:
+    def read(self) -> dict[str, Any]:
+        """The worker's next JSON line."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -71,7 +73,7 @@ class Worker:
     def ask(self, command: str) -> dict[str, Any]:
         """Send one command line and return the worker's JSON answer."""
         self.send(command)
-        return self._read()
+        return self.read()
 
     def stderr(self) -> str:
         """What the worker wrote to stderr (waits for it to exit)."""
@@ -89,6 +91,28 @@ class Worker:
         """SIGKILL, no goodbye."""
         self.proc.kill()
         self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def mounted_tmpfs(size: str) -> Iterator[Path]:
+    """A real tmpfs of `size` (mount's syntax: 8m, 64m), unmounted afterwards.
+
+    Skips the test where mounting is not permitted (needs root).
+    """
+    path = Path(tempfile.mkdtemp(prefix="engramd-tmpfs-", dir="/tmp"))
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        path.rmdir()
+        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+        path.rmdir()
 
 
 @pytest.fixture

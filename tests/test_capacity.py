@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from conftest import Daemon, Worker, reason
+from conftest import Daemon, Worker, mounted_tmpfs, reason
 from engramd_client import plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -18,19 +16,9 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 @pytest.fixture
 def small_shm() -> Iterator[Path]:
-    """A real 8 MiB tmpfs, mounted for the test; skipped where mounting is not permitted."""
-    path = Path(tempfile.mkdtemp(prefix="engramd-small-", dir="/tmp"))
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root")
-    yield path
-    subprocess.run(["umount", str(path)], check=True)
-    path.rmdir()
+    """A real 8 MiB tmpfs, as small as Docker's default /dev/shm is for big tables."""
+    with mounted_tmpfs("8m") as path:
+        yield path
 
 
 def test_small_tmpfs_refuses_and_keeps_serving(

@@ -5,6 +5,8 @@ Commands (one per line, each answered by one JSON line):
   mem           this process's memory (rss, uss, pss, shared) from psutil
   lease         the lease id (it changes when the lease is re-established)
   write NAME    write into tensor NAME (a shared one must fault)
+  lookups S     gather random rows of every synthetic table for S seconds, check each row
+  churn S       close, then attach and close again and again for S seconds
   exit          close the tables and exit 0
 """
 
@@ -14,6 +16,7 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
@@ -30,6 +33,24 @@ def digests(tables: Tables) -> dict[str, str]:
         name: hashlib.sha256(tables[name].contiguous().view(torch.uint8).numpy().data).hexdigest()
         for name in tables
     }
+
+
+def lookups(tables: Tables, seconds: float) -> dict[str, int]:
+    """Gather and check rows of an `engramd synth` checkpoint's tables (seed 0)."""
+    from engramd.synth import expected_rows
+
+    g = torch.Generator().manual_seed(os.getpid())
+    count = bad = 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        for name in tables:
+            layer, kind = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+            table = tables[name].view(torch.uint8)
+            rows = torch.randint(0, table.shape[0], (256,), generator=g)
+            got = table.index_select(0, rows)
+            bad += int((got != expected_rows(0, layer, kind, rows, table.shape[1])).any(1).sum())
+            count += rows.numel()
+    return {"lookups": count, "bad": bad}
 
 
 def say(doc: dict[str, Any]) -> None:
@@ -80,6 +101,16 @@ def main() -> int:
         elif command == "write":
             tables[arg].view(torch.uint8).view(-1)[:4096].fill_(0x5A)
             say({"wrote": arg})
+        elif command == "lookups":
+            say(lookups(tables, float(arg)))
+        elif command == "churn":
+            tables.close()
+            cycles, deadline = 0, time.monotonic() + float(arg)
+            while time.monotonic() < deadline:
+                tables = attach(args.checkpoint, share=share, socket=args.socket)
+                tables.close()
+                cycles += 1
+            say({"cycles": cycles})
         elif command == "exit":
             tables.close()
             say({"closed": True})
