@@ -40,13 +40,14 @@ class Worker:
         share: str = "auto",
         labels: dict[str, str] | None = None,
         prefix: list[str] | None = None,
+        python: str = sys.executable,
     ) -> None:
-        """Start the worker; `prefix` runs it under another command (unshare, ...)."""
+        """Start the worker; `prefix` runs it under another command (unshare, runuser...)."""
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         self.proc = subprocess.Popen(
-            [*(prefix or []), sys.executable, *args],
+            [*(prefix or []), python, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,

@@ -1,0 +1,228 @@
+"""Who may do what: real unprivileged users, the admin socket, allowed roots, the budget."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import Daemon, Worker, reason, wait_until
+from engramd.synth import SynthSpec, synthesize
+from engramd_client import plan_tables
+from engramd_client.layout import sets_root
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+GROUP = "engramd-t"
+MEMBER = "engramd-tm"
+OUTSIDER = "engramd-to"
+
+
+def _run(*args: str) -> None:
+    subprocess.run(args, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def users() -> Iterator[list[str]]:
+    """A group and two users made for the test (a member and an outsider), removed after.
+
+    Yields the command that runs this checkout's Python as another user: the
+    venv's interpreter may sit where only root can reach it (under /root), so
+    a system interpreter of the same version runs the same packages.
+    """
+    if os.geteuid() != 0 or not shutil.which("useradd"):
+        pytest.skip("creating users needs root and useradd")
+    _remove_users()  # what an interrupted earlier run may have left
+    _run("groupadd", "--system", GROUP)
+    _run("useradd", "--system", "--no-create-home", "-G", GROUP, MEMBER)
+    _run("useradd", "--system", "--no-create-home", OUTSIDER)
+    try:
+        yield _python_for_others()
+    finally:
+        _remove_users()
+
+
+def _remove_users() -> None:
+    for user in (MEMBER, OUTSIDER):
+        subprocess.run(["userdel", "--force", user], capture_output=True)
+    subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def _python_for_others() -> list[str]:
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    paths = [p for p in sys.path if p.endswith("site-packages")] + [str(ROOT), str(ROOT / "client")]
+    for python in (sys.executable, shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")):
+        if python is None:
+            continue
+        command = ["env", f"PYTHONPATH={':'.join(paths)}", python]
+        probe = subprocess.run(
+            ["runuser", "-u", OUTSIDER, "--", *command, "-c", "import engramd_client, torch"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0:
+            return command
+    pytest.skip(f"no {version} that other users may run finds this checkout's packages")
+
+
+@pytest.fixture
+def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """(socket folder's parent, shm folder, checkpoint) that anyone may traverse and read."""
+    top = Path(tempfile.mkdtemp(prefix="eds", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-test-sec", dir="/dev/shm"))
+    ckpt = top / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    for p in (top, shm, ckpt, *ckpt.iterdir()):
+        p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP | stat.S_IXGRP)
+    yield top, shm, ckpt
+    shutil.rmtree(top, ignore_errors=True)
+    shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_only_the_group_may_attach_or_read(
+    users: None, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    top, shm, ckpt = open_dirs
+    d = Daemon(
+        top / "run" / "d.sock",
+        shm,
+        ["--checkpoint", str(ckpt), "--socket-group", GROUP],
+        top / "log",
+    ).start()
+    try:
+        [s] = d.status().sets
+        folder = sets_root(shm) / s.set_id
+        assert stat.S_IMODE((top / "run").stat().st_mode) == 0o750
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+        assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+        files = list(folder.iterdir())
+        assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in files)
+
+        *env, python = users
+        member = Worker(
+            ckpt, d.socket, share="on", prefix=["runuser", "-u", MEMBER, "--", *env], python=python
+        )
+        workers.append(member)
+        assert member.hello["mode"] == "shared"
+
+        outsider = Worker(
+            ckpt,
+            d.socket,
+            share="on",
+            prefix=["runuser", "-u", OUTSIDER, "--", *env],
+            python=python,
+        )
+        workers.append(outsider)
+        assert outsider.hello["error"] == "NotAllowed"
+        assert "permission denied" in outsider.hello["message"]
+        peek = subprocess.run(
+            ["runuser", "-u", OUTSIDER, "--", "cat", str(folder / "0000.bin")],
+            capture_output=True,
+            text=True,
+        )
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+        # The admin socket is the owner's alone, group or not.
+        admin = subprocess.run(
+            [
+                "runuser",
+                "-u",
+                MEMBER,
+                "--",
+                sys.executable,
+                "-m",
+                "engramd",
+                "drop",
+                s.set_id,
+                "--socket",
+                str(d.socket),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert admin.returncode == 1 and [x.set_id for x in d.status().sets] == [s.set_id]
+    finally:
+        d.stop()
+
+
+def test_worker_socket_serves_no_admin(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    with d.channel() as ch, pytest.raises(grpc.RpcError) as info:
+        pb_grpc.AdminServiceStub(ch).Drop(pb.DropRequest(set_id=s.set_id), timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert [x.set_id for x in d.status().sets] == [s.set_id]
+
+
+def _attach_code(d: Daemon, ckpt: Path, set_id: str = "") -> grpc.StatusCode | None:
+    request = pb.AttachRequest(set_id=set_id or "0" * 20, checkpoint=str(ckpt), pid=os.getpid())
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=20)
+        try:
+            next(iter(call))
+            return None
+        except grpc.RpcError as e:
+            return e.code()
+        finally:
+            call.cancel()
+
+
+def test_allowed_root_cannot_be_escaped(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    root.mkdir()
+    shutil.copytree(checkpoint, outside)
+    (root / "link").symlink_to(outside)
+    d = daemons("--allow-root", str(root))
+    set_id = plan_tables(outside).set_id
+    assert _attach_code(d, root / ".." / "outside", set_id) == grpc.StatusCode.PERMISSION_DENIED
+    assert _attach_code(d, root / "link", set_id) == grpc.StatusCode.PERMISSION_DENIED
+    # A bind mount puts outside files under the root's path: the mount gives it away.
+    bound = root / "bound"
+    bound.mkdir()
+    if subprocess.run(["mount", "--bind", str(outside), str(bound)]).returncode != 0:
+        pytest.skip("bind mounts need root")
+    try:
+        assert _attach_code(d, bound, set_id) == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        subprocess.run(["umount", str(bound)], check=True)
+    # The same checkpoint really inside the root loads.
+    shutil.copytree(outside, root / "inside")
+    assert _attach_code(d, root / "inside", set_id) is None
+
+
+def test_memory_budget_and_idle_eviction(
+    tmp_path: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    one = synthesize(tmp_path / "one", SynthSpec(rows=20_000, seed=1))
+    two = synthesize(tmp_path / "two", SynthSpec(rows=20_000, seed=2))
+    budget = str(int(1.5 * plan_tables(one).nbytes))
+    d = daemons("--allow-root", str(tmp_path), "--memory-budget", budget)
+    w = Worker(one, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    request = pb.AttachRequest(set_id=plan_tables(two).set_id, checkpoint=str(two))
+    with d.channel() as ch, pytest.raises(grpc.RpcError) as info:
+        next(iter(pb_grpc.TableServiceStub(ch).Attach(request, timeout=20)))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert reason(info.value) == "budget" and "--evict-idle" in str(info.value.details())
+    d.stop()
+
+    d.args.append("--evict-idle")
+    d.start()
+    wait_until(lambda: sum(len(s.leases) for s in d.status().sets) == 1, 10, "the lease back")
+    # The first set is still leased (the worker re-attached): it must not be evicted.
+    assert _attach_code(d, two, plan_tables(two).set_id) == grpc.StatusCode.RESOURCE_EXHAUSTED
+    w.exit()
+    assert _attach_code(d, two, plan_tables(two).set_id) is None
+    assert [s.checkpoint for s in d.status().sets] == [str(two)]
+    assert "evicting idle set" in d.log
