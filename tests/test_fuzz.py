@@ -8,7 +8,7 @@ import socket
 import struct
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -93,7 +93,7 @@ def test_attach_with_anything(
         tensors=tensors,
         pid=pid,
         labels=labels,
-        accept=accept,
+        accept=cast(Any, accept),
         reattach=reattach,
     )
     with live.channel() as ch:

@@ -90,7 +90,7 @@ def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
 
 
 def test_only_the_group_may_attach_or_read(
-    users: None, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+    users: list[str], open_dirs: tuple[Path, Path, Path], workers: list[Worker]
 ) -> None:
     top, shm, ckpt = open_dirs
     d = Daemon(
