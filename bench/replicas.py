@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -12,36 +11,21 @@ from typing import Any
 
 import psutil
 
+from engramd.child import JsonLinesChild
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Replica:
+class Replica(JsonLinesChild):
     """One bench/worker.py process."""
 
     def __init__(self, checkpoint: Path, socket: str, mode: str, wait_go: bool = False) -> None:
         args = [sys.executable, "-m", "bench.worker", "--checkpoint", str(checkpoint)]
         args += ["--socket", socket, "--mode", mode] + (["--wait-go"] if wait_go else [])
-        self.proc = subprocess.Popen(
-            args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT
-        )
+        super().__init__(args, cwd=ROOT)
         self.ready = self.read()
         #: The worker's reply once attached.
         self.attached: dict[str, Any] = {}
-
-    def read(self) -> dict[str, Any]:
-        """The next JSON line."""
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"bench worker exited with {self.proc.wait()}")
-        doc: dict[str, Any] = json.loads(line)
-        return doc
-
-    def send(self, command: str) -> None:
-        """One command line."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
 
     def uss(self) -> int:
         """Unique set size now: memory only this process holds."""

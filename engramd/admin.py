@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator
 
 import grpc
@@ -14,7 +13,7 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .config import DaemonConfig
 from .errors import InvalidRequest, abort
-from .service import PROGRESS_INTERVAL_S, set_info
+from .service import load_progress, set_info
 from .store import SetStore
 
 
@@ -36,12 +35,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 plan_tables, request.checkpoint, request.tensors or self._config.tensors
             )
             ts = self._store.ensure(plan)
-            while not ts.done.is_set():
-                yield pb.LoadEvent(
-                    progress=pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+            async for progress in load_progress(ts):
+                yield pb.LoadEvent(progress=progress)
             if ts.error is not None:
                 raise ts.error
         except Exception as e:

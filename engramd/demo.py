@@ -9,10 +9,8 @@ it made is removed at the end, also on Ctrl-C.
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,18 +19,19 @@ from typing import Any
 
 import psutil
 
+from .child import JsonLinesChild
 from .daemon_process import DaemonProcess
 from .shmfs import gib, usage
 from .synth import SynthSpec, synthesize
 
 
-class Replica:
+class Replica(JsonLinesChild):
     """A demo_replica child process."""
 
     def __init__(
         self, checkpoint: Path, socket: Path, rank: int, share: str, steps: int, tokens: int
     ) -> None:
-        self.proc = subprocess.Popen(
+        super().__init__(
             [
                 sys.executable,
                 "-m",
@@ -50,28 +49,10 @@ class Replica:
                 "--tokens",
                 str(tokens),
             ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
             start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
         )
         self.rank = rank
         self.hello: dict[str, Any] = {}
-
-    def read(self) -> dict[str, Any]:
-        """The replica's next JSON line."""
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"replica {self.rank} exited with {self.proc.wait()}")
-        doc: dict[str, Any] = json.loads(line)
-        return doc
-
-    def send(self, command: str) -> None:
-        """One command line."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
 
     def memory(self) -> dict[str, int]:
         """RSS, PSS and USS of the replica now."""

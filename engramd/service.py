@@ -54,12 +54,8 @@ class TableService(pb_grpc.TableServiceServicer):
         try:
             _validate(request)
             ts = await self._resolve(request)
-            while not ts.done.is_set():
-                yield pb.AttachEvent(
-                    progress=pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
-                )
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+            async for progress in load_progress(ts):
+                yield pb.AttachEvent(progress=progress)
             if ts.error is not None:
                 raise ts.error
             lease = self._store.add_lease(ts, request.pid, dict(request.labels))
@@ -208,6 +204,14 @@ class TableService(pb_grpc.TableServiceServicer):
             ),
             sets=[set_info(ts, now) for ts in self._store.sets.values()],
         )
+
+
+async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
+    """The set's load progress, four times a second, until the load ends (ready or failed)."""
+    while not ts.done.is_set():
+        yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
 
 
 def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:

@@ -7,7 +7,6 @@ sets live in a fresh folder under /dev/shm that is removed afterwards.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
+from engramd.child import JsonLinesChild
 from engramd.daemon_process import DaemonProcess as Daemon
 from engramd.synth import SynthSpec, synthesize
 from engramd_client.errors import REASON_KEY
@@ -29,7 +29,7 @@ TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"
 
 
-class Worker:
+class Worker(JsonLinesChild):
     """tests/worker.py in a child process: attaches, then answers commands on stdin."""
 
     def __init__(
@@ -46,35 +46,9 @@ class Worker:
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
-        self.proc = subprocess.Popen(
-            [*(prefix or []), python, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
+        super().__init__([*(prefix or []), python, *args], stderr=subprocess.PIPE)
         #: What the worker printed once attached (or its error).
         self.hello = self.read()
-
-    def read(self) -> dict[str, Any]:
-        """The worker's next JSON line."""
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"worker exited ({self.proc.wait()}): {self.stderr()}")
-        doc: dict[str, Any] = json.loads(line)
-        return doc
-
-    def send(self, command: str) -> None:
-        """Send one command line."""
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, command: str) -> dict[str, Any]:
-        """Send one command line and return the worker's JSON answer."""
-        self.send(command)
-        return self.read()
 
     def stderr(self) -> str:
         """What the worker wrote to stderr (waits for it to exit)."""
