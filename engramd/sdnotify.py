@@ -24,11 +24,6 @@ class Notifier:
             self._address = "\0" + address[1:] if address.startswith("@") else address
         self._sock: socket.socket | None = None
 
-    @property
-    def enabled(self) -> bool:
-        """True when a notify socket was given."""
-        return self._address is not None
-
     def send(self, **fields: str | int) -> None:
         """One message of KEY=value lines: send(READY=1, STATUS="loading")."""
         if self._address is None:

@@ -170,11 +170,6 @@ class EngramdServer:
             EXTEND_TIMEOUT_USEC=int(NOTIFY_INTERVAL_S * 30 * 1e6),
         )
 
-    async def wait_ready(self) -> bool:
-        """Wait until every configured set finished loading; True when all are ready."""
-        await self._tasks[0]
-        return self.service.ready
-
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)

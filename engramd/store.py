@@ -122,7 +122,7 @@ class SetStore:
 
     # -- sets -----------------------------------------------------------------
 
-    async def adopt_existing(self, verify: bool) -> list[TableSet]:
+    async def adopt_existing(self, verify: bool) -> None:
         """Take over complete sets left by an earlier daemon; remove partial loads.
 
         With `verify`, every adopted set's checksums are recomputed first and a
@@ -131,7 +131,6 @@ class SetStore:
         root = sets_root(self.shm_dir)
         root.mkdir(mode=0o750, parents=True, exist_ok=True)
         own(root, self._gid)
-        adopted = []
         for folder in sorted(root.iterdir()):
             if LOADING_MARK in folder.name:
                 log.info("removing partial load %s", folder)
@@ -167,14 +166,12 @@ class SetStore:
             ts.done.set()
             self.sets[ts.set_id] = ts
             self._spawn(self._pin(ts))
-            adopted.append(ts)
             log.info(
                 "adopted set %s (%s, %s) without reloading",
                 ts.set_id,
                 ts.checkpoint,
                 gib(ts.nbytes),
             )
-        return adopted
 
     def get(self, set_id: str) -> TableSet | None:
         """The set with this id, in any state."""

@@ -76,13 +76,6 @@ class TensorEntry:
     offset: int
     nbytes: int
 
-    @property
-    def row_bytes(self) -> int:
-        """Bytes of one row (first dimension); the whole tensor for a scalar."""
-        if not self.shape:
-            return self.nbytes
-        return self.nbytes // self.shape[0] if self.shape[0] else 0
-
 
 @dataclass(frozen=True)
 class SafetensorsFile:
@@ -110,13 +103,6 @@ class TablePlan:
     def nbytes(self) -> int:
         """The selected tensors' bytes, without padding."""
         return sum(t.nbytes for t in self.tensors)
-
-    def tensor(self, name: str) -> TensorEntry:
-        """The entry named `name`."""
-        for entry in self.tensors:
-            if entry.name == name:
-                return entry
-        raise KeyError(name)
 
 
 def read_header(path: Path) -> SafetensorsFile:

@@ -174,8 +174,6 @@ class Lease:
         self._closed = threading.Event()
         #: The daemon's id of the lease; changes when it is re-established.
         self.lease_id = attachment.lease_id
-        #: How many times the lease was re-established after the stream broke.
-        self.reattached = 0
         self._thread = threading.Thread(target=self._hold, name="engramd-lease", daemon=True)
         self._thread.start()
 
@@ -214,7 +212,6 @@ class Lease:
 
     def _adopt(self, attachment: pb.Attachment) -> None:
         self.lease_id = attachment.lease_id
-        self.reattached += 1
         if attachment.nonce != self._nonce:
             # The daemon reloaded the set; this worker still maps the earlier
             # copy, which holds the same bytes (same fingerprint).
