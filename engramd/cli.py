@@ -252,12 +252,14 @@ def status(
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
+    from engramd_client.config import ClientConfig
+    from engramd_client.lease import open_channel
     from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
     from .server import admin_socket_for
 
     path = admin_socket or admin_socket_for(socket)
-    channel = grpc.insecure_channel(f"unix:{path}", options=[("grpc.enable_http_proxy", 0)])
+    channel = open_channel(ClientConfig(socket=path))
     return pb_grpc.AdminServiceStub(channel), path
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from engramd_client.config import ClientConfig
+from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
@@ -103,13 +105,8 @@ class DaemonProcess:
         """A channel to the daemon's socket."""
         # Short reconnect backoff: while the daemon starts, the socket does not
         # exist yet, and gRPC's default first retry comes a second later.
-        return grpc.insecure_channel(
-            f"unix:{self.socket}",
-            options=[
-                ("grpc.initial_reconnect_backoff_ms", 10),
-                ("grpc.min_reconnect_backoff_ms", 10),
-                ("grpc.max_reconnect_backoff_ms", 100),
-            ],
+        return open_channel(
+            ClientConfig(socket=str(self.socket), reconnect_min_s=0.01, reconnect_max_s=0.1)
         )
 
     def status(self) -> pb.StatusReply:

@@ -27,6 +27,7 @@ import shutil
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -175,42 +176,51 @@ def _reserve(fd: int, entry: TensorEntry, staging: Path, set_bytes: int) -> None
         ) from None
 
 
-def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
-    crc = 0
+def _chunks(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
+    """`nbytes` of `fd` from `offset`, in BUFFER_BYTES pieces of one reused buffer.
+
+    Raises EOFError when the file ends first.
+    """
     buffer = memoryview(bytearray(BUFFER_BYTES))
+    done = 0
+    while done < nbytes:
+        n = os.preadv(fd, [buffer[: nbytes - done]], offset + done)
+        if n == 0:
+            raise EOFError(f"ended {nbytes - done} bytes early")
+        yield buffer[:n]
+        done += n
+
+
+def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
+    crc = done = unreported = 0
     with open(entry.file, "rb", buffering=0) as src:
         os.posix_fadvise(src.fileno(), entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
-        done = unreported = 0
-        while done < entry.nbytes:
-            n = os.preadv(src.fileno(), [buffer[: entry.nbytes - done]], entry.offset + done)
-            if n == 0:
-                raise CheckpointError(
-                    f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
-                    "being loaded (truncated or rewritten); fetch the file again"
-                )
-            chunk = buffer[:n]
-            crc = zlib.crc32(chunk, crc)
-            written = 0
-            while written < n:
-                written += os.pwrite(dst, chunk[written:], done + written)
-            done += n
-            unreported += n
-            if unreported >= PROGRESS_BYTES or done == entry.nbytes:
-                progress.add(unreported)
-                unreported = 0
+        try:
+            for chunk in _chunks(src.fileno(), entry.offset, entry.nbytes):
+                crc = zlib.crc32(chunk, crc)
+                written = 0
+                while written < len(chunk):
+                    written += os.pwrite(dst, chunk[written:], done + written)
+                done += len(chunk)
+                unreported += len(chunk)
+                if unreported >= PROGRESS_BYTES or done == entry.nbytes:
+                    progress.add(unreported)
+                    unreported = 0
+        except EOFError:
+            raise CheckpointError(
+                f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
+                "being loaded (truncated or rewritten); fetch the file again"
+            ) from None
     return f"crc32:{crc:08x}"
 
 
 def checksum_file(path: Path, nbytes: int) -> str:
-    """The manifest checksum of the first `nbytes` bytes of a tensor file."""
+    """The manifest checksum of the first `nbytes` bytes of a tensor file ("short" if shorter)."""
     crc = 0
-    buffer = memoryview(bytearray(BUFFER_BYTES))
     with open(path, "rb", buffering=0) as f:
-        done = 0
-        while done < nbytes:
-            n = os.preadv(f.fileno(), [buffer[: nbytes - done]], done)
-            if n == 0:
-                break
-            crc = zlib.crc32(buffer[:n], crc)
-            done += n
+        try:
+            for chunk in _chunks(f.fileno(), 0, nbytes):
+                crc = zlib.crc32(chunk, crc)
+        except EOFError:
+            return "short"
     return f"crc32:{crc:08x}"

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from google.protobuf.json_format import MessageToDict
 
+from engramd_client.config import ClientConfig
+from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
@@ -15,7 +16,7 @@ from .shmfs import gib
 
 def fetch(socket: str, timeout_s: float = 2.0) -> pb.StatusReply:
     """The daemon's StatusReply; raises grpc.RpcError when it does not answer."""
-    with grpc.insecure_channel(f"unix:{socket}", options=[("grpc.enable_http_proxy", 0)]) as ch:
+    with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
             pb.StatusRequest(), timeout=timeout_s
         )
