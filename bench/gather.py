@@ -13,13 +13,17 @@ from pathlib import Path
 
 import torch
 
-from engramd.engram_hash import EngramHash, gather
+from engramd.engram_hash import EngramHash, byte_rows, gather
 from engramd_client import Tables, attach
 
 from .common import Figure, any_shm, compare, daemon
 
 LAYER = 1
 HEADS = 24
+#: Rows in each side's pool of index sets. Decoding never repeats a position,
+#: so a step's rows must not still be in cache or TLB from an earlier step: a
+#: small pool at T = 1 (16 sets of 24 rows) measured cache hits, not the table.
+POOL_ROWS = 1 << 21
 #: Seconds each side gathers per repetition.
 WINDOW_S = 0.3
 
@@ -28,21 +32,24 @@ class Lookup:
     """Preallocated outputs and a pool of index sets for one layer."""
 
     def __init__(self, tables: Tables, tokens: int, seed: int = 0) -> None:
-        self.weight = tables[f"layers.{LAYER}.engram.embed.weight"]
-        self.scale = tables[f"layers.{LAYER}.engram.embed.scale"]
+        self.weight = byte_rows(tables[f"layers.{LAYER}.engram.embed.weight"])
+        self.scale = byte_rows(tables[f"layers.{LAYER}.engram.embed.scale"])
         h = EngramHash(rows=self.weight.shape[0], layer=LAYER, heads=HEADS)
         g = torch.Generator().manual_seed(seed)
-        self.indices = [
-            h.rows_for(torch.randint(0, 129_280, (tokens + 2,), generator=g)).view(-1)
-            for _ in range(16)
-        ]
+        steps = max(16, POOL_ROWS // (tokens * HEADS))
+        stream = torch.randint(0, 129_280, (steps * tokens + 2,), generator=g)
+        self.indices = h.rows_for(stream).view(steps, tokens * HEADS).unbind()
         n = tokens * HEADS
-        self.w_out = torch.empty(n, self.weight.shape[1], dtype=torch.uint8)
-        self.s_out = torch.empty(n, self.scale.shape[1], dtype=torch.uint8)
+        # zeros, not empty: an engine's outputs are long faulted in, and the
+        # first step after attach must time the tables' pages, not these.
+        self.w_out = torch.zeros(n, self.weight.shape[1], dtype=torch.uint8)
+        self.s_out = torch.zeros(n, self.scale.shape[1], dtype=torch.uint8)
+        self.next = 0
 
-    def step(self, i: int) -> None:
-        """One lookup step with the i-th index set."""
-        rows = self.indices[i % len(self.indices)]
+    def step(self) -> None:
+        """One lookup step with the next index set of the pool."""
+        rows = self.indices[self.next]
+        self.next = (self.next + 1) % len(self.indices)
         gather(self.weight, rows, self.w_out)
         gather(self.scale, rows, self.s_out)
 
@@ -50,7 +57,7 @@ class Lookup:
         """Rows per second over WINDOW_S."""
         steps, start = 0, time.perf_counter()
         while (elapsed := time.perf_counter() - start) < WINDOW_S:
-            self.step(steps)
+            self.step()
             steps += 1
         return steps * self.indices[0].numel() / elapsed
 
@@ -66,7 +73,8 @@ def gather_throughput(ckpt: Path, reps: int, size_gib: float) -> list[Figure]:
                 continue
             pages = "2 MiB" if huge else "4 KiB"
             with daemon(shm, "--checkpoint", str(ckpt)) as d:
-                shared = attach(ckpt, socket=str(d.socket), share=True)
+                # Populated: the steady state is measured here, the first step apart.
+                shared = attach(ckpt, socket=str(d.socket), share=True, populate=True)
                 for threads in (1, 2):
                     torch.set_num_threads(threads)
                     for tokens in (1, 64, 4096):
@@ -75,7 +83,7 @@ def gather_throughput(ckpt: Path, reps: int, size_gib: float) -> list[Figure]:
                             "private": Lookup(private, tokens),
                         }
                         for side in sides.values():
-                            side.step(0)  # fault in what the first step touches
+                            side.step()  # fault in what the first step touches
                         rates: dict[str, list[float]] = {"shared": [], "private": []}
                         for rep in range(reps):
                             order = ["shared", "private"] if rep % 2 else ["private", "shared"]
@@ -118,7 +126,7 @@ def _first_gather(ckpt: Path, socket: str, reps: int, pages: str) -> list[Figure
             lookup = Lookup(tables, 4096)
             for i in range(6):
                 start = time.perf_counter()
-                lookup.step(i)
+                lookup.step()
                 took = (time.perf_counter() - start) * 1e3
                 if i == 0:
                     first_ms[populate].append(took)

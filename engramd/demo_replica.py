@@ -20,7 +20,7 @@ import torch
 
 from engramd_client import Tables, attach
 
-from .engram_hash import EngramHash, gather
+from .engram_hash import EngramHash, byte_rows, gather
 from .synth import expected_rows
 
 VOCAB = 129_280
@@ -33,8 +33,8 @@ def _say(doc: dict[str, object]) -> None:
 def run_lookups(tables: Tables, rank: int, steps: int, tokens: int, seed: int) -> dict[str, object]:
     """Gather every layer's rows for `steps` random token streams; check each row."""
     layers = sorted(int(n.split(".")[1]) for n in tables if n.endswith(".engram.embed.weight"))
-    weight = {layer: tables[f"layers.{layer}.engram.embed.weight"] for layer in layers}
-    scale = {layer: tables[f"layers.{layer}.engram.embed.scale"] for layer in layers}
+    weight = {layer: byte_rows(tables[f"layers.{layer}.engram.embed.weight"]) for layer in layers}
+    scale = {layer: byte_rows(tables[f"layers.{layer}.engram.embed.scale"]) for layer in layers}
     hashes = {layer: EngramHash(rows=weight[layer].shape[0], layer=layer) for layer in layers}
     heads = hashes[layers[0]].heads
     dim, groups = weight[layers[0]].shape[1], scale[layers[0]].shape[1]
