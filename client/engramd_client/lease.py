@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import threading
 from typing import Any
@@ -67,11 +68,16 @@ def probe_socket(path: str, timeout_s: float) -> None:
 
 
 def open_channel(config: ClientConfig) -> grpc.Channel:
-    """A channel to the daemon's socket that reconnects quickly after a restart."""
+    """A channel to the daemon's socket that reconnects quickly after a restart.
+
+    Server-streaming calls are read by the thread that iterates them, not by
+    a polling thread per channel.
+    """
     return grpc.insecure_channel(
         f"unix:{config.socket}",
         options=[
             ("grpc.enable_http_proxy", 0),
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
             ("grpc.min_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
@@ -101,35 +107,64 @@ def share_error(e: grpc.RpcError) -> ShareError:
     return cls(f"engramd: {e.details()}")
 
 
-def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
-    """Read an Attach stream until the daemon hands out the set; log load progress.
+class Lease:
+    """A worker's lease: the one reader of its Attach stream, re-opened after a restart.
 
-    A loading daemon sends progress several times a second, so `silence_s`
-    without any event means it hangs (or the peer is not engramd): a watchdog
-    cancels the call and the worker falls back instead of waiting forever.
+    The lease's thread reads the stream from the first event on. Until the
+    set is handed out it passes every event to `wait_attached` in the
+    attaching thread; afterwards it holds the stream and re-attaches by set
+    id whenever the stream breaks. One thread per worker, and gRPC's own
+    per-channel polling thread is not needed (single-threaded unary-stream
+    calls): a node's workers attaching at once share two cores with the daemon.
     """
-    last_logged = -1
-    heard = threading.Event()
-    done = threading.Event()
-    silent = threading.Event()
 
-    def watch() -> None:
-        while not done.is_set():
-            if not heard.wait(silence_s) and not done.is_set():
-                silent.set()
-                call.cancel()
-                return
-            heard.clear()
+    def __init__(self, config: ClientConfig, request: pb.AttachRequest) -> None:
+        self._config = config
+        self._channel = open_channel(config)
+        self._stub = pb_grpc.TableServiceStub(self._channel)
+        self._request = request
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        # Events until the set is handed out; then an RpcError, or None when
+        # the stream ended without it.
+        self._inbox: queue.SimpleQueue[pb.AttachEvent | grpc.RpcError | None] = queue.SimpleQueue()
+        self._nonce = ""
+        #: The daemon's id of the lease; changes when it is re-established.
+        self.lease_id = ""
+        self._call: Any = self._stub.Attach(request)  # a grpc.Call that is also the event iterator
+        self._thread = threading.Thread(target=self._run, name="engramd-lease", daemon=True)
+        self._thread.start()
 
-    threading.Thread(target=watch, name="engramd-attach-watchdog", daemon=True).start()
-    try:
-        for event in call:
-            heard.set()
-            kind = event.WhichOneof("event")
+    def wait_attached(self, what: str) -> pb.Attachment:
+        """Wait until the daemon hands out the set; log its load progress meanwhile.
+
+        A loading daemon sends progress several times a second, so
+        `reply_timeout_s` without any event means it hangs (or the peer is not
+        engramd): the caller falls back instead of waiting forever.
+        """
+        silence_s = self._config.reply_timeout_s
+        last_logged = -1
+        while True:
+            try:
+                item = self._inbox.get(timeout=silence_s)
+            except queue.Empty:
+                raise DaemonUnavailable(
+                    f"engramd did not answer for {silence_s} s while attaching {what} "
+                    "(hung, or not engramd at that socket); restart it"
+                ) from None
+            if item is None:
+                raise DaemonUnavailable(
+                    "engramd closed the attach stream before it sent the tables"
+                )
+            if isinstance(item, grpc.RpcError):
+                raise share_error(item)
+            kind = item.WhichOneof("event")
             if kind == "attached":
-                return event.attached
+                self._nonce = item.attached.nonce
+                self.lease_id = item.attached.lease_id
+                return item.attached
             if kind == "progress":
-                p = event.progress
+                p = item.progress
                 percent = 100 * p.bytes_done // max(p.bytes_total, 1)
                 if percent // 10 > last_logged:
                     last_logged = percent // 10
@@ -138,46 +173,27 @@ def wait_attached(call: Any, what: str, silence_s: float) -> pb.Attachment:
                     )
             elif kind == "draining":
                 raise DaemonUnavailable("engramd is stopping; it sent no tables")
-    except grpc.RpcError as e:
-        if silent.is_set():
-            raise DaemonUnavailable(
-                f"engramd did not answer for {silence_s} s while attaching {what} "
-                "(hung, or not engramd at that socket); restart it"
-            ) from None
-        raise share_error(e) from None
-    finally:
-        done.set()
-        heard.set()
-    raise DaemonUnavailable("engramd closed the attach stream before it sent the tables")
 
-
-class Lease:
-    """Keeps a worker attached: owns the Attach stream and re-opens it after a restart."""
-
-    def __init__(
-        self,
-        config: ClientConfig,
-        channel: grpc.Channel,
-        request: pb.AttachRequest,
-        call: Any,  # grpc's stream call: a grpc.Call that is also the event iterator
-        attachment: pb.Attachment,
-    ) -> None:
-        self._config = config
-        self._channel = channel
-        self._stub = pb_grpc.TableServiceStub(channel)
-        self._request = pb.AttachRequest()
-        self._request.CopyFrom(request)
-        self._request.reattach = True
-        self._call = call
-        self._nonce = attachment.nonce
-        self._lock = threading.Lock()
-        self._closed = threading.Event()
-        #: The daemon's id of the lease; changes when it is re-established.
-        self.lease_id = attachment.lease_id
-        self._thread = threading.Thread(target=self._hold, name="engramd-lease", daemon=True)
-        self._thread.start()
+    def _run(self) -> None:
+        try:
+            for event in self._call:
+                self._inbox.put(event)
+                if event.WhichOneof("event") == "attached":
+                    break
+            else:
+                self._inbox.put(None)
+                return
+        except grpc.RpcError as e:
+            self._inbox.put(e)
+            return
+        self._hold()
 
     def _hold(self) -> None:
+        # From here on the worker maps the set; keep the lease, re-attaching
+        # by set id whenever the stream breaks.
+        request = pb.AttachRequest()
+        request.CopyFrom(self._request)
+        request.reattach = True
         delay = self._config.reconnect_min_s
         call = self._call
         last_error = ""
@@ -199,7 +215,7 @@ class Lease:
                     last_error = e.details()
                     log.warning(
                         "engramd lease for set %s: %s; this worker keeps its mapping and retries",
-                        self._request.set_id,
+                        request.set_id,
                         last_error,
                     )
             if self._closed.wait(delay):
@@ -208,7 +224,7 @@ class Lease:
             with self._lock:
                 if self._closed.is_set():
                     return
-                call = self._call = self._stub.Attach(self._request)
+                call = self._call = self._stub.Attach(request)
 
     def _adopt(self, attachment: pb.Attachment) -> None:
         self.lease_id = attachment.lease_id

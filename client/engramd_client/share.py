@@ -18,9 +18,8 @@ from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
 from .errors import DaemonUnavailable, NotAllowed, SegmentNotVisible, ShareError
 from .layout import MANIFEST_NAME, ManifestError, read_manifest
-from .lease import Lease, open_channel, probe_socket, report_fallback, wait_attached
+from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
-from .pb import engramd_pb2_grpc as pb_grpc
 from .tables import Region, RowRanges, Tables, check_row_names, map_shared
 
 log = logging.getLogger("engramd_client")
@@ -113,20 +112,15 @@ def _attach_shared(
         labels=dict(labels),
         accept=[pb.HANDLE_KIND_SHM],
     )
-    channel = open_channel(config)
-    call = pb_grpc.TableServiceStub(channel).Attach(request)
+    lease = Lease(config, request)
     try:
-        attachment = wait_attached(
-            call, plan.checkpoint.name if plan else request.set_id, config.reply_timeout_s
-        )
+        attachment = lease.wait_attached(plan.checkpoint.name if plan else request.set_id)
         if plan is None:
             check_row_names(rows, [h.name for h in attachment.tensors])
         tensors = _map(attachment, rows, populate)
     except BaseException:
-        call.cancel()
-        channel.close()
+        lease.close()
         raise
-    lease = Lease(config, channel, request, call, attachment)
     return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
 
 
