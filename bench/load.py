@@ -91,7 +91,7 @@ def _cp(plan: TablePlan, shm: Path) -> None:
 
 
 #: What `engramd serve` does by default (--load-threads 2).
-DEFAULT = "engramd loader (with crc32), 2 threads"
+DEFAULT = "engramd loader (with xxh3), 2 threads"
 
 
 def _warm(ckpt: Path) -> None:
@@ -108,7 +108,7 @@ def load_throughput(ckpt: Path, reps: int) -> list[Figure]:
     ways: dict[str, tuple[Callable[[TablePlan, Path], None], int]] = {
         "cp": (_cp, cp_bytes),
         DEFAULT: (_engramd(2), plan.nbytes),
-        "engramd loader (with crc32), 1 thread": (_engramd(1), plan.nbytes),
+        "engramd loader (with xxh3), 1 thread": (_engramd(1), plan.nbytes),
         "sendfile, 1 thread": (_copy_with(_sendfile, 1), plan.nbytes),
         "sendfile, 2 threads": (_copy_with(_sendfile, 2), plan.nbytes),
         "pwrite from mapping, 1 thread": (_copy_with(_pwrite_from_map, 1), plan.nbytes),

@@ -18,7 +18,7 @@ manifest.json::
      "selection": "*engram.embed.*", "created": <unix time>,
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
-                  "nbytes": ..., "checksum": "crc32:1a2b3c4d"}, ...]}
+                  "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...]}
 
 A set folder never changes after its rename: the daemon writes everything
 under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
