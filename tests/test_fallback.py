@@ -62,7 +62,7 @@ def test_silent_listener_costs_under_three_seconds(checkpoint: Path, sock_dir: P
     start = time.monotonic()
     with pytest.raises(DaemonUnavailable) as info:
         attach(checkpoint, socket=str(path), share=True)
-    # gRPC's own connect timeout or the client's watchdog, whichever fires first.
+    # gRPC's own connect timeout or the client's reply timeout, whichever fires first.
     assert "hung.sock" in str(info.value) or "did not answer" in str(info.value)
     # Bounded by ClientConfig.reply_timeout_s: a live daemon answers within it
     # even under an attach storm on two cores.
