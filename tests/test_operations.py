@@ -16,9 +16,11 @@ from typing import Any
 import grpc
 import psutil
 import pytest
+import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, wait_until
+from engramd_client import plan_tables
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -197,11 +199,17 @@ def test_load_verify_drop_from_the_cli(checkpoint: Path, daemons: Any) -> None:
     assert "100%" in loaded.stderr and "GB/s" in loaded.stderr
     [s] = d.status().sets
     assert s.state == "ready" and s.set_id in loaded.stdout
+    # Each manifest digest is of the checkpoint's own bytes, taken while copying.
+    manifest = json.loads((sets_root(d.shm_dir) / s.set_id / "manifest.json").read_text())
+    for entry, tensor in zip(plan_tables(checkpoint).tensors, manifest["tensors"], strict=True):
+        with open(entry.file, "rb") as f:
+            f.seek(entry.offset)
+            source = f.read(entry.nbytes)
+        assert tensor["checksum"] == f"xxh3-64:{xxhash.xxh3_64_hexdigest(source)}"
 
     ok = engramd("verify", s.set_id, *socket_args)
     assert ok.returncode == 0 and "all 4 tensors match" in ok.stdout
     # Flip one byte of one table in tmpfs (root may; workers cannot: 0640, read-only maps).
-    manifest = json.loads((sets_root(d.shm_dir) / s.set_id / "manifest.json").read_text())
     victim = manifest["tensors"][1]
     with open(sets_root(d.shm_dir) / s.set_id / victim["file"], "r+b") as f:
         f.seek(12345)
