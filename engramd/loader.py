@@ -10,9 +10,9 @@
    first, on several threads. Neither file is mapped, so a checkpoint
    truncated under the daemon gives a short read (a clear error) instead of
    a SIGBUS. Measured by bench/ against sendfile, pwrite from a mapping and
-   reads into a mapping: with the checksum, this is the fastest (a second
-   pass over tmpfs pages costs a third of the load). XXH3 runs at ~50 GB/s
-   a core; zlib's CRC32 at 4 GB/s took a fifth of the copy's CPU.
+   reads into a mapping: with the checksum, this is the fastest (a digest in
+   a second pass reads every tmpfs page again). XXH3 runs at ~50 GB/s a
+   core; zlib's CRC32 at 4 GB/s took a fifth of the copy's CPU.
 3. Describe and publish: manifest.json is written last, then the folder is
    renamed to the set id. A crash before the rename leaves only a
    `.loading-*` folder, which the next daemon removes.
