@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -11,6 +10,7 @@ from engramd_client.checkpoint import plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
+from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import InvalidRequest, abort
 from .service import load_progress, set_info
@@ -23,6 +23,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
     def __init__(self, config: DaemonConfig, store: SetStore) -> None:
         self._config = config
         self._store = store
+        self._readers = BlockingPool("admin-checkpoint", 2)
 
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
@@ -31,10 +32,10 @@ class AdminService(pb_grpc.AdminServiceServicer):
         try:
             if not request.checkpoint:
                 raise InvalidRequest("checkpoint is empty; name a checkpoint folder")
-            plan = await asyncio.to_thread(
+            plan = await self._readers.run(
                 plan_tables, request.checkpoint, request.tensors or self._config.tensors
             )
-            ts = self._store.ensure(plan)
+            ts = await self._store.ensure(plan)
             async for progress in load_progress(ts):
                 yield pb.LoadEvent(progress=progress)
             if ts.error is not None:
@@ -49,7 +50,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
     ) -> pb.DropReply:
         """Unlink a set."""
         try:
-            nbytes, leases = self._store.drop(request.set_id, request.force)
+            nbytes, leases = await self._store.drop(request.set_id, request.force)
         except Exception as e:
             await abort(context, e)
             raise
@@ -60,9 +61,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
     ) -> pb.VerifyReply:
         """Recompute a set's checksums; name the tensors that differ."""
         try:
-            corrupted = await self._store.verify(request.set_id)
+            ts, corrupted = await self._store.verify(request.set_id)
         except Exception as e:
             await abort(context, e)
             raise
-        ts = self._store.sets[request.set_id]
         return pb.VerifyReply(tensors=ts.ntensors, bytes=ts.nbytes, corrupted=corrupted)

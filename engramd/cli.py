@@ -25,6 +25,11 @@ from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
 from . import __version__
+from .config import DaemonConfig
+from .text import escape
+
+#: The daemon's defaults: the one place they are written is DaemonConfig.
+DEFAULTS = DaemonConfig()
 
 app = typer.Typer(
     add_completion=False,
@@ -71,12 +76,25 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(doc)
 
 
+class TextFormatter(logging.Formatter):
+    """One line per record: control characters in a message are escaped.
+
+    Messages quote what workers send (paths, causes); a newline in one must
+    not start a forged log line.
+    """
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        """The record's line, its message escaped."""
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
+
 def _logging(level: str, as_json: bool = False) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(
         JsonFormatter()
         if as_json
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+        else TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
@@ -122,16 +140,16 @@ def serve(
     ] = None,
     tensors: Annotated[
         str, typer.Option(envvar="ENGRAMD_TENSORS", help="Tensors that make a set (fnmatch).")
-    ] = DEFAULT_TENSORS,
-    socket: Socket = DEFAULT_SOCKET,
-    admin_socket: AdminSocket = "",
+    ] = DEFAULTS.tensors,
+    socket: Socket = DEFAULTS.socket,
+    admin_socket: AdminSocket = DEFAULTS.admin_socket,
     socket_group: Annotated[
         str,
         typer.Option(envvar="ENGRAMD_SOCKET_GROUP", help="Group that may attach (socket, sets)."),
-    ] = "engramd",
+    ] = DEFAULTS.socket_group,
     shm_dir: Annotated[
         Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
-    ] = Path("/dev/shm"),
+    ] = Path(DEFAULTS.shm_dir),
     allow_root: Annotated[
         list[Path] | None,
         typer.Option(
@@ -143,47 +161,72 @@ def serve(
     memory_budget: Annotated[
         str,
         typer.Option(envvar="ENGRAMD_MEMORY_BUDGET", help="Most bytes of sets held (0: no limit)."),
-    ] = "0",
+    ] = str(DEFAULTS.memory_budget),
     evict_idle: Annotated[
         bool,
         typer.Option(
             envvar="ENGRAMD_EVICT_IDLE",
             help="Drop unleased sets, oldest first, to stay within the budget.",
         ),
-    ] = False,
+    ] = DEFAULTS.evict_idle,
     verify: Annotated[
         bool,
         typer.Option(envvar="ENGRAMD_VERIFY", help="Recompute checksums of adopted sets."),
-    ] = False,
+    ] = DEFAULTS.verify,
     drop_on_exit: Annotated[
         bool, typer.Option(envvar="ENGRAMD_DROP_ON_EXIT", help="Remove the sets at shutdown.")
-    ] = False,
+    ] = DEFAULTS.drop_on_exit,
     mlock: Annotated[
         bool, typer.Option(envvar="ENGRAMD_MLOCK", help="Lock the sets' pages in memory.")
-    ] = True,
+    ] = DEFAULTS.mlock,
     load_threads: Annotated[
         int,
         typer.Option(envvar="ENGRAMD_LOAD_THREADS", min=1, help="Threads that copy a set."),
-    ] = 2,
+    ] = DEFAULTS.load_threads,
     health_port: Annotated[
         int, typer.Option(envvar="ENGRAMD_HEALTH_PORT", help="TCP port for gRPC health (0: off).")
-    ] = 0,
+    ] = DEFAULTS.health_port,
     health_address: Annotated[
         str, typer.Option(envvar="ENGRAMD_HEALTH_ADDRESS", help="Address of the health port.")
-    ] = "127.0.0.1",
+    ] = DEFAULTS.health_address,
     metrics_port: Annotated[
         int, typer.Option(envvar="ENGRAMD_METRICS_PORT", help="TCP port for metrics (0: off).")
-    ] = 0,
+    ] = DEFAULTS.metrics_port,
     metrics_address: Annotated[
         str, typer.Option(envvar="ENGRAMD_METRICS_ADDRESS", help="Address of the metrics port.")
-    ] = "127.0.0.1",
+    ] = DEFAULTS.metrics_address,
+    grace: Annotated[
+        float,
+        typer.Option(
+            envvar="ENGRAMD_GRACE", help="Seconds in-flight calls get at shutdown (SIGTERM)."
+        ),
+    ] = DEFAULTS.grace_s,
+    sweep_interval: Annotated[
+        float,
+        typer.Option(
+            envvar="ENGRAMD_SWEEP_INTERVAL",
+            help="Seconds between sweeps for leases of exited workers.",
+        ),
+    ] = DEFAULTS.sweep_interval_s,
+    adopt_grace: Annotated[
+        float,
+        typer.Option(
+            envvar="ENGRAMD_ADOPT_GRACE",
+            help="Seconds an adopted set is kept from eviction while its workers re-attach.",
+        ),
+    ] = DEFAULTS.adopt_grace_s,
+    max_leases: Annotated[
+        int,
+        typer.Option(
+            envvar="ENGRAMD_MAX_LEASES", min=0, help="Most leases held at once (0: no limit)."
+        ),
+    ] = DEFAULTS.max_leases,
     log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
     log_json: Annotated[
         bool, typer.Option(envvar="ENGRAMD_LOG_JSON", help="One JSON object per log line.")
     ] = False,
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
-    from .config import DaemonConfig
     from .server import serve as run
 
     values = _apply_config_file(ctx, config) if config else dict(ctx.params)
@@ -206,6 +249,10 @@ def serve(
         health_address=values["health_address"],
         metrics_port=values["metrics_port"],
         metrics_address=values["metrics_address"],
+        grace_s=values["grace"],
+        sweep_interval_s=values["sweep_interval"],
+        adopt_grace_s=values["adopt_grace"],
+        max_leases=values["max_leases"],
     )
     try:
         asyncio.run(run(daemon_config))

@@ -50,3 +50,8 @@ class DaemonConfig:
     grace_s: float = 5.0
     #: Seconds between sweeps that end leases of workers whose process is gone.
     sweep_interval_s: float = 1.0
+    #: Seconds after start before an adopted set without leases counts as idle
+    #: (its workers re-attach within a few seconds of a restart).
+    adopt_grace_s: float = 30.0
+    #: Most leases held at once, all sets together; 0 for no limit.
+    max_leases: int = 4096

@@ -30,6 +30,7 @@ class DaemonProcess:
         args: list[str],
         log: Path,
         env: dict[str, str] | None = None,
+        python: list[str] | None = None,
     ) -> None:
         self.socket = socket
         self.shm_dir = shm_dir
@@ -37,6 +38,8 @@ class DaemonProcess:
         self.log_path = log
         #: Variables added to the daemon's environment.
         self.env = env or {}
+        #: The command that runs Python (this interpreter, or it under prlimit, ...).
+        self.python = python or [sys.executable]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait: str = "serving") -> DaemonProcess:
@@ -44,7 +47,7 @@ class DaemonProcess:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [
-                    sys.executable,
+                    *self.python,
                     "-m",
                     "engramd",
                     "serve",

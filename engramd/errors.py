@@ -34,6 +34,20 @@ class InvalidRequest(ServiceError):
     reason = "invalid-request"
 
 
+class SelectionRefused(ServiceError):
+    """A worker asked the daemon to load another selection of tensors than it is configured for."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+    reason = "selection"
+
+
+class TooManyLeases(ServiceError):
+    """The daemon holds as many leases as it is configured to."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "leases"
+
+
 class UnknownSet(ServiceError):
     """No such set, and nothing to load it from."""
 
@@ -81,6 +95,10 @@ class Draining(ServiceError):
 
     code = grpc.StatusCode.UNAVAILABLE
     reason = "draining"
+
+
+class UntrustedShm(RuntimeError):
+    """The shm folder's `engramd/` is not the daemon's own and cannot be made so."""
 
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:

@@ -1,5 +1,9 @@
 """Copy a table set from its checkpoint into tmpfs: reserve, copy, describe, publish.
 
+0. Open: each checkpoint file is opened once (regular files only) and its
+   identity (device, inode, size, mtime, ctime) compared with what the plan
+   read; after the copy it is compared again, by descriptor and by path. A
+   file rewritten or replaced during the load is never published.
 1. Reserve: every tensor file is created under the `.loading-*` folder and
    posix_fallocate'd to its full size first. A tmpfs too small fails here with
    ENOSPC, before a byte is copied, and a reserved page can never raise SIGBUS
@@ -27,21 +31,28 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import xxhash
 
-from engramd_client.checkpoint import CheckpointError, TablePlan, TensorEntry
+from engramd_client.checkpoint import (
+    CheckpointError,
+    SourceFile,
+    TablePlan,
+    TensorEntry,
+    open_regular,
+)
 from engramd_client.layout import (
     LOADING_MARK,
     MANIFEST_NAME,
     Manifest,
     ManifestTensor,
+    open_owned,
     sets_root,
     tensor_file_name,
 )
 
+from .blocking import map_on_threads
 from .errors import ShmFull
 from .shmfs import FIX_SHM_SIZE, gib
 
@@ -92,13 +103,17 @@ def load_set(
 ) -> Manifest:
     """Copy the plan's tensors into `<shm_dir>/engramd/<set_id>` and return its manifest.
 
+    The daemon has claimed `<shm_dir>/engramd` already (shmroot.claim_root).
     Files are created 0640 and folders 0750, owned by group `gid` when given.
     """
     root = sets_root(shm_dir)
-    root.mkdir(mode=0o750, parents=True, exist_ok=True)
     staging = root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
     fds: list[int] = []
+    sources: dict[str, int] = {}
     try:
+        for source in plan.sources:
+            sources[source.path] = open_regular(Path(source.path))
+            _check_identity(source, os.fstat(sources[source.path]), "since its headers were read")
         staging.mkdir(mode=0o750)
         own(staging, gid)
         for i, entry in enumerate(plan.tensors):
@@ -112,14 +127,16 @@ def load_set(
                 os.fchown(fd, -1, gid)
             _reserve(fd, entry, staging, plan.nbytes)
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
-        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="engramd-load") as pool:
-            sums = dict(
-                zip(
-                    order,
-                    pool.map(lambda i: _copy(plan.tensors[i], fds[i], progress), order),
-                    strict=True,
-                )
-            )
+        copied = map_on_threads(
+            lambda i: _copy(plan.tensors[i], sources[str(plan.tensors[i].file)], fds[i], progress),
+            order,
+            threads,
+            "load",
+        )
+        sums = dict(zip(order, copied, strict=True))
+        for source in plan.sources:
+            _check_identity(source, os.fstat(sources[source.path]), "during the load")
+            _check_identity(source, os.stat(source.path), "during the load (replaced)")
         manifest = Manifest(
             set_id=plan.set_id,
             fingerprint=plan.fingerprint,
@@ -139,6 +156,7 @@ def load_set(
                 )
                 for i, t in enumerate(plan.tensors)
             ),
+            sources=plan.sources,
         )
         manifest_fd = os.open(
             staging / MANIFEST_NAME, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640
@@ -160,8 +178,19 @@ def load_set(
             ) from None
         raise
     finally:
-        for fd in fds:
+        for fd in [*fds, *sources.values()]:
             os.close(fd)
+
+
+def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
+    now = SourceFile.of(source.path, st)
+    if now != source:
+        raise CheckpointError(
+            f"{source.path} changed {when} (size {source.size} -> {now.size}, inode "
+            f"{source.ino} -> {now.ino}, mtime_ns {source.mtime_ns} -> {now.mtime_ns}); "
+            "engramd never serves a copy of a file that changed under it: load it again "
+            "once the file is final"
+        )
 
 
 def _reserve(fd: int, entry: TensorEntry, staging: Path, set_bytes: int) -> None:
@@ -194,34 +223,33 @@ def _chunks(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
         done += n
 
 
-def _copy(entry: TensorEntry, dst: int, progress: LoadProgress) -> str:
+def _copy(entry: TensorEntry, src: int, dst: int, progress: LoadProgress) -> str:
     digest = xxhash.xxh3_64()
     done = unreported = 0
-    with open(entry.file, "rb", buffering=0) as src:
-        os.posix_fadvise(src.fileno(), entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
-        try:
-            for chunk in _chunks(src.fileno(), entry.offset, entry.nbytes):
-                digest.update(chunk)
-                written = 0
-                while written < len(chunk):
-                    written += os.pwrite(dst, chunk[written:], done + written)
-                done += len(chunk)
-                unreported += len(chunk)
-                if unreported >= PROGRESS_BYTES or done == entry.nbytes:
-                    progress.add(unreported)
-                    unreported = 0
-        except EOFError:
-            raise CheckpointError(
-                f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
-                "being loaded (truncated or rewritten); fetch the file again"
-            ) from None
+    os.posix_fadvise(src, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
+    try:
+        for chunk in _chunks(src, entry.offset, entry.nbytes):
+            digest.update(chunk)
+            written = 0
+            while written < len(chunk):
+                written += os.pwrite(dst, chunk[written:], done + written)
+            done += len(chunk)
+            unreported += len(chunk)
+            if unreported >= PROGRESS_BYTES or done == entry.nbytes:
+                progress.add(unreported)
+                unreported = 0
+    except EOFError:
+        raise CheckpointError(
+            f"{entry.file}: tensor {entry.name!r}: the file ended while it was "
+            "being loaded (truncated or rewritten); fetch the file again"
+        ) from None
     return f"{CHECKSUM}:{digest.hexdigest()}"
 
 
-def checksum_file(path: Path, nbytes: int) -> str:
+def checksum_file(path: Path, nbytes: int, owner: int) -> str:
     """The manifest checksum of the first `nbytes` bytes of a tensor file ("short" if shorter)."""
     digest = xxhash.xxh3_64()
-    with open(path, "rb", buffering=0) as f:
+    with open(open_owned(path, owner), "rb", buffering=0) as f:
         try:
             for chunk in _chunks(f.fileno(), 0, nbytes):
                 digest.update(chunk)

@@ -12,6 +12,7 @@ import ctypes.util
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 
 log = logging.getLogger("engramd")
@@ -37,20 +38,31 @@ FIX_MEMLOCK = (
 
 
 class PinnedFiles:
-    """Read-only, mlocked mappings of a set's files; unmapped by `release()`."""
+    """Read-only, mlocked mappings of a set's files; unmapped by `release()`.
+
+    `pin` and `release` run on different threads: a set may be dropped while
+    one of its files is being locked. Whatever `pin` maps after `release` is
+    unmapped at once, so a dropped set never stays locked in the daemon.
+    """
 
     def __init__(self) -> None:
         self._maps: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._released = False
         #: Why locking a file failed (the first failure), or None.
         self.error: str | None = None
 
     def pin(self, path: Path) -> None:
         """Map `path` read-only and lock its pages; records the failure instead of raising."""
-        size = path.stat().st_size
-        if size == 0:
-            return
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            self._fail(f"open {path}: {e.strerror}")
+            return
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0 or self._released:
+                return
             addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         finally:
             os.close(fd)
@@ -61,14 +73,20 @@ class PinnedFiles:
             self._fail(f"mlock {path} ({size} bytes): {os.strerror(ctypes.get_errno())}")
             _libc.munmap(addr, size)
             return
-        self._maps.append((addr, size))
+        with self._lock:
+            if not self._released:
+                self._maps.append((addr, size))
+                return
+        _libc.munmap(addr, size)
 
     def _fail(self, error: str) -> None:
         if self.error is None:
             self.error = error
 
     def release(self) -> None:
-        """Unmap (and so unlock) every file."""
-        for addr, size in self._maps:
+        """Unmap (and so unlock) every file; later pins unmap at once."""
+        with self._lock:
+            self._released = True
+            maps, self._maps = self._maps, []
+        for addr, size in maps:
             _libc.munmap(addr, size)
-        self._maps.clear()

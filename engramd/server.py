@@ -20,6 +20,7 @@ import errno
 import grp
 import logging
 import os
+import resource
 import signal
 import socket
 import time
@@ -35,6 +36,7 @@ from engramd_client.checkpoint import CheckpointError, plan_tables
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .admin import AdminService
+from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import DecodeGuard, ServiceError
 from .metrics import serve_metrics
@@ -49,6 +51,8 @@ SERVICE_NAME = "engramd.v1.TableService"
 _MAX_UNIX_PATH = 107
 #: How often systemd hears about load progress (STATUS=, EXTEND_TIMEOUT_USEC=).
 NOTIFY_INTERVAL_S = 1.0
+#: Start-up time each adopted set buys while it is verified (30 minutes).
+VERIFY_EXTEND_USEC = 30 * 60 * 1_000_000
 
 
 class EngramdServer:
@@ -64,6 +68,8 @@ class EngramdServer:
             gid=self.gid,
             memory_budget=config.memory_budget,
             evict_idle=config.evict_idle,
+            adopt_grace_s=config.adopt_grace_s,
+            max_leases=config.max_leases,
         )
         self.service = TableService(config, self.store)
         self.health = health_aio.HealthServicer()
@@ -78,6 +84,7 @@ class EngramdServer:
             self.probes = grpc.aio.server(interceptors=[DecodeGuard()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
+        self._readers = BlockingPool("config-checkpoint", 2)
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: WSGIServer | None = None
 
@@ -93,11 +100,11 @@ class EngramdServer:
                 "(deploy/systemd/srv-engramd-shm.mount)",
                 self.config.shm_dir,
             )
-        await self.store.adopt_existing(verify=self.config.verify)
+        await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
         for checkpoint in self.config.checkpoints:
             try:
-                plan = await asyncio.to_thread(plan_tables, checkpoint, self.config.tensors)
-                self._configured.append(self.store.ensure(plan))
+                plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
+                self._configured.append(await self.store.ensure(plan))
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays
                 # NOT_SERVING so the operator sees that this one is missing.
@@ -153,6 +160,13 @@ class EngramdServer:
         self.notifier.send(READY=1, STATUS=f"serving {len(self.store.sets)} set(s), {gib(held)}")
         log.info("ready: %d configured set(s) loaded", len(self._configured))
 
+    def _notify_verify(self, set_id: str) -> None:
+        # Verifying reads every byte of the set (minutes at 189 GiB): each set
+        # buys its own time, so a large adoption outlives TimeoutStartSec.
+        self.notifier.send(
+            STATUS=f"verifying adopted set {set_id}", EXTEND_TIMEOUT_USEC=VERIFY_EXTEND_USEC
+        )
+
     def _notify_progress(self) -> None:
         loading = [ts for ts in self._configured if ts.progress and not ts.done.is_set()]
         if not loading:
@@ -192,7 +206,7 @@ class EngramdServer:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        await self.store.close(drop=self.config.drop_on_exit)
+        await self.store.close(drop=self.config.drop_on_exit, grace=grace)
         for path in (self.config.socket, self.config.admin_socket):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -271,8 +285,23 @@ def _claim_socket(path: str, gid: int | None) -> None:
     raise RuntimeError(f"another engramd is serving on {path}; stop it first or choose --socket")
 
 
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one; returns the new soft limit.
+
+    Every connection holds a descriptor: at the usual soft limit of 1024, a
+    thousand idle connects from one local user would leave no descriptor
+    for status or attaches (systemd: LimitNOFILE= sets the hard limit).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("open files limit raised from %d to %d", soft, hard)
+    return hard
+
+
 async def serve(config: DaemonConfig) -> None:
     """Run the daemon until SIGTERM or SIGINT, then stop gracefully."""
+    raise_fd_limit()
     server = create_server(config)
     stop = asyncio.Event()
     received: list[int] = []

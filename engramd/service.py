@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,25 +15,39 @@ from pathlib import Path
 import grpc
 
 from engramd_client.checkpoint import TablePlan, is_set_id, plan_tables
+from engramd_client.errors import CAUSES
 from engramd_client.layout import set_dir
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from . import __version__
+from .blocking import BlockingPool
 from .config import DaemonConfig
-from .errors import FingerprintDiffers, InvalidRequest, NotAllowed, UnknownSet, abort
+from .errors import (
+    FingerprintDiffers,
+    InvalidRequest,
+    NotAllowed,
+    SelectionRefused,
+    UnknownSet,
+    abort,
+)
 from .shmfs import gib, huge_pages, mount_id, usage
-from .store import Lease, SetStore, TableSet
+from .store import STATUS_LEASES, Lease, SetStore, TableSet
 
 log = logging.getLogger("engramd")
 
 #: How often a worker waiting for a load hears about its progress.
 PROGRESS_INTERVAL_S = 0.25
 
-_MAX_LABELS = 32
-_MAX_LABEL_KEY = 63
-_MAX_LABEL_VALUE = 256
+# Kubernetes' label rules: a worker's labels stay small and print safely.
+_MAX_LABELS = 16
+_LABEL_KEY = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9._-]{0,63}$")
 _MAX_PATH = 4096
+_NONCE = re.compile(r"^([0-9a-f]{32})?$")
+# Reads of workers' checkpoints (headers, samples) at once; they may hang on a
+# network mount, so they never share threads with the daemon's own work.
+_CHECKPOINT_READERS = 8
 
 
 class TableService(pb_grpc.TableServiceServicer):
@@ -44,6 +60,7 @@ class TableService(pb_grpc.TableServiceServicer):
         self._allowed = [Path(p).resolve() for p in config.allow_roots]
         self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
         self._huge_pages = huge_pages(store.shm_dir)
+        self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
         #: Every configured set is ready (the health service says SERVING).
         self.ready = False
 
@@ -58,7 +75,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 yield pb.AttachEvent(progress=progress)
             if ts.error is not None:
                 raise ts.error
-            lease = self._store.add_lease(ts, request.pid, dict(request.labels))
+            lease = self._store.add_lease(ts, request)
         except Exception as e:
             self._store.attaches["error"] += 1
             await abort(context, e)
@@ -83,53 +100,65 @@ class TableService(pb_grpc.TableServiceServicer):
                 f"engramd holds no set {request.set_id}; attach with the checkpoint folder, "
                 "or have the daemon load it at start (--checkpoint)"
             )
-        self._check_unchanged(request)
-        path = self._check_allowed(request.checkpoint)
-        plan = await asyncio.to_thread(plan_tables, path, request.tensors or self._config.tensors)
-        self._check_mounts(path, plan)
-        if plan.set_id != request.set_id:
-            raise FingerprintDiffers(
-                f"the daemon's copy of {path} is set {plan.set_id}, the worker's is set "
-                f"{request.set_id}: the files' names, sizes or headers differ; give the daemon "
-                "and the worker the same checkpoint"
+        if request.tensors and request.tensors != self._config.tensors:
+            raise SelectionRefused(
+                f"engramd loads for workers only its configured selection {self._config.tensors!r}"
+                f", not {request.tensors!r}; attach with that selection, or have the operator "
+                "load this one (engramd load --tensors)"
             )
-        return self._store.ensure(plan)
+        path = _resolve(request.checkpoint)
+        self._check_unchanged(path)
+        self._check_allowed(path)
+        plan = await self._readers.run(plan_tables, path, self._config.tensors)
+        self._check_files(path, plan)
+        if plan.set_id != request.set_id:
+            # No set id here: a caller must not learn the id of files it cannot read.
+            raise FingerprintDiffers(
+                f"the daemon's copy of {path} differs from the worker's: the files' names, "
+                "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
+            )
+        return await self._store.ensure(plan)
 
-    def _check_unchanged(self, request: pb.AttachRequest) -> None:
+    def _check_unchanged(self, path: Path) -> None:
         # The worker's files are not the ones the daemon loaded from this
         # path: the checkpoint changed on disk (or the worker sees other
         # files there). Never hand out the old bytes; load the new ones only
         # where workers may trigger loads.
-        path = Path(request.checkpoint).resolve()
         if any(path.is_relative_to(r) for r in self._allowed):
             return
         for ts in self._store.sets.values():
             if ts.checkpoint == str(path) and ts.state != "failed":
                 raise FingerprintDiffers(
-                    f"the checkpoint at {path} is not the one engramd loaded as set {ts.set_id} "
-                    f"(the worker's files make set {request.set_id}): it changed on disk, or "
-                    f"the worker sees other files there; `engramd load {path}` loads the new "
-                    "version, or give the daemon and the worker the same files"
+                    f"the checkpoint at {path} is not the one engramd loaded from there: it "
+                    f"changed on disk, or the worker sees other files there; `engramd load "
+                    f"{path}` loads the new version, or give the daemon and the worker the "
+                    "same files"
                 )
 
-    def _check_allowed(self, checkpoint: str) -> Path:
-        path = Path(checkpoint).resolve()
+    def _check_allowed(self, path: Path) -> None:
         if str(path) in self._configured or any(path.is_relative_to(r) for r in self._allowed):
-            return path
+            return
         roots = ", ".join(map(str, self._allowed)) or "none"
         raise NotAllowed(
-            f"engramd may not load {checkpoint} for a worker (resolved {path}; allowed roots: "
-            f"{roots}); start the daemon with --checkpoint {checkpoint} or --allow-root <dir>"
+            f"engramd may not load {path} for a worker (allowed roots: {roots}); start the "
+            f"daemon with --checkpoint {path} or --allow-root <dir>"
         )
 
-    def _check_mounts(self, path: Path, plan: TablePlan) -> None:
-        # resolve() undoes symlinks and "..", not bind mounts: a file bound
-        # into the root from elsewhere has the root's path but another mount.
+    def _check_files(self, path: Path, plan: TablePlan) -> None:
+        # Every file, not just the folder: a shard that is a symlink to
+        # another user's checkpoint resolves outside the root. resolve()
+        # undoes symlinks and "..", not bind mounts: a file bound into the
+        # root from elsewhere has the root's path but another mount.
         if str(path) in self._configured:
             return
         root = next(r for r in self._allowed if path.is_relative_to(r))
         allowed = mount_id(root)
         for f in {t.file for t in plan.tensors}:
+            if not f.is_relative_to(root):
+                raise NotAllowed(
+                    f"{path}: a file of this checkpoint resolves outside the allowed root "
+                    f"{root} (a symlink?); engramd loads for workers only files inside the root"
+                )
             if mount_id(f) != allowed:
                 raise NotAllowed(
                     f"{f} is on another mount than the allowed root {root} (a bind mount?); "
@@ -146,6 +175,17 @@ class TableService(pb_grpc.TableServiceServicer):
             lease_id=lease.lease_id,
             shm_dir=self._store.shm_dir,
             set_dir=str(folder),
+            sources=[
+                pb.SourceFile(
+                    path=f.path,
+                    dev=f.dev,
+                    ino=f.ino,
+                    size=f.size,
+                    mtime_ns=f.mtime_ns,
+                    ctime_ns=f.ctime_ns,
+                )
+                for f in ts.manifest.sources
+            ],
             tensors=[
                 pb.TensorHandle(
                     name=t.name,
@@ -171,14 +211,20 @@ class TableService(pb_grpc.TableServiceServicer):
     async def ReportFallback(
         self, request: pb.FallbackReport, context: grpc.aio.ServicerContext
     ) -> pb.FallbackAck:
-        """Count a worker's fallback to private tables by cause."""
-        cause = request.cause[:32] or "unknown"
-        self._store.fallbacks[cause] = self._store.fallbacks.get(cause, 0) + 1
+        """Count a worker's fallback to private tables by cause (known causes only)."""
+        if request.cause not in CAUSES or not (request.set_id == "" or is_set_id(request.set_id)):
+            await abort(
+                context,
+                InvalidRequest(
+                    f"cause must be one of {', '.join(sorted(CAUSES))} and set_id a set id"
+                ),
+            )
+        self._store.fallbacks[request.cause] = self._store.fallbacks.get(request.cause, 0) + 1
         log.info(
             "pid %d fell back to private tables (%s, set %s, %s)",
             request.pid,
-            cause,
-            request.set_id[:20],
+            request.cause,
+            request.set_id,
             gib(request.bytes),
         )
         return pb.FallbackAck()
@@ -236,10 +282,20 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 pid=lease.pid,
                 labels=lease.labels,
                 attached_s=now - lease.started,
+                stale=lease.stale,
+                pid_verified=lease.pid_start is not None,
             )
-            for lease in ts.leases.values()
+            for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],
+        lease_count=len(ts.leases),
     )
+
+
+def _resolve(checkpoint: str) -> Path:
+    try:
+        return Path(checkpoint).resolve()
+    except (OSError, RuntimeError) as e:  # a symlink loop
+        raise InvalidRequest(f"checkpoint {checkpoint!r} cannot be resolved ({e})") from None
 
 
 def _validate(request: pb.AttachRequest) -> None:
@@ -247,14 +303,18 @@ def _validate(request: pb.AttachRequest) -> None:
         raise InvalidRequest(f"set_id {request.set_id[:64]!r} is not a set id (20 hex digits)")
     if len(request.checkpoint) > _MAX_PATH or len(request.tensors) > _MAX_PATH:
         raise InvalidRequest("checkpoint or tensors is longer than 4096 characters")
+    if "\0" in request.checkpoint or "\0" in request.tensors:
+        raise InvalidRequest("checkpoint or tensors holds a NUL character")
     if request.pid < 0:
         raise InvalidRequest(f"pid {request.pid} is negative")
-    if len(request.labels) > _MAX_LABELS or any(
-        len(k) > _MAX_LABEL_KEY or len(v) > _MAX_LABEL_VALUE for k, v in request.labels.items()
+    if not _NONCE.match(request.nonce):
+        raise InvalidRequest("nonce is not 32 hex digits")
+    if len(request.labels) > _MAX_LABELS or not all(
+        _LABEL_KEY.match(k) and _LABEL_VALUE.match(v) for k, v in request.labels.items()
     ):
         raise InvalidRequest(
-            f"labels: at most {_MAX_LABELS}, keys up to {_MAX_LABEL_KEY} and values up to "
-            f"{_MAX_LABEL_VALUE} characters"
+            f"labels: at most {_MAX_LABELS}, keys of 1 to 63 and values of up to 63 characters "
+            "of A-Z a-z 0-9 . _ - (Kubernetes' label rules)"
         )
     if request.accept and pb.HANDLE_KIND_SHM not in request.accept:
         raise InvalidRequest(

@@ -43,15 +43,20 @@ def gib(n: int) -> str:
     return f"{n} B"
 
 
-def check_capacity(folder: str | os.PathLike[str], needed: int, what: str) -> None:
-    """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit in `folder`."""
+def check_capacity(
+    folder: str | os.PathLike[str], needed: int, what: str, reclaimable: int = 0
+) -> None:
+    """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit in `folder`.
+
+    `reclaimable` bytes are counted as free: sets the caller will evict first.
+    """
     u = usage(folder)
     if needed > u.total:
         raise ShmFull(
             f"{what} needs {gib(needed)} but the shm folder {u.dir} holds {gib(u.total)} in all; "
             f"{FIX_SHM_SIZE}"
         )
-    if needed > u.free:
+    if needed > u.free + reclaimable:
         raise ShmFull(
             f"{what} needs {gib(needed)} but the shm folder {u.dir} has {gib(u.free)} free "
             f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"

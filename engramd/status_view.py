@@ -12,6 +12,7 @@ from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .shmfs import gib
+from .text import escape
 
 
 def fetch(socket: str, timeout_s: float = 2.0) -> pb.StatusReply:
@@ -25,7 +26,7 @@ def fetch(socket: str, timeout_s: float = 2.0) -> pb.StatusReply:
 
 def saved_bytes(s: pb.SetInfo) -> int:
     """Host memory that one shared copy saves against a private copy per lease."""
-    return s.bytes * max(len(s.leases) - 1, 0)
+    return s.bytes * max(s.lease_count - 1, 0)
 
 
 def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
@@ -67,13 +68,18 @@ def render(reply: pb.StatusReply) -> str:
         state = s.state + ("*" if s.adopted else "")
         lines.append(
             f"{s.set_id:20}  {state:8}  {gib(s.bytes):>10}  {loaded:>6}  "
-            f"{'yes' if s.locked else 'no':6}  {len(s.leases):>6}  {s.checkpoint}"
+            f"{'yes' if s.locked else 'no':6}  {s.lease_count:>6}  {escape(s.checkpoint)}"
         )
         if s.error:
-            lines.append(f"    error: {s.error}")
+            lines.append(f"    error: {escape(s.error)}")
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
-            lines.append(f"    lease {lease.lease_id}  pid {lease.pid}  {labels}")
+            marks = ("" if lease.pid_verified else " (unverified)") + (
+                "  STALE: maps an earlier copy" if lease.stale else ""
+            )
+            lines.append(f"    lease {lease.lease_id}  pid {lease.pid}{marks}  {escape(labels)}")
+        if s.lease_count > len(s.leases):
+            lines.append(f"    ... and {s.lease_count - len(s.leases)} more leases")
     if any(s.adopted for s in reply.sets):
         lines.append("(* adopted from an earlier daemon without reloading)")
     total = sum(saved_bytes(s) for s in reply.sets)

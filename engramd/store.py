@@ -1,26 +1,26 @@
 """The sets the daemon holds: adopted at start, loaded on demand, leased to workers.
 
-Runs on the daemon's event loop; copying, checksumming and pinning run on
-threads. A set is served only once its folder is published and complete
-(state "ready"); a set that failed keeps its error for status and is
-replaced by the next load of the same checkpoint.
+Runs on the daemon's event loop; copying, checksumming, pinning and
+unlinking run on daemon threads (blocking.py), so a drop of 189 GiB never
+stalls health, status or attaches. A set is served only once its folder is
+published and complete (state "ready"); a set that failed keeps its error
+for status and is replaced by the next load of the same checkpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import shutil
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
-from engramd_client.checkpoint import CheckpointError, TablePlan
+from engramd_client.checkpoint import CheckpointError, TablePlan, is_set_id
 from engramd_client.layout import (
     LOADING_MARK,
     Manifest,
@@ -28,13 +28,23 @@ from engramd_client.layout import (
     check_complete,
     read_manifest,
     set_dir,
-    sets_root,
 )
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.process import pid_namespace, start_ticks
 
-from .errors import BudgetExceeded, Draining, LoadFailed, ServiceError, UnknownSet
-from .loader import LoadCancelled, LoadProgress, checksum_file, load_set, own
+from .blocking import BlockingPool
+from .errors import (
+    BudgetExceeded,
+    Draining,
+    LoadFailed,
+    ServiceError,
+    TooManyLeases,
+    UnknownSet,
+)
+from .loader import LoadCancelled, LoadProgress, checksum_file, load_set
 from .pinning import FIX_MEMLOCK, PinnedFiles
 from .shmfs import check_capacity, gib
+from .shmroot import claim_root
 
 log = logging.getLogger("engramd")
 
@@ -49,8 +59,12 @@ class Lease:
     set_id: str
     pid: int
     labels: dict[str, str]
-    #: The pid was alive in the daemon's pid namespace at attach, so the sweep may judge it.
-    local: bool
+    #: When the worker's process started (clock ticks after boot), where the daemon
+    #: matched its pid to a process in its own pid namespace; None: not verified,
+    #: so the sweep never judges this lease by its pid (the stream still ends it).
+    pid_start: int | None
+    #: The worker maps an earlier copy of the set than the one the daemon holds.
+    stale: bool = False
     started: float = field(default_factory=time.monotonic)
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -79,6 +93,8 @@ class TableSet:
     leases: dict[str, Lease] = field(default_factory=dict)
     #: When a worker last attached or detached (or the set became ready).
     last_used: float = field(default_factory=time.monotonic)
+    #: Not evicted as idle before this time (adopted sets: their workers re-attach).
+    idle_after: float = 0.0
     #: Set once the load ends, ready or failed.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -94,6 +110,13 @@ def _pages(nbytes: int) -> int:
     return -(-nbytes // _PAGE) * _PAGE
 
 
+#: Leases listed per set in a status reply (all are counted): a reply stays far
+#: below gRPC's 4 MiB limit whatever the workers send.
+STATUS_LEASES = 64
+
+_PID_NAMESPACE = pid_namespace()
+
+
 class SetStore:
     """Holds the daemon's sets and their leases."""
 
@@ -105,6 +128,8 @@ class SetStore:
         gid: int | None = None,
         memory_budget: int = 0,
         evict_idle: bool = False,
+        adopt_grace_s: float = 0.0,
+        max_leases: int = 0,
     ) -> None:
         self.shm_dir = shm_dir
         self._load_threads = load_threads
@@ -112,6 +137,13 @@ class SetStore:
         self._gid = gid
         self._budget = memory_budget
         self._evict_idle = evict_idle
+        self._adopt_grace_s = adopt_grace_s
+        self._max_leases = max_leases
+        self._owner = os.geteuid()
+        # Loads, and the daemon's own file work (pin, verify, unlink), each on
+        # bounded daemon threads that never hold up shutdown.
+        self._loads = BlockingPool("load", 4)
+        self._files = BlockingPool("files", 4)
         self.sets: dict[str, TableSet] = {}
         #: Attaches served and refused since start (metrics).
         self.attaches = {"ok": 0, "error": 0}
@@ -122,36 +154,42 @@ class SetStore:
 
     # -- sets -----------------------------------------------------------------
 
-    async def adopt_existing(self, verify: bool) -> None:
-        """Take over complete sets left by an earlier daemon; remove partial loads.
+    async def adopt_existing(
+        self, verify: bool, verifying: Callable[[str], None] | None = None
+    ) -> None:
+        """Claim the daemon's folder; take over complete sets left by an earlier daemon.
 
-        With `verify`, every adopted set's checksums are recomputed first and a
+        Partial loads and anything that is not a complete set of the daemon's
+        own are removed. With `verify`, every adopted set's checksums are
+        recomputed first (`verifying(set_id)` is called before each) and a
         corrupted set is removed (a configured one is then loaded again).
         """
-        root = sets_root(self.shm_dir)
-        root.mkdir(mode=0o750, parents=True, exist_ok=True)
-        own(root, self._gid)
+        root = claim_root(self.shm_dir, self._gid)
         for folder in sorted(root.iterdir()):
             if LOADING_MARK in folder.name:
                 log.info("removing partial load %s", folder)
-                shutil.rmtree(folder, ignore_errors=True)
+                await self._files.run(_remove_tree, folder)
                 continue
             try:
-                manifest = read_manifest(folder)
-                check_complete(folder, manifest)
+                if not is_set_id(folder.name):
+                    raise ManifestError("not a set folder")
+                manifest = read_manifest(folder, self._owner)
+                check_complete(folder, manifest, self._owner)
             except (OSError, ManifestError) as e:
-                log.warning("removing %s: not a complete set (%s)", folder, e)
-                shutil.rmtree(folder, ignore_errors=True)
+                log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
+                await self._files.run(_remove_tree, folder)
                 continue
             if verify:
-                corrupted = await asyncio.to_thread(_corrupted, folder, manifest)
+                if verifying is not None:
+                    verifying(manifest.set_id)
+                corrupted = await self._files.run(_corrupted, folder, manifest, self._owner)
                 if corrupted:
                     log.error(
                         "removing set %s: tensors %s no longer match their checksums",
                         manifest.set_id,
                         ", ".join(corrupted),
                     )
-                    shutil.rmtree(folder, ignore_errors=True)
+                    await self._files.run(_remove_tree, folder)
                     continue
             ts = TableSet(
                 set_id=manifest.set_id,
@@ -162,6 +200,7 @@ class SetStore:
                 state="ready",
                 adopted=True,
                 manifest=manifest,
+                idle_after=time.monotonic() + self._adopt_grace_s,
             )
             ts.done.set()
             self.sets[ts.set_id] = ts
@@ -177,15 +216,32 @@ class SetStore:
         """The set with this id, in any state."""
         return self.sets.get(set_id)
 
-    def ensure(self, plan: TablePlan) -> TableSet:
-        """The set of `plan`, starting its load unless it is loading or ready."""
+    async def ensure(self, plan: TablePlan) -> TableSet:
+        """The set of `plan`, starting its load unless it is loading or ready.
+
+        Nothing is evicted unless the load can then go ahead: the budget and
+        the shm folder's capacity are judged first, counting what eviction frees.
+        """
         ts = self.sets.get(plan.set_id)
         if ts is not None and ts.state != "failed":
             return ts
         needed = sum(_pages(t.nbytes) for t in plan.tensors)
         what = f"set {plan.set_id} ({plan.checkpoint})"
-        self._within_budget(needed, what)
-        check_capacity(self.shm_dir, needed, what)
+        victims = self._victims(needed, what)
+        freed = sum(_pages(v.nbytes) for v in victims)
+        check_capacity(self.shm_dir, needed, what, reclaimable=freed)
+        for victim in victims:
+            log.info(
+                "evicting idle set %s (%s) to make room for %s",
+                victim.set_id,
+                gib(victim.nbytes),
+                what,
+            )
+            if self.sets.get(victim.set_id) is victim and not victim.leases:
+                await self.drop(victim.set_id, force=False)
+        ts = self.sets.get(plan.set_id)  # another attach may have started it meanwhile
+        if ts is not None and ts.state != "failed":
+            return ts
         ts = TableSet(
             set_id=plan.set_id,
             checkpoint=str(plan.checkpoint),
@@ -198,32 +254,42 @@ class SetStore:
         self._spawn(self._load(ts, plan))
         return ts
 
-    def _within_budget(self, needed: int, what: str) -> None:
+    def _victims(self, needed: int, what: str) -> list[TableSet]:
+        """The idle sets to evict so that `needed` more bytes fit the budget; raises if none do."""
         if not self._budget:
-            return
+            return []
         held = sum(_pages(ts.nbytes) for ts in self.sets.values() if ts.state != "failed")
+        victims: list[TableSet] = []
         if held + needed > self._budget and self._evict_idle:
+            now = time.monotonic()
             idle = sorted(
-                (ts for ts in self.sets.values() if ts.state == "ready" and not ts.leases),
+                (
+                    ts
+                    for ts in self.sets.values()
+                    if ts.state == "ready" and not ts.leases and ts.idle_after <= now
+                ),
                 key=lambda ts: ts.last_used,
             )
             for ts in idle:
                 if held + needed <= self._budget:
                     break
-                log.info(
-                    "evicting idle set %s (%s) to make room for %s", ts.set_id, gib(ts.nbytes), what
-                )
+                victims.append(ts)
                 held -= _pages(ts.nbytes)
-                self.drop(ts.set_id, force=False)
         if held + needed > self._budget:
             raise BudgetExceeded(
                 f"{what} needs {gib(needed)}, the daemon holds {gib(held)} of its "
                 f"{gib(self._budget)} memory budget; drop a set (engramd drop), raise "
-                "--memory-budget, or let idle sets be evicted (--evict-idle)"
+                "--memory-budget, or let idle sets be evicted (--evict-idle; sets adopted "
+                "at start count as idle only after --adopt-grace)"
             )
+        return victims
 
-    def drop(self, set_id: str, force: bool) -> tuple[int, int]:
-        """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`."""
+    async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
+        """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`.
+
+        The set leaves the store at once; unlocking and unlinking its files run
+        on a thread (about a minute at 189 GiB).
+        """
         ts = self.sets.get(set_id)
         if ts is None:
             raise UnknownSet(f"engramd holds no set {set_id}")
@@ -239,23 +305,35 @@ class SetStore:
         for lease in ts.leases.values():
             lease.ended.set()
         ts.leases.clear()
-        ts.pins.release()
         del self.sets[set_id]
-        shutil.rmtree(set_dir(self.shm_dir, set_id), ignore_errors=True)
+        await self._files.run(_remove, ts.pins, set_dir(self.shm_dir, set_id))
         log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
         return ts.nbytes, leases
 
-    async def verify(self, set_id: str) -> list[str]:
-        """Names of the set's tensors whose bytes no longer match the manifest."""
+    async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
+        """The set, and the names of its tensors whose bytes no longer match the manifest."""
         ts = self.sets.get(set_id)
         if ts is None or ts.manifest is None:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
-        return await asyncio.to_thread(_corrupted, set_dir(self.shm_dir, set_id), ts.manifest)
+        try:
+            corrupted = await self._files.run(
+                _corrupted, set_dir(self.shm_dir, set_id), ts.manifest, self._owner
+            )
+        except (OSError, ManifestError):
+            if self.sets.get(set_id) is ts:
+                raise
+            raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
+        return ts, corrupted
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
 
     async def _load(self, ts: TableSet, plan: TablePlan) -> None:
         assert ts.progress is not None
@@ -267,7 +345,7 @@ class SetStore:
             plan.checkpoint,
         )
         try:
-            ts.manifest = await asyncio.to_thread(
+            ts.manifest = await self._loads.run(
                 load_set, plan, self.shm_dir, self._load_threads, ts.progress, self._gid
             )
         except BaseException as e:
@@ -298,8 +376,10 @@ class SetStore:
             return
         folder = set_dir(self.shm_dir, ts.set_id)
         for t in ts.manifest.tensors:
-            await asyncio.to_thread(ts.pins.pin, folder / t.file)
-        ts.locked = ts.pins.error is None and ts.set_id in self.sets
+            if self.sets.get(ts.set_id) is not ts:
+                return  # dropped meanwhile: PinnedFiles unmaps what it still pins
+            await self._files.run(ts.pins.pin, folder / t.file)
+        ts.locked = ts.pins.error is None and self.sets.get(ts.set_id) is ts
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(
@@ -311,18 +391,35 @@ class SetStore:
 
     # -- leases ---------------------------------------------------------------
 
-    def add_lease(self, ts: TableSet, pid: int, labels: dict[str, str]) -> Lease:
+    def add_lease(self, ts: TableSet, request: pb.AttachRequest) -> Lease:
         """Record a worker attached to a ready set."""
+        if self.sets.get(ts.set_id) is not ts:
+            raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
+        held = self.lease_count()
+        if self._max_leases and held >= self._max_leases:
+            raise TooManyLeases(
+                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
+                "or raise the limit"
+            )
+        start = start_ticks(request.pid) if request.pid > 0 else None
+        verified = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
         lease = Lease(
             lease_id=secrets.token_hex(6),
             set_id=ts.set_id,
-            pid=pid,
-            labels=labels,
-            local=pid > 0 and psutil.pid_exists(pid),
+            pid=request.pid,
+            labels=dict(request.labels),
+            pid_start=start if verified else None,
+            stale=bool(
+                request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
+            ),
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
         return lease
+
+    def lease_count(self) -> int:
+        """Leases held on every set."""
+        return sum(len(ts.leases) for ts in self.sets.values())
 
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
@@ -331,11 +428,15 @@ class SetStore:
             ts.last_used = time.monotonic()
 
     def sweep_dead(self) -> int:
-        """End the leases of local workers whose process is gone; returns how many."""
+        """End the leases of verified workers whose process is gone; returns how many.
+
+        A pid the daemon could not verify is never judged: it may name
+        another process here than the worker's (another pid namespace).
+        """
         ended = 0
         for ts in self.sets.values():
             for lease in list(ts.leases.values()):
-                if lease.local and not psutil.pid_exists(lease.pid):
+                if lease.pid_start is not None and start_ticks(lease.pid) != lease.pid_start:
                     log.info(
                         "ending lease %s of set %s: pid %d is gone",
                         lease.lease_id,
@@ -356,23 +457,49 @@ class SetStore:
 
     # -- shutdown -------------------------------------------------------------
 
-    async def close(self, drop: bool) -> None:
-        """Stop loads in progress, unlock every set, and unlink them if `drop`."""
+    async def close(self, drop: bool, grace: float) -> None:
+        """Stop loads in progress, unlock every set, and unlink them if `drop`.
+
+        Waits at most `grace` seconds for each step: a load stuck on a hung
+        checkpoint mount does not keep the daemon from exiting.
+        """
         for ts in self.sets.values():
             if ts.progress is not None:
                 ts.progress.cancel.set()
         if self._tasks:
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-        for ts in self.sets.values():
-            ts.pins.release()
-            if drop and ts.state == "ready":
-                shutil.rmtree(set_dir(self.shm_dir, ts.set_id), ignore_errors=True)
+            await asyncio.wait(self._tasks, timeout=grace)
+        ready = [ts for ts in self.sets.values() if ts.state == "ready"]
+        release = asyncio.ensure_future(
+            self._files.run(_release_all, ready, self.shm_dir if drop else None)
+        )
+        await asyncio.wait([release], timeout=grace)
+        if drop:
+            for ts in ready:
                 log.info("dropped set %s", ts.set_id)
 
 
-def _corrupted(folder: Path, manifest: Manifest) -> list[str]:
+def _remove_tree(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _remove(pins: PinnedFiles, folder: Path) -> None:
+    pins.release()
+    _remove_tree(folder)
+
+
+def _release_all(sets: list[TableSet], drop_from: str | None) -> None:
+    for ts in sets:
+        if drop_from is None:
+            ts.pins.release()
+        else:
+            _remove(ts.pins, set_dir(drop_from, ts.set_id))
+
+
+def _corrupted(folder: Path, manifest: Manifest, owner: int) -> list[str]:
     return [
-        t.name for t in manifest.tensors if checksum_file(folder / t.file, t.nbytes) != t.checksum
+        t.name
+        for t in manifest.tensors
+        if checksum_file(folder / t.file, t.nbytes, owner) != t.checksum
     ]
 
 

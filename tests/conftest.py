@@ -7,6 +7,7 @@ sets live in a fresh folder under /dev/shm that is removed afterwards.
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import signal
 import subprocess
@@ -17,16 +18,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from engramd.child import JsonLinesChild
 from engramd.daemon_process import DaemonProcess as Daemon
 from engramd.synth import SynthSpec, synthesize
-from engramd_client.errors import REASON_KEY
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"
+RUN_AS = TESTS / "run_as.py"
+
+
+def as_user(user: str) -> list[str]:
+    """A command prefix that runs this checkout's Python as `user` (tests/run_as.py).
+
+    Skips the test where the suite does not run as root: only root can drop to
+    another user.
+    """
+    if os.geteuid() != 0:
+        pytest.skip("running a worker as another user needs root")
+    return [sys.executable, str(RUN_AS), user]
 
 
 class Worker(JsonLinesChild):
@@ -40,13 +51,14 @@ class Worker(JsonLinesChild):
         share: str = "auto",
         labels: dict[str, str] | None = None,
         prefix: list[str] | None = None,
-        python: str = sys.executable,
+        user: str | None = None,
     ) -> None:
-        """Start the worker; `prefix` runs it under another command (unshare, runuser...)."""
+        """Start the worker; `prefix` runs it under another command (unshare...), as `user`."""
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
-        super().__init__([*(prefix or []), python, *args], stderr=subprocess.PIPE)
+        python = as_user(user) if user else [sys.executable]
+        super().__init__([*(prefix or []), *python, *args], stderr=subprocess.PIPE)
         #: What the worker printed once attached (or its error).
         self.hello = self.read()
 
@@ -117,8 +129,13 @@ def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
     """Make daemons: `daemons(*serve_args)`; every one is stopped afterwards."""
     started: list[Daemon] = []
 
-    def make(*args: str, wait: str = "serving", env: dict[str, str] | None = None) -> Daemon:
-        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log", env)
+    def make(
+        *args: str,
+        wait: str = "serving",
+        env: dict[str, str] | None = None,
+        python: list[str] | None = None,
+    ) -> Daemon:
+        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log", env, python)
         started.append(d)
         return d.start(wait=wait)
 
@@ -136,11 +153,6 @@ def workers() -> Iterator[list[Worker]]:
     for w in started:
         if w.proc.poll() is None:
             w.kill()
-
-
-def reason(err: grpc.RpcError) -> str:
-    """The daemon's reason for an error status (trailing metadata)."""
-    return next((str(v) for k, v in err.trailing_metadata() or () if k == REASON_KEY), "")
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:

@@ -13,10 +13,11 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import Worker, reason
+from conftest import Worker
 from engramd_client import CheckpointError, attach
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from helpers import reason
 
 SHARD = "model-00001-of-00002.safetensors"
 

@@ -8,10 +8,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from conftest import Daemon, Worker, mounted_tmpfs, reason
+from conftest import Daemon, Worker, mounted_tmpfs
 from engramd_client import plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from helpers import reason
 
 
 @pytest.fixture

@@ -45,8 +45,12 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
             "pid": w.proc.pid,
             "labels": {"dp_rank": "3", "tp_rank": "0"},
             "attached_s": s["leases"][0]["attached_s"],
+            # The worker's pid namespace and start time matched its process.
+            "pid_verified": True,
+            "stale": False,
         }
     ]
+    assert s["lease_count"] == 1
 
     text = engramd("status", "--socket", str(d.socket))
     assert text.returncode == 0

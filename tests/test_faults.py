@@ -19,13 +19,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import Daemon, Worker, mounted_tmpfs, reason, wait_until
+from conftest import Daemon, Worker, mounted_tmpfs, wait_until
+from engramd.errors import ShmFull
 from engramd.loader import LoadProgress, load_set
+from engramd.shmroot import claim_root
 from engramd.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_client.layout import LOADING_MARK, check_complete, read_manifest, sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from helpers import reason
 
 
 @pytest.fixture(scope="module")
@@ -74,8 +77,8 @@ def test_sigkill_at_any_point_of_a_load(big_checkpoint: Path, daemons: Any) -> N
         partial = [p for p in root.iterdir() if LOADING_MARK in p.name]
         complete = [p for p in root.iterdir() if LOADING_MARK not in p.name]
         for folder in complete:  # anything under a set's name is whole
-            manifest = read_manifest(folder)
-            check_complete(folder, manifest)
+            manifest = read_manifest(folder, os.geteuid())
+            check_complete(folder, manifest, os.geteuid())
             assert {t.name for t in manifest.tensors} == set(expected)
         outcomes.append("published" if complete else "partial" if partial else "nothing")
         d.start()
@@ -97,7 +100,8 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
         # took the space after the capacity check, the load fails cleanly.
         filler = shm / "other-writer"
         filler.write_bytes(b"\1" * (shutil.disk_usage(shm).free - plan.nbytes // 2))
-        with pytest.raises(Exception, match="ran out of space while reserving"):
+        claim_root(str(shm), None)
+        with pytest.raises(ShmFull, match="ran out of space while reserving"):
             load_set(plan, str(shm), 2, LoadProgress(plan.nbytes))
         assert [p.name for p in (shm / "engramd").iterdir()] == []
         filler.unlink()

@@ -71,6 +71,28 @@ def test_sd_notify_ready_only_after_the_set(checkpoint: Path, daemons: Any, sock
     notify.close()
 
 
+def test_verifying_adopted_sets_extends_the_start_timeout(
+    checkpoint: Path, daemons: Any, sock_dir: Path
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    d.stop()
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(sock_dir / "notify"))
+    notify.settimeout(30)
+    d.args.append("--verify")
+    d.env["NOTIFY_SOCKET"] = str(sock_dir / "notify")
+    d.start(wait="up")
+    messages: list[str] = []
+    while not any("READY=1" in m for m in messages):
+        messages.append(notify.recv(4096).decode())
+    notify.close()
+    # Verifying reads every byte: systemd must hear it before TimeoutStartSec runs out.
+    [verifying] = [m for m in messages if f"STATUS=verifying adopted set {s.set_id}" in m]
+    assert "EXTEND_TIMEOUT_USEC=" in verifying
+    assert messages.index(verifying) < len(messages) - 1
+
+
 def test_health_port_is_tcp_on_loopback_and_says_not_serving(
     checkpoint: Path, daemons: Any, tmp_path: Path
 ) -> None:

@@ -3,7 +3,9 @@
 Commands (one per line, each answered by one JSON line):
   digest        sha256 of every tensor's bytes (touches every page)
   mem           this process's memory (rss, uss, pss, shared) from psutil
-  lease         the lease id (it changes when the lease is re-established)
+  lease         the lease id (it changes when the lease is re-established) and whether
+                the daemon holds a newer copy than the one mapped (stale)
+  refresh       attach again (Tables.refresh), close the old tables, answer like lease
   write NAME    write into tensor NAME (a shared one must fault)
   lookups S     gather random rows of every synthetic table for S seconds, check each row
   churn S       close, then attach and close again and again for S seconds
@@ -97,7 +99,12 @@ def main() -> int:
             m = psutil.Process().memory_full_info()
             say({"rss": m.rss, "uss": m.uss, "pss": m.pss, "shared": m.shared})
         elif command == "lease":
-            say({"lease_id": tables.lease_id})
+            say({"lease_id": tables.lease_id, "stale": tables.stale})
+        elif command == "refresh":
+            fresh = tables.refresh()
+            tables.close()
+            tables = fresh
+            say({"lease_id": tables.lease_id, "stale": tables.stale})
         elif command == "write":
             tables[arg].view(torch.uint8).view(-1)[:4096].fill_(0x5A)
             say({"wrote": arg})

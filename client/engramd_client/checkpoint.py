@@ -17,6 +17,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,12 +66,63 @@ DTYPES: dict[str, tuple[int, str]] = {
 
 
 @dataclass(frozen=True)
+class SourceFile:
+    """Which file a set was read from, as the kernel identifies it.
+
+    A file rewritten in place keeps its device and inode but not its ctime;
+    a file replaced by rename gets another inode. Either way the identity
+    differs, where the data samples of the fingerprint may not.
+    """
+
+    #: The file's real path (symlinks resolved) where it was read.
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, path: str | os.PathLike[str], st: os.stat_result) -> SourceFile:
+        """The identity of `path` from its stat result."""
+        return cls(
+            os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+        )
+
+    def same_inode(self, other: SourceFile) -> bool:
+        """True when both name the very same file (device and inode)."""
+        return (self.dev, self.ino) == (other.dev, other.ino)
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of `path`, refused unless it is a regular file.
+
+    Opened non-blocking: a FIFO (or a device) named like a shard would block
+    the opening thread forever; here it is refused at once.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
+    except ValueError as e:  # a NUL byte in the path
+        raise CheckpointError(f"{path!r}: not a usable path ({e})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CheckpointError(
+            f"{path}: not a regular file (a FIFO, device or socket); a checkpoint is made of "
+            "regular safetensors files"
+        )
+    return fd
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor of a checkpoint: where its bytes are in which file."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    #: The file's real path: symlinks resolved, so checks and reads see the same file.
     file: Path
     #: Absolute byte offset of the tensor's data in `file`.
     offset: int
@@ -81,12 +133,15 @@ class TensorEntry:
 class SafetensorsFile:
     """A parsed and validated safetensors header."""
 
+    #: The path as the checkpoint names it (its name goes into the fingerprint).
     path: Path
     size: int
     header: bytes
     tensors: dict[str, TensorEntry]
     #: sha256 of a few small samples of the data (see SAMPLES).
     samples: str
+    #: The file read, with its identity when it was read.
+    source: SourceFile
 
 
 @dataclass(frozen=True)
@@ -98,6 +153,8 @@ class TablePlan:
     tensors: tuple[TensorEntry, ...]
     fingerprint: str
     set_id: str
+    #: The files the selected tensors live in, as they were when planned.
+    sources: tuple[SourceFile, ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +165,13 @@ class TablePlan:
 def read_header(path: Path) -> SafetensorsFile:
     """Parse and validate the header of one safetensors file."""
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError) as e:  # missing, or a symlink loop
+        raise CheckpointError(f"{path}: cannot resolve: {e}") from None
+    try:
+        with open(open_regular(real), "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
             head = f.read(8)
             if len(head) < 8:
                 raise CheckpointError(
@@ -140,8 +202,15 @@ def read_header(path: Path) -> SafetensorsFile:
     for name, info in doc.items():
         if name == "__metadata__":
             continue
-        tensors[name] = _entry(path, name, info, data_start, data_size)
-    return SafetensorsFile(path=path, size=size, header=header, tensors=tensors, samples=samples)
+        tensors[name] = _entry(real, name, info, data_start, data_size)
+    return SafetensorsFile(
+        path=path,
+        size=size,
+        header=header,
+        tensors=tensors,
+        samples=samples,
+        source=SourceFile.of(real, st),
+    )
 
 
 def _sample(fd: int, start: int, end: int) -> str:
@@ -206,7 +275,8 @@ def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | Non
     index_path = checkpoint / INDEX_FILE
     if index_path.exists():
         try:
-            weight_map = json.loads(index_path.read_text())["weight_map"]
+            with open(open_regular(index_path), "rb") as f:
+                weight_map = json.loads(f.read())["weight_map"]
             if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
             ):
@@ -226,16 +296,20 @@ def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | Non
 
 def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TENSORS) -> TablePlan:
     """Read the headers of a checkpoint and select the tensors of its table set."""
-    root = Path(checkpoint).resolve()
+    try:
+        root = Path(checkpoint).resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL byte
+        raise CheckpointError(f"{checkpoint!r}: not a usable checkpoint path ({e})") from None
     files, weight_map = checkpoint_files(root)
     headers = [read_header(p) for p in files]
     by_name: dict[str, TensorEntry] = {}
+    file_of: dict[str, str] = {}
     for h in headers:
         by_name.update(h.tensors)
+        file_of.update(dict.fromkeys(h.tensors, h.path.name))
     if weight_map is not None:
         for name, file in weight_map.items():
-            entry = by_name.get(name)
-            if entry is None or entry.file.name != file:
+            if file_of.get(name) != file:
                 raise CheckpointError(
                     f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
                     "from that file; fetch the checkpoint again"
@@ -247,12 +321,14 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
             "pass the right selection (tensors=...)"
         )
     fingerprint = _fingerprint(headers, selected)
+    used = {t.file for t in selected}
     return TablePlan(
         checkpoint=root,
         selection=selection,
         tensors=selected,
         fingerprint=fingerprint,
         set_id=set_id_of(fingerprint),
+        sources=tuple(h.source for h in headers if Path(h.source.path) in used),
     )
 
 

@@ -54,6 +54,12 @@ class NotAllowed(ShareError):
     cause = "not-allowed"
 
 
+class SelectionRefused(ShareError):
+    """The daemon loads for workers only its configured selection of tensors (--tensors)."""
+
+    cause = "selection"
+
+
 class UnknownSet(ShareError):
     """The daemon holds no such set and was given nothing to load it from."""
 
@@ -74,9 +80,25 @@ BY_REASON: dict[str, type[ShareError]] = {
     "budget": ShmCapacityError,
     "fingerprint": FingerprintMismatch,
     "not-allowed": NotAllowed,
+    "selection": SelectionRefused,
     "unknown-set": UnknownSet,
     "draining": DaemonUnavailable,
 }
+
+#: Every cause a worker may report in ReportFallback; the daemon accepts no other.
+CAUSES = frozenset(
+    cls.cause
+    for cls in (
+        DaemonUnavailable,
+        ShmCapacityError,
+        SegmentNotVisible,
+        FingerprintMismatch,
+        NotAllowed,
+        SelectionRefused,
+        UnknownSet,
+        DaemonError,
+    )
+)
 
 #: Trailing-metadata key that carries the daemon's reason for an error.
 REASON_KEY = "engramd-reason"

@@ -16,6 +16,8 @@ manifest.json::
     {"layout_version": 1, "set_id": "...", "fingerprint": "<sha256>",
      "nonce": "<32 hex, random per load>", "checkpoint": "/abs/path",
      "selection": "*engram.embed.*", "created": <unix time>,
+     "sources": [{"path": "/real/path/model-00001.safetensors", "dev": ..., "ino": ...,
+                  "size": ..., "mtime_ns": ..., "ctime_ns": ...}, ...],
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
                   "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...]}
@@ -26,17 +28,24 @@ and renames. A crash at any point leaves either no set folder or a complete
 one. The nonce lets a worker prove that the file it opened is the one the
 daemon described: a worker in another mount or IPC namespace sees another
 /dev/shm, where the manifest is missing or carries another nonce.
+
+Nothing here is trusted by its name alone: the daemon (adopting) and the
+worker (mapping) open every folder and file without following symlinks and
+accept it only when the daemon's user owns it and nobody else may write it.
+A folder another user made first (in /dev/shm anyone can) is never used.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import stat
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .checkpoint import DTYPES, LAYOUT_VERSION, is_set_id
+from .checkpoint import DTYPES, LAYOUT_VERSION, SourceFile, is_set_id
 
 #: Folder inside the shm folder that holds every set.
 ROOT_NAME = "engramd"
@@ -48,6 +57,44 @@ _NONCE = re.compile(r"^[0-9a-f]{32}$")
 
 class ManifestError(ValueError):
     """A manifest that does not describe a complete set."""
+
+
+class NotOwned(ManifestError):
+    """A folder or file of the layout that is not the daemon's alone."""
+
+
+def _check_owner(path: Path, st: os.stat_result, owner: int) -> None:
+    if st.st_uid != owner:
+        raise NotOwned(f"{path} is owned by uid {st.st_uid}, not engramd's uid {owner}")
+    if st.st_mode & 0o022:
+        raise NotOwned(f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def check_owned_dir(path: Path, owner: int) -> None:
+    """Raise NotOwned unless `path` is a real folder (no symlink) that only `owner` may change."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotOwned(f"{path} is not a folder (a symlink or a file)")
+    _check_owner(path, st, owner)
+
+
+def open_owned(path: Path, owner: int) -> int:
+    """A read-only descriptor of `path`: a regular file, no symlink, only `owner` may write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotOwned(f"{path} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotOwned(f"{path} is not a regular file")
+        _check_owner(path, st, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 @dataclass(frozen=True)
@@ -74,6 +121,8 @@ class Manifest:
     selection: str
     created: float
     tensors: tuple[ManifestTensor, ...]
+    #: The checkpoint files as they were when loaded (none in sets of engramd 0.1.0).
+    sources: tuple[SourceFile, ...] = ()
     layout_version: int = LAYOUT_VERSION
 
     @property
@@ -106,6 +155,13 @@ class Manifest:
                 )
                 for t in doc["tensors"]
             )
+            sources = tuple(
+                SourceFile(
+                    path=str(f["path"]),
+                    **{k: int(f[k]) for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
+                )
+                for f in doc.get("sources", ())
+            )
             manifest = cls(
                 set_id=str(doc["set_id"]),
                 fingerprint=str(doc["fingerprint"]),
@@ -114,6 +170,7 @@ class Manifest:
                 selection=str(doc["selection"]),
                 created=float(doc["created"]),
                 tensors=tensors,
+                sources=sources,
             )
         except ManifestError:
             raise
@@ -142,20 +199,27 @@ def tensor_file_name(index: int) -> str:
     return f"{index:04d}.bin"
 
 
-def read_manifest(folder: Path) -> Manifest:
-    """Read and parse the manifest of a set folder."""
-    return Manifest.from_json((folder / MANIFEST_NAME).read_bytes())
+def read_manifest(folder: Path, owner: int) -> Manifest:
+    """Read and parse the manifest of a set folder that `owner` (a uid) owns, as its manifest."""
+    check_owned_dir(folder.parent, owner)
+    check_owned_dir(folder, owner)
+    with open(open_owned(folder / MANIFEST_NAME, owner), "rb") as f:
+        return Manifest.from_json(f.read())
 
 
-def check_complete(folder: Path, manifest: Manifest) -> None:
-    """Raise ManifestError unless every tensor file is there at its full size."""
+def check_complete(folder: Path, manifest: Manifest, owner: int) -> None:
+    """Raise ManifestError unless every tensor file is there, `owner`'s, at its full size."""
     if manifest.set_id != folder.name:
         raise ManifestError(f"manifest names set {manifest.set_id}, folder is {folder.name}")
     for t in manifest.tensors:
         try:
-            size = (folder / t.file).stat().st_size
+            fd = open_owned(folder / t.file, owner)
         except OSError as e:
             raise ManifestError(f"tensor {t.name!r}: {t.file}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
         if size != t.offset + t.nbytes:
             raise ManifestError(
                 f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says {t.offset + t.nbytes}"

@@ -131,6 +131,8 @@ class Lease:
         self._nonce = ""
         #: The daemon's id of the lease; changes when it is re-established.
         self.lease_id = ""
+        #: The daemon holds another copy of the set than the one this worker maps.
+        self.stale = False
         self._call: Any = self._stub.Attach(request)  # a grpc.Call that is also the event iterator
         self._thread = threading.Thread(target=self._run, name="engramd-lease", daemon=True)
         self._thread.start()
@@ -160,7 +162,6 @@ class Lease:
                 raise share_error(item)
             kind = item.WhichOneof("event")
             if kind == "attached":
-                self._nonce = item.attached.nonce
                 self.lease_id = item.attached.lease_id
                 return item.attached
             if kind == "progress":
@@ -177,9 +178,11 @@ class Lease:
     def _run(self) -> None:
         try:
             for event in self._call:
-                self._inbox.put(event)
                 if event.WhichOneof("event") == "attached":
+                    self._nonce = event.attached.nonce
+                    self._inbox.put(event)
                     break
+                self._inbox.put(event)
             else:
                 self._inbox.put(None)
                 return
@@ -194,6 +197,7 @@ class Lease:
         request = pb.AttachRequest()
         request.CopyFrom(self._request)
         request.reattach = True
+        request.nonce = self._nonce
         delay = self._config.reconnect_min_s
         call = self._call
         last_error = ""
@@ -228,14 +232,20 @@ class Lease:
 
     def _adopt(self, attachment: pb.Attachment) -> None:
         self.lease_id = attachment.lease_id
-        if attachment.nonce != self._nonce:
-            # The daemon reloaded the set; this worker still maps the earlier
-            # copy, which holds the same bytes (same fingerprint).
-            log.info(
-                "engramd reloaded set %s; this worker keeps its earlier mapping", attachment.set_id
-            )
-        else:
+        if attachment.nonce == self._nonce:
             log.info("engramd lease for set %s re-established", attachment.set_id)
+        elif not self.stale:
+            # The set was dropped and loaded again (after a failed verify, say):
+            # this worker still reads the earlier copy, which nobody checks any
+            # more. Mappings are never swapped under live tensors; the model
+            # moves when it calls Tables.refresh() and binds the new tensors.
+            self.stale = True
+            log.warning(
+                "engramd holds a new copy of set %s (dropped and loaded again); this worker "
+                "still reads its earlier copy, and status marks its lease stale: call "
+                "Tables.refresh() and bind the tables it returns",
+                attachment.set_id,
+            )
 
     def close(self) -> None:
         """End the lease now."""

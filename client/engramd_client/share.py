@@ -2,11 +2,12 @@
 
 Shared when the node's daemon can serve them, private when it cannot (auto
 mode, one warning per cause and process), an error in strict mode. See the
-decision table in DESIGN.md.
+decision table in docs/architecture.md.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -14,12 +15,19 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
+from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
-from .errors import DaemonUnavailable, NotAllowed, SegmentNotVisible, ShareError
-from .layout import MANIFEST_NAME, ManifestError, read_manifest
+from .errors import (
+    DaemonUnavailable,
+    FingerprintMismatch,
+    NotAllowed,
+    SegmentNotVisible,
+    ShareError,
+)
+from .layout import MANIFEST_NAME, ManifestError, NotOwned, read_manifest
 from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
+from .process import pid_namespace, start_ticks
 from .tables import Region, RowRanges, Tables, check_row_names, map_shared
 
 log = logging.getLogger("engramd_client")
@@ -79,7 +87,7 @@ def attach(
             raise ValueError(f"share=False needs a checkpoint folder, not the set id {target}")
         return Tables.private(plan, rows, reason=None)
     try:
-        return _attach_shared(
+        tables = _attach_shared(
             config, target if plan is None else plan, rows, labels or {}, populate
         )
     except ShareError as e:
@@ -92,7 +100,18 @@ def attach(
         if not isinstance(e, DaemonUnavailable | NotAllowed):
             # The daemon answered but cannot serve: count it where operators look.
             report_fallback(config, e.cause, plan.set_id, plan.nbytes)
-        return Tables.private(plan, rows, reason=reason)
+        tables = Tables.private(plan, rows, reason=reason)
+    tables.reattach = functools.partial(
+        attach,
+        checkpoint,
+        tensors=tensors,
+        rows=rows,
+        share=share,
+        socket=socket,
+        labels=labels,
+        populate=populate,
+    )
+    return tables
 
 
 def _attach_shared(
@@ -111,25 +130,57 @@ def _attach_shared(
         pid=os.getpid(),
         labels=dict(labels),
         accept=[pb.HANDLE_KIND_SHM],
+        pid_namespace=pid_namespace(),
+        pid_start=start_ticks(os.getpid()) or 0,
     )
     lease = Lease(config, request)
     try:
         attachment = lease.wait_attached(plan.checkpoint.name if plan else request.set_id)
         if plan is None:
             check_row_names(rows, [h.name for h in attachment.tensors])
-        tensors = _map(attachment, rows, populate)
+        else:
+            _check_sources(plan, attachment)
+        tensors = _map(attachment, rows, populate, os.stat(config.socket).st_uid)
     except BaseException:
         lease.close()
         raise
     return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
 
 
+def _check_sources(plan: TablePlan, attachment: pb.Attachment) -> None:
+    """Refuse the daemon's copy when this worker's file is the one it loaded, since changed.
+
+    The set id covers names, sizes, headers and samples of the data, not
+    every byte: a row edited in place keeps it. The daemon's copy holds the
+    file as it was; a worker that reads the very same file (same device and
+    inode, or the same path on the same device) sees whether it has changed.
+    """
+    theirs = [SourceFile(**{f: getattr(s, f) for f in _SOURCE_FIELDS}) for s in attachment.sources]
+    for mine in plan.sources:
+        for loaded in theirs:
+            replaced = (mine.path, mine.dev) == (loaded.path, loaded.dev) and mine.ino != loaded.ino
+            if (mine.same_inode(loaded) and mine != loaded) or replaced:
+                raise FingerprintMismatch(
+                    f"{mine.path} changed on disk after engramd loaded it (size, mtime, ctime "
+                    "or inode differ): its copy holds the earlier bytes; `engramd load "
+                    f"{plan.checkpoint}` loads the new version"
+                )
+
+
+_SOURCE_FIELDS = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
+
+
 def _map(
-    attachment: pb.Attachment, rows: RowRanges | None, populate: bool
+    attachment: pb.Attachment, rows: RowRanges | None, populate: bool, owner: int
 ) -> dict[str, torch.Tensor]:
     folder = Path(attachment.set_dir)
     try:
-        manifest = read_manifest(folder)
+        manifest = read_manifest(folder, owner)
+    except NotOwned as e:
+        raise SegmentNotVisible(
+            f"engramd holds set {attachment.set_id} at {folder}, but what this worker sees "
+            f"there is not engramd's own ({e}): refusing to map it; {_FIX_NAMESPACE}"
+        ) from None
     except (OSError, ManifestError) as e:
         raise SegmentNotVisible(
             f"engramd holds set {attachment.set_id} at {folder}, but this worker cannot read "
@@ -154,7 +205,11 @@ def _map(
             length=handle.shm.length,
         ).cut(rows)
         try:
-            tensors[handle.name] = map_shared(region, populate)
+            tensors[handle.name] = map_shared(region, populate, owner)
+        except NotOwned as e:
+            raise SegmentNotVisible(
+                f"{region.path} is not engramd's own ({e}): refusing to map it"
+            ) from None
         except PermissionError:
             raise NotAllowed(
                 f"permission denied on {region.path}; add this worker's user to the group "

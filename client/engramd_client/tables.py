@@ -12,8 +12,9 @@ from __future__ import annotations
 import mmap
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -21,6 +22,7 @@ import torch
 
 from .checkpoint import DTYPES, TablePlan, TensorEntry
 from .errors import CheckpointError
+from .layout import open_owned
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -92,16 +94,18 @@ def _view(buffer: mmap.mmap, delta: int, region: Region) -> torch.Tensor:
     return flat.view(dtype).view(region.shape)
 
 
-def map_shared(region: Region, populate: bool = False) -> torch.Tensor:
+def map_shared(region: Region, populate: bool, owner: int) -> torch.Tensor:
     """Map a region of a daemon file read-only and view it as a tensor.
 
-    `populate` fills the page tables now (MAP_POPULATE), so the first lookups
-    do not take a page fault per page touched.
+    The file must be a regular file that the daemon's user (`owner`) owns and
+    nobody else may write (layout.open_owned), never a symlink. `populate`
+    fills the page tables now (MAP_POPULATE), so the first lookups do not take
+    a page fault per page touched.
     """
     if region.length == 0:
         return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
     start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
-    fd = os.open(region.path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_owned(Path(region.path), owner)
     try:
         size = os.fstat(fd).st_size
         if region.offset + region.length > size:
@@ -172,6 +176,8 @@ class Tables(Mapping[str, torch.Tensor]):
         self.reason = reason
         #: The set id of these tables.
         self.set_id = set_id
+        #: How `attach` made these tables: `refresh` calls it again.
+        self.reattach: Callable[[], Tables] | None = None
 
     @classmethod
     def private(cls, plan: TablePlan, rows: RowRanges | None, reason: str | None) -> Tables:
@@ -184,6 +190,21 @@ class Tables(Mapping[str, torch.Tensor]):
     def lease_id(self) -> str | None:
         """The daemon's id of this worker's lease (shared mode), or None."""
         return self._lease.lease_id if self._lease else None
+
+    @property
+    def stale(self) -> bool:
+        """The daemon holds a newer copy of the set than this one (dropped and loaded again)."""
+        return self._lease is not None and self._lease.stale
+
+    def refresh(self) -> Tables:
+        """Attach again, as `attach` did for these tables; close these once the new ones are bound.
+
+        Mappings are never swapped under live tensors: the model binds the
+        tensors of the returned Tables (a stale worker moves to the new copy).
+        """
+        if self.reattach is None:
+            raise ValueError("these tables were not made by attach(); attach again instead")
+        return self.reattach()
 
     @property
     def nbytes(self) -> int:

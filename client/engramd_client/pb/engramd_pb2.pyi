@@ -15,7 +15,7 @@ HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_SHM: HandleKind
 
 class AttachRequest(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach")
+    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,9 @@ class AttachRequest(_message.Message):
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ACCEPT_FIELD_NUMBER: _ClassVar[int]
     REATTACH_FIELD_NUMBER: _ClassVar[int]
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    PID_START_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     tensors: str
@@ -37,7 +40,10 @@ class AttachRequest(_message.Message):
     labels: _containers.ScalarMap[str, str]
     accept: _containers.RepeatedScalarFieldContainer[HandleKind]
     reattach: bool
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ...) -> None: ...
+    nonce: str
+    pid_namespace: int
+    pid_start: int
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
     __slots__ = ("progress", "attached", "draining")
@@ -62,7 +68,7 @@ class Draining(_message.Message):
     def __init__(self) -> None: ...
 
 class Attachment(_message.Message):
-    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors")
+    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -70,6 +76,7 @@ class Attachment(_message.Message):
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     SET_DIR_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     fingerprint: str
     nonce: str
@@ -77,7 +84,24 @@ class Attachment(_message.Message):
     shm_dir: str
     set_dir: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
-    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ...) -> None: ...
+    sources: _containers.RepeatedCompositeFieldContainer[SourceFile]
+    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ...) -> None: ...
+
+class SourceFile(_message.Message):
+    __slots__ = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEV_FIELD_NUMBER: _ClassVar[int]
+    INO_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    CTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    def __init__(self, path: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
     __slots__ = ("name", "dtype", "shape", "kind", "shm")
@@ -146,7 +170,7 @@ class ShmInfo(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +184,7 @@ class SetInfo(_message.Message):
     LEASES_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -173,10 +198,11 @@ class SetInfo(_message.Message):
     leases: _containers.RepeatedCompositeFieldContainer[LeaseInfo]
     tensors: int
     load_seconds: float
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ...) -> None: ...
+    lease_count: int
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "labels", "attached_s")
+    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -188,11 +214,15 @@ class LeaseInfo(_message.Message):
     PID_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_S_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     labels: _containers.ScalarMap[str, str]
     attached_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ...) -> None: ...
+    stale: bool
+    pid_verified: bool
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ...) -> None: ...
 
 class FallbackReport(_message.Message):
     __slots__ = ("cause", "set_id", "pid", "bytes")

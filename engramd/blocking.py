@@ -1,0 +1,94 @@
+"""Blocking calls off the event loop, on threads that never hold up the daemon's exit.
+
+asyncio's default executor (and every ThreadPoolExecutor) is joined when
+the interpreter exits, so one read stuck on a hung NFS or FUSE mount keeps
+a stopped daemon alive forever. A `BlockingPool` runs each call on a daemon
+thread instead: shutdown waits for it only as long as its grace period.
+Each pool is bounded, and the daemon keeps one per kind of work, so reads
+of workers' checkpoints cannot starve its own file operations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class BlockingPool:
+    """Runs blocking calls on daemon threads, at most `size` at once."""
+
+    def __init__(self, name: str, size: int) -> None:
+        self._name = name
+        self._size = size
+        self._slots: asyncio.Semaphore | None = None
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a daemon thread; waits for a free slot first."""
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self._size)
+        async with self._slots:
+            loop = asyncio.get_running_loop()
+            done: asyncio.Future[T] = loop.create_future()
+
+            def settle(result: T | None, error: BaseException | None) -> None:
+                if done.cancelled():
+                    return
+                if error is not None:
+                    done.set_exception(error)
+                else:
+                    done.set_result(result)  # type: ignore[arg-type]
+
+            def target() -> None:
+                try:
+                    result, error = fn(*args), None
+                except BaseException as e:
+                    result, error = None, e
+                # A closed loop: the daemon stopped without waiting for this result.
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(settle, result, error)
+
+            threading.Thread(target=target, name=f"engramd-{self._name}", daemon=True).start()
+            return await done
+
+
+def map_on_threads(fn: Callable[[T], R], items: list[T], threads: int, name: str) -> list[R]:
+    """[fn(item) for item in items] on up to `threads` daemon threads, in order.
+
+    The first exception stops the handing out of further items and is raised
+    once the running calls return.
+    """
+    results: list[R | None] = [None] * len(items)
+    errors: list[BaseException] = []
+    pending = iter(range(len(items)))
+    lock = threading.Lock()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = None if errors else next(pending, None)
+            if i is None:
+                return
+            try:
+                results[i] = fn(items[i])
+            except BaseException as e:
+                with lock:
+                    errors.append(e)
+                return
+
+    workers = [
+        threading.Thread(target=work, name=f"engramd-{name}", daemon=True)
+        for _ in range(max(1, min(threads, len(items))))
+    ]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return results  # type: ignore[return-value]

@@ -1,0 +1,103 @@
+"""Helpers shared by the tests: raw attaches, an in-process daemon."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import hashlib
+import os
+import threading
+from collections.abc import Coroutine
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import grpc
+
+from engramd.config import DaemonConfig
+from engramd.daemon_process import DaemonProcess
+from engramd.server import EngramdServer, create_server
+from engramd_client.checkpoint import plan_tables
+from engramd_client.errors import REASON_KEY
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+
+def reason(err: grpc.RpcError) -> str:
+    """The daemon's reason for an error status (trailing metadata)."""
+    return next((str(v) for k, v in err.trailing_metadata() or () if k == REASON_KEY), "")
+
+
+def attach_error(d: DaemonProcess, request: pb.AttachRequest) -> grpc.RpcError | None:
+    """Send one raw Attach; the daemon's error, or None once it handed out the set."""
+    if not request.pid:
+        request.pid = os.getpid()
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=30)
+        try:
+            next(e for e in call if e.WhichOneof("event") == "attached")
+            return None
+        except grpc.RpcError as e:
+            return e
+        finally:
+            call.cancel()
+
+
+class InProcessDaemon:
+    """`create_server(config)` on an event loop in a thread of the test process.
+
+    For tests that pause the daemon at a chosen point (by replacing one of its
+    functions) and watch what the rest of it does meanwhile.
+    """
+
+    def __init__(self, config: DaemonConfig) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: EngramdServer = self.run(self._start(config))
+
+    @staticmethod
+    async def _start(config: DaemonConfig) -> EngramdServer:
+        server = create_server(config)
+        await server.start()
+        return server
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
+        """Run `coro` on the daemon's loop and wait for its result."""
+        return self.spawn(coro).result(timeout)
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the daemon's loop; its result comes later."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def close(self) -> None:
+        """Stop the daemon and its loop."""
+        try:
+            self.run(self.server.stop(grace=1))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=30)
+            self.loop.close()
+
+    def __enter__(self) -> InProcessDaemon:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def reference_digests(checkpoint: Path) -> dict[str, str]:
+    """sha256 of each selected tensor's bytes, read straight from the checkpoint's files."""
+    digests = {}
+    for t in plan_tables(checkpoint).tensors:
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            digests[t.name] = hashlib.sha256(f.read(t.nbytes)).hexdigest()
+    return digests

@@ -1,0 +1,622 @@
+"""Attacks by local users on a real daemon, each now refused.
+
+Integrity: a planted shm folder, symlinked shards, a file edited in place or
+during a load. Exhaustion: selections, descriptors, leases, FIFOs, labels,
+fallback reports. Races: drops during pinning, evictions after a restart,
+reloads under running workers, unverified pids. Bad paths.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
+from engramd import store as store_module
+from engramd.config import DaemonConfig
+from engramd.errors import UnknownSet
+from engramd.loader import LoadProgress, load_set
+from engramd.shmroot import claim_root
+from engramd.synth import SynthSpec, synthesize
+from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
+from engramd_client.layout import sets_root
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.process import pid_namespace, start_ticks
+from helpers import InProcessDaemon, attach_error, reason, reference_digests
+
+NOBODY = 65534
+
+
+def _chown_tree(path: Path, uid: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, uid, uid, follow_symlinks=False)
+
+
+def _engramd(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "engramd", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+# -- integrity: who may write what workers read --------------------------------
+
+
+def test_planted_shm_folder_is_moved_aside_and_never_served(
+    checkpoint: Path, daemons: Any, workers: list[Worker], shm_dir: Path
+) -> None:
+    shm_dir.chmod(0o1777)  # like /dev/shm: anyone may create engramd/ first
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    d.stop()
+    # Another user owns the folder and a set of altered bytes under the real id.
+    root = sets_root(shm_dir)
+    tensor = root / s.set_id / "0000.bin"
+    with open(tensor, "r+b") as f:
+        f.write(b"\xff" * 4096)
+    _chown_tree(root, NOBODY)
+    d.start()
+    assert "another user made it before engramd; moved it aside" in d.log
+    [s] = d.status().sets
+    assert not s.adopted, "the planted set was adopted"
+    assert root.stat().st_uid == os.geteuid() and (root.stat().st_mode & 0o777) == 0o750
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["digests"] == reference_digests(checkpoint)
+
+
+def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir: Path) -> None:
+    python = as_user("65533:65533")
+    shm_dir.chmod(0o1777)
+    os.chown(sock_dir, 65533, 65533)
+    root = sets_root(shm_dir)
+    root.mkdir()
+    os.chown(root, NOBODY, NOBODY)
+    d = Daemon(sock_dir / "d.sock", shm_dir, [], sock_dir / "daemon.log", python=python)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        d.start()
+    assert f"rm -rf {root}" in d.log and "owned by uid 65534" in d.log
+    root.rmdir()
+    d.start()
+    try:
+        assert root.stat().st_uid == 65533 and (root.stat().st_mode & 0o777) == 0o750
+    finally:
+        d.stop()
+
+
+def test_worker_refuses_a_set_folder_that_is_not_the_daemons(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    folder = sets_root(d.shm_dir) / s.set_id
+    # What only root could do now: put someone else's copy in the set's place.
+    os.rename(folder, folder.with_name("moved"))
+    shutil.copytree(folder.with_name("moved"), folder)
+    _chown_tree(folder, NOBODY)
+    strict = Worker(checkpoint, d.socket, share="on")
+    workers.append(strict)
+    assert strict.hello["error"] == "SegmentNotVisible"
+    assert "not engramd's own" in strict.hello["message"] and "65534" in strict.hello["message"]
+
+
+def _copy_with_links(checkpoint: Path, folder: Path, target: Path) -> None:
+    """`folder` with the checkpoint's index, its shards symlinks to copies in `target`."""
+    shutil.copytree(checkpoint, target)
+    folder.mkdir(parents=True)
+    for f in checkpoint.iterdir():
+        if f.suffix == ".safetensors":
+            (folder / f.name).symlink_to(target / f.name)
+        else:
+            shutil.copy(f, folder / f.name)
+
+
+def test_symlinked_shards_must_resolve_inside_the_root(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    _copy_with_links(checkpoint, root / "evil", tmp_path / "elsewhere")
+    # The way a Hugging Face cache links snapshots to blobs, inside the root.
+    _copy_with_links(checkpoint, root / "hub" / "snapshot", root / "hub" / "blobs")
+    d = daemons("--allow-root", str(root))
+    set_id = plan_tables(checkpoint).set_id
+    err = attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(root / "evil")))
+    assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "outside the allowed root" in str(err.details())
+    # A differing checkpoint is refused without telling the caller the daemon's set id.
+    other = "f" * 20
+    err = attach_error(d, pb.AttachRequest(set_id=other, checkpoint=str(root / "hub/snapshot")))
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert set_id not in str(err.details())
+    assert d.status().sets == []
+    hub = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "hub" / "snapshot"))
+    assert attach_error(d, hub) is None
+
+
+def _edit_a_row_the_samples_miss(shard: Path) -> None:
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        span = size - start - SAMPLE_BYTES
+        # Halfway between the 4th and 5th samples: far from every sampled block.
+        offset = start + span * (2 * (SAMPLES // 2) - 1) // (2 * (SAMPLES - 1))
+        f.seek(offset)
+        row = f.read(264)
+        f.seek(offset)
+        f.write(bytes(b ^ 0x5A for b in row))
+
+
+def test_row_edited_in_place_is_never_served_as_the_old_bytes(
+    checkpoint: Path, daemons: Any, workers: list[Worker], tmp_path: Path
+) -> None:
+    ours = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ours)
+    d = daemons("--checkpoint", str(ours))
+    set_id = plan_tables(ours).set_id
+    _edit_a_row_the_samples_miss(ours / "model-00002-of-00002.safetensors")
+    assert plan_tables(ours).set_id == set_id, "the edit should keep the set id"
+    strict = Worker(ours, d.socket, share="on")
+    workers.append(strict)
+    assert strict.hello["error"] == "FingerprintMismatch"
+    assert "changed on disk after engramd loaded it" in strict.hello["message"]
+    auto = Worker(ours, d.socket)
+    workers.append(auto)
+    assert auto.hello["mode"] == "private"
+    assert auto.hello["digests"] == reference_digests(ours)
+
+
+def test_file_changed_before_or_during_a_load_is_not_published(
+    checkpoint: Path, tmp_path: Path, shm_dir: Path
+) -> None:
+    ours = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, ours)
+    claim_root(str(shm_dir), None)
+    plan = plan_tables(ours)
+    shard = plan.sources[-1].path
+
+    class WriterDuringTheCopy(LoadProgress):
+        def add(self, n: int) -> None:
+            os.utime(shard)  # what any write does: a new mtime and ctime
+            super().add(n)
+
+    with pytest.raises(CheckpointError, match="changed during the load"):
+        load_set(plan, str(shm_dir), 2, WriterDuringTheCopy(plan.nbytes))
+    assert list(sets_root(shm_dir).iterdir()) == []
+    with pytest.raises(CheckpointError, match="changed since its headers were read"):
+        load_set(plan, str(shm_dir), 2, LoadProgress(plan.nbytes))
+    assert list(sets_root(shm_dir).iterdir()) == []
+    fresh = plan_tables(ours)
+    manifest = load_set(fresh, str(shm_dir), 2, LoadProgress(fresh.nbytes))
+    assert manifest.sources == fresh.sources
+
+
+# -- exhaustion: one member of the group must not take the node down -------------
+
+
+def test_workers_load_only_the_configured_selection(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    inside = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, inside)
+    d = daemons("--allow-root", str(tmp_path))
+    for glob in ("*", "*weight", "*scale", "layers.1.*", "layers.3.*", "*engram*", "*.embed.*"):
+        request = pb.AttachRequest(
+            set_id=plan_tables(inside, glob).set_id, checkpoint=str(inside), tensors=glob
+        )
+        err = attach_error(d, request)
+        assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED, glob
+        assert reason(err) == "selection" and "--tensors" in str(err.details())
+    assert d.status().sets == []
+    plan = plan_tables(inside)
+    request = pb.AttachRequest(set_id=plan.set_id, checkpoint=str(inside), tensors=plan.selection)
+    assert attach_error(d, request) is None
+    assert len(d.status().sets) == 1
+
+
+def test_a_thousand_idle_connections_leave_room(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard < 1200:
+        pytest.skip(f"this test needs 1200 descriptors; the hard limit is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    # The soft limit most services start with; the daemon raises it to the hard one.
+    d = daemons(
+        "--checkpoint",
+        str(checkpoint),
+        python=["prlimit", "--nofile=1024:8192", sys.executable],
+    )
+    limits = Path(f"/proc/{d.pid}/limits").read_text()
+    assert re.search(r"Max open files\s+8192\s+8192", limits), limits
+    idle = []
+    try:
+        for _ in range(1100):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(d.socket))
+            idle.append(s)
+        assert _engramd("status", "--socket", str(d.socket)).returncode == 0
+        w = Worker(checkpoint, d.socket, share="on")
+        workers.append(w)
+        assert w.hello["mode"] == "shared"
+    finally:
+        for s in idle:
+            s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_leases_are_bounded(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
+    d = daemons("--checkpoint", str(checkpoint), "--max-leases", "2")
+    for _ in range(2):
+        workers.append(Worker(checkpoint, d.socket, share="on"))
+        assert workers[-1].hello["mode"] == "shared"
+    third = Worker(checkpoint, d.socket, share="on")
+    workers.append(third)
+    assert third.hello["error"] == "DaemonError" and "--max-leases" in third.hello["message"]
+    auto = Worker(checkpoint, d.socket)
+    workers.append(auto)
+    assert auto.hello["mode"] == "private"
+    assert d.status().sets[0].lease_count == 2
+
+
+def test_fifo_shards_are_refused_at_once(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    for i in range(12):  # more than every pool has threads
+        (root / f"fifo{i}").mkdir(parents=True)
+        os.mkfifo(root / f"fifo{i}" / "a.safetensors")
+    shutil.copytree(checkpoint, root / "good")
+    d = daemons("--allow-root", str(root))
+    for i in range(12):
+        err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / f"fifo{i}")))
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a regular file" in str(err.details())
+    good = pb.AttachRequest(set_id=plan_tables(checkpoint).set_id, checkpoint=str(root / "good"))
+    assert attach_error(d, good) is None
+    assert d.stop() == 0
+
+
+def test_shutdown_ends_within_its_grace_whatever_a_reader_does(
+    sock_dir: Path, shm_dir: Path
+) -> None:
+    fifo = sock_dir / "hung"
+    os.mkfifo(fifo)  # opened blocking and never written: a read stuck like one on a hung NFS
+    script = textwrap.dedent(f"""
+        import asyncio, threading
+        from engramd.config import DaemonConfig
+        from engramd.server import create_server
+
+        async def main():
+            server = create_server(DaemonConfig(
+                socket={str(sock_dir / "d.sock")!r}, shm_dir={str(shm_dir)!r},
+                socket_group="", mlock=False, grace_s=1.0))
+            await server.start()
+            reading = threading.Event()
+            def stuck():
+                reading.set()
+                with open({str(fifo)!r}, "rb") as f:
+                    f.read()
+            task = asyncio.ensure_future(server.service._readers.run(stuck))
+            await asyncio.to_thread(reading.wait)
+            print("stuck", flush=True)
+            await server.stop()
+            print("stopped", flush=True)
+
+        asyncio.run(main())
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+    assert proc.returncode == 0 and out.split() == ["stuck", "stopped"]
+    assert not (sock_dir / "d.sock").exists() and not (sock_dir / "admin.sock").exists()
+
+
+def test_labels_are_bounded_and_status_stays_small(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    set_id = d.status().sets[0].set_id
+    for labels in (
+        {f"k{i}": "v" for i in range(17)},
+        {"rank": "0\nlease forged  pid 1"},
+        {"rank": "x" * 64},
+        {"": "empty key"},
+    ):
+        err = attach_error(d, pb.AttachRequest(set_id=set_id, labels=labels))
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, labels
+    big = {f"{i:02d}" + "k" * 61: "v" * 63 for i in range(16)}
+    with d.channel() as ch:
+        stub = pb_grpc.TableServiceStub(ch)
+        calls = [
+            stub.Attach(pb.AttachRequest(set_id=set_id, pid=os.getpid(), labels=big), timeout=60)
+            for _ in range(100)
+        ]
+        try:
+            for call in calls:
+                assert next(iter(call)).WhichOneof("event") == "attached"
+            result = _engramd("status", "--socket", str(d.socket), "--json")
+            assert result.returncode == 0, result.stderr
+            assert '"lease_count": 100' in result.stdout
+            text = _engramd("status", "--socket", str(d.socket)).stdout
+            assert text.count("    lease ") == 64 and "and 36 more leases" in text
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+def test_paths_and_causes_from_workers_print_on_one_line(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    evil = tmp_path / "root" / "x\n    lease forged  pid 1"
+    shutil.copytree(checkpoint, evil)
+    d = daemons("--allow-root", str(tmp_path / "root"))
+    assert (
+        attach_error(d, pb.AttachRequest(set_id=plan_tables(evil).set_id, checkpoint=str(evil)))
+        is None
+    )
+    text = _engramd("status", "--socket", str(d.socket)).stdout
+    assert "\\x0a    lease forged" in text
+    assert not any(line.startswith("    lease forged") for line in text.splitlines())
+    with d.channel() as ch:
+        stub = pb_grpc.TableServiceStub(ch)
+        for i in range(20):
+            with pytest.raises(grpc.RpcError) as info:
+                stub.ReportFallback(pb.FallbackReport(cause=f"bogus{i}\nforged"), timeout=5)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub.ReportFallback(pb.FallbackReport(cause="capacity"), timeout=5)
+    assert not any(
+        line.lstrip().startswith(("lease forged", "forged")) for line in d.log.splitlines()
+    )
+    assert "fell back to private tables (capacity" in d.log
+
+
+# -- races and lifecycle ----------------------------------------------------------
+
+
+def _vmlck_kib(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"VmLck:\s+(\d+) kB", status).group(1))  # type: ignore[union-attr]
+
+
+def test_drop_right_after_ready_leaves_nothing_locked(daemons: Any, tmp_path: Path) -> None:
+    ckpt = synthesize(tmp_path / "big", SynthSpec(rows=250_000))  # ~132 MB to pin
+    d = daemons("--allow-root", str(tmp_path))
+    loaded = _engramd("load", str(ckpt), "--socket", str(d.socket))
+    assert loaded.returncode == 0, loaded.stderr
+    set_id = loaded.stdout.split()[1]
+    dropped = _engramd("drop", set_id, "--socket", str(d.socket))
+    assert dropped.returncode == 0, dropped.stderr
+    wait_until(lambda: _vmlck_kib(d.pid) == 0, 30, "the daemon to unlock the dropped set")
+    assert "Traceback" not in d.log and "never retrieved" not in d.log
+
+
+def test_adopted_sets_are_not_evicted_while_workers_reattach(
+    tmp_path: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    one = synthesize(tmp_path / "one", SynthSpec(rows=20_000, seed=1))
+    two = synthesize(tmp_path / "two", SynthSpec(rows=20_000, seed=2))
+    budget = str(int(1.5 * plan_tables(one).nbytes))
+    d = daemons(
+        "--allow-root",
+        str(tmp_path),
+        "--memory-budget",
+        budget,
+        "--evict-idle",
+        "--adopt-grace",
+        "600",
+    )
+    w = Worker(one, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    w.proc.send_signal(signal.SIGSTOP)  # it cannot re-attach until it is continued
+    try:
+        d.stop()
+        d.start()
+        [adopted] = d.status().sets
+        assert adopted.adopted and adopted.lease_count == 0
+        err = attach_error(d, pb.AttachRequest(set_id=plan_tables(two).set_id, checkpoint=str(two)))
+        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--adopt-grace" in str(err.details())
+        assert [s.set_id for s in d.status().sets] == [adopted.set_id]
+    finally:
+        w.proc.send_signal(signal.SIGCONT)
+    wait_until(lambda: d.status().sets[0].lease_count == 1, 10, "the worker to re-attach")
+    assert w.ask("digest")["digests"] == reference_digests(one)
+
+
+def test_a_reload_reaches_running_workers(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    [s] = d.status().sets
+    assert _engramd("drop", s.set_id, "--force", "--socket", str(d.socket)).returncode == 0
+    assert _engramd("load", str(checkpoint), "--socket", str(d.socket)).returncode == 0
+
+    def stale_lease() -> bool:
+        leases = d.status().sets[0].leases
+        return len(leases) == 1 and leases[0].stale
+
+    wait_until(stale_lease, 10, "the worker's lease back, marked stale")
+    assert w.ask("lease")["stale"] is True
+    fresh = w.ask("refresh")
+    assert fresh["stale"] is False
+    wait_until(
+        lambda: [x.stale for x in d.status().sets[0].leases] == [False], 10, "one fresh lease"
+    )
+    assert w.ask("digest")["digests"] == reference_digests(checkpoint)
+    assert w.exit() == 0
+    assert "Tables.refresh()" in w.stderr()
+
+
+def test_refused_load_evicts_nothing(
+    checkpoint: Path, daemons: Any, tmp_path: Path, sock_dir: Path
+) -> None:
+    big = synthesize(tmp_path / "big", SynthSpec(rows=200_000))  # more than the tmpfs holds
+    inside = tmp_path / "small"
+    shutil.copytree(checkpoint, inside)
+    # Within the budget only once the small set is evicted; beyond the tmpfs either way.
+    budget = str(plan_tables(big).nbytes + plan_tables(inside).nbytes // 2)
+    with mounted_tmpfs("64m") as shm:
+        args = ["--allow-root", str(tmp_path), "--memory-budget", budget, "--evict-idle"]
+        args += ["--adopt-grace", "0"]
+        d = Daemon(sock_dir / "d.sock", shm, args, sock_dir / "daemon.log").start()
+        try:
+            small = pb.AttachRequest(set_id=plan_tables(inside).set_id, checkpoint=str(inside))
+            assert attach_error(d, small) is None
+            err = attach_error(
+                d, pb.AttachRequest(set_id=plan_tables(big).set_id, checkpoint=str(big))
+            )
+            assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert [s.set_id for s in d.status().sets] == [small.set_id]
+            assert "evicting" not in d.log
+        finally:
+            d.stop()
+
+
+def test_pids_are_judged_only_where_verified(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--checkpoint", str(checkpoint), "--sweep-interval", "0.05")
+    set_id = d.status().sets[0].set_id
+    claimed = subprocess.Popen(["sleep", "600"])  # stands for a pid in another namespace
+    verified = subprocess.Popen(["sleep", "600"])
+    requests = [
+        pb.AttachRequest(set_id=set_id, pid=claimed.pid, labels={"who": "claimed"}),
+        pb.AttachRequest(set_id=set_id, pid=1, labels={"who": "init"}),
+        pb.AttachRequest(
+            set_id=set_id,
+            pid=verified.pid,
+            pid_namespace=pid_namespace(),
+            pid_start=start_ticks(verified.pid) or 0,
+            labels={"who": "verified"},
+        ),
+    ]
+    with d.channel() as ch:
+        stub = pb_grpc.TableServiceStub(ch)
+        calls = [stub.Attach(r, timeout=60) for r in requests]
+        try:
+            for call in calls:
+                assert next(iter(call)).WhichOneof("event") == "attached"
+
+            def leases() -> dict[str, bool]:
+                return {x.labels["who"]: x.pid_verified for x in d.status().sets[0].leases}
+
+            assert leases() == {"claimed": False, "init": False, "verified": True}
+            for p in (claimed, verified):
+                p.kill()
+                p.wait()
+            wait_until(
+                lambda: "verified" not in leases(), 10, "the sweep to end the verified lease"
+            )
+            # That sweep ran after both processes were gone: the unverified pid was not judged.
+            assert leases() == {"claimed": False, "init": False}
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+# -- bad paths ------------------------------------------------------------------------
+
+
+def test_bad_paths_get_a_status_code_not_a_traceback(daemons: Any, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    (root / "shards").mkdir(parents=True)
+    (root / "loop").symlink_to(root / "loop")
+    (root / "shards" / "a.safetensors").symlink_to(root / "shards" / "a.safetensors")
+    d = daemons("--allow-root", str(root))
+    for path in (f"{root}/bad\0name", str(root / "loop"), str(root / "shards")):
+        err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=path))
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, path
+    assert "internal error" not in d.log and "Traceback" not in d.log
+
+
+def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> InProcessDaemon:
+    return InProcessDaemon(
+        DaemonConfig(
+            checkpoints=[str(checkpoint)],
+            socket=str(sock_dir / "d.sock"),
+            shm_dir=str(shm_dir),
+            socket_group="",
+            mlock=False,
+        )
+    )
+
+
+def _paused(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """Replace engramd.store's `name` by one that waits for the test; (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(store_module, name)
+
+    def paused(*args: Any) -> Any:
+        entered.set()
+        assert release.wait(60), "the test never released the pause"
+        return real(*args)
+
+    monkeypatch.setattr(store_module, name, paused)
+    return entered, release
+
+
+def test_a_drop_in_progress_does_not_stall_the_daemon(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = _paused(monkeypatch, "_remove")
+    with _in_process(checkpoint, sock_dir, shm_dir) as d:
+        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        [set_id] = d.server.store.sets
+        drop = d.spawn(d.server.store.drop(set_id, force=False))
+        assert entered.wait(30)
+        # The unlink is paused on its thread: status and attaches still answer.
+        with grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as ch:
+            reply = pb_grpc.TableServiceStub(ch).Status(pb.StatusRequest(), timeout=10)
+        assert [s.set_id for s in reply.sets] == []
+        assert (sets_root(shm_dir) / set_id).exists()
+        release.set()
+        assert drop.result(30)[1] == 0
+        assert not (sets_root(shm_dir) / set_id).exists()
+
+
+def test_verify_racing_a_drop_answers_not_found(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    entered, release = _paused(monkeypatch, "_corrupted")
+    with _in_process(checkpoint, sock_dir, shm_dir) as d:
+        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        [set_id] = d.server.store.sets
+        with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
+            admin = pb_grpc.AdminServiceStub(ch)
+            verify = admin.Verify.future(pb.VerifyRequest(set_id=set_id), timeout=30)
+            assert entered.wait(30)
+            admin.Drop(pb.DropRequest(set_id=set_id), timeout=30)
+            release.set()
+            with pytest.raises(grpc.RpcError) as info:
+                verify.result()
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert "dropped while it was being verified" in str(info.value.details())
+
+
+def test_no_lease_on_a_set_that_left_the_store(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path
+) -> None:
+    with _in_process(checkpoint, sock_dir, shm_dir) as d:
+        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        [ts] = d.server.store.sets.values()
+        d.run(d.server.store.drop(ts.set_id, force=False))
+        # An attach that waited while the set was evicted must not lease it.
+        with pytest.raises(UnknownSet, match="dropped while the worker waited"):
+            d.server.store.add_lease(ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()))
