@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from conftest import Daemon, as_user
 from engramd_client.config import DEFAULT_SOCKET
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -62,7 +65,10 @@ def test_systemd_unit_matches_the_daemon() -> None:
     assert "Type=notify" in unit
     assert "RuntimeDirectory=engramd" in unit and DEFAULT_SOCKET.startswith("/run/engramd/")
     assert "LimitMEMLOCK=infinity" in unit
+    assert "LimitNOFILE=1048576" in unit
     assert "RemoveIPC=no" in unit
+    tmpfiles = (DEPLOY / "systemd" / "engramd.tmpfiles.conf").read_text()
+    assert "d /dev/shm/engramd 0750 engramd engramd -" in tmpfiles
     for forbidden in ("PrivateDevices=yes", "PrivateIPC=yes", "MemoryDenyWriteExecute=yes"):
         assert forbidden not in unit
     mount = (DEPLOY / "systemd" / "srv-engramd-shm.mount").read_text()
@@ -98,9 +104,11 @@ def test_daemonset_agrees_with_the_daemon() -> None:
     [worker] = engine["containers"]
     env = {e["name"]: e.get("value") for e in worker["env"]}
     assert env["ENGRAMD_SOCKET"] == args["socket"]
-    assert _mounts(worker)[SOCKET_DIR] == "socket" and _mounts(worker)["/dev/shm"] == "shm"
+    tables = f"{args['shm-dir']}/engramd"
+    assert _mounts(worker)[SOCKET_DIR] == "socket" and _mounts(worker)[tables] == "tables"
+    assert "/dev/shm" not in _mounts(worker), "the node's whole /dev/shm"
     engine_volumes = {v["name"]: v for v in engine["volumes"]}
-    assert engine_volumes["shm"]["hostPath"]["path"] == volumes["shm"]["hostPath"]["path"]
+    assert engine_volumes["tables"]["hostPath"]["path"] == tables
     assert engine_volumes["socket"]["hostPath"]["path"] == SOCKET_DIR
     group = daemon["securityContext"]["runAsGroup"]
     assert group in engine["securityContext"]["supplementalGroups"]
@@ -115,7 +123,9 @@ def test_sidecar_shares_socket_and_shm() -> None:
     assert volumes["shm"]["emptyDir"]["sizeLimit"]
     assert "emptyDir" in volumes["socket"]
     for c in containers.values():
-        assert _mounts(c)[SOCKET_DIR] == "socket" and _mounts(c)["/dev/shm"] == "shm"
+        assert _mounts(c)[SOCKET_DIR] == "socket"
+    assert _mounts(containers["engramd"])["/dev/shm"] == "shm"
+    assert _mounts(containers["engine"])["/dev/shm/engramd"] == "shm"
     env = {e["name"]: e.get("value") for e in containers["engine"]["env"]}
     assert env["ENGRAMD_SOCKET"] == args["socket"] == DEFAULT_SOCKET
     assert containers["engramd"]["readinessProbe"]["grpc"]["port"] == int(args["health-port"])
@@ -130,3 +140,60 @@ def test_compose_shares_socket_and_ipc() -> None:
     assert socket_volume in daemon["volumes"] and socket_volume in engine["volumes"]
     assert engine["environment"]["ENGRAMD_SOCKET"] == DEFAULT_SOCKET
     assert f"--socket={DEFAULT_SOCKET}" in daemon["command"]
+
+
+def _engine_mounts() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(manifest, engine container, its volumes) of every manifest that runs an engine."""
+    found = []
+    for name, container in (("engine-pod.yaml", "engine"), ("sidecar.yaml", "engine")):
+        spec = _manifest(name)["spec"]
+        [engine] = [c for c in spec["containers"] if c["name"] == container]
+        found.append((name, engine, {v["name"]: v for v in spec["volumes"]}))
+    return found
+
+
+def test_engines_cannot_write_what_the_daemon_serves() -> None:
+    for name, engine, volumes in _engine_mounts():
+        for m in engine["volumeMounts"]:
+            source = volumes[m["name"]]
+            serves = source.get("hostPath", {}).get("path", "").startswith("/dev/shm") or (
+                m["name"] == "shm"
+            )
+            if serves:
+                assert m.get("readOnly") is True, (name, m)
+                assert m["mountPath"].endswith("/engramd"), (name, m)
+        pod = _manifest(name)["spec"].get("securityContext", {})
+        assert {**pod, **engine.get("securityContext", {})}.get("runAsNonRoot") is True, name
+    compose = yaml.safe_load((DEPLOY / "docker" / "compose.yaml").read_text())
+    assert not compose["services"]["engine"]["user"].startswith("0")
+
+
+def test_fresh_node_gets_a_socket_folder_the_daemon_can_use(sock_dir: Path, shm_dir: Path) -> None:
+    spec = _manifest("daemonset.yaml")["spec"]["template"]["spec"]
+    [prepare] = spec["initContainers"]
+    user = f"{spec['containers'][0]['securityContext']['runAsUser']}:" + str(
+        spec["containers"][0]["securityContext"]["runAsGroup"]
+    )
+    python = as_user(user)
+    # What the kubelet makes of a missing hostPath, and a folder another user made first.
+    sock_dir.chmod(0o755)  # stands for the node's /run
+    run = sock_dir / "run"
+    run.mkdir(mode=0o755)
+    shm_dir.chmod(0o1777)
+    (shm_dir / "engramd").mkdir()
+    os.chown(shm_dir / "engramd", 65534, 65534)
+    d = Daemon(run / "engramd.sock", shm_dir, [], sock_dir / "daemon.log", python=python)
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        d.start()
+    script = prepare["command"][-1].replace("/run/engramd", str(run))
+    script = script.replace("/dev/shm", str(shm_dir))
+    subprocess.run(["sh", "-c", script], check=True, capture_output=True)
+    d.start()
+    try:
+        assert d.status().daemon.ready
+        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+        names = sorted(p.name.split("-")[0] for p in shm_dir.iterdir())
+        assert names == ["engramd", "engramd.untrusted"]
+        assert (shm_dir / "engramd").stat().st_uid == int(user.split(":")[0])
+    finally:
+        d.stop()
