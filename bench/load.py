@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engramd.backings import TmpfsBacking
 from engramd.loader import LoadProgress, load_set
 from engramd_client import plan_tables
 from engramd_client.checkpoint import TablePlan, TensorEntry
@@ -80,7 +81,9 @@ def _copy_with(
 
 def _engramd(threads: int) -> Callable[[TablePlan, Path], None]:
     def run(plan: TablePlan, shm: Path) -> None:
-        load_set(plan, str(shm), threads, LoadProgress(plan.nbytes))
+        backing = TmpfsBacking(str(shm), None)
+        backing.claim()
+        load_set(plan, backing, threads, LoadProgress(plan.nbytes))
 
     return run
 

@@ -13,8 +13,8 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import InvalidRequest, abort
-from .service import load_progress, set_info
 from .store import SetStore
+from .wire import load_progress, set_info
 
 
 class AdminService(pb_grpc.AdminServiceServicer):

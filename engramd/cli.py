@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
+import signal
 import sys
 import time
 import tomllib
@@ -24,7 +24,8 @@ import typer
 from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
-from . import __version__
+from . import __version__, units
+from .backings import BACKINGS
 from .config import DaemonConfig
 from .text import escape
 
@@ -49,16 +50,21 @@ AdminSocket = Annotated[
     ),
 ]
 
-_SIZE = re.compile(r"^\s*([0-9.]+)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-
 
 def parse_size(text: str) -> int:
-    """Bytes from "200G", "1.5TiB", "4096"; K/M/G/T/P are powers of 1024."""
-    match = _SIZE.match(text)
-    if not match:
-        raise typer.BadParameter(f"{text!r} is not a size (examples: 200G, 1.5TiB, 4096)")
-    number, unit, _ = match.groups()
-    return int(float(number) * 1024 ** " kmgtp".index(unit.lower() or " "))
+    """Bytes from a size flag ("200G", "1.5TiB", "4096")."""
+    try:
+        return units.parse_size(text)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def _backing(name: str) -> str:
+    if name not in BACKINGS:
+        raise typer.BadParameter(
+            f"{name!r} is not a backing (known: {', '.join(BACKINGS)})", param_hint="--backing"
+        )
+    return name
 
 
 class JsonFormatter(logging.Formatter):
@@ -147,6 +153,10 @@ def serve(
         str,
         typer.Option(envvar="ENGRAMD_SOCKET_GROUP", help="Group that may attach (socket, sets)."),
     ] = DEFAULTS.socket_group,
+    backing: Annotated[
+        str,
+        typer.Option(envvar="ENGRAMD_BACKING", help=f"Where sets live: {', '.join(BACKINGS)}."),
+    ] = DEFAULTS.backing,
     shm_dir: Annotated[
         Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
     ] = Path(DEFAULTS.shm_dir),
@@ -237,6 +247,7 @@ def serve(
         socket=values["socket"],
         admin_socket=values["admin_socket"],
         socket_group=values["socket_group"],
+        backing=_backing(values["backing"]),
         shm_dir=str(values["shm_dir"]),
         allow_roots=[str(p) for p in values["allow_root"] or []],
         memory_budget=parse_size(str(values["memory_budget"])),
@@ -274,7 +285,12 @@ def status(
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
 ) -> None:
     """Show what the node holds: shm folder, sets, leases, memory saved."""
-    from .status_view import as_dict, fetch, render
+    from engramd_client.config import ClientConfig
+    from engramd_client.lease import open_channel
+    from engramd_client.pb import engramd_pb2 as pb
+    from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+
+    from .status_view import STATUS_TIMEOUT_S, as_dict, fetch, render
 
     if not watch:
         try:
@@ -283,19 +299,24 @@ def status(
             raise _unanswered(socket, e) from None
         typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply))
         return
-    try:
+    # Ctrl-C is taken between frames only: a signal that lands inside gRPC's
+    # channel machinery (even one a Python handler merely records) can hang
+    # the process. Blocked before the first channel, so gRPC's threads
+    # inherit the mask and SIGINT stays pending until sigtimedwait takes it.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    with open_channel(ClientConfig(socket=socket)) as channel:
+        stub = pb_grpc.TableServiceStub(channel)
         while True:
             try:
-                text = render(fetch(socket))
+                text = render(stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S))
             except grpc.RpcError as e:
                 text = f"engramd is not answering on {socket}: {e.details()}"
             # Home the cursor and clear, so the table redraws in place (written
             # directly: typer.echo strips escape codes when not on a terminal).
             sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
             sys.stdout.flush()
-            time.sleep(interval)
-    except KeyboardInterrupt:
-        pass
+            if signal.sigtimedwait({signal.SIGINT}, interval) is not None:
+                return
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
@@ -311,7 +332,7 @@ def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
 
 
 def _bar(done: int, total: int, started: float) -> str:
-    from .shmfs import gib
+    from .units import gib
 
     width = 30
     filled = width * done // max(total, 1)
@@ -333,7 +354,7 @@ def load(
     """Load a checkpoint's tables into the daemon, with a progress bar."""
     from engramd_client.pb import engramd_pb2 as pb
 
-    from .shmfs import gib
+    from .units import gib
 
     stub, _ = _admin(socket, admin_socket)
     started = time.monotonic()
@@ -363,7 +384,7 @@ def drop(
     """Remove a set from shared memory (workers that map it keep their mapping)."""
     from engramd_client.pb import engramd_pb2 as pb
 
-    from .shmfs import gib
+    from .units import gib
 
     stub, _ = _admin(socket, admin_socket)
     try:
@@ -383,7 +404,7 @@ def verify(
     """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
     from engramd_client.pb import engramd_pb2 as pb
 
-    from .shmfs import gib
+    from .units import gib
 
     stub, _ = _admin(socket, admin_socket)
     try:

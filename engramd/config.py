@@ -22,6 +22,8 @@ class DaemonConfig:
     admin_socket: str = ""
     #: Group that may attach: owns the socket, its folder and the sets' files.
     socket_group: str = "engramd"
+    #: Where sets live: a name in engramd.backings.BACKINGS.
+    backing: str = "tmpfs"
     #: tmpfs folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"
     #: Roots under which a worker's attach may start a load; none by default.

@@ -21,8 +21,9 @@ import psutil
 
 from .child import JsonLinesChild
 from .daemon_process import DaemonProcess
-from .shmfs import gib, usage
+from .shmfs import usage
 from .synth import SynthSpec, synthesize
+from .units import gib
 
 
 class Replica(JsonLinesChild):

@@ -1,78 +1,135 @@
-"""Prometheus metrics, computed from the store at each scrape (`--metrics-port`)."""
+"""Prometheus metrics, computed at each scrape (`--metrics-port`).
+
+The scrape runs on the HTTP server's thread; the sets belong to the event
+loop. So each scrape asks the loop for a snapshot, and the counters live in
+a locked Stats object: the collector never reads state another thread is
+changing.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .shmfs import usage
-from .store import SetStore
+from .backings import Usage
+from .store import SetState, SetStore
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
     from .service import TableService
 
+#: How long a scrape waits for the event loop.
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class SetSample:
+    """One set at one scrape."""
+
+    set_id: str
+    backing: str
+    state: str
+    nbytes: int
+    leases: int
+    locked: bool
+    loaded: int
+    #: Bytes per second of its load (done, or so far); None before any.
+    rate: float | None
+
+
+def _sample(store: SetStore) -> tuple[list[SetSample], Usage]:
+    now = time.monotonic()
+    samples = []
+    for ts in store.sets.values():
+        rate = None
+        if ts.state is SetState.READY and ts.load_seconds:
+            rate = ts.nbytes / ts.load_seconds
+        elif ts.state is SetState.LOADING and ts.progress is not None:
+            rate = ts.bytes_loaded / max(now - ts.progress.started, 1e-9)
+        samples.append(
+            SetSample(
+                ts.set_id,
+                ts.backing,
+                ts.state.value,
+                ts.nbytes,
+                len(ts.leases),
+                ts.locked,
+                ts.bytes_loaded,
+                rate,
+            )
+        )
+    return samples, store.backing.usage()
+
 
 class StoreCollector(Collector):
     """Reads the daemon's state on each scrape; nothing is updated on the hot path."""
 
-    def __init__(self, store: SetStore, service: TableService) -> None:
+    def __init__(
+        self, store: SetStore, service: TableService, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self._store = store
         self._service = service
+        self._loop = loop
+
+    async def _snapshot(self) -> tuple[list[SetSample], Usage, bool]:
+        return (*_sample(self._store), self._service.ready)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
-        # The scrape runs on the metrics thread; copy before iterating.
-        sets = list(self._store.sets.values())
-        now = time.monotonic()
+        sets, usage, ready = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(
+            SNAPSHOT_TIMEOUT_S
+        )
         set_bytes = GaugeMetricFamily(
             "engramd_set_bytes", "Bytes of a set's tensors", labels=["set_id", "backing", "state"]
         )
         leases = GaugeMetricFamily("engramd_set_leases", "Workers attached", labels=["set_id"])
         locked = GaugeMetricFamily("engramd_set_locked", "1 when mlocked", labels=["set_id"])
         loaded = GaugeMetricFamily(
-            "engramd_load_bytes_done", "Bytes copied into tmpfs so far", labels=["set_id"]
+            "engramd_load_bytes_done", "Bytes copied in so far", labels=["set_id"]
         )
         rate = GaugeMetricFamily(
             "engramd_load_bytes_per_second", "Load throughput", labels=["set_id"]
         )
-        for ts in sets:
-            set_bytes.add_metric([ts.set_id, "shm", ts.state], ts.nbytes)
-            leases.add_metric([ts.set_id], len(ts.leases))
-            locked.add_metric([ts.set_id], 1 if ts.locked else 0)
-            loaded.add_metric([ts.set_id], ts.bytes_loaded)
-            if ts.state == "ready" and ts.load_seconds:
-                rate.add_metric([ts.set_id], ts.nbytes / ts.load_seconds)
-            elif ts.progress is not None and ts.state == "loading":
-                rate.add_metric([ts.set_id], ts.bytes_loaded / max(now - ts.progress.started, 1e-9))
+        for s in sets:
+            set_bytes.add_metric([s.set_id, s.backing, s.state], s.nbytes)
+            leases.add_metric([s.set_id], s.leases)
+            locked.add_metric([s.set_id], 1 if s.locked else 0)
+            loaded.add_metric([s.set_id], s.loaded)
+            if s.rate is not None:
+                rate.add_metric([s.set_id], s.rate)
         yield from (set_bytes, leases, locked, loaded, rate)
+        attached, fell_back = self._store.stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
-        for result, count in self._store.attaches.items():
+        for result, count in attached.items():
             attaches.add_metric([result], count)
         yield attaches
         fallbacks = CounterMetricFamily(
             "engramd_fallbacks", "Fallbacks to private tables reported by workers", labels=["cause"]
         )
-        for cause, count in list(self._store.fallbacks.items()):
+        for cause, count in fell_back.items():
             fallbacks.add_metric([cause], count)
         yield fallbacks
-        u = usage(self._store.shm_dir)
-        for name, value in (("total", u.total), ("used", u.used), ("free", u.free)):
+        for name, value in (("total", usage.total), ("used", usage.used), ("free", usage.free)):
             yield GaugeMetricFamily(f"engramd_shm_{name}_bytes", f"shm folder {name} bytes", value)
         yield GaugeMetricFamily(
-            "engramd_ready", "1 once every configured set is ready", 1 if self._service.ready else 0
+            "engramd_ready", "1 once every configured set is ready", 1 if ready else 0
         )
 
 
 def serve_metrics(store: SetStore, service: TableService, address: str, port: int) -> WSGIServer:
-    """Serve /metrics on a thread; returns the server (shutdown() stops it)."""
+    """Serve /metrics on a thread; returns the server (shutdown() stops it).
+
+    Call on the event loop: scrapes take their snapshots there.
+    """
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store, service))
+    registry.register(StoreCollector(store, service, asyncio.get_running_loop()))
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

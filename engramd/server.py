@@ -36,14 +36,15 @@ from engramd_client.checkpoint import CheckpointError, plan_tables
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .admin import AdminService
+from .backings import BACKINGS
 from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import DecodeGuard, ServiceError
 from .metrics import serve_metrics
 from .sdnotify import Notifier
 from .service import TableService
-from .shmfs import gib, huge_pages
-from .store import SetStore, TableSet
+from .store import SetState, SetStore, TableSet
+from .units import gib
 
 log = logging.getLogger("engramd")
 
@@ -62,10 +63,9 @@ class EngramdServer:
         self.config = config
         self.gid = _group_id(config.socket_group)
         self.store = SetStore(
-            config.shm_dir,
+            BACKINGS[config.backing].from_config(config, self.gid),
             config.load_threads,
             config.mlock,
-            gid=self.gid,
             memory_budget=config.memory_budget,
             evict_idle=config.evict_idle,
             adopt_grace_s=config.adopt_grace_s,
@@ -93,7 +93,7 @@ class EngramdServer:
         for path in (self.config.socket, self.config.admin_socket):
             _claim_socket(path, self.gid)
         Path(self.config.shm_dir).mkdir(parents=True, exist_ok=True)
-        if not huge_pages(self.config.shm_dir):
+        if self.store.backing.usage().page_size <= 4096:
             log.info(
                 "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
                 "huge=within_size gives faster gathers and ~500x smaller page tables "
@@ -149,14 +149,14 @@ class EngramdServer:
                     NOTIFY_INTERVAL_S,
                 )
         if len(self._configured) < len(self.config.checkpoints) or any(
-            ts.state != "ready" for ts in self._configured
+            ts.state is not SetState.READY for ts in self._configured
         ):
             log.error("not every configured set is ready; health stays NOT_SERVING")
             self.notifier.send(STATUS="not every configured set is ready; see the log")
             return
         self.service.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        held = sum(ts.nbytes for ts in self.store.sets.values() if ts.state == "ready")
+        held = sum(ts.nbytes for ts in self.store.sets.values() if ts.state is SetState.READY)
         self.notifier.send(READY=1, STATUS=f"serving {len(self.store.sets)} set(s), {gib(held)}")
         log.info("ready: %d configured set(s) loaded", len(self._configured))
 

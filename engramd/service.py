@@ -1,43 +1,28 @@
-"""engramd.v1.TableService: attach (a lease held by an open stream) and status."""
+"""engramd.v1.TableService: attach (a lease held by an open stream), status, fallback reports."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
 import logging
-import os
 import re
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import grpc
 
-from engramd_client.checkpoint import TablePlan, is_set_id, plan_tables
+from engramd_client.checkpoint import is_set_id, plan_tables
 from engramd_client.errors import CAUSES
-from engramd_client.layout import set_dir
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
-from . import __version__
 from .blocking import BlockingPool
 from .config import DaemonConfig
-from .errors import (
-    FingerprintDiffers,
-    InvalidRequest,
-    NotAllowed,
-    SelectionRefused,
-    UnknownSet,
-    abort,
-)
-from .shmfs import gib, huge_pages, mount_id, usage
-from .store import STATUS_LEASES, Lease, SetStore, TableSet
+from .errors import InvalidRequest, UnknownSet, abort
+from .policy import LoadPolicy
+from .store import Lease, SetState, SetStore, TableSet
+from .units import gib
+from .wire import load_progress, status_reply
 
 log = logging.getLogger("engramd")
-
-#: How often a worker waiting for a load hears about its progress.
-PROGRESS_INTERVAL_S = 0.25
 
 # Kubernetes' label rules: a worker's labels stay small and print safely.
 _MAX_LABELS = 16
@@ -57,9 +42,7 @@ class TableService(pb_grpc.TableServiceServicer):
         self._config = config
         self._store = store
         self._started = time.monotonic()
-        self._allowed = [Path(p).resolve() for p in config.allow_roots]
-        self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
-        self._huge_pages = huge_pages(store.shm_dir)
+        self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
         #: Every configured set is ready (the health service says SERVING).
         self.ready = False
@@ -70,6 +53,7 @@ class TableService(pb_grpc.TableServiceServicer):
         """Wait for the set to be ready, hand out its handles, hold the lease."""
         try:
             _validate(request)
+            kind = self._handle_kind(request)
             ts = await self._resolve(request)
             async for progress in load_progress(ts):
                 yield pb.AttachEvent(progress=progress)
@@ -77,21 +61,34 @@ class TableService(pb_grpc.TableServiceServicer):
                 raise ts.error
             lease = self._store.add_lease(ts, request)
         except Exception as e:
-            self._store.attaches["error"] += 1
+            self._store.stats.attach(ok=False)
             await abort(context, e)
             return
-        self._store.attaches["ok"] += 1
+        self._store.stats.attach(ok=True)
         try:
-            yield pb.AttachEvent(attached=self._attachment(ts, lease))
+            yield pb.AttachEvent(attached=self._attachment(ts, lease, kind))
             await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
         finally:
             self._store.end_lease(lease)
 
+    def _handle_kind(self, request: pb.AttachRequest) -> int:
+        """The first kind the worker accepts that the backing has."""
+        accepted = list(request.accept) or [pb.HANDLE_KIND_SHM]
+        offered = self._store.backing.handle_kinds
+        for kind in accepted:
+            if kind in offered:
+                return kind
+        names = ", ".join(pb.HandleKind.Name(k) for k in sorted(offered))
+        raise InvalidRequest(
+            f"this daemon's {self._store.backing.name} sets are handed out as {names}; the "
+            "request accepts none of them (upgrade the worker's engramd_client)"
+        )
+
     async def _resolve(self, request: pb.AttachRequest) -> TableSet:
         ts = self._store.get(request.set_id)
-        if ts is not None and ts.state != "failed":
+        if ts is not None and ts.state is not SetState.FAILED:
             return ts
         if request.reattach or not request.checkpoint:
             if ts is not None and ts.error is not None:
@@ -100,81 +97,20 @@ class TableService(pb_grpc.TableServiceServicer):
                 f"engramd holds no set {request.set_id}; attach with the checkpoint folder, "
                 "or have the daemon load it at start (--checkpoint)"
             )
-        if request.tensors and request.tensors != self._config.tensors:
-            raise SelectionRefused(
-                f"engramd loads for workers only its configured selection {self._config.tensors!r}"
-                f", not {request.tensors!r}; attach with that selection, or have the operator "
-                "load this one (engramd load --tensors)"
-            )
-        path = _resolve(request.checkpoint)
-        self._check_unchanged(path)
-        self._check_allowed(path)
+        loaded = [s.checkpoint for s in self._store.sets.values() if s.state is not SetState.FAILED]
+        path = self._policy.check_request(request, loaded)
         plan = await self._readers.run(plan_tables, path, self._config.tensors)
-        self._check_files(path, plan)
-        if plan.set_id != request.set_id:
-            # No set id here: a caller must not learn the id of files it cannot read.
-            raise FingerprintDiffers(
-                f"the daemon's copy of {path} differs from the worker's: the files' names, "
-                "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
-            )
+        self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan)
 
-    def _check_unchanged(self, path: Path) -> None:
-        # The worker's files are not the ones the daemon loaded from this
-        # path: the checkpoint changed on disk (or the worker sees other
-        # files there). Never hand out the old bytes; load the new ones only
-        # where workers may trigger loads.
-        if any(path.is_relative_to(r) for r in self._allowed):
-            return
-        for ts in self._store.sets.values():
-            if ts.checkpoint == str(path) and ts.state != "failed":
-                raise FingerprintDiffers(
-                    f"the checkpoint at {path} is not the one engramd loaded from there: it "
-                    f"changed on disk, or the worker sees other files there; `engramd load "
-                    f"{path}` loads the new version, or give the daemon and the worker the "
-                    "same files"
-                )
-
-    def _check_allowed(self, path: Path) -> None:
-        if str(path) in self._configured or any(path.is_relative_to(r) for r in self._allowed):
-            return
-        roots = ", ".join(map(str, self._allowed)) or "none"
-        raise NotAllowed(
-            f"engramd may not load {path} for a worker (allowed roots: {roots}); start the "
-            f"daemon with --checkpoint {path} or --allow-root <dir>"
-        )
-
-    def _check_files(self, path: Path, plan: TablePlan) -> None:
-        # Every file, not just the folder: a shard that is a symlink to
-        # another user's checkpoint resolves outside the root. resolve()
-        # undoes symlinks and "..", not bind mounts: a file bound into the
-        # root from elsewhere has the root's path but another mount.
-        if str(path) in self._configured:
-            return
-        root = next(r for r in self._allowed if path.is_relative_to(r))
-        allowed = mount_id(root)
-        for f in {t.file for t in plan.tensors}:
-            if not f.is_relative_to(root):
-                raise NotAllowed(
-                    f"{path}: a file of this checkpoint resolves outside the allowed root "
-                    f"{root} (a symlink?); engramd loads for workers only files inside the root"
-                )
-            if mount_id(f) != allowed:
-                raise NotAllowed(
-                    f"{f} is on another mount than the allowed root {root} (a bind mount?); "
-                    "engramd loads for workers only files on the root's own mount"
-                )
-
-    def _attachment(self, ts: TableSet, lease: Lease) -> pb.Attachment:
+    def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
         assert ts.manifest is not None
-        folder = set_dir(self._store.shm_dir, ts.set_id)
-        return pb.Attachment(
+        handles = self._store.backing.handles(ts.manifest, kind)
+        attachment = pb.Attachment(
             set_id=ts.set_id,
             fingerprint=ts.fingerprint,
             nonce=ts.manifest.nonce,
             lease_id=lease.lease_id,
-            shm_dir=self._store.shm_dir,
-            set_dir=str(folder),
             sources=[
                 pb.SourceFile(
                     path=f.path,
@@ -186,17 +122,13 @@ class TableService(pb_grpc.TableServiceServicer):
                 )
                 for f in ts.manifest.sources
             ],
-            tensors=[
-                pb.TensorHandle(
-                    name=t.name,
-                    dtype=t.dtype,
-                    shape=t.shape,
-                    kind=pb.HANDLE_KIND_SHM,
-                    shm=pb.ShmHandle(path=str(folder / t.file), offset=t.offset, length=t.nbytes),
-                )
-                for t in ts.manifest.tensors
-            ],
+            tensors=handles,
         )
+        if kind == pb.HANDLE_KIND_SHM and handles:
+            # What workers of engramd 0.1 read instead of ShmHandle.set_dir.
+            attachment.set_dir = handles[0].shm.set_dir
+            attachment.shm_dir = self._store.backing.usage().where
+        return attachment
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
@@ -219,7 +151,7 @@ class TableService(pb_grpc.TableServiceServicer):
                     f"cause must be one of {', '.join(sorted(CAUSES))} and set_id a set id"
                 ),
             )
-        self._store.fallbacks[request.cause] = self._store.fallbacks.get(request.cause, 0) + 1
+        self._store.stats.fallback(request.cause)
         log.info(
             "pid %d fell back to private tables (%s, set %s, %s)",
             request.pid,
@@ -230,72 +162,10 @@ class TableService(pb_grpc.TableServiceServicer):
         return pb.FallbackAck()
 
     def status(self) -> pb.StatusReply:
-        """The status reply, built from the store."""
-        u = usage(self._store.shm_dir)
-        now = time.monotonic()
-        return pb.StatusReply(
-            daemon=pb.DaemonInfo(
-                version=__version__,
-                pid=os.getpid(),
-                uptime_s=now - self._started,
-                socket=self._config.socket,
-                ready=self.ready,
-            ),
-            shm=pb.ShmInfo(
-                dir=u.dir,
-                total_bytes=u.total,
-                used_bytes=u.used,
-                free_bytes=u.free,
-                huge_pages=self._huge_pages,
-            ),
-            sets=[set_info(ts, now) for ts in self._store.sets.values()],
+        """The status reply, built from the store (on the event loop)."""
+        return status_reply(
+            self._store, self._config.socket, time.monotonic() - self._started, self.ready
         )
-
-
-async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
-    """The set's load progress, four times a second, until the load ends (ready or failed)."""
-    while not ts.done.is_set():
-        yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
-
-
-def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
-    """The wire view of a set."""
-    now = time.monotonic() if now is None else now
-    return pb.SetInfo(
-        set_id=ts.set_id,
-        checkpoint=ts.checkpoint,
-        fingerprint=ts.fingerprint,
-        bytes=ts.nbytes,
-        backing="shm",
-        state=ts.state,
-        bytes_loaded=ts.bytes_loaded,
-        adopted=ts.adopted,
-        locked=ts.locked,
-        error=str(ts.error) if ts.error else "",
-        tensors=ts.ntensors,
-        load_seconds=ts.load_seconds,
-        leases=[
-            pb.LeaseInfo(
-                lease_id=lease.lease_id,
-                pid=lease.pid,
-                labels=lease.labels,
-                attached_s=now - lease.started,
-                stale=lease.stale,
-                pid_verified=lease.pid_start is not None,
-            )
-            for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
-        ],
-        lease_count=len(ts.leases),
-    )
-
-
-def _resolve(checkpoint: str) -> Path:
-    try:
-        return Path(checkpoint).resolve()
-    except (OSError, RuntimeError) as e:  # a symlink loop
-        raise InvalidRequest(f"checkpoint {checkpoint!r} cannot be resolved ({e})") from None
 
 
 def _validate(request: pb.AttachRequest) -> None:
@@ -315,8 +185,4 @@ def _validate(request: pb.AttachRequest) -> None:
         raise InvalidRequest(
             f"labels: at most {_MAX_LABELS}, keys of 1 to 63 and values of up to 63 characters "
             "of A-Z a-z 0-9 . _ - (Kubernetes' label rules)"
-        )
-    if request.accept and pb.HANDLE_KIND_SHM not in request.accept:
-        raise InvalidRequest(
-            "this daemon hands out shm handles (HANDLE_KIND_SHM); the request accepts none"
         )

@@ -1,4 +1,4 @@
-"""What the shm folder can hold, and whether it backs files with huge pages."""
+"""Facts about the filesystem behind a folder: sizes, huge pages, mount identity."""
 
 from __future__ import annotations
 
@@ -6,15 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ShmFull
-
 _HUGE_TMPFS = {"always", "within_size"}
-
-FIX_SHM_SIZE = (
-    "give the daemon a larger /dev/shm (docker run --shm-size=<bytes> or --ipc=host; "
-    "in Kubernetes a memory-backed emptyDir at /dev/shm with a sizeLimit), "
-    "or point --shm-dir at a tmpfs sized for the tables"
-)
 
 
 @dataclass(frozen=True)
@@ -33,34 +25,6 @@ def usage(folder: str | os.PathLike[str]) -> ShmUsage:
     total = st.f_blocks * st.f_frsize
     free = st.f_bavail * st.f_frsize
     return ShmUsage(dir=str(folder), total=total, used=total - st.f_bfree * st.f_frsize, free=free)
-
-
-def gib(n: int) -> str:
-    """Bytes as a short human-readable size."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if abs(n) >= 1 << shift:
-            return f"{n / (1 << shift):.2f} {unit}"
-    return f"{n} B"
-
-
-def check_capacity(
-    folder: str | os.PathLike[str], needed: int, what: str, reclaimable: int = 0
-) -> None:
-    """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit in `folder`.
-
-    `reclaimable` bytes are counted as free: sets the caller will evict first.
-    """
-    u = usage(folder)
-    if needed > u.total:
-        raise ShmFull(
-            f"{what} needs {gib(needed)} but the shm folder {u.dir} holds {gib(u.total)} in all; "
-            f"{FIX_SHM_SIZE}"
-        )
-    if needed > u.free + reclaimable:
-        raise ShmFull(
-            f"{what} needs {gib(needed)} but the shm folder {u.dir} has {gib(u.free)} free "
-            f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
-        )
 
 
 def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:

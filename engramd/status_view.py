@@ -11,15 +11,18 @@ from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
-from .shmfs import gib
 from .text import escape
+from .units import gib
+
+#: How long `engramd status` waits for the daemon.
+STATUS_TIMEOUT_S = 2.0
 
 
-def fetch(socket: str, timeout_s: float = 2.0) -> pb.StatusReply:
+def fetch(socket: str) -> pb.StatusReply:
     """The daemon's StatusReply; raises grpc.RpcError when it does not answer."""
     with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
-            pb.StatusRequest(), timeout=timeout_s
+            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
         )
         return reply
 

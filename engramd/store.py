@@ -10,28 +10,22 @@ for status and is replaced by the next load of the same checkpoint.
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
-import os
 import secrets
-import shutil
+import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from engramd_client.checkpoint import CheckpointError, TablePlan, is_set_id
-from engramd_client.layout import (
-    LOADING_MARK,
-    Manifest,
-    ManifestError,
-    check_complete,
-    read_manifest,
-    set_dir,
-)
+from engramd_client.checkpoint import CheckpointError, TablePlan
+from engramd_client.layout import Manifest, ManifestError
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.process import pid_namespace, start_ticks
 
+from .backings import Backing
 from .blocking import BlockingPool
 from .errors import (
     BudgetExceeded,
@@ -41,14 +35,46 @@ from .errors import (
     TooManyLeases,
     UnknownSet,
 )
-from .loader import LoadCancelled, LoadProgress, checksum_file, load_set
+from .loader import LoadCancelled, LoadProgress, load_set
 from .pinning import FIX_MEMLOCK, PinnedFiles
-from .shmfs import check_capacity, gib
-from .shmroot import claim_root
+from .units import gib
 
 log = logging.getLogger("engramd")
 
-_PAGE = 4096
+
+class SetState(enum.StrEnum):
+    """Where a set is in its life; status and metrics show the value."""
+
+    #: Being copied in; never handed out.
+    LOADING = "loading"
+    #: Complete and published: served to workers.
+    READY = "ready"
+    #: The load failed; the error is kept for status until the next load.
+    FAILED = "failed"
+
+
+class Stats:
+    """Counters the event loop updates and the metrics thread reads, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._attaches: Counter[str] = Counter()
+        self._fallbacks: Counter[str] = Counter()
+
+    def attach(self, ok: bool) -> None:
+        """Count an attach answered with the set ("ok") or an error."""
+        with self._lock:
+            self._attaches["ok" if ok else "error"] += 1
+
+    def fallback(self, cause: str) -> None:
+        """Count a worker's fallback to private tables (a known cause)."""
+        with self._lock:
+            self._fallbacks[cause] += 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(attaches by result, fallbacks by cause), copied."""
+        with self._lock:
+            return {"ok": 0, "error": 0, **self._attaches}, dict(self._fallbacks)
 
 
 @dataclass
@@ -81,7 +107,8 @@ class TableSet:
     fingerprint: str
     nbytes: int
     ntensors: int
-    state: str = "loading"
+    backing: str
+    state: SetState = SetState.LOADING
     adopted: bool = False
     manifest: Manifest | None = None
     progress: LoadProgress | None = None
@@ -101,13 +128,9 @@ class TableSet:
     @property
     def bytes_loaded(self) -> int:
         """Bytes copied so far (all of them once ready)."""
-        if self.state == "ready":
+        if self.state is SetState.READY:
             return self.nbytes
         return self.progress.done if self.progress else 0
-
-
-def _pages(nbytes: int) -> int:
-    return -(-nbytes // _PAGE) * _PAGE
 
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
@@ -122,33 +145,29 @@ class SetStore:
 
     def __init__(
         self,
-        shm_dir: str,
+        backing: Backing,
         load_threads: int,
         mlock: bool,
-        gid: int | None = None,
         memory_budget: int = 0,
         evict_idle: bool = False,
         adopt_grace_s: float = 0.0,
         max_leases: int = 0,
     ) -> None:
-        self.shm_dir = shm_dir
+        #: Where the sets' bytes live.
+        self.backing = backing
         self._load_threads = load_threads
         self._mlock = mlock
-        self._gid = gid
         self._budget = memory_budget
         self._evict_idle = evict_idle
         self._adopt_grace_s = adopt_grace_s
         self._max_leases = max_leases
-        self._owner = os.geteuid()
         # Loads, and the daemon's own file work (pin, verify, unlink), each on
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
         self._files = BlockingPool("files", 4)
         self.sets: dict[str, TableSet] = {}
-        #: Attaches served and refused since start (metrics).
-        self.attaches = {"ok": 0, "error": 0}
-        #: Fallbacks workers reported, by cause (metrics).
-        self.fallbacks: dict[str, int] = {}
+        #: Attaches served and refused, fallbacks reported (metrics).
+        self.stats = Stats()
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_mlock = False
 
@@ -157,39 +176,26 @@ class SetStore:
     async def adopt_existing(
         self, verify: bool, verifying: Callable[[str], None] | None = None
     ) -> None:
-        """Claim the daemon's folder; take over complete sets left by an earlier daemon.
+        """Claim the backing; take over complete sets of the daemon's own left by an earlier one.
 
-        Partial loads and anything that is not a complete set of the daemon's
-        own are removed. With `verify`, every adopted set's checksums are
-        recomputed first (`verifying(set_id)` is called before each) and a
-        corrupted set is removed (a configured one is then loaded again).
+        The backing removes partial loads and anything not its own. With
+        `verify`, every adopted set's checksums are recomputed first
+        (`verifying(set_id)` is called before each) and a corrupted set is
+        removed (a configured one is then loaded again).
         """
-        root = claim_root(self.shm_dir, self._gid)
-        for folder in sorted(root.iterdir()):
-            if LOADING_MARK in folder.name:
-                log.info("removing partial load %s", folder)
-                await self._files.run(_remove_tree, folder)
-                continue
-            try:
-                if not is_set_id(folder.name):
-                    raise ManifestError("not a set folder")
-                manifest = read_manifest(folder, self._owner)
-                check_complete(folder, manifest, self._owner)
-            except (OSError, ManifestError) as e:
-                log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
-                await self._files.run(_remove_tree, folder)
-                continue
+        self.backing.claim()
+        for manifest in await self._files.run(self.backing.adopt):
             if verify:
                 if verifying is not None:
                     verifying(manifest.set_id)
-                corrupted = await self._files.run(_corrupted, folder, manifest, self._owner)
+                corrupted = await self._files.run(_corrupted, self.backing, manifest)
                 if corrupted:
                     log.error(
                         "removing set %s: tensors %s no longer match their checksums",
                         manifest.set_id,
                         ", ".join(corrupted),
                     )
-                    await self._files.run(_remove_tree, folder)
+                    await self._files.run(self.backing.remove, manifest.set_id)
                     continue
             ts = TableSet(
                 set_id=manifest.set_id,
@@ -197,7 +203,8 @@ class SetStore:
                 fingerprint=manifest.fingerprint,
                 nbytes=manifest.nbytes,
                 ntensors=len(manifest.tensors),
-                state="ready",
+                backing=self.backing.name,
+                state=SetState.READY,
                 adopted=True,
                 manifest=manifest,
                 idle_after=time.monotonic() + self._adopt_grace_s,
@@ -223,13 +230,13 @@ class SetStore:
         the shm folder's capacity are judged first, counting what eviction frees.
         """
         ts = self.sets.get(plan.set_id)
-        if ts is not None and ts.state != "failed":
+        if ts is not None and ts.state is not SetState.FAILED:
             return ts
-        needed = sum(_pages(t.nbytes) for t in plan.tensors)
+        needed = sum(self.backing.reserved(t.nbytes) for t in plan.tensors)
         what = f"set {plan.set_id} ({plan.checkpoint})"
         victims = self._victims(needed, what)
-        freed = sum(_pages(v.nbytes) for v in victims)
-        check_capacity(self.shm_dir, needed, what, reclaimable=freed)
+        freed = sum(self._reserved(v) for v in victims)
+        self.backing.check_capacity(needed, what, reclaimable=freed)
         for victim in victims:
             log.info(
                 "evicting idle set %s (%s) to make room for %s",
@@ -240,7 +247,7 @@ class SetStore:
             if self.sets.get(victim.set_id) is victim and not victim.leases:
                 await self.drop(victim.set_id, force=False)
         ts = self.sets.get(plan.set_id)  # another attach may have started it meanwhile
-        if ts is not None and ts.state != "failed":
+        if ts is not None and ts.state is not SetState.FAILED:
             return ts
         ts = TableSet(
             set_id=plan.set_id,
@@ -248,6 +255,7 @@ class SetStore:
             fingerprint=plan.fingerprint,
             nbytes=plan.nbytes,
             ntensors=len(plan.tensors),
+            backing=self.backing.name,
             progress=LoadProgress(plan.nbytes),
         )
         self.sets[plan.set_id] = ts
@@ -258,7 +266,9 @@ class SetStore:
         """The idle sets to evict so that `needed` more bytes fit the budget; raises if none do."""
         if not self._budget:
             return []
-        held = sum(_pages(ts.nbytes) for ts in self.sets.values() if ts.state != "failed")
+        held = sum(
+            self._reserved(ts) for ts in self.sets.values() if ts.state is not SetState.FAILED
+        )
         victims: list[TableSet] = []
         if held + needed > self._budget and self._evict_idle:
             now = time.monotonic()
@@ -266,7 +276,7 @@ class SetStore:
                 (
                     ts
                     for ts in self.sets.values()
-                    if ts.state == "ready" and not ts.leases and ts.idle_after <= now
+                    if ts.state is SetState.READY and not ts.leases and ts.idle_after <= now
                 ),
                 key=lambda ts: ts.last_used,
             )
@@ -274,7 +284,7 @@ class SetStore:
                 if held + needed <= self._budget:
                     break
                 victims.append(ts)
-                held -= _pages(ts.nbytes)
+                held -= self._reserved(ts)
         if held + needed > self._budget:
             raise BudgetExceeded(
                 f"{what} needs {gib(needed)}, the daemon holds {gib(held)} of its "
@@ -283,6 +293,11 @@ class SetStore:
                 "at start count as idle only after --adopt-grace)"
             )
         return victims
+
+    def _reserved(self, ts: TableSet) -> int:
+        if ts.manifest is None:
+            return self.backing.reserved(ts.nbytes)
+        return sum(self.backing.reserved(t.nbytes) for t in ts.manifest.tensors)
 
     async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
         """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`.
@@ -293,7 +308,7 @@ class SetStore:
         ts = self.sets.get(set_id)
         if ts is None:
             raise UnknownSet(f"engramd holds no set {set_id}")
-        if ts.state == "loading":
+        if ts.state is SetState.LOADING:
             raise LoadFailed(f"set {set_id} is still loading; drop it once it is ready")
         if ts.leases and not force:
             raise LoadFailed(
@@ -306,7 +321,7 @@ class SetStore:
             lease.ended.set()
         ts.leases.clear()
         del self.sets[set_id]
-        await self._files.run(_remove, ts.pins, set_dir(self.shm_dir, set_id))
+        await self._files.run(_remove, self.backing, ts.pins, set_id)
         log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
         return ts.nbytes, leases
 
@@ -316,9 +331,7 @@ class SetStore:
         if ts is None or ts.manifest is None:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
         try:
-            corrupted = await self._files.run(
-                _corrupted, set_dir(self.shm_dir, set_id), ts.manifest, self._owner
-            )
+            corrupted = await self._files.run(_corrupted, self.backing, ts.manifest)
         except (OSError, ManifestError):
             if self.sets.get(set_id) is ts:
                 raise
@@ -346,10 +359,10 @@ class SetStore:
         )
         try:
             ts.manifest = await self._loads.run(
-                load_set, plan, self.shm_dir, self._load_threads, ts.progress, self._gid
+                load_set, plan, self.backing, self._load_threads, ts.progress
             )
         except BaseException as e:
-            ts.state = "failed"
+            ts.state = SetState.FAILED
             ts.error = _load_error(ts, e)
             ts.done.set()
             log.error("set %s failed to load: %s", ts.set_id, ts.error)
@@ -357,7 +370,7 @@ class SetStore:
                 raise
             return
         ts.load_seconds = time.monotonic() - ts.progress.started
-        ts.state = "ready"
+        ts.state = SetState.READY
         ts.last_used = time.monotonic()
         ts.done.set()
         log.info(
@@ -374,11 +387,10 @@ class SetStore:
         # on 4 KiB pages), which must not delay readiness or adoption.
         if not self._mlock or ts.manifest is None:
             return
-        folder = set_dir(self.shm_dir, ts.set_id)
-        for t in ts.manifest.tensors:
+        for index in range(len(ts.manifest.tensors)):
             if self.sets.get(ts.set_id) is not ts:
                 return  # dropped meanwhile: PinnedFiles unmaps what it still pins
-            await self._files.run(ts.pins.pin, folder / t.file)
+            await self._files.run(self.backing.pin, ts.manifest, index, ts.pins)
         ts.locked = ts.pins.error is None and self.sets.get(ts.set_id) is ts
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
@@ -468,38 +480,32 @@ class SetStore:
                 ts.progress.cancel.set()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=grace)
-        ready = [ts for ts in self.sets.values() if ts.state == "ready"]
-        release = asyncio.ensure_future(
-            self._files.run(_release_all, ready, self.shm_dir if drop else None)
-        )
+        ready = [ts for ts in self.sets.values() if ts.state is SetState.READY]
+        release = asyncio.ensure_future(self._files.run(_release_all, self.backing, ready, drop))
         await asyncio.wait([release], timeout=grace)
         if drop:
             for ts in ready:
                 log.info("dropped set %s", ts.set_id)
 
 
-def _remove_tree(folder: Path) -> None:
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-def _remove(pins: PinnedFiles, folder: Path) -> None:
+def _remove(backing: Backing, pins: PinnedFiles, set_id: str) -> None:
     pins.release()
-    _remove_tree(folder)
+    backing.remove(set_id)
 
 
-def _release_all(sets: list[TableSet], drop_from: str | None) -> None:
+def _release_all(backing: Backing, sets: list[TableSet], drop: bool) -> None:
     for ts in sets:
-        if drop_from is None:
-            ts.pins.release()
+        if drop:
+            _remove(backing, ts.pins, ts.set_id)
         else:
-            _remove(ts.pins, set_dir(drop_from, ts.set_id))
+            ts.pins.release()
 
 
-def _corrupted(folder: Path, manifest: Manifest, owner: int) -> list[str]:
+def _corrupted(backing: Backing, manifest: Manifest) -> list[str]:
     return [
         t.name
-        for t in manifest.tensors
-        if checksum_file(folder / t.file, t.nbytes, owner) != t.checksum
+        for i, t in enumerate(manifest.tensors)
+        if backing.checksum(manifest, i) != t.checksum
     ]
 
 

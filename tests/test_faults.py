@@ -20,9 +20,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Daemon, Worker, mounted_tmpfs, wait_until
+from engramd.backings import TmpfsBacking
 from engramd.errors import ShmFull
 from engramd.loader import LoadProgress, load_set
-from engramd.shmroot import claim_root
 from engramd.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_client.layout import LOADING_MARK, check_complete, read_manifest, sets_root
@@ -100,9 +100,10 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
         # took the space after the capacity check, the load fails cleanly.
         filler = shm / "other-writer"
         filler.write_bytes(b"\1" * (shutil.disk_usage(shm).free - plan.nbytes // 2))
-        claim_root(str(shm), None)
+        backing = TmpfsBacking(str(shm), None)
+        backing.claim()
         with pytest.raises(ShmFull, match="ran out of space while reserving"):
-            load_set(plan, str(shm), 2, LoadProgress(plan.nbytes))
+            load_set(plan, backing, 2, LoadProgress(plan.nbytes))
         assert [p.name for p in (shm / "engramd").iterdir()] == []
         filler.unlink()
 

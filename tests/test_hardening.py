@@ -25,10 +25,10 @@ import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd import store as store_module
+from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.errors import UnknownSet
 from engramd.loader import LoadProgress, load_set
-from engramd.shmroot import claim_root
 from engramd.synth import SynthSpec, synthesize
 from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
 from engramd_client.layout import sets_root
@@ -182,7 +182,8 @@ def test_file_changed_before_or_during_a_load_is_not_published(
 ) -> None:
     ours = tmp_path / "ckpt"
     shutil.copytree(checkpoint, ours)
-    claim_root(str(shm_dir), None)
+    backing = TmpfsBacking(str(shm_dir), None)
+    backing.claim()
     plan = plan_tables(ours)
     shard = plan.sources[-1].path
 
@@ -192,13 +193,13 @@ def test_file_changed_before_or_during_a_load_is_not_published(
             super().add(n)
 
     with pytest.raises(CheckpointError, match="changed during the load"):
-        load_set(plan, str(shm_dir), 2, WriterDuringTheCopy(plan.nbytes))
+        load_set(plan, backing, 2, WriterDuringTheCopy(plan.nbytes))
     assert list(sets_root(shm_dir).iterdir()) == []
     with pytest.raises(CheckpointError, match="changed since its headers were read"):
-        load_set(plan, str(shm_dir), 2, LoadProgress(plan.nbytes))
+        load_set(plan, backing, 2, LoadProgress(plan.nbytes))
     assert list(sets_root(shm_dir).iterdir()) == []
     fresh = plan_tables(ours)
-    manifest = load_set(fresh, str(shm_dir), 2, LoadProgress(fresh.nbytes))
+    manifest = load_set(fresh, backing, 2, LoadProgress(fresh.nbytes))
     assert manifest.sources == fresh.sources
 
 

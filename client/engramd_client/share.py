@@ -18,27 +18,21 @@ import torch
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
 from .errors import (
+    DaemonError,
     DaemonUnavailable,
     FingerprintMismatch,
     NotAllowed,
-    SegmentNotVisible,
     ShareError,
 )
-from .layout import MANIFEST_NAME, ManifestError, NotOwned, read_manifest
+from .handles import ACCEPT, MAPPERS, HandleMapper
 from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
-from .tables import Region, RowRanges, Tables, check_row_names, map_shared
+from .tables import RowRanges, Tables, check_row_names, map_fd
 
 log = logging.getLogger("engramd_client")
 
 _warned: set[str] = set()
-
-_FIX_NAMESPACE = (
-    "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "
-    "--ipc=container:<engramd>; in Kubernetes mount the daemon's /dev/shm hostPath or "
-    "shared memory-backed emptyDir at the same path)"
-)
 
 
 def _warn_once(cause: str, message: str) -> None:
@@ -129,7 +123,7 @@ def _attach_shared(
         tensors=plan.selection if plan else "",
         pid=os.getpid(),
         labels=dict(labels),
-        accept=[pb.HANDLE_KIND_SHM],
+        accept=ACCEPT,
         pid_namespace=pid_namespace(),
         pid_start=start_ticks(os.getpid()) or 0,
     )
@@ -173,48 +167,16 @@ _SOURCE_FIELDS = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
 def _map(
     attachment: pb.Attachment, rows: RowRanges | None, populate: bool, owner: int
 ) -> dict[str, torch.Tensor]:
-    folder = Path(attachment.set_dir)
-    try:
-        manifest = read_manifest(folder, owner)
-    except NotOwned as e:
-        raise SegmentNotVisible(
-            f"engramd holds set {attachment.set_id} at {folder}, but what this worker sees "
-            f"there is not engramd's own ({e}): refusing to map it; {_FIX_NAMESPACE}"
-        ) from None
-    except (OSError, ManifestError) as e:
-        raise SegmentNotVisible(
-            f"engramd holds set {attachment.set_id} at {folder}, but this worker cannot read "
-            f"{folder / MANIFEST_NAME} ({getattr(e, 'strerror', None) or e}): it sees another "
-            f"/dev/shm; {_FIX_NAMESPACE}"
-        ) from None
-    if manifest.nonce != attachment.nonce:
-        raise SegmentNotVisible(
-            f"{folder} here is not the daemon's copy of set {attachment.set_id} (nonce differs): "
-            f"this worker sees another /dev/shm; {_FIX_NAMESPACE}"
-        )
+    mappers: dict[str, HandleMapper] = {}
     tensors = {}
     for handle in attachment.tensors:
-        if handle.kind != pb.HANDLE_KIND_SHM:
-            raise ShareError(f"engramd offered handle kind {handle.kind}, this client maps shm")
-        region = Region(
-            name=handle.name,
-            dtype=handle.dtype,
-            shape=tuple(handle.shape),
-            path=handle.shm.path,
-            offset=handle.shm.offset,
-            length=handle.shm.length,
-        ).cut(rows)
-        try:
-            tensors[handle.name] = map_shared(region, populate, owner)
-        except NotOwned as e:
-            raise SegmentNotVisible(
-                f"{region.path} is not engramd's own ({e}): refusing to map it"
-            ) from None
-        except PermissionError:
-            raise NotAllowed(
-                f"permission denied on {region.path}; add this worker's user to the group "
-                "of the daemon's shm files (engramd by default)"
-            ) from None
-        except OSError as e:
-            raise SegmentNotVisible(f"cannot map {region.path}: {e}; {_FIX_NAMESPACE}") from None
+        which = handle.WhichOneof("handle")
+        if which not in MAPPERS:
+            raise DaemonError(
+                f"engramd handed out a {which or 'kind'} handle, which this client cannot map "
+                f"(it accepts {ACCEPT}); upgrade engramd_client"
+            )
+        mapper = mappers.setdefault(which, MAPPERS[which][1](owner))
+        region = mapper.region(handle).cut(rows)
+        tensors[handle.name] = map_fd(mapper.open(attachment, handle), region, populate)
     return tensors

@@ -14,7 +14,6 @@ import os
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING
 
@@ -22,7 +21,6 @@ import torch
 
 from .checkpoint import DTYPES, TablePlan, TensorEntry
 from .errors import CheckpointError
-from .layout import open_owned
 
 if TYPE_CHECKING:
     from .lease import Lease
@@ -94,24 +92,22 @@ def _view(buffer: mmap.mmap, delta: int, region: Region) -> torch.Tensor:
     return flat.view(dtype).view(region.shape)
 
 
-def map_shared(region: Region, populate: bool, owner: int) -> torch.Tensor:
-    """Map a region of a daemon file read-only and view it as a tensor.
+def map_fd(fd: int, region: Region, populate: bool) -> torch.Tensor:
+    """Map a region of a read-only descriptor PROT_READ and view it as a tensor; closes `fd`.
 
-    The file must be a regular file that the daemon's user (`owner`) owns and
-    nobody else may write (layout.open_owned), never a symlink. `populate`
-    fills the page tables now (MAP_POPULATE), so the first lookups do not take
-    a page fault per page touched.
+    Every handle kind ends here (engramd_client.handles). `populate` fills the
+    page tables now (MAP_POPULATE), so the first lookups do not take a page
+    fault per page touched.
     """
-    if region.length == 0:
-        return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
-    start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
-    fd = open_owned(Path(region.path), owner)
     try:
+        if region.length == 0:
+            return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
         size = os.fstat(fd).st_size
         if region.offset + region.length > size:
             raise OSError(
                 f"{region.path} is {size} bytes, the handle needs {region.offset + region.length}"
             )
+        start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
         buffer = mmap.mmap(
             fd,
             region.offset + region.length - start,

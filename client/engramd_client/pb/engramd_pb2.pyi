@@ -118,14 +118,16 @@ class TensorHandle(_message.Message):
     def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
-    __slots__ = ("path", "offset", "length")
+    __slots__ = ("path", "offset", "length", "set_dir")
     PATH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SET_DIR_FIELD_NUMBER: _ClassVar[int]
     path: str
     offset: int
     length: int
-    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    set_dir: str
+    def __init__(self, path: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., set_dir: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()
@@ -156,18 +158,20 @@ class DaemonInfo(_message.Message):
     def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
 
 class ShmInfo(_message.Message):
-    __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages")
+    __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages", "page_size")
     DIR_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     HUGE_PAGES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     dir: str
     total_bytes: int
     used_bytes: int
     free_bytes: int
     huge_pages: bool
-    def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class SetInfo(_message.Message):
     __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count")

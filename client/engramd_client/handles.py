@@ -1,0 +1,110 @@
+"""One mapper per handle kind: from a daemon's handle to a read-only descriptor.
+
+Every kind ends the same way: `tables.map_fd` maps the descriptor PROT_READ
+and views it as a tensor. A mapper only says how to get that descriptor and
+what proves it is the daemon's. Adding a kind is one mapper here plus its
+entry in MAPPERS (the oneof field name of engramd.v1.TensorHandle).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from .errors import NotAllowed, SegmentNotVisible
+from .layout import MANIFEST_NAME, ManifestError, NotOwned, open_owned, read_manifest
+from .pb import engramd_pb2 as pb
+from .tables import Region
+
+FIX_NAMESPACE = (
+    "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "
+    "--ipc=container:<engramd>; in Kubernetes mount the daemon's /dev/shm hostPath or "
+    "shared memory-backed emptyDir at the same path)"
+)
+
+
+class HandleMapper(Protocol):
+    """Turns handles of one kind into read-only descriptors."""
+
+    def region(self, handle: pb.TensorHandle) -> Region:
+        """Which bytes of the descriptor hold the tensor."""
+
+    def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
+        """A read-only descriptor of the handle's memory; raises a ShareError otherwise."""
+
+
+class PathMapper:
+    """HANDLE_KIND_SHM: a file in the daemon's shm folder, opened by path.
+
+    Needs the daemon's mount namespace. The file must be the daemon's own
+    (owner, mode, no symlink) and its set's manifest must carry the nonce the
+    daemon handed out: a worker that sees another /dev/shm finds none or
+    another.
+    """
+
+    def __init__(self, owner: int) -> None:
+        #: The daemon's uid (the owner of its socket).
+        self._owner = owner
+        self._checked: set[str] = set()
+
+    def region(self, handle: pb.TensorHandle) -> Region:
+        """The handle's byte range of its file."""
+        return Region(
+            name=handle.name,
+            dtype=handle.dtype,
+            shape=tuple(handle.shape),
+            path=handle.shm.path,
+            offset=handle.shm.offset,
+            length=handle.shm.length,
+        )
+
+    def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
+        """The file, opened read-only, once its set folder proved to be the daemon's."""
+        # engramd 0.1 sends the folder in the Attachment only.
+        folder = handle.shm.set_dir or attachment.set_dir
+        if folder not in self._checked:
+            self._check_folder(attachment, Path(folder))
+            self._checked.add(folder)
+        path = handle.shm.path
+        try:
+            return open_owned(Path(path), self._owner)
+        except NotOwned as e:
+            raise SegmentNotVisible(
+                f"{path} is not engramd's own ({e}): refusing to map it"
+            ) from None
+        except PermissionError:
+            raise NotAllowed(
+                f"permission denied on {path}; add this worker's user to the group of the "
+                "daemon's shm files (engramd by default)"
+            ) from None
+        except OSError as e:
+            raise SegmentNotVisible(f"cannot open {path}: {e}; {FIX_NAMESPACE}") from None
+
+    def _check_folder(self, attachment: pb.Attachment, folder: Path) -> None:
+        try:
+            manifest = read_manifest(folder, self._owner)
+        except NotOwned as e:
+            raise SegmentNotVisible(
+                f"engramd holds set {attachment.set_id} at {folder}, but what this worker sees "
+                f"there is not engramd's own ({e}): refusing to map it; {FIX_NAMESPACE}"
+            ) from None
+        except (OSError, ManifestError) as e:
+            raise SegmentNotVisible(
+                f"engramd holds set {attachment.set_id} at {folder}, but this worker cannot read "
+                f"{folder / MANIFEST_NAME} ({getattr(e, 'strerror', None) or e}): it sees "
+                f"another /dev/shm; {FIX_NAMESPACE}"
+            ) from None
+        if manifest.nonce != attachment.nonce:
+            raise SegmentNotVisible(
+                f"{folder} here is not the daemon's copy of set {attachment.set_id} (nonce "
+                f"differs): this worker sees another /dev/shm; {FIX_NAMESPACE}"
+            )
+
+
+#: The mapper of each handle kind, by TensorHandle's oneof field, and the kind it maps.
+MAPPERS: dict[str, tuple[pb.HandleKind, type[PathMapper]]] = {
+    "shm": (pb.HANDLE_KIND_SHM, PathMapper)
+}
+
+#: The kinds this client maps, in the order it prefers them.
+ACCEPT = [kind for kind, _ in MAPPERS.values()]

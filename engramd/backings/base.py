@@ -1,0 +1,109 @@
+"""What every backing of table sets provides: one interface, one module per backing.
+
+A backing is where the bytes of a set live (today: files in a tmpfs folder).
+The loader's read-and-digest loop is the same for all of them and writes
+through `StagedSet.write`; the store adopts, pins, verifies and removes
+through the backing; the service hands out the backing's handles.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engramd_client.checkpoint import TablePlan
+from engramd_client.layout import Manifest
+from engramd_client.pb import engramd_pb2 as pb
+
+from ..config import DaemonConfig
+from ..pinning import PinnedFiles
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a backing holds, in bytes, and the page size that backs new sets."""
+
+    where: str
+    total: int
+    used: int
+    free: int
+    page_size: int
+
+
+class StagedSet(ABC):
+    """A set being loaded: every byte reserved, nothing visible to workers yet."""
+
+    @abstractmethod
+    def placement(self, index: int) -> tuple[str, int]:
+        """(file, offset) of the index-th tensor, as the manifest records it."""
+
+    @abstractmethod
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        """Write `data` at `offset` within the index-th tensor."""
+
+    @abstractmethod
+    def publish(self, manifest: Manifest) -> None:
+        """Make the set visible, complete: nothing writes to it again."""
+
+    @abstractmethod
+    def discard(self) -> None:
+        """Remove everything staged (the load failed or was cancelled)."""
+
+
+class Backing(ABC):
+    """Where sets live; chosen by name (`BACKINGS` in engramd.backings)."""
+
+    #: The backing's name in status, metrics and flags.
+    name: ClassVar[str]
+    #: Handle kinds this backing can hand out (engramd.v1.HandleKind).
+    handle_kinds: ClassVar[frozenset[int]]
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None) -> Backing:
+        """The backing a daemon with `config` uses; `gid` may attach (owns its files)."""
+
+    @abstractmethod
+    def claim(self) -> None:
+        """Take possession at start (make or check the daemon's own place)."""
+
+    @abstractmethod
+    def usage(self) -> Usage:
+        """What the backing holds and can hold."""
+
+    def reserved(self, nbytes: int) -> int:
+        """Bytes a tensor of `nbytes` takes, rounded up to whole pages."""
+        page = self.usage().page_size
+        return -(-nbytes // page) * page
+
+    @abstractmethod
+    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+        """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit.
+
+        `reclaimable` bytes count as free: sets the caller will evict first.
+        """
+
+    @abstractmethod
+    def stage(self, plan: TablePlan) -> StagedSet:
+        """Reserve every byte of the plan's tensors; a full backing fails here."""
+
+    @abstractmethod
+    def adopt(self) -> list[Manifest]:
+        """The complete sets of the daemon's own found at start; everything else is removed."""
+
+    @abstractmethod
+    def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
+        """Lock the index-th tensor of a set in memory (recorded in `pins`)."""
+
+    @abstractmethod
+    def checksum(self, manifest: Manifest, index: int) -> str:
+        """The digest of the index-th tensor as it is now (the manifest's format)."""
+
+    @abstractmethod
+    def remove(self, set_id: str) -> None:
+        """Unlink a set; its memory returns when the last worker unmaps it."""
+
+    @abstractmethod
+    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+        """One handle of `kind` per tensor of the set."""

@@ -1,0 +1,239 @@
+"""Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.layout.
+
+A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages.
+Sets survive a daemon restart; workers open them by path (read-only
+mappings, checked by owner, mode and the manifest's nonce).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import ClassVar
+
+from engramd_client.checkpoint import TablePlan, TensorEntry, is_set_id
+from engramd_client.layout import (
+    LOADING_MARK,
+    MANIFEST_NAME,
+    Manifest,
+    ManifestError,
+    check_complete,
+    open_owned,
+    read_manifest,
+    set_dir,
+    sets_root,
+    tensor_file_name,
+)
+from engramd_client.pb import engramd_pb2 as pb
+
+from ..checksum import digest_fd
+from ..config import DaemonConfig
+from ..errors import ShmFull
+from ..pinning import PinnedFiles
+from ..shmfs import huge_pages, usage
+from ..shmroot import claim_root
+from ..units import gib
+from .base import Backing, StagedSet, Usage
+
+log = logging.getLogger("engramd")
+
+FIX_SHM_SIZE = (
+    "give the daemon a larger /dev/shm (docker run --shm-size=<bytes> or --ipc=host; "
+    "in Kubernetes a memory-backed emptyDir at /dev/shm with a sizeLimit), "
+    "or point --shm-dir at a tmpfs sized for the tables"
+)
+_SMALL_PAGE = 4096
+_HUGE_PAGE = 2 << 20
+
+
+class TmpfsBacking(Backing):
+    """Files under `<shm_dir>/engramd/`, one per tensor, 0640, group `gid`."""
+
+    name: ClassVar[str] = "tmpfs"
+    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM})
+
+    def __init__(self, shm_dir: str, gid: int | None) -> None:
+        self.shm_dir = shm_dir
+        self._gid = gid
+        self._owner = os.geteuid()
+        self._page = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None) -> TmpfsBacking:
+        """Files under `config.shm_dir`."""
+        return cls(config.shm_dir, gid)
+
+    def claim(self) -> None:
+        """Make or check `<shm_dir>/engramd` (shmroot.claim_root)."""
+        claim_root(self.shm_dir, self._gid)
+
+    def usage(self) -> Usage:
+        """The tmpfs's sizes and the page size of its new files."""
+        u = usage(self.shm_dir)
+        return Usage(u.dir, u.total, u.used, u.free, self._page)
+
+    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+        """Refuse a set larger than the tmpfs in all, or than its free space plus `reclaimable`."""
+        u = self.usage()
+        if needed > u.total:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} but the shm folder {u.where} holds "
+                f"{gib(u.total)} in all; {FIX_SHM_SIZE}"
+            )
+        if needed > u.free + reclaimable:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} but the shm folder {u.where} has {gib(u.free)} free "
+                f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
+            )
+
+    def stage(self, plan: TablePlan) -> StagedSet:
+        """A `.loading-*` folder with every tensor file reserved to its full size."""
+        return _StagedFolder(self, plan)
+
+    def adopt(self) -> list[Manifest]:
+        """Complete sets of the daemon's own; partial loads and anything else are removed."""
+        found = []
+        for folder in sorted(sets_root(self.shm_dir).iterdir()):
+            if LOADING_MARK in folder.name:
+                log.info("removing partial load %s", folder)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            try:
+                if not is_set_id(folder.name):
+                    raise ManifestError("not a set folder")
+                manifest = read_manifest(folder, self._owner)
+                check_complete(folder, manifest, self._owner)
+            except (OSError, ManifestError) as e:
+                log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
+                shutil.rmtree(folder, ignore_errors=True)
+                continue
+            found.append(manifest)
+        return found
+
+    def _path(self, manifest: Manifest, index: int) -> Path:
+        return set_dir(self.shm_dir, manifest.set_id) / manifest.tensors[index].file
+
+    def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
+        """Map the tensor's file read-only and lock it."""
+        pins.pin(self._path(manifest, index))
+
+    def checksum(self, manifest: Manifest, index: int) -> str:
+        """The digest of the tensor's file as it is now ("short" when it is shorter)."""
+        t = manifest.tensors[index]
+        with open(open_owned(self._path(manifest, index), self._owner), "rb") as f:
+            return digest_fd(f.fileno(), t.offset, t.nbytes)
+
+    def remove(self, set_id: str) -> None:
+        """Unlink the set's folder."""
+        shutil.rmtree(set_dir(self.shm_dir, set_id), ignore_errors=True)
+
+    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+        """Paths (HANDLE_KIND_SHM), valid in the daemon's mount namespace."""
+        folder = set_dir(self.shm_dir, manifest.set_id)
+        return [
+            pb.TensorHandle(
+                name=t.name,
+                dtype=t.dtype,
+                shape=t.shape,
+                kind=pb.HANDLE_KIND_SHM,
+                shm=pb.ShmHandle(
+                    path=str(folder / t.file),
+                    offset=t.offset,
+                    length=t.nbytes,
+                    set_dir=str(folder),
+                ),
+            )
+            for t in manifest.tensors
+        ]
+
+
+class _StagedFolder(StagedSet):
+    def __init__(self, backing: TmpfsBacking, plan: TablePlan) -> None:
+        self._backing = backing
+        self._plan = plan
+        self._root = sets_root(backing.shm_dir)
+        self._folder = (
+            self._root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        self._fds: list[int] = []
+        gid = backing._gid
+        try:
+            self._folder.mkdir(mode=0o750)
+            if gid is not None:
+                os.chown(self._folder, -1, gid)
+            for i, entry in enumerate(plan.tensors):
+                fd = os.open(
+                    self._folder / tensor_file_name(i),
+                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                    0o640,
+                )
+                self._fds.append(fd)
+                if gid is not None:
+                    os.fchown(fd, -1, gid)
+                self._reserve(fd, entry)
+        except BaseException:
+            self.discard()
+            raise
+
+    def _reserve(self, fd: int, entry: TensorEntry) -> None:
+        if entry.nbytes == 0:
+            return
+        try:
+            os.posix_fallocate(fd, 0, entry.nbytes)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise ShmFull(
+                f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
+                f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
+                f"space after the capacity check?); {FIX_SHM_SIZE}"
+            ) from None
+
+    def placement(self, index: int) -> tuple[str, int]:
+        """Each tensor in a file of its own, at offset 0."""
+        return tensor_file_name(index), 0
+
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        """Positional writes into the reserved file."""
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fds[index], data[done:], offset + done)
+
+    def publish(self, manifest: Manifest) -> None:
+        """Write the manifest last, then rename the folder to the set id."""
+        try:
+            fd = os.open(
+                self._folder / MANIFEST_NAME,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o640,
+            )
+            if self._backing._gid is not None:
+                os.fchown(fd, -1, self._backing._gid)
+            with os.fdopen(fd, "w") as f:
+                f.write(manifest.to_json())
+            os.rename(self._folder, self._root / manifest.set_id)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            # Only the folder and the manifest are not reserved up front.
+            raise ShmFull(
+                f"the shm folder {self._backing.shm_dir} ran out of space while loading set "
+                f"{manifest.set_id} ({gib(manifest.nbytes)}; another writer took the space?); "
+                f"{FIX_SHM_SIZE}"
+            ) from None
+        finally:
+            self._close()
+
+    def discard(self) -> None:
+        """Remove the `.loading-*` folder."""
+        self._close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds = []

@@ -1,0 +1,77 @@
+"""The daemon's state as engramd.v1 messages: sets, leases, progress, status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator
+
+from engramd_client.pb import engramd_pb2 as pb
+
+from . import __version__
+from .store import STATUS_LEASES, SetStore, TableSet
+
+#: How often a caller waiting for a load hears about its progress.
+PROGRESS_INTERVAL_S = 0.25
+
+
+async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
+    """The set's load progress, four times a second, until the load ends (ready or failed)."""
+    while not ts.done.is_set():
+        yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+
+
+def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
+    """A set and (at most STATUS_LEASES of) its leases."""
+    now = time.monotonic() if now is None else now
+    return pb.SetInfo(
+        set_id=ts.set_id,
+        checkpoint=ts.checkpoint,
+        fingerprint=ts.fingerprint,
+        bytes=ts.nbytes,
+        backing=ts.backing,
+        state=ts.state.value,
+        bytes_loaded=ts.bytes_loaded,
+        adopted=ts.adopted,
+        locked=ts.locked,
+        error=str(ts.error) if ts.error else "",
+        tensors=ts.ntensors,
+        load_seconds=ts.load_seconds,
+        leases=[
+            pb.LeaseInfo(
+                lease_id=lease.lease_id,
+                pid=lease.pid,
+                labels=lease.labels,
+                attached_s=now - lease.started,
+                stale=lease.stale,
+                pid_verified=lease.pid_start is not None,
+            )
+            for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
+        ],
+        lease_count=len(ts.leases),
+    )
+
+
+def status_reply(store: SetStore, socket: str, uptime_s: float, ready: bool) -> pb.StatusReply:
+    """What the node holds."""
+    u = store.backing.usage()
+    now = time.monotonic()
+    return pb.StatusReply(
+        daemon=pb.DaemonInfo(
+            version=__version__, pid=os.getpid(), uptime_s=uptime_s, socket=socket, ready=ready
+        ),
+        shm=pb.ShmInfo(
+            dir=u.where,
+            total_bytes=u.total,
+            used_bytes=u.used,
+            free_bytes=u.free,
+            huge_pages=u.page_size > 4096,
+            page_size=u.page_size,
+        ),
+        sets=[set_info(ts, now) for ts in store.sets.values()],
+    )
