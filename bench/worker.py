@@ -9,19 +9,15 @@ exit     -> closes the tables and exits
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 import torch
 
+from engramd.child import say
 from engramd_client import Tables, attach
 
 PAGE = 4096
-
-
-def say(doc: dict[str, object]) -> None:
-    print(json.dumps(doc), flush=True)
 
 
 def touch(tables: Tables) -> int:

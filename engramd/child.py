@@ -1,7 +1,8 @@
 """A child process that takes commands on stdin and answers with JSON lines.
 
 The demo's replicas, the benchmark's workers and the tests' workers all
-speak this way, so a parent can drive several of them in lockstep.
+speak this way, so a parent can drive several of them in lockstep: the
+parent holds a JsonLinesChild, the child answers with `say`.
 """
 
 from __future__ import annotations
@@ -9,6 +10,11 @@ from __future__ import annotations
 import json
 import subprocess
 from typing import Any
+
+
+def say(doc: dict[str, Any]) -> None:
+    """Answer the parent: one JSON line on stdout, flushed."""
+    print(json.dumps(doc), flush=True)
 
 
 class JsonLinesChild:

@@ -12,7 +12,6 @@ machine) and measure their memory while all of them are attached:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -20,14 +19,11 @@ import torch
 
 from engramd_client import Tables, attach
 
+from .child import say
 from .engram_hash import EngramHash, byte_rows, gather
 from .synth import expected_rows
 
 VOCAB = 129_280
-
-
-def _say(doc: dict[str, object]) -> None:
-    print(json.dumps(doc), flush=True)
 
 
 def run_lookups(tables: Tables, rank: int, steps: int, tokens: int, seed: int) -> dict[str, object]:
@@ -77,7 +73,7 @@ def main() -> int:
         share=False if args.share == "off" else None,
         labels={"dp_rank": str(args.rank), "role": "demo"},
     )
-    _say(
+    say(
         {
             "mode": tables.mode,
             "reason": tables.reason,
@@ -87,7 +83,7 @@ def main() -> int:
     )
     for line in sys.stdin:
         if line.strip() == "run":
-            _say(run_lookups(tables, args.rank, args.steps, args.tokens, args.seed))
+            say(run_lookups(tables, args.rank, args.steps, args.tokens, args.seed))
         elif line.strip() == "exit":
             break
     tables.close()

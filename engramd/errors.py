@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from engramd_client.errors import REASON_KEY, CheckpointError
+from engramd_client.errors import REASON_KEY, CheckpointError, Reason
 
 log = logging.getLogger("engramd")
 
@@ -24,77 +24,77 @@ class ServiceError(Exception):
     """An error the daemon reports to its caller; the message says what to do."""
 
     code = grpc.StatusCode.INTERNAL
-    reason = "internal"
+    reason: Reason = Reason.INTERNAL
 
 
 class InvalidRequest(ServiceError):
     """A request with malformed fields."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = "invalid-request"
+    reason = Reason.INVALID_REQUEST
 
 
 class SelectionRefused(ServiceError):
     """A worker asked the daemon to load another selection of tensors than it is configured for."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "selection"
+    reason = Reason.SELECTION
 
 
 class TooManyLeases(ServiceError):
     """The daemon holds as many leases as it is configured to."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "leases"
+    reason = Reason.LEASES
 
 
 class UnknownSet(ServiceError):
     """No such set, and nothing to load it from."""
 
     code = grpc.StatusCode.NOT_FOUND
-    reason = "unknown-set"
+    reason = Reason.UNKNOWN_SET
 
 
 class NotAllowed(ServiceError):
     """The caller may not make the daemon load this checkpoint."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
-    reason = "not-allowed"
+    reason = Reason.NOT_ALLOWED
 
 
 class ShmFull(ServiceError):
     """The shm folder cannot hold the set."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "capacity"
+    reason = Reason.CAPACITY
 
 
 class BudgetExceeded(ServiceError):
     """The set would take the daemon past its memory budget."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = "budget"
+    reason = Reason.BUDGET
 
 
 class FingerprintDiffers(ServiceError):
     """The daemon's copy of the checkpoint is not the worker's."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "fingerprint"
+    reason = Reason.FINGERPRINT
 
 
 class LoadFailed(ServiceError):
     """A load stopped for a reason other than capacity or a bad checkpoint."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = "load-failed"
+    reason = Reason.LOAD_FAILED
 
 
 class Draining(ServiceError):
     """The daemon is stopping."""
 
     code = grpc.StatusCode.UNAVAILABLE
-    reason = "draining"
+    reason = Reason.DRAINING
 
 
 class UntrustedShm(RuntimeError):
@@ -106,9 +106,13 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     if isinstance(exc, ServiceError):
         return exc.code, exc.reason, str(exc)
     if isinstance(exc, CheckpointError):
-        return grpc.StatusCode.INVALID_ARGUMENT, "checkpoint", str(exc)
+        return grpc.StatusCode.INVALID_ARGUMENT, Reason.CHECKPOINT, str(exc)
     log.exception("internal error while serving a request", exc_info=exc)
-    return grpc.StatusCode.INTERNAL, "internal", f"internal error: {exc!r}; see the daemon's log"
+    return (
+        grpc.StatusCode.INTERNAL,
+        Reason.INTERNAL,
+        f"internal error: {exc!r}; see the daemon's log",
+    )
 
 
 async def abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

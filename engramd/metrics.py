@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,8 +23,6 @@ from .store import SetState, SetStore
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
-
-    from .service import TableService
 
 #: How long a scrape waits for the event loop.
 SNAPSHOT_TIMEOUT_S = 5.0
@@ -73,14 +71,14 @@ class StoreCollector(Collector):
     """Reads the daemon's state on each scrape; nothing is updated on the hot path."""
 
     def __init__(
-        self, store: SetStore, service: TableService, loop: asyncio.AbstractEventLoop
+        self, store: SetStore, ready: Callable[[], bool], loop: asyncio.AbstractEventLoop
     ) -> None:
         self._store = store
-        self._service = service
+        self._ready = ready
         self._loop = loop
 
     async def _snapshot(self) -> tuple[list[SetSample], Usage, bool]:
-        return (*_sample(self._store), self._service.ready)
+        return (*_sample(self._store), self._ready())
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
@@ -124,12 +122,14 @@ class StoreCollector(Collector):
         )
 
 
-def serve_metrics(store: SetStore, service: TableService, address: str, port: int) -> WSGIServer:
+def serve_metrics(
+    store: SetStore, ready: Callable[[], bool], address: str, port: int
+) -> WSGIServer:
     """Serve /metrics on a thread; returns the server (shutdown() stops it).
 
     Call on the event loop: scrapes take their snapshots there.
     """
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store, service, asyncio.get_running_loop()))
+    registry.register(StoreCollector(store, ready, asyncio.get_running_loop()))
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

@@ -71,7 +71,9 @@ class EngramdServer:
             adopt_grace_s=config.adopt_grace_s,
             max_leases=config.max_leases,
         )
-        self.service = TableService(config, self.store)
+        #: Every configured set is ready (health SERVING, systemd READY=1).
+        self.ready = False
+        self.service = TableService(config, self.store, lambda: self.ready)
         self.health = health_aio.HealthServicer()
         self.notifier = Notifier()
         self.grpc = grpc.aio.server(interceptors=[DecodeGuard()])
@@ -123,7 +125,10 @@ class EngramdServer:
             log.info("health checks on %s", address)
         if self.config.metrics_port:
             self._metrics = serve_metrics(
-                self.store, self.service, self.config.metrics_address, self.config.metrics_port
+                self.store,
+                lambda: self.ready,
+                self.config.metrics_address,
+                self.config.metrics_port,
             )
             log.info(
                 "metrics on http://%s:%d/metrics",
@@ -154,7 +159,7 @@ class EngramdServer:
             log.error("not every configured set is ready; health stays NOT_SERVING")
             self.notifier.send(STATUS="not every configured set is ready; see the log")
             return
-        self.service.ready = True
+        self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         held = sum(ts.nbytes for ts in self.store.sets.values() if ts.state is SetState.READY)
         self.notifier.send(READY=1, STATUS=f"serving {len(self.store.sets)} set(s), {gib(held)}")

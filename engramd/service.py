@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -38,14 +38,13 @@ _CHECKPOINT_READERS = 8
 class TableService(pb_grpc.TableServiceServicer):
     """Serves attaches and status from a SetStore."""
 
-    def __init__(self, config: DaemonConfig, store: SetStore) -> None:
+    def __init__(self, config: DaemonConfig, store: SetStore, ready: Callable[[], bool]) -> None:
         self._config = config
         self._store = store
+        self._ready = ready
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
-        #: Every configured set is ready (the health service says SERVING).
-        self.ready = False
 
     async def Attach(
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
@@ -164,7 +163,7 @@ class TableService(pb_grpc.TableServiceServicer):
     def status(self) -> pb.StatusReply:
         """The status reply, built from the store (on the event loop)."""
         return status_reply(
-            self._store, self._config.socket, time.monotonic() - self._started, self.ready
+            self._store, self._config.socket, time.monotonic() - self._started, self._ready()
         )
 
 

@@ -126,7 +126,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
-    """Make daemons: `daemons(*serve_args)`; every one is stopped afterwards."""
+    """Make daemons: `daemons(*serve_args, shm=folder)`; every one is stopped afterwards."""
     started: list[Daemon] = []
 
     def make(
@@ -134,8 +134,11 @@ def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
         wait: str = "serving",
         env: dict[str, str] | None = None,
         python: list[str] | None = None,
+        shm: Path | None = None,
     ) -> Daemon:
-        d = Daemon(sock_dir / "d.sock", shm_dir, list(args), sock_dir / "daemon.log", env, python)
+        d = Daemon(
+            sock_dir / "d.sock", shm or shm_dir, list(args), sock_dir / "daemon.log", env, python
+        )
         started.append(d)
         return d.start(wait=wait)
 

@@ -13,11 +13,12 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
+import torch
+from safetensors.torch import load_file
 
 from engramd.config import DaemonConfig
 from engramd.daemon_process import DaemonProcess
 from engramd.server import EngramdServer, create_server
-from engramd_client.checkpoint import plan_tables
 from engramd_client.errors import REASON_KEY
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -94,10 +95,10 @@ class InProcessDaemon:
 
 
 def reference_digests(checkpoint: Path) -> dict[str, str]:
-    """sha256 of each selected tensor's bytes, read straight from the checkpoint's files."""
-    digests = {}
-    for t in plan_tables(checkpoint).tensors:
-        with open(t.file, "rb") as f:
-            f.seek(t.offset)
-            digests[t.name] = hashlib.sha256(f.read(t.nbytes)).hexdigest()
-    return digests
+    """sha256 of each Engram table's bytes, read by the reference safetensors reader."""
+    out = {}
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if ".engram.embed." in name:
+                out[name] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
+    return out

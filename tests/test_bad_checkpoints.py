@@ -16,8 +16,7 @@ import pytest
 from conftest import Worker
 from engramd_client import CheckpointError, attach
 from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from helpers import reason
+from helpers import attach_error, reason
 
 SHARD = "model-00001-of-00002.safetensors"
 
@@ -128,15 +127,8 @@ def test_daemon_answers_invalid_argument_and_keeps_serving(
     d = daemons("--checkpoint", str(checkpoint), "--allow-root", str(tmp_path))
     for breakage, words in BREAKAGES:
         folder = broken(breakage)
-        with d.channel() as ch:
-            call = pb_grpc.TableServiceStub(ch).Attach(
-                pb.AttachRequest(set_id="0" * 20, checkpoint=str(folder), pid=os.getpid()),
-                timeout=10,
-            )
-            with pytest.raises(grpc.RpcError) as info:
-                next(iter(call))
-        err = info.value
-        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (breakage.__name__, err)
+        err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=str(folder)))
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, breakage
         assert reason(err) == "checkpoint"
         assert words in str(err.details())
         assert str(folder) in str(err.details())
@@ -176,23 +168,15 @@ def test_requests_the_daemon_must_refuse(checkpoint: Path, daemons: Any, tmp_pat
             grpc.StatusCode.INVALID_ARGUMENT,
         ),
     ]
-    with d.channel() as ch:
-        stub = pb_grpc.TableServiceStub(ch)
-        for request, code in cases:
-            with pytest.raises(grpc.RpcError) as info:
-                next(iter(stub.Attach(request, timeout=10)))
-            assert info.value.code() == code, (request, info.value)
+    for request, code in cases:
+        err = attach_error(d, request)
+        assert err is not None and err.code() == code, (request, err)
     assert d.status().daemon.ready
 
 
 def test_fingerprint_mismatch_is_failed_precondition(checkpoint: Path, daemons: Any) -> None:
     d = daemons("--allow-root", str(checkpoint.parent))
-    with d.channel() as ch:
-        call = pb_grpc.TableServiceStub(ch).Attach(
-            pb.AttachRequest(set_id="0" * 20, checkpoint=str(checkpoint)), timeout=10
-        )
-        with pytest.raises(grpc.RpcError) as info:
-            next(iter(call))
-    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert reason(info.value) == "fingerprint"
-    assert "differ" in str(info.value.details())
+    err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=str(checkpoint)))
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(err) == "fingerprint"
+    assert "differ" in str(err.details())

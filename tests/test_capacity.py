@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import Daemon, Worker, mounted_tmpfs
+from conftest import Worker, mounted_tmpfs
 from engramd_client import plan_tables
 from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from helpers import reason
+from helpers import attach_error, reason
 
 
 @pytest.fixture
@@ -23,25 +24,13 @@ def small_shm() -> Iterator[Path]:
 
 
 def test_small_tmpfs_refuses_and_keeps_serving(
-    checkpoint: Path, small_shm: Path, sock_dir: Path, workers: list[Worker]
+    checkpoint: Path, small_shm: Path, daemons: Any, workers: list[Worker]
 ) -> None:
-    d = Daemon(
-        sock_dir / "d.sock",
-        small_shm,
-        ["--allow-root", str(checkpoint.parent)],
-        sock_dir / "daemon.log",
-    )
-    d.start()
+    d = daemons("--allow-root", str(checkpoint.parent), shm=small_shm)
     try:
         plan = plan_tables(checkpoint)
-        with d.channel() as ch:
-            call = pb_grpc.TableServiceStub(ch).Attach(
-                pb.AttachRequest(set_id=plan.set_id, checkpoint=str(checkpoint), pid=1)
-            )
-            with pytest.raises(grpc.RpcError) as info:
-                next(iter(call))
-        err = info.value
-        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        err = attach_error(d, pb.AttachRequest(set_id=plan.set_id, checkpoint=str(checkpoint)))
+        assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert reason(err) == "capacity"
         assert "--shm-size" in str(err.details()) and "--ipc=host" in str(err.details())
         assert "8.00 MiB" in str(err.details()), str(err.details())
@@ -55,23 +44,23 @@ def test_small_tmpfs_refuses_and_keeps_serving(
         workers.append(strict)
         assert strict.hello["error"] == "ShmCapacityError"
 
-        status = d.status()  # still serving
-        assert status.sets == [] or all(s.state != "ready" for s in status.sets)
+        # Refused before anything was made: no set, not even a failed one, no file.
+        assert d.status().sets == []
         assert [p.name for p in small_shm.rglob("*") if p.is_file()] == []
     finally:
         assert d.stop() == 0
     assert [p for p in small_shm.rglob("*") if p.is_file()] == []
 
 
-def test_daemon_reports_the_refusal_in_its_log(
-    checkpoint: Path, small_shm: Path, sock_dir: Path
+def test_configured_set_too_large_keeps_the_daemon_not_ready(
+    checkpoint: Path, small_shm: Path, daemons: Any
 ) -> None:
-    d = Daemon(
-        sock_dir / "d.sock", small_shm, ["--checkpoint", str(checkpoint)], sock_dir / "daemon.log"
-    )
-    d.start(wait="up")
-    try:
-        assert not d.status().daemon.ready
-        assert "holds 8.00 MiB in all" in d.log
-    finally:
-        assert d.stop() == 0
+    d = daemons("--checkpoint", str(checkpoint), wait="up", shm=small_shm)
+    status = d.status()
+    assert not status.daemon.ready and status.sets == []
+    with d.channel() as ch:
+        health = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    # The operator learns why, with the sizes and the fix.
+    assert "holds 8.00 MiB in all" in d.log and "--shm-size" in d.log
+    assert d.stop() == 0

@@ -578,7 +578,7 @@ def test_a_drop_in_progress_does_not_stall_the_daemon(
 ) -> None:
     entered, release = _paused(monkeypatch, "_remove")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        wait_until(lambda: d.server.ready, 30, "the configured set")
         [set_id] = d.server.store.sets
         drop = d.spawn(d.server.store.drop(set_id, force=False))
         assert entered.wait(30)
@@ -597,7 +597,7 @@ def test_verify_racing_a_drop_answers_not_found(
 ) -> None:
     entered, release = _paused(monkeypatch, "_corrupted")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        wait_until(lambda: d.server.ready, 30, "the configured set")
         [set_id] = d.server.store.sets
         with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
             admin = pb_grpc.AdminServiceStub(ch)
@@ -615,7 +615,7 @@ def test_no_lease_on_a_set_that_left_the_store(
     checkpoint: Path, sock_dir: Path, shm_dir: Path
 ) -> None:
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.service.ready, 30, "the configured set")
+        wait_until(lambda: d.server.ready, 30, "the configured set")
         [ts] = d.server.store.sets.values()
         d.run(d.server.store.drop(ts.set_id, force=False))
         # An attach that waited while the set was evicted must not lease it.

@@ -20,7 +20,7 @@ from engramd_client import plan_tables
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from helpers import reason
+from helpers import attach_error, reason
 
 GROUP = "engramd-t"
 MEMBER = "engramd-tm"
@@ -120,16 +120,8 @@ def test_worker_socket_serves_no_admin(checkpoint: Path, daemons: Any) -> None:
 
 
 def _attach_code(d: Daemon, ckpt: Path, set_id: str = "") -> grpc.StatusCode | None:
-    request = pb.AttachRequest(set_id=set_id or "0" * 20, checkpoint=str(ckpt), pid=os.getpid())
-    with d.channel() as ch:
-        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=20)
-        try:
-            next(iter(call))
-            return None
-        except grpc.RpcError as e:
-            return e.code()
-        finally:
-            call.cancel()
+    err = attach_error(d, pb.AttachRequest(set_id=set_id or "0" * 20, checkpoint=str(ckpt)))
+    return None if err is None else err.code()
 
 
 def test_allowed_root_cannot_be_escaped(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
@@ -166,11 +158,9 @@ def test_memory_budget_and_idle_eviction(
     w = Worker(one, d.socket, share="on")
     workers.append(w)
     assert w.hello["mode"] == "shared"
-    request = pb.AttachRequest(set_id=plan_tables(two).set_id, checkpoint=str(two))
-    with d.channel() as ch, pytest.raises(grpc.RpcError) as info:
-        next(iter(pb_grpc.TableServiceStub(ch).Attach(request, timeout=20)))
-    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert reason(info.value) == "budget" and "--evict-idle" in str(info.value.details())
+    err = attach_error(d, pb.AttachRequest(set_id=plan_tables(two).set_id, checkpoint=str(two)))
+    assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert reason(err) == "budget" and "--evict-idle" in str(err.details())
     d.stop()
 
     d.args += ["--evict-idle", "--adopt-grace", "0"]

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
 import signal
 from pathlib import Path
 from typing import Any
 
-import torch
-from safetensors.torch import load_file
-
 from conftest import Worker
+from helpers import reference_digests
 
 
 def shmem_bytes() -> int:
@@ -21,20 +18,11 @@ def shmem_bytes() -> int:
     raise AssertionError("no Shmem line in /proc/meminfo")
 
 
-def expected_digests(checkpoint: Path) -> dict[str, str]:
-    out = {}
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        for name, t in load_file(f).items():
-            if ".engram.embed." in name:
-                out[name] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
-    return out
-
-
 def test_four_workers_share_one_copy(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
     before = shmem_bytes()
     d = daemons("--checkpoint", str(checkpoint))
     [s] = d.status().sets
-    expected = expected_digests(checkpoint)
+    expected = reference_digests(checkpoint)
     for rank in range(4):
         workers.append(Worker(checkpoint, d.socket, share="on", labels={"dp_rank": str(rank)}))
     for w in workers:
@@ -63,7 +51,7 @@ def test_write_through_shared_tensor_faults(
     assert victim.proc.wait(timeout=30) == -signal.SIGSEGV
     reader = Worker(checkpoint, d.socket, share="on")
     workers.append(reader)
-    assert reader.hello["digests"][name] == expected_digests(checkpoint)[name]
+    assert reader.hello["digests"][name] == reference_digests(checkpoint)[name]
 
 
 def test_private_tensor_is_writable_and_separate(
@@ -73,4 +61,4 @@ def test_private_tensor_is_writable_and_separate(
     workers.append(w)
     name = "layers.1.engram.embed.weight"
     assert w.ask(f"write {name}") == {"wrote": name}
-    assert w.ask("digest")["digests"][name] != expected_digests(checkpoint)[name]
+    assert w.ask("digest")["digests"][name] != reference_digests(checkpoint)[name]

@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import logging
 import os
 import sys
 import time
-from typing import Any
 
 import psutil
 import torch
 
+from engramd.child import say
 from engramd_client import EngramdError, Tables, attach
 
 
@@ -53,10 +52,6 @@ def lookups(tables: Tables, seconds: float) -> dict[str, int]:
             bad += int((got != expected_rows(0, layer, kind, rows, table.shape[1])).any(1).sum())
             count += rows.numel()
     return {"lookups": count, "bad": bad}
-
-
-def say(doc: dict[str, Any]) -> None:
-    print(json.dumps(doc), flush=True)
 
 
 def main() -> int:

@@ -8,6 +8,29 @@ once, in strict mode it raises.
 
 from __future__ import annotations
 
+import enum
+
+
+class Reason(enum.StrEnum):
+    """Why the daemon refused, as it travels in the trailing metadata (REASON_KEY).
+
+    The one list both sides use: the daemon's errors name one, the client maps
+    them to its exception classes (BY_REASON).
+    """
+
+    INTERNAL = "internal"
+    INVALID_REQUEST = "invalid-request"
+    CHECKPOINT = "checkpoint"
+    SELECTION = "selection"
+    LEASES = "leases"
+    UNKNOWN_SET = "unknown-set"
+    NOT_ALLOWED = "not-allowed"
+    CAPACITY = "capacity"
+    BUDGET = "budget"
+    FINGERPRINT = "fingerprint"
+    LOAD_FAILED = "load-failed"
+    DRAINING = "draining"
+
 
 class EngramdError(Exception):
     """Base class of every engramd error."""
@@ -76,13 +99,13 @@ class DaemonError(ShareError):
 #: Reasons not listed (a checkpoint the daemon cannot read where the worker
 #: can, an internal error) become DaemonError.
 BY_REASON: dict[str, type[ShareError]] = {
-    "capacity": ShmCapacityError,
-    "budget": ShmCapacityError,
-    "fingerprint": FingerprintMismatch,
-    "not-allowed": NotAllowed,
-    "selection": SelectionRefused,
-    "unknown-set": UnknownSet,
-    "draining": DaemonUnavailable,
+    Reason.CAPACITY: ShmCapacityError,
+    Reason.BUDGET: ShmCapacityError,
+    Reason.FINGERPRINT: FingerprintMismatch,
+    Reason.NOT_ALLOWED: NotAllowed,
+    Reason.SELECTION: SelectionRefused,
+    Reason.UNKNOWN_SET: UnknownSet,
+    Reason.DRAINING: DaemonUnavailable,
 }
 
 #: Every cause a worker may report in ReportFallback; the daemon accepts no other.

@@ -1,0 +1,219 @@
+"""The pure parts, in-process: sizes, manifests, row ranges, settings, status, backings, policy."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from conftest import mounted_tmpfs
+from engramd import errors as daemon_errors
+from engramd.backings import BACKINGS, TmpfsBacking
+from engramd.checksum import digest_fd
+from engramd.config import DaemonConfig
+from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
+from engramd.policy import LoadPolicy
+from engramd.status_view import as_dict, render
+from engramd.store import STATUS_LEASES, Lease, SetState, TableSet
+from engramd.text import escape
+from engramd.units import gib, parse_size
+from engramd.wire import set_info
+from engramd_client.checkpoint import SourceFile, plan_tables
+from engramd_client.config import DEFAULT_SOCKET, ClientConfig
+from engramd_client.errors import BY_REASON, Reason
+from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.tables import Region
+
+
+def test_sizes() -> None:
+    assert parse_size("4096") == 4096
+    assert parse_size("200G") == 200 << 30
+    assert parse_size("1.5TiB") == 3 << 39
+    assert parse_size(" 64 MiB ") == 64 << 20
+    with pytest.raises(ValueError, match="examples: 200G"):
+        parse_size("lots")
+    assert gib(512) == "512 B" and gib(3 << 29) == "1.50 GiB" and gib(2 << 20) == "2.00 MiB"
+
+
+def _manifest(**changes: object) -> Manifest:
+    doc: dict[str, object] = {
+        "set_id": "ab" * 10,
+        "fingerprint": "f" * 64,
+        "nonce": "0" * 32,
+        "checkpoint": "/models/x",
+        "selection": "*engram.embed.*",
+        "created": 1.5,
+        "tensors": (ManifestTensor("t", "F8_E4M3", (4, 256), "0000.bin", 0, 1024, "xxh3-64:0"),),
+        "sources": (SourceFile("/models/x/a.safetensors", 1, 2, 3, 4, 5),),
+    }
+    doc.update(changes)
+    return Manifest(**doc)  # type: ignore[arg-type]
+
+
+def test_manifest_round_trip_and_refusals() -> None:
+    m = _manifest()
+    assert Manifest.from_json(m.to_json()) == m
+    legacy = json.loads(m.to_json())
+    del legacy["sources"]  # written by engramd 0.1
+    assert Manifest.from_json(json.dumps(legacy)).sources == ()
+    for broken in (
+        {**legacy, "layout_version": 99},
+        {k: v for k, v in legacy.items() if k != "nonce"},
+        {**legacy, "nonce": "not hex"},
+        {**legacy, "tensors": [{**legacy["tensors"][0], "file": "../escape.bin"}]},
+        {**legacy, "tensors": [{**legacy["tensors"][0], "dtype": "Q4"}]},
+        {**legacy, "sources": [{"path": "/x"}]},
+    ):
+        with pytest.raises(ManifestError):
+            Manifest.from_json(json.dumps(broken))
+
+
+def test_region_cut_to_rows() -> None:
+    r = Region("t", "BF16", (10, 4), "/f", 100, 80)
+    assert r.cut(None) is r and r.cut({"other": (0, 1)}) is r
+    shard = r.cut({"t": (2, 5)})
+    assert (shard.shape, shard.offset, shard.length) == ((3, 4), 100 + 2 * 8, 3 * 8)
+    assert r.cut({"t": (4, 4)}).length == 0
+    for bad in ((-1, 2), (3, 2), (0, 11)):
+        with pytest.raises(ValueError, match="outside the tensor's 10 rows"):
+            r.cut({"t": bad})
+
+
+def test_client_config_from_env() -> None:
+    assert ClientConfig.from_env({}) == ClientConfig(socket=DEFAULT_SOCKET, share=None)
+    env = {"ENGRAMD_SHARE": "On", "ENGRAMD_SOCKET": "/run/x.sock"}
+    assert ClientConfig.from_env(env) == ClientConfig(socket="/run/x.sock", share=True)
+    assert ClientConfig.from_env({"ENGRAMD_SHARE": "off"}).share is False
+    # Arguments win over the environment.
+    assert ClientConfig.from_env(env, socket="/y", share=False) == ClientConfig("/y", False)
+    with pytest.raises(ValueError, match="use auto, on or off"):
+        ClientConfig.from_env({"ENGRAMD_SHARE": "maybe"})
+
+
+def test_status_is_bounded_and_prints_safely() -> None:
+    ts = TableSet(
+        set_id="ab" * 10,
+        checkpoint="/models/evil\n    lease forged",
+        fingerprint="f",
+        nbytes=1 << 30,
+        ntensors=2,
+        backing="tmpfs",
+        state=SetState.READY,
+    )
+    for i in range(STATUS_LEASES + 5):
+        lease = Lease(f"l{i}", ts.set_id, pid=100 + i, labels={"rank": str(i)}, pid_start=None)
+        ts.leases[lease.lease_id] = lease
+    ts.leases["l0"].stale = True
+    info = set_info(ts)
+    assert len(info.leases) == STATUS_LEASES and info.lease_count == STATUS_LEASES + 5
+    assert info.state == "ready" and info.backing == "tmpfs"
+    assert info.leases[0].stale and not info.leases[0].pid_verified
+    reply = pb.StatusReply(daemon=pb.DaemonInfo(), shm=pb.ShmInfo(total_bytes=1 << 40), sets=[info])
+    doc = as_dict(reply)
+    assert doc["shm"]["total_bytes"] == 1 << 40  # a number, not protobuf's string
+    assert doc["saved_bytes"] == (STATUS_LEASES + 4) << 30  # counted over every lease
+    text = render(reply)
+    assert "evil\\x0a    lease forged" in text
+    assert not any(line.startswith("    lease forged") for line in text.splitlines())
+    assert "and 5 more leases" in text and "STALE" in text
+    assert escape("a\tb\x1b[2J\x85") == "a\\x09b\\x1b[2J\\x85"
+
+
+def test_every_reason_is_in_the_one_list() -> None:
+    errors = [
+        c
+        for c in vars(daemon_errors).values()
+        if isinstance(c, type) and issubclass(c, daemon_errors.ServiceError)
+    ]
+    reasons = [c.reason for c in errors]
+    assert set(reasons) <= set(Reason) and set(BY_REASON) <= set(Reason)
+    assert len(reasons) == len(set(reasons)), "two errors share a reason"
+
+
+def test_tmpfs_backing_bookkeeping(checkpoint: Path) -> None:
+    with mounted_tmpfs("64m") as shm_dir:
+        _bookkeeping(checkpoint, shm_dir)
+
+
+def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
+    assert BACKINGS["tmpfs"] is TmpfsBacking
+    backing = TmpfsBacking.from_config(DaemonConfig(shm_dir=str(shm_dir)), None)
+    backing.claim()
+    (shm_dir / "other-writer").write_bytes(b"\1" * (8 << 20))
+    usage = backing.usage()
+    assert usage.where == str(shm_dir) and usage.page_size in (4096, 2 << 20)
+    assert usage.total == 64 << 20 and usage.free <= 56 << 20
+    assert backing.reserved(1) == usage.page_size and backing.reserved(0) == 0
+    with pytest.raises(ShmFull, match="in all"):
+        backing.check_capacity(usage.total + 1, "set x")
+    with pytest.raises(ShmFull, match="free"):
+        backing.check_capacity(usage.free + (1 << 20), "set x")
+    backing.check_capacity(usage.free + (1 << 20), "set x", reclaimable=2 << 20)
+    (shm_dir / "other-writer").unlink()
+
+    plan = plan_tables(checkpoint)
+    abandoned = backing.stage(plan)
+    abandoned.discard()
+    staged = backing.stage(plan)
+    [staging] = sets_root(shm_dir).iterdir()
+    assert staging.name.startswith(plan.set_id + LOADING_MARK)
+    sums = []
+    for i, t in enumerate(plan.tensors):
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            staged.write(i, memoryview(f.read(t.nbytes)), 0)
+        with open(t.file, "rb") as f:
+            sums.append(digest_fd(f.fileno(), t.offset, t.nbytes))
+    manifest = _manifest(
+        set_id=plan.set_id,
+        tensors=tuple(
+            ManifestTensor(t.name, t.dtype, t.shape, *staged.placement(i), t.nbytes, sums[i])
+            for i, t in enumerate(plan.tensors)
+        ),
+    )
+    staged.publish(manifest)
+    (sets_root(shm_dir) / f"{'cd' * 10}{LOADING_MARK}1-x").mkdir()  # an interrupted load
+    (sets_root(shm_dir) / "junk").mkdir()
+    assert backing.adopt() == [manifest]
+    assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
+    assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
+    [handle, *_] = backing.handles(manifest, pb.HANDLE_KIND_SHM)
+    assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
+    backing.remove(plan.set_id)
+    assert list(sets_root(shm_dir).iterdir()) == []
+
+
+def test_load_policy(checkpoint: Path, tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
+    policy = LoadPolicy(DaemonConfig(allow_roots=[str(root)], checkpoints=[str(checkpoint)]))
+    inside = pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / "m"))
+    assert policy.check_request(inside, loaded=[]) == root / "m"
+    with pytest.raises(SelectionRefused):
+        policy.check_request(pb.AttachRequest(checkpoint=str(root / "m"), tensors="*"), [])
+    with pytest.raises(NotAllowed, match="allowed roots"):
+        policy.check_request(pb.AttachRequest(checkpoint=str(tmp_path / "elsewhere")), [])
+    # A configured checkpoint whose files differ from the loaded copy: changed on disk.
+    configured = pb.AttachRequest(checkpoint=str(checkpoint))
+    with pytest.raises(FingerprintDiffers, match="changed on disk"):
+        policy.check_request(configured, loaded=[str(checkpoint.resolve())])
+    plan = plan_tables(checkpoint)
+    policy.check_plan(checkpoint.resolve(), plan, plan.set_id)
+    with pytest.raises(FingerprintDiffers) as info:
+        policy.check_plan(checkpoint.resolve(), plan, "1" * 20)
+    assert plan.set_id not in str(info.value)
+
+
+def test_source_identity_sees_a_rewrite(tmp_path: Path) -> None:
+    f = tmp_path / "a.safetensors"
+    f.write_bytes(b"x" * 100)
+    os.utime(f, ns=(1, 1))  # an old mtime: any write now sets another
+    before = SourceFile.of(f, os.stat(f))
+    assert SourceFile.of(f, os.stat(f)) == before
+    with open(f, "r+b") as out:
+        out.write(b"y")
+    after = SourceFile.of(f, os.stat(f))
+    assert after.same_inode(before) and after != before
