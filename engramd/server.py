@@ -94,7 +94,7 @@ class EngramdServer:
         """Adopt what tmpfs holds, start the configured loads, bind and serve."""
         for path in (self.config.socket, self.config.admin_socket):
             _claim_socket(path, self.gid)
-        Path(self.config.shm_dir).mkdir(parents=True, exist_ok=True)
+        await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
         if self.store.backing.usage().page_size <= 4096:
             log.info(
                 "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
@@ -102,7 +102,6 @@ class EngramdServer:
                 "(deploy/systemd/srv-engramd-shm.mount)",
                 self.config.shm_dir,
             )
-        await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)

@@ -133,6 +133,9 @@ class TableSet:
         return self.progress.done if self.progress else 0
 
 
+#: A set is known by its id and its backing: the id never depends on the backing.
+SetKey = tuple[str, str]
+
 #: Leases listed per set in a status reply (all are counted): a reply stays far
 #: below gRPC's 4 MiB limit whatever the workers send.
 STATUS_LEASES = 64
@@ -165,7 +168,8 @@ class SetStore:
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
         self._files = BlockingPool("files", 4)
-        self.sets: dict[str, TableSet] = {}
+        #: The sets by (set id, backing): one checkpoint's copies in two backings are two sets.
+        self.sets: dict[SetKey, TableSet] = {}
         #: Attaches served and refused, fallbacks reported (metrics).
         self.stats = Stats()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -210,7 +214,7 @@ class SetStore:
                 idle_after=time.monotonic() + self._adopt_grace_s,
             )
             ts.done.set()
-            self.sets[ts.set_id] = ts
+            self.sets[self.key(ts.set_id)] = ts
             self._spawn(self._pin(ts))
             log.info(
                 "adopted set %s (%s, %s) without reloading",
@@ -219,9 +223,13 @@ class SetStore:
                 gib(ts.nbytes),
             )
 
+    def key(self, set_id: str) -> SetKey:
+        """How the store knows the set with this id: in its backing."""
+        return set_id, self.backing.name
+
     def get(self, set_id: str) -> TableSet | None:
-        """The set with this id, in any state."""
-        return self.sets.get(set_id)
+        """The set with this id in the store's backing, in any state."""
+        return self.sets.get(self.key(set_id))
 
     async def ensure(self, plan: TablePlan) -> TableSet:
         """The set of `plan`, starting its load unless it is loading or ready.
@@ -229,26 +237,30 @@ class SetStore:
         Nothing is evicted unless the load can then go ahead: the budget and
         the shm folder's capacity are judged first, counting what eviction frees.
         """
-        ts = self.sets.get(plan.set_id)
+        ts = self.get(plan.set_id)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
         needed = sum(self.backing.reserved(t.nbytes) for t in plan.tensors)
         what = f"set {plan.set_id} ({plan.checkpoint})"
-        victims = self._victims(needed, what)
-        freed = sum(self._reserved(v) for v in victims)
-        self.backing.check_capacity(needed, what, reclaimable=freed)
-        for victim in victims:
-            log.info(
-                "evicting idle set %s (%s) to make room for %s",
-                victim.set_id,
-                gib(victim.nbytes),
-                what,
-            )
-            if self.sets.get(victim.set_id) is victim and not victim.leases:
-                await self.drop(victim.set_id, force=False)
-        ts = self.sets.get(plan.set_id)  # another attach may have started it meanwhile
-        if ts is not None and ts.state is not SetState.FAILED:
-            return ts
+        while True:
+            victims = self._victims(needed, what)
+            freed = sum(self._reserved(v) for v in victims)
+            self.backing.check_capacity(needed, what, reclaimable=freed)
+            if not victims:
+                break
+            for victim in victims:
+                log.info(
+                    "evicting idle set %s (%s) to make room for %s",
+                    victim.set_id,
+                    gib(victim.nbytes),
+                    what,
+                )
+                if self.get(victim.set_id) is victim and not victim.leases:
+                    await self.drop(victim.set_id, force=False)
+            # Other loads may have started while the drops ran: judge again.
+            ts = self.get(plan.set_id)
+            if ts is not None and ts.state is not SetState.FAILED:
+                return ts
         ts = TableSet(
             set_id=plan.set_id,
             checkpoint=str(plan.checkpoint),
@@ -258,7 +270,7 @@ class SetStore:
             backing=self.backing.name,
             progress=LoadProgress(plan.nbytes),
         )
-        self.sets[plan.set_id] = ts
+        self.sets[self.key(plan.set_id)] = ts
         self._spawn(self._load(ts, plan))
         return ts
 
@@ -305,7 +317,7 @@ class SetStore:
         The set leaves the store at once; unlocking and unlinking its files run
         on a thread (about a minute at 189 GiB).
         """
-        ts = self.sets.get(set_id)
+        ts = self.get(set_id)
         if ts is None:
             raise UnknownSet(f"engramd holds no set {set_id}")
         if ts.state is SetState.LOADING:
@@ -320,20 +332,20 @@ class SetStore:
         for lease in ts.leases.values():
             lease.ended.set()
         ts.leases.clear()
-        del self.sets[set_id]
+        del self.sets[self.key(set_id)]
         await self._files.run(_remove, self.backing, ts.pins, set_id)
         log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
         return ts.nbytes, leases
 
     async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
         """The set, and the names of its tensors whose bytes no longer match the manifest."""
-        ts = self.sets.get(set_id)
+        ts = self.get(set_id)
         if ts is None or ts.manifest is None:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
         try:
             corrupted = await self._files.run(_corrupted, self.backing, ts.manifest)
         except (OSError, ManifestError):
-            if self.sets.get(set_id) is ts:
+            if self.get(set_id) is ts:
                 raise
             raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
         return ts, corrupted
@@ -388,10 +400,10 @@ class SetStore:
         if not self._mlock or ts.manifest is None:
             return
         for index in range(len(ts.manifest.tensors)):
-            if self.sets.get(ts.set_id) is not ts:
+            if self.get(ts.set_id) is not ts:
                 return  # dropped meanwhile: PinnedFiles unmaps what it still pins
             await self._files.run(self.backing.pin, ts.manifest, index, ts.pins)
-        ts.locked = ts.pins.error is None and self.sets.get(ts.set_id) is ts
+        ts.locked = ts.pins.error is None and self.get(ts.set_id) is ts
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(
@@ -405,7 +417,7 @@ class SetStore:
 
     def add_lease(self, ts: TableSet, request: pb.AttachRequest) -> Lease:
         """Record a worker attached to a ready set."""
-        if self.sets.get(ts.set_id) is not ts:
+        if self.get(ts.set_id) is not ts:
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
         held = self.lease_count()
         if self._max_leases and held >= self._max_leases:
@@ -435,7 +447,7 @@ class SetStore:
 
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
-        ts = self.sets.get(lease.set_id)
+        ts = self.get(lease.set_id)
         if ts is not None and ts.leases.pop(lease.lease_id, None) is not None:
             ts.last_used = time.monotonic()
 

@@ -68,7 +68,8 @@ class TmpfsBacking(Backing):
         return cls(config.shm_dir, gid)
 
     def claim(self) -> None:
-        """Make or check `<shm_dir>/engramd` (shmroot.claim_root)."""
+        """Make the shm folder where missing; make or check `<shm_dir>/engramd` (shmroot)."""
+        Path(self.shm_dir).mkdir(parents=True, exist_ok=True)
         claim_root(self.shm_dir, self._gid)
 
     def usage(self) -> Usage:
