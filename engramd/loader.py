@@ -136,7 +136,7 @@ def _copy(
     digest = new_digest()
     done = unreported = 0
     with open(open_regular(entry.file), "rb", buffering=0) as src:
-        _check_identity(source, os.fstat(src.fileno()), "since its headers were read")
+        _check_identity(source, os.fstat(src.fileno()), "during the load")
         os.posix_fadvise(src.fileno(), entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
         try:
             for chunk in chunks(src.fileno(), entry.offset, entry.nbytes):
