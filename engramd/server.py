@@ -95,7 +95,7 @@ class EngramdServer:
         for path in (self.config.socket, self.config.admin_socket):
             _claim_socket(path, self.gid)
         await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
-        if self.store.backing.usage().page_size <= 4096:
+        if self.store.backing.page_size <= 4096:
             log.info(
                 "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
                 "huge=within_size gives faster gathers and ~500x smaller page tables "

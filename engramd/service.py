@@ -6,6 +6,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 
@@ -20,7 +21,7 @@ from .errors import InvalidRequest, UnknownSet, abort
 from .policy import LoadPolicy
 from .store import Lease, SetState, SetStore, TableSet
 from .units import gib
-from .wire import load_progress, status_reply
+from .wire import load_progress, source_files, status_reply
 
 log = logging.getLogger("engramd")
 
@@ -110,23 +111,14 @@ class TableService(pb_grpc.TableServiceServicer):
             fingerprint=ts.fingerprint,
             nonce=ts.manifest.nonce,
             lease_id=lease.lease_id,
-            sources=[
-                pb.SourceFile(
-                    path=f.path,
-                    dev=f.dev,
-                    ino=f.ino,
-                    size=f.size,
-                    mtime_ns=f.mtime_ns,
-                    ctime_ns=f.ctime_ns,
-                )
-                for f in ts.manifest.sources
-            ],
+            sources=source_files(ts.manifest),
             tensors=handles,
         )
         if kind == pb.HANDLE_KIND_SHM and handles:
-            # What workers of engramd 0.1 read instead of ShmHandle.set_dir.
+            # What workers of engramd 0.1 read instead of ShmHandle.set_dir;
+            # the layout is <shm_dir>/engramd/<set_id>.
             attachment.set_dir = handles[0].shm.set_dir
-            attachment.shm_dir = self._store.backing.usage().where
+            attachment.shm_dir = str(Path(attachment.set_dir).parent.parent)
         return attachment
 
     async def Status(

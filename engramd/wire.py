@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+from engramd_client.layout import Manifest
 from engramd_client.pb import engramd_pb2 as pb
 
 from . import __version__
@@ -24,6 +25,21 @@ async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
         yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+
+
+def source_files(manifest: Manifest) -> list[pb.SourceFile]:
+    """The checkpoint files a set was loaded from, as they were then."""
+    return [
+        pb.SourceFile(
+            path=f.path,
+            dev=f.dev,
+            ino=f.ino,
+            size=f.size,
+            mtime_ns=f.mtime_ns,
+            ctime_ns=f.ctime_ns,
+        )
+        for f in manifest.sources
+    ]
 
 
 def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:

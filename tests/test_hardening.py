@@ -8,6 +8,7 @@ reloads under running workers, unverified pids. Bad paths.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -547,16 +549,19 @@ def test_bad_paths_get_a_status_code_not_a_traceback(daemons: Any, tmp_path: Pat
     assert "internal error" not in d.log and "Traceback" not in d.log
 
 
-def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> InProcessDaemon:
-    return InProcessDaemon(
-        DaemonConfig(
-            checkpoints=[str(checkpoint)],
-            socket=str(sock_dir / "d.sock"),
-            shm_dir=str(shm_dir),
-            socket_group="",
-            mlock=False,
-        )
+@contextlib.contextmanager
+def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> Iterator[InProcessDaemon]:
+    """An in-process daemon holding the checkpoint's set, once that set is ready."""
+    config = DaemonConfig(
+        checkpoints=[str(checkpoint)],
+        socket=str(sock_dir / "d.sock"),
+        shm_dir=str(shm_dir),
+        socket_group="",
+        mlock=False,
     )
+    with InProcessDaemon(config) as d:
+        wait_until(lambda: d.server.ready, 30, "the configured set")
+        yield d
 
 
 def _paused(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
@@ -578,7 +583,6 @@ def test_a_drop_in_progress_does_not_stall_the_daemon(
 ) -> None:
     entered, release = _paused(monkeypatch, "_remove")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.ready, 30, "the configured set")
         [(set_id, backing)] = d.server.store.sets
         assert backing == "tmpfs"
         drop = d.spawn(d.server.store.drop(set_id, force=False))
@@ -598,7 +602,6 @@ def test_verify_racing_a_drop_answers_not_found(
 ) -> None:
     entered, release = _paused(monkeypatch, "_corrupted")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.ready, 30, "the configured set")
         [(set_id, backing)] = d.server.store.sets
         assert backing == "tmpfs"
         with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
@@ -617,7 +620,6 @@ def test_no_lease_on_a_set_that_left_the_store(
     checkpoint: Path, sock_dir: Path, shm_dir: Path
 ) -> None:
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        wait_until(lambda: d.server.ready, 30, "the configured set")
         [ts] = d.server.store.sets.values()
         d.run(d.server.store.drop(ts.set_id, force=False))
         # An attach that waited while the set was evicted must not lease it.

@@ -58,6 +58,8 @@ class Backing(ABC):
     name: ClassVar[str]
     #: Handle kinds this backing can hand out (engramd.v1.HandleKind).
     handle_kinds: ClassVar[frozenset[int]]
+    #: Bytes per page backing new sets (fixed for the backing's life).
+    page_size: int
 
     @classmethod
     @abstractmethod
@@ -74,8 +76,7 @@ class Backing(ABC):
 
     def reserved(self, nbytes: int) -> int:
         """Bytes a tensor of `nbytes` takes, rounded up to whole pages."""
-        page = self.usage().page_size
-        return -(-nbytes // page) * page
+        return -(-nbytes // self.page_size) * self.page_size
 
     @abstractmethod
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:

@@ -60,7 +60,7 @@ class TmpfsBacking(Backing):
         self.shm_dir = shm_dir
         self._gid = gid
         self._owner = os.geteuid()
-        self._page = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
+        self.page_size = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None) -> TmpfsBacking:
@@ -75,7 +75,7 @@ class TmpfsBacking(Backing):
     def usage(self) -> Usage:
         """The tmpfs's sizes and the page size of its new files."""
         u = usage(self.shm_dir)
-        return Usage(u.dir, u.total, u.used, u.free, self._page)
+        return Usage(u.dir, u.total, u.used, u.free, self.page_size)
 
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
         """Refuse a set larger than the tmpfs in all, or than its free space plus `reclaimable`."""
