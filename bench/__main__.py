@@ -1,7 +1,7 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
     python -m bench [--size-gib 2] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
-                    [--reps 5] [--storm 64] [--only memory,attach,...]
+                    [--reps 5] [--storm 64] [--only memory,attach,...,fds]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -20,12 +20,13 @@ from pathlib import Path
 
 from .attach import attach_and_restart
 from .common import Figure, as_json, checkpoint, machine
+from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
 from .gather import gather_throughput
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .storm import attach_storm
 
-SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm"]
+SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -92,6 +93,13 @@ def main() -> int:
     if "storm" in only:
         print(f"{args.storm} workers attaching at once")
         figures += attach_storm(checkpoint(args.workdir, 0.25), args.storm, args.reps)
+
+    if "fds" in only:
+        print("handles by descriptor against handles by path; isolated workers")
+        sizes = {gib: checkpoint(args.workdir, gib) for gib in _floats(args.attach_sizes)}
+        figures += attach_by_kind(sizes)
+        figures += gather_by_kind(main_ckpt, args.reps)
+        figures += isolated_memory(main_ckpt, max(counts))
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

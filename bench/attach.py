@@ -25,7 +25,8 @@ def _attach_once(ckpt: Path, socket: str | None) -> float:
     return took
 
 
-def _wait_locked(d: DaemonProcess, timeout_s: float = 300) -> None:
+def wait_locked(d: DaemonProcess, timeout_s: float = 300) -> None:
+    """Wait until the daemon has locked every set in memory (mlock runs after ready)."""
     deadline = time.monotonic() + timeout_s
     while not all(s.locked for s in d.status().sets):
         if time.monotonic() > deadline:
@@ -47,7 +48,7 @@ def attach_and_restart(sizes: dict[float, Path]) -> list[Figure]:
                 # After a load the daemon locks the set in the background
                 # (mlock, ~0.4 s per GiB); attach latency is measured once it
                 # is done, as a worker arriving later would see it.
-                _wait_locked(d)
+                wait_locked(d)
                 # The first attach of a process also starts gRPC's threads; it
                 # is reported apart, the 20 after it are the steady state. The
                 # private loads come after them: interleaved, their GiBs of

@@ -19,8 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 class Replica(JsonLinesChild):
     """One bench/worker.py process."""
 
-    def __init__(self, checkpoint: Path, socket: str, mode: str, wait_go: bool = False) -> None:
-        args = [sys.executable, "-m", "bench.worker", "--checkpoint", str(checkpoint)]
+    def __init__(
+        self,
+        checkpoint: Path,
+        socket: str,
+        mode: str,
+        wait_go: bool = False,
+        prefix: list[str] | None = None,
+    ) -> None:
+        """Start a replica; `prefix` runs it under another command (unshare ...)."""
+        args = [*(prefix or []), sys.executable, "-m", "bench.worker", "--checkpoint"]
+        args += [str(checkpoint)]
         args += ["--socket", socket, "--mode", mode] + (["--wait-go"] if wait_go else [])
         super().__init__(args, cwd=ROOT)
         self.ready = self.read()
@@ -43,12 +52,14 @@ class Replica(JsonLinesChild):
 
 
 @contextlib.contextmanager
-def replicas(checkpoint: Path, socket: str, mode: str, n: int) -> Iterator[list[Replica]]:
+def replicas(
+    checkpoint: Path, socket: str, mode: str, n: int, prefix: list[str] | None = None
+) -> Iterator[list[Replica]]:
     """`n` attached replicas; each has its attach reply in `.attached`."""
     started: list[Replica] = []
     try:
         for _ in range(n):
-            started.append(Replica(checkpoint, socket, mode))
+            started.append(Replica(checkpoint, socket, mode, prefix=prefix))
         for r in started:
             r.attached = r.read()
         yield started

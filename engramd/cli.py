@@ -25,7 +25,7 @@ from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
 from . import __version__, units
-from .backings import BACKINGS
+from .backings import BACKINGS, COMBINED
 from .config import DaemonConfig
 from .text import escape
 
@@ -59,10 +59,14 @@ def parse_size(text: str) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
+_BACKING_NAMES = (*BACKINGS, *COMBINED)
+
+
 def _backing(name: str) -> str:
-    if name not in BACKINGS:
+    if name not in _BACKING_NAMES:
         raise typer.BadParameter(
-            f"{name!r} is not a backing (known: {', '.join(BACKINGS)})", param_hint="--backing"
+            f"{name!r} is not a backing (known: {', '.join(_BACKING_NAMES)})",
+            param_hint="--backing",
         )
     return name
 
@@ -149,13 +153,24 @@ def serve(
     ] = DEFAULTS.tensors,
     socket: Socket = DEFAULTS.socket,
     admin_socket: AdminSocket = DEFAULTS.admin_socket,
+    fd_socket: Annotated[
+        str,
+        typer.Option(
+            envvar="ENGRAMD_FD_SOCKET",
+            help="The fd channel's socket (default: fds.sock beside --socket).",
+        ),
+    ] = DEFAULTS.fd_socket,
     socket_group: Annotated[
         str,
         typer.Option(envvar="ENGRAMD_SOCKET_GROUP", help="Group that may attach (socket, sets)."),
     ] = DEFAULTS.socket_group,
     backing: Annotated[
         str,
-        typer.Option(envvar="ENGRAMD_BACKING", help=f"Where sets live: {', '.join(BACKINGS)}."),
+        typer.Option(
+            envvar="ENGRAMD_BACKING",
+            help=f"Where sets live: {', '.join(_BACKING_NAMES)} (auto: tmpfs when the shm "
+            "folder can hold the set, else memfd).",
+        ),
     ] = DEFAULTS.backing,
     shm_dir: Annotated[
         Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
@@ -246,6 +261,7 @@ def serve(
         tensors=values["tensors"],
         socket=values["socket"],
         admin_socket=values["admin_socket"],
+        fd_socket=values["fd_socket"],
         socket_group=values["socket_group"],
         backing=_backing(values["backing"]),
         shm_dir=str(values["shm_dir"]),

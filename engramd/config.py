@@ -20,9 +20,11 @@ class DaemonConfig:
     socket: str = DEFAULT_SOCKET
     #: Unix socket of the AdminService (load, drop, verify; 0600); "": admin.sock beside `socket`.
     admin_socket: str = ""
+    #: Unix socket of the fd channel (read-only descriptors, 0660); "": fds.sock beside `socket`.
+    fd_socket: str = ""
     #: Group that may attach: owns the socket, its folder and the sets' files.
     socket_group: str = "engramd"
-    #: Where sets live: a name in engramd.backings.BACKINGS.
+    #: Where sets live: a name in engramd.backings.BACKINGS, or "auto" (tmpfs, else memfd).
     backing: str = "tmpfs"
     #: tmpfs folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"

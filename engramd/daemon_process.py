@@ -31,6 +31,7 @@ class DaemonProcess:
         log: Path,
         env: dict[str, str] | None = None,
         python: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.socket = socket
         self.shm_dir = shm_dir
@@ -40,6 +41,8 @@ class DaemonProcess:
         self.env = env or {}
         #: The command that runs Python (this interpreter, or it under prlimit, ...).
         self.python = python or [sys.executable]
+        #: Descriptors the daemon inherits (systemd's LISTEN_FDS, in tests).
+        self.pass_fds = pass_fds
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, wait: str = "serving") -> DaemonProcess:
@@ -60,6 +63,7 @@ class DaemonProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, **self.env},
+                pass_fds=self.pass_fds,
                 # Its own session: a Ctrl-C meant for the parent must not stop
                 # it behind the parent's back; the parent stops it in order.
                 start_new_session=True,

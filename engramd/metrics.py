@@ -43,7 +43,7 @@ class SetSample:
     rate: float | None
 
 
-def _sample(store: SetStore) -> tuple[list[SetSample], Usage]:
+def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
     now = time.monotonic()
     samples = []
     for ts in store.sets.values():
@@ -55,7 +55,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], Usage]:
         samples.append(
             SetSample(
                 ts.set_id,
-                ts.backing,
+                ts.backing.name,
                 ts.state.value,
                 ts.nbytes,
                 len(ts.leases),
@@ -64,7 +64,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], Usage]:
                 rate,
             )
         )
-    return samples, store.backing.usage()
+    return samples, [(b.name, b.usage()) for b in store.backings]
 
 
 class StoreCollector(Collector):
@@ -77,12 +77,12 @@ class StoreCollector(Collector):
         self._ready = ready
         self._loop = loop
 
-    async def _snapshot(self) -> tuple[list[SetSample], Usage, bool]:
+    async def _snapshot(self) -> tuple[list[SetSample], list[tuple[str, Usage]], bool]:
         return (*_sample(self._store), self._ready())
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
-        sets, usage, ready = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(
+        sets, usages, ready = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(
             SNAPSHOT_TIMEOUT_S
         )
         set_bytes = GaugeMetricFamily(
@@ -115,8 +115,18 @@ class StoreCollector(Collector):
         for cause, count in fell_back.items():
             fallbacks.add_metric([cause], count)
         yield fallbacks
-        for name, value in (("total", usage.total), ("used", usage.used), ("free", usage.free)):
-            yield GaugeMetricFamily(f"engramd_shm_{name}_bytes", f"shm folder {name} bytes", value)
+        first = usages[0][1]
+        for name, value in (("total", first.total), ("used", first.used), ("free", first.free)):
+            yield GaugeMetricFamily(
+                f"engramd_shm_{name}_bytes", f"first backing's {name} bytes", value
+            )
+        for name in ("total", "used", "free"):
+            family = GaugeMetricFamily(
+                f"engramd_backing_{name}_bytes", f"{name} bytes per backing", labels=["backing"]
+            )
+            for backing, usage in usages:
+                family.add_metric([backing], getattr(usage, name))
+            yield family
         yield GaugeMetricFamily(
             "engramd_ready", "1 once every configured set is ready", 1 if ready else 0
         )

@@ -60,17 +60,22 @@ class PinnedFiles:
             self._fail(f"open {path}: {e.strerror}")
             return
         try:
-            size = os.fstat(fd).st_size
-            if size == 0 or self._released:
-                return
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            self.pin_fd(fd, 0, os.fstat(fd).st_size, str(path))
         finally:
             os.close(fd)
+
+    def pin_fd(self, fd: int, offset: int, length: int, what: str) -> None:
+        """Map `length` bytes at `offset` of `fd` read-only and lock them (as `pin`)."""
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        size = offset + length - start
+        if length == 0 or self._released:
+            return
+        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
         if addr in (None, _MAP_FAILED):
-            self._fail(f"mmap {path}: {os.strerror(ctypes.get_errno())}")
+            self._fail(f"mmap {what}: {os.strerror(ctypes.get_errno())}")
             return
         if _libc.mlock(addr, size) != 0:
-            self._fail(f"mlock {path} ({size} bytes): {os.strerror(ctypes.get_errno())}")
+            self._fail(f"mlock {what} ({size} bytes): {os.strerror(ctypes.get_errno())}")
             _libc.munmap(addr, size)
             return
         with self._lock:

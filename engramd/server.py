@@ -5,9 +5,10 @@
 `serve(config)` is what `engramd serve` runs: start, wait for SIGTERM/SIGINT,
 stop gracefully.
 
-Listeners, each its own gRPC server on the one event loop:
-  socket        TableService + Health, 0660, group `socket_group`
-  admin_socket  AdminService, 0600 (the daemon's owner)
+Listeners, all on the one event loop:
+  socket        TableService + Health (gRPC), 0660, group `socket_group`
+  fd_socket     the fd channel (fdchannel.py): read-only descriptors, 0660, same group
+  admin_socket  AdminService (gRPC), 0600 (the daemon's owner)
   health_port   Health only, TCP, when asked for (Kubernetes probes)
   metrics_port  Prometheus text over HTTP, when asked for
 """
@@ -36,10 +37,12 @@ from engramd_client.checkpoint import CheckpointError, plan_tables
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .admin import AdminService
-from .backings import BACKINGS
+from .backings import backings_for
 from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import DecodeGuard, ServiceError
+from .fdchannel import FdChannel
+from .fdstore import FdStore
 from .metrics import serve_metrics
 from .sdnotify import Notifier
 from .service import TableService
@@ -62,8 +65,9 @@ class EngramdServer:
     def __init__(self, config: DaemonConfig) -> None:
         self.config = config
         self.gid = _group_id(config.socket_group)
+        self.notifier = Notifier()
         self.store = SetStore(
-            BACKINGS[config.backing].from_config(config, self.gid),
+            backings_for(config, self.gid, FdStore(self.notifier)),
             config.load_threads,
             config.mlock,
             memory_budget=config.memory_budget,
@@ -75,7 +79,7 @@ class EngramdServer:
         self.ready = False
         self.service = TableService(config, self.store, lambda: self.ready)
         self.health = health_aio.HealthServicer()
-        self.notifier = Notifier()
+        self.fd_channel = FdChannel(config.fd_socket, self.gid, self.store)
         self.grpc = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_TableServiceServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
@@ -92,10 +96,10 @@ class EngramdServer:
 
     async def start(self) -> None:
         """Adopt what tmpfs holds, start the configured loads, bind and serve."""
-        for path in (self.config.socket, self.config.admin_socket):
+        for path in self._sockets():
             _claim_socket(path, self.gid)
         await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
-        if self.store.backing.page_size <= 4096:
+        if any(b.page_size <= 4096 and b.name == "tmpfs" for b in self.store.backings):
             log.info(
                 "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
                 "huge=within_size gives faster gathers and ~500x smaller page tables "
@@ -113,9 +117,12 @@ class EngramdServer:
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.grpc.add_insecure_port(f"unix:{self.config.socket}")
         self.admin.add_insecure_port(f"unix:{self.config.admin_socket}")
+        self.fd_channel.bind()
         await self.grpc.start()
         await self.admin.start()
+        self.fd_channel.start()
         _secure(self.config.socket, 0o660, self.gid)
+        _secure(self.config.fd_socket, 0o660, self.gid)
         _secure(self.config.admin_socket, 0o600, None)
         if self.probes is not None:
             address = f"{_host(self.config.health_address)}:{self.config.health_port}"
@@ -135,10 +142,11 @@ class EngramdServer:
                 self.config.metrics_port,
             )
         log.info(
-            "engramd serving on %s (admin %s, shm folder %s, pid %d)",
+            "engramd serving on %s (fd channel %s, admin %s, backing %s, pid %d)",
             self.config.socket,
+            self.config.fd_socket,
             self.config.admin_socket,
-            self.config.shm_dir,
+            ", ".join(f"{b.name} {b.usage().where}" for b in self.store.backings),
             os.getpid(),
         )
         loop = asyncio.get_running_loop()
@@ -204,26 +212,40 @@ class EngramdServer:
         self.store.drain()
         grace = self.config.grace_s if grace is None else grace
         servers = [s for s in (self.grpc, self.admin, self.probes) if s is not None]
-        await asyncio.gather(*(s.stop(grace) for s in servers))
+        await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))
         if self._metrics is not None:
             self._metrics.shutdown()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.store.close(drop=self.config.drop_on_exit, grace=grace)
-        for path in (self.config.socket, self.config.admin_socket):
+        for path in self._sockets():
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
         self.notifier.close()
+        kept = all(b.survives_restart for b in self.store.backings)
         log.info(
             "engramd stopped; sets %s",
-            "dropped" if self.config.drop_on_exit else "kept in tmpfs for the next start",
+            "dropped"
+            if self.config.drop_on_exit
+            else "kept for the next start"
+            if kept
+            else "freed once no worker maps them (memfd without an fd store)",
         )
+
+    def _sockets(self) -> tuple[str, str, str]:
+        return self.config.socket, self.config.fd_socket, self.config.admin_socket
 
 
 def create_server(config: DaemonConfig) -> EngramdServer:
     """A daemon for `config`, not yet started: `await server.start()`, later `stop()`."""
-    for path in (config.socket, config.admin_socket or admin_socket_for(config.socket)):
+    beside = Path(config.socket)
+    sockets = (
+        config.socket,
+        config.admin_socket or admin_socket_for(config.socket),
+        config.fd_socket or str(beside.with_name("fds.sock")),
+    )
+    for path in sockets:
         if len(path.encode()) > _MAX_UNIX_PATH:
             raise ValueError(
                 f"socket path {path} is longer than {_MAX_UNIX_PATH} bytes, "
@@ -233,7 +255,8 @@ def create_server(config: DaemonConfig) -> EngramdServer:
         replace(
             config,
             shm_dir=str(Path(config.shm_dir).resolve()),
-            admin_socket=config.admin_socket or admin_socket_for(config.socket),
+            admin_socket=sockets[1],
+            fd_socket=sockets[2],
         )
     )
 

@@ -15,6 +15,7 @@ from engramd_client.errors import CAUSES
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
+from .backings import Backing
 from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import InvalidRequest, UnknownSet, abort
@@ -53,13 +54,15 @@ class TableService(pb_grpc.TableServiceServicer):
         """Wait for the set to be ready, hand out its handles, hold the lease."""
         try:
             _validate(request)
-            kind = self._handle_kind(request)
+            # Refused before any load when no backing could serve the worker.
+            self._handle_kind(request, self._store.backings)
             ts = await self._resolve(request)
             async for progress in load_progress(ts):
                 yield pb.AttachEvent(progress=progress)
             if ts.error is not None:
                 raise ts.error
-            lease = self._store.add_lease(ts, request)
+            kind = self._handle_kind(request, [ts.backing])
+            lease = self._store.add_lease(ts, request, kind)
         except Exception as e:
             self._store.stats.attach(ok=False)
             await abort(context, e)
@@ -73,17 +76,18 @@ class TableService(pb_grpc.TableServiceServicer):
         finally:
             self._store.end_lease(lease)
 
-    def _handle_kind(self, request: pb.AttachRequest) -> int:
-        """The first kind the worker accepts that the backing has."""
+    @staticmethod
+    def _handle_kind(request: pb.AttachRequest, backings: list[Backing]) -> int:
+        """The first kind the worker accepts that one of `backings` has."""
         accepted = list(request.accept) or [pb.HANDLE_KIND_SHM]
-        offered = self._store.backing.handle_kinds
+        offered = frozenset().union(*(b.handle_kinds for b in backings))
         for kind in accepted:
             if kind in offered:
                 return kind
         names = ", ".join(pb.HandleKind.Name(k) for k in sorted(offered))
         raise InvalidRequest(
-            f"this daemon's {self._store.backing.name} sets are handed out as {names}; the "
-            "request accepts none of them (upgrade the worker's engramd_client)"
+            f"this daemon's {'/'.join(b.name for b in backings)} sets are handed out as "
+            f"{names}; the request accepts none of them (upgrade the worker's engramd_client)"
         )
 
     async def _resolve(self, request: pb.AttachRequest) -> TableSet:
@@ -105,7 +109,7 @@ class TableService(pb_grpc.TableServiceServicer):
 
     def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
         assert ts.manifest is not None
-        handles = self._store.backing.handles(ts.manifest, kind)
+        handles = ts.backing.handles(ts.manifest, kind)
         attachment = pb.Attachment(
             set_id=ts.set_id,
             fingerprint=ts.fingerprint,
@@ -114,6 +118,9 @@ class TableService(pb_grpc.TableServiceServicer):
             sources=source_files(ts.manifest),
             tensors=handles,
         )
+        if kind == pb.HANDLE_KIND_FD:
+            attachment.fd_channel.socket = self._config.fd_socket
+            attachment.fd_channel.secret = lease.fd_secret
         if kind == pb.HANDLE_KIND_SHM and handles:
             # What workers of engramd 0.1 read instead of ShmHandle.set_dir;
             # the layout is <shm_dir>/engramd/<set_id>.

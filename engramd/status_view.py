@@ -39,9 +39,9 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
     )
     # JSON has no 64-bit integers, so protobuf's mapping writes them as
     # strings; byte counts are far below 2**53, so give scripts numbers.
-    for section in (doc["shm"], *doc["sets"]):
+    for section in (doc["shm"], *doc["sets"], *doc["backings"]):
         for key, value in section.items():
-            if key.endswith("bytes") or key == "bytes_loaded":
+            if key.endswith("bytes") or key in ("bytes_loaded", "page_size"):
                 section[key] = int(value)
     for s, info in zip(doc["sets"], reply.sets, strict=True):
         s["saved_bytes"] = saved_bytes(info)
@@ -49,20 +49,48 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
     return doc
 
 
+def _pages(size: int) -> str:
+    return (
+        f"{size >> 30} GiB"
+        if size >= 1 << 30
+        else f"{size >> 20} MiB"
+        if size >= 1 << 20
+        else (f"{size >> 10} KiB")
+    )
+
+
+def _backing_lines(reply: pb.StatusReply) -> list[str]:
+    shm = reply.shm
+    if not reply.backings:  # a daemon older than the backings field
+        page = shm.page_size or (2 << 20 if shm.huge_pages else 4096)
+        return [
+            f"shm {shm.dir}: {gib(shm.used_bytes)} used, {gib(shm.free_bytes)} free of "
+            f"{gib(shm.total_bytes)}  ({_pages(page)} pages)"
+        ]
+    return [
+        f"{b.name} {escape(b.where)}: {gib(b.used_bytes)} used, {gib(b.free_bytes)} free of "
+        f"{gib(b.total_bytes)}  ({_pages(b.page_size)} pages; sets "
+        f"{'survive' if b.survives_restart else 'do not survive'} a daemon restart)"
+        for b in reply.backings
+    ]
+
+
+_KIND = {pb.HANDLE_KIND_FD: "fd", pb.HANDLE_KIND_SHM: "path"}
+
+
 def render(reply: pb.StatusReply) -> str:
     """A readable summary of the node."""
-    d, shm = reply.daemon, reply.shm
+    d = reply.daemon
     lines = [
         f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
         f"{'ready' if d.ready else 'not ready'}",
-        f"shm {shm.dir}: {gib(shm.used_bytes)} used, {gib(shm.free_bytes)} free of "
-        f"{gib(shm.total_bytes)}  ({'2 MiB' if shm.huge_pages else '4 KiB'} pages)",
+        *_backing_lines(reply),
         "",
     ]
     if reply.sets:
         lines.append(
-            f"{'SET':20}  {'STATE':8}  {'BYTES':>10}  {'LOADED':>6}  {'LOCKED':6}  "
-            f"{'LEASES':>6}  CHECKPOINT"
+            f"{'SET':20}  {'STATE':8}  {'BACKING':7}  {'BYTES':>10}  {'LOADED':>6}  "
+            f"{'LOCKED':6}  {'LEASES':>6}  CHECKPOINT"
         )
     else:
         lines.append("no sets")
@@ -70,7 +98,7 @@ def render(reply: pb.StatusReply) -> str:
         loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
         state = s.state + ("*" if s.adopted else "")
         lines.append(
-            f"{s.set_id:20}  {state:8}  {gib(s.bytes):>10}  {loaded:>6}  "
+            f"{s.set_id:20}  {state:8}  {s.backing:7}  {gib(s.bytes):>10}  {loaded:>6}  "
             f"{'yes' if s.locked else 'no':6}  {s.lease_count:>6}  {escape(s.checkpoint)}"
         )
         if s.error:
@@ -80,11 +108,19 @@ def render(reply: pb.StatusReply) -> str:
             marks = ("" if lease.pid_verified else " (unverified)") + (
                 "  STALE: maps an earlier copy" if lease.stale else ""
             )
-            lines.append(f"    lease {lease.lease_id}  pid {lease.pid}{marks}  {escape(labels)}")
+            lines.append(
+                f"    lease {lease.lease_id}  pid {lease.pid}{marks}  "
+                f"by {_KIND.get(lease.kind, '?')}  {escape(labels)}"
+            )
         if s.lease_count > len(s.leases):
             lines.append(f"    ... and {s.lease_count - len(s.leases)} more leases")
     if any(s.adopted for s in reply.sets):
         lines.append("(* adopted from an earlier daemon without reloading)")
+    if any(lease.stale for s in reply.sets for lease in s.leases):
+        lines.append(
+            "(STALE: the set was loaded again, after a drop or a restart that did not keep it; "
+            "those workers still read their earlier copy until they call Tables.refresh())"
+        )
     total = sum(saved_bytes(s) for s in reply.sets)
     lines.append(f"host memory saved versus a private copy per lease: {gib(total)}")
     return "\n".join(lines)

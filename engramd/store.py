@@ -32,6 +32,7 @@ from .errors import (
     Draining,
     LoadFailed,
     ServiceError,
+    ShmFull,
     TooManyLeases,
     UnknownSet,
 )
@@ -83,6 +84,8 @@ class Lease:
 
     lease_id: str
     set_id: str
+    #: The name of the backing of the set the lease holds.
+    backing: str
     pid: int
     labels: dict[str, str]
     #: When the worker's process started (clock ticks after boot), where the daemon
@@ -91,6 +94,10 @@ class Lease:
     pid_start: int | None
     #: The worker maps an earlier copy of the set than the one the daemon holds.
     stale: bool = False
+    #: How the worker maps the set (engramd.v1.HandleKind).
+    kind: int = pb.HANDLE_KIND_SHM
+    #: One-time secret for the fd channel; "" once used.
+    fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     started: float = field(default_factory=time.monotonic)
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -107,7 +114,7 @@ class TableSet:
     fingerprint: str
     nbytes: int
     ntensors: int
-    backing: str
+    backing: Backing
     state: SetState = SetState.LOADING
     adopted: bool = False
     manifest: Manifest | None = None
@@ -133,7 +140,7 @@ class TableSet:
         return self.progress.done if self.progress else 0
 
 
-#: A set is known by its id and its backing: the id never depends on the backing.
+#: A set is known by its id and its backing's name: the id never depends on the backing.
 SetKey = tuple[str, str]
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
@@ -148,7 +155,7 @@ class SetStore:
 
     def __init__(
         self,
-        backing: Backing,
+        backings: list[Backing],
         load_threads: int,
         mlock: bool,
         memory_budget: int = 0,
@@ -156,8 +163,8 @@ class SetStore:
         adopt_grace_s: float = 0.0,
         max_leases: int = 0,
     ) -> None:
-        #: Where the sets' bytes live.
-        self.backing = backing
+        #: Where the sets' bytes may live, in order of preference.
+        self.backings = backings
         self._load_threads = load_threads
         self._mlock = mlock
         self._budget = memory_budget
@@ -187,49 +194,72 @@ class SetStore:
         (`verifying(set_id)` is called before each) and a corrupted set is
         removed (a configured one is then loaded again).
         """
-        self.backing.claim()
-        for manifest in await self._files.run(self.backing.adopt):
-            if verify:
-                if verifying is not None:
-                    verifying(manifest.set_id)
-                corrupted = await self._files.run(_corrupted, self.backing, manifest)
-                if corrupted:
-                    log.error(
-                        "removing set %s: tensors %s no longer match their checksums",
-                        manifest.set_id,
-                        ", ".join(corrupted),
-                    )
-                    await self._files.run(self.backing.remove, manifest.set_id)
-                    continue
-            ts = TableSet(
-                set_id=manifest.set_id,
-                checkpoint=manifest.checkpoint,
-                fingerprint=manifest.fingerprint,
-                nbytes=manifest.nbytes,
-                ntensors=len(manifest.tensors),
-                backing=self.backing.name,
-                state=SetState.READY,
-                adopted=True,
-                manifest=manifest,
-                idle_after=time.monotonic() + self._adopt_grace_s,
-            )
-            ts.done.set()
-            self.sets[self.key(ts.set_id)] = ts
-            self._spawn(self._pin(ts))
-            log.info(
-                "adopted set %s (%s, %s) without reloading",
-                ts.set_id,
-                ts.checkpoint,
-                gib(ts.nbytes),
-            )
+        for backing in self.backings:
+            backing.claim()
+            for manifest in await self._files.run(backing.adopt):
+                await self._adopt(backing, manifest, verify, verifying)
 
-    def key(self, set_id: str) -> SetKey:
-        """How the store knows the set with this id: in its backing."""
-        return set_id, self.backing.name
+    async def _adopt(
+        self,
+        backing: Backing,
+        manifest: Manifest,
+        verify: bool,
+        verifying: Callable[[str], None] | None,
+    ) -> None:
+        if verify:
+            if verifying is not None:
+                verifying(manifest.set_id)
+            corrupted = await self._files.run(_corrupted, backing, manifest)
+            if corrupted:
+                log.error(
+                    "removing set %s: tensors %s no longer match their checksums",
+                    manifest.set_id,
+                    ", ".join(corrupted),
+                )
+                await self._files.run(backing.remove, manifest.set_id)
+                return
+        ts = TableSet(
+            set_id=manifest.set_id,
+            checkpoint=manifest.checkpoint,
+            fingerprint=manifest.fingerprint,
+            nbytes=manifest.nbytes,
+            ntensors=len(manifest.tensors),
+            backing=backing,
+            state=SetState.READY,
+            adopted=True,
+            manifest=manifest,
+            idle_after=time.monotonic() + self._adopt_grace_s,
+        )
+        ts.done.set()
+        self.sets[self.key(ts.set_id, backing)] = ts
+        self._spawn(self._pin(ts))
+        log.info(
+            "adopted set %s (%s, %s, %s) without reloading",
+            ts.set_id,
+            ts.checkpoint,
+            gib(ts.nbytes),
+            backing.name,
+        )
+
+    @staticmethod
+    def key(set_id: str, backing: Backing) -> SetKey:
+        """How the store knows the set with this id in `backing`."""
+        return set_id, backing.name
 
     def get(self, set_id: str) -> TableSet | None:
-        """The set with this id in the store's backing, in any state."""
-        return self.sets.get(self.key(set_id))
+        """The set with this id, in any state: the first that is not failed, by backing order."""
+        held = [ts for b in self.backings if (ts := self.sets.get(self.key(set_id, b)))]
+        return next((ts for ts in held if ts.state is not SetState.FAILED), None) or next(
+            iter(held), None
+        )
+
+    def find_lease(self, lease_id: str) -> tuple[TableSet, Lease] | None:
+        """The set and the live lease with this id, if any."""
+        for ts in self.sets.values():
+            lease = ts.leases.get(lease_id)
+            if lease is not None:
+                return ts, lease
+        return None
 
     async def ensure(self, plan: TablePlan) -> TableSet:
         """The set of `plan`, starting its load unless it is loading or ready.
@@ -240,12 +270,11 @@ class SetStore:
         ts = self.get(plan.set_id)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
-        needed = sum(self.backing.reserved(t.nbytes) for t in plan.tensors)
+        needed = max(sum(b.reserved(t.nbytes) for t in plan.tensors) for b in self.backings)
         what = f"set {plan.set_id} ({plan.checkpoint})"
         while True:
             victims = self._victims(needed, what)
-            freed = sum(self._reserved(v) for v in victims)
-            self.backing.check_capacity(needed, what, reclaimable=freed)
+            backing = self._place(plan, what, victims)
             if not victims:
                 break
             for victim in victims:
@@ -255,8 +284,10 @@ class SetStore:
                     gib(victim.nbytes),
                     what,
                 )
-                if self.get(victim.set_id) is victim and not victim.leases:
-                    await self.drop(victim.set_id, force=False)
+                if self.sets.get(self.key(victim.set_id, victim.backing)) is victim and not (
+                    victim.leases
+                ):
+                    await self.drop(victim.set_id, force=False, backing=victim.backing)
             # Other loads may have started while the drops ran: judge again.
             ts = self.get(plan.set_id)
             if ts is not None and ts.state is not SetState.FAILED:
@@ -267,12 +298,29 @@ class SetStore:
             fingerprint=plan.fingerprint,
             nbytes=plan.nbytes,
             ntensors=len(plan.tensors),
-            backing=self.backing.name,
+            backing=backing,
             progress=LoadProgress(plan.nbytes),
         )
-        self.sets[self.key(plan.set_id)] = ts
+        self.sets[self.key(plan.set_id, backing)] = ts
         self._spawn(self._load(ts, plan))
         return ts
+
+    def _place(self, plan: TablePlan, what: str, victims: list[TableSet]) -> Backing:
+        """The first backing that can hold the plan (counting what evicting `victims` frees)."""
+        refusals = []
+        for backing in self.backings:
+            needed = sum(backing.reserved(t.nbytes) for t in plan.tensors)
+            freed = sum(self._reserved(v) for v in victims if v.backing is backing)
+            try:
+                backing.check_capacity(needed, what, reclaimable=freed)
+                return backing
+            except ShmFull as e:
+                refusals.append(e)
+        if len(refusals) == 1:
+            raise refusals[0]
+        raise ShmFull(
+            "; ".join(f"{b.name}: {e}" for b, e in zip(self.backings, refusals, strict=True))
+        )
 
     def _victims(self, needed: int, what: str) -> list[TableSet]:
         """The idle sets to evict so that `needed` more bytes fit the budget; raises if none do."""
@@ -308,16 +356,19 @@ class SetStore:
 
     def _reserved(self, ts: TableSet) -> int:
         if ts.manifest is None:
-            return self.backing.reserved(ts.nbytes)
-        return sum(self.backing.reserved(t.nbytes) for t in ts.manifest.tensors)
+            return ts.backing.reserved(ts.nbytes)
+        return sum(ts.backing.reserved(t.nbytes) for t in ts.manifest.tensors)
 
-    async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
+    async def drop(
+        self, set_id: str, force: bool, backing: Backing | None = None
+    ) -> tuple[int, int]:
         """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`.
 
-        The set leaves the store at once; unlocking and unlinking its files run
-        on a thread (about a minute at 189 GiB).
+        The set (in `backing`, else the one `get` finds) leaves the store at
+        once; unlocking and unlinking its files run on a thread (about a
+        minute at 189 GiB).
         """
-        ts = self.get(set_id)
+        ts = self.get(set_id) if backing is None else self.sets.get(self.key(set_id, backing))
         if ts is None:
             raise UnknownSet(f"engramd holds no set {set_id}")
         if ts.state is SetState.LOADING:
@@ -332,8 +383,8 @@ class SetStore:
         for lease in ts.leases.values():
             lease.ended.set()
         ts.leases.clear()
-        del self.sets[self.key(set_id)]
-        await self._files.run(_remove, self.backing, ts.pins, set_id)
+        del self.sets[self.key(set_id, ts.backing)]
+        await self._files.run(_remove, ts.backing, ts.pins, set_id)
         log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
         return ts.nbytes, leases
 
@@ -343,7 +394,7 @@ class SetStore:
         if ts is None or ts.manifest is None:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
         try:
-            corrupted = await self._files.run(_corrupted, self.backing, ts.manifest)
+            corrupted = await self._files.run(_corrupted, ts.backing, ts.manifest)
         except (OSError, ManifestError):
             if self.get(set_id) is ts:
                 raise
@@ -371,7 +422,7 @@ class SetStore:
         )
         try:
             ts.manifest = await self._loads.run(
-                load_set, plan, self.backing, self._load_threads, ts.progress
+                load_set, plan, ts.backing, self._load_threads, ts.progress
             )
         except BaseException as e:
             ts.state = SetState.FAILED
@@ -402,7 +453,7 @@ class SetStore:
         for index in range(len(ts.manifest.tensors)):
             if self.get(ts.set_id) is not ts:
                 return  # dropped meanwhile: PinnedFiles unmaps what it still pins
-            await self._files.run(self.backing.pin, ts.manifest, index, ts.pins)
+            await self._files.run(ts.backing.pin, ts.manifest, index, ts.pins)
         ts.locked = ts.pins.error is None and self.get(ts.set_id) is ts
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
@@ -415,8 +466,8 @@ class SetStore:
 
     # -- leases ---------------------------------------------------------------
 
-    def add_lease(self, ts: TableSet, request: pb.AttachRequest) -> Lease:
-        """Record a worker attached to a ready set."""
+    def add_lease(self, ts: TableSet, request: pb.AttachRequest, kind: int) -> Lease:
+        """Record a worker attached to a ready set, mapping it by handles of `kind`."""
         if self.get(ts.set_id) is not ts:
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
         held = self.lease_count()
@@ -430,12 +481,14 @@ class SetStore:
         lease = Lease(
             lease_id=secrets.token_hex(6),
             set_id=ts.set_id,
+            backing=ts.backing.name,
             pid=request.pid,
             labels=dict(request.labels),
             pid_start=start if verified else None,
             stale=bool(
                 request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
             ),
+            kind=kind,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
@@ -447,7 +500,7 @@ class SetStore:
 
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
-        ts = self.get(lease.set_id)
+        ts = self.sets.get((lease.set_id, lease.backing))
         if ts is not None and ts.leases.pop(lease.lease_id, None) is not None:
             ts.last_used = time.monotonic()
 
@@ -493,7 +546,7 @@ class SetStore:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=grace)
         ready = [ts for ts in self.sets.values() if ts.state is SetState.READY]
-        release = asyncio.ensure_future(self._files.run(_release_all, self.backing, ready, drop))
+        release = asyncio.ensure_future(self._files.run(_release_all, ready, drop))
         await asyncio.wait([release], timeout=grace)
         if drop:
             for ts in ready:
@@ -505,10 +558,10 @@ def _remove(backing: Backing, pins: PinnedFiles, set_id: str) -> None:
     backing.remove(set_id)
 
 
-def _release_all(backing: Backing, sets: list[TableSet], drop: bool) -> None:
+def _release_all(sets: list[TableSet], drop: bool) -> None:
     for ts in sets:
         if drop:
-            _remove(backing, ts.pins, ts.set_id)
+            _remove(ts.backing, ts.pins, ts.set_id)
         else:
             ts.pins.release()
 

@@ -50,7 +50,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         checkpoint=ts.checkpoint,
         fingerprint=ts.fingerprint,
         bytes=ts.nbytes,
-        backing=ts.backing,
+        backing=ts.backing.name,
         state=ts.state.value,
         bytes_loaded=ts.bytes_loaded,
         adopted=ts.adopted,
@@ -66,6 +66,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 attached_s=now - lease.started,
                 stale=lease.stale,
                 pid_verified=lease.pid_start is not None,
+                kind=lease.kind,  # type: ignore[arg-type]
             )
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],
@@ -75,7 +76,8 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
 
 def status_reply(store: SetStore, socket: str, uptime_s: float, ready: bool) -> pb.StatusReply:
     """What the node holds."""
-    u = store.backing.usage()
+    usages = [(b, b.usage()) for b in store.backings]
+    u = usages[0][1]
     now = time.monotonic()
     return pb.StatusReply(
         daemon=pb.DaemonInfo(
@@ -90,4 +92,16 @@ def status_reply(store: SetStore, socket: str, uptime_s: float, ready: bool) -> 
             page_size=u.page_size,
         ),
         sets=[set_info(ts, now) for ts in store.sets.values()],
+        backings=[
+            pb.BackingInfo(
+                name=b.name,
+                where=bu.where,
+                total_bytes=bu.total,
+                used_bytes=bu.used,
+                free_bytes=bu.free,
+                page_size=bu.page_size,
+                survives_restart=b.survives_restart,
+            )
+            for b, bu in usages
+        ],
     )

@@ -126,7 +126,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
-    """Make daemons: `daemons(*serve_args, shm=folder)`; every one is stopped afterwards."""
+    """Make daemons: `daemons(*serve_args, shm=folder, ...)`; every one is stopped afterwards."""
     started: list[Daemon] = []
 
     def make(
@@ -135,9 +135,16 @@ def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
         env: dict[str, str] | None = None,
         python: list[str] | None = None,
         shm: Path | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> Daemon:
         d = Daemon(
-            sock_dir / "d.sock", shm or shm_dir, list(args), sock_dir / "daemon.log", env, python
+            sock_dir / "d.sock",
+            shm or shm_dir,
+            list(args),
+            sock_dir / "daemon.log",
+            env,
+            python,
+            pass_fds,
         )
         started.append(d)
         return d.start(wait=wait)

@@ -46,6 +46,54 @@ def attach_error(d: DaemonProcess, request: pb.AttachRequest) -> grpc.RpcError |
             call.cancel()
 
 
+class RawLease:
+    """An Attach stream held open by the test itself: its lease, secret and handles.
+
+    For tests that speak to the fd channel directly, as a worker (or an
+    attacker holding another worker's secret) would.
+    """
+
+    def __init__(self, d: DaemonProcess, set_id: str, pid: int = 0) -> None:
+        self._channel = d.channel()
+        request = pb.AttachRequest(
+            set_id=set_id, pid=pid or os.getpid(), accept=[pb.HANDLE_KIND_FD], reattach=True
+        )
+        self._call = pb_grpc.TableServiceStub(self._channel).Attach(request, timeout=60)
+        #: The daemon's Attachment (lease id, fd channel secret, handles).
+        self.attachment = next(
+            e for e in self._call if e.WhichOneof("event") == "attached"
+        ).attached
+
+    def close(self) -> None:
+        """End the lease."""
+        self._call.cancel()
+        self._channel.close()
+
+    def __enter__(self) -> RawLease:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def shmem_bytes() -> int:
+    """The node's shared memory (tmpfs, shm and memfd pages), from /proc/meminfo."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no Shmem line in /proc/meminfo")
+
+
+def open_fds(pid: int) -> int:
+    """How many descriptors a process holds."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 class InProcessDaemon:
     """`create_server(config)` on an event loop in a thread of the test process.
 

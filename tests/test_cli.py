@@ -47,6 +47,8 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
             "attached_s": s["leases"][0]["attached_s"],
             # The worker's pid namespace and start time matched its process.
             "pid_verified": True,
+            # It collected its descriptors on the fd channel.
+            "kind": "HANDLE_KIND_FD",
             "stale": False,
         }
     ]

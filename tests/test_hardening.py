@@ -98,9 +98,16 @@ def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir:
         d.stop()
 
 
-def test_worker_refuses_a_set_folder_that_is_not_the_daemons(
-    checkpoint: Path, daemons: Any, workers: list[Worker]
+@pytest.mark.parametrize("handles", ["fd", "shm"])
+def test_nobody_maps_a_set_folder_that_is_not_the_daemons(
+    checkpoint: Path,
+    daemons: Any,
+    workers: list[Worker],
+    handles: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # By descriptor the daemon refuses to open the planted files; by path the worker does.
+    monkeypatch.setenv("ENGRAMD_HANDLES", handles)
     d = daemons("--checkpoint", str(checkpoint))
     [s] = d.status().sets
     folder = sets_root(d.shm_dir) / s.set_id
@@ -624,4 +631,6 @@ def test_no_lease_on_a_set_that_left_the_store(
         d.run(d.server.store.drop(ts.set_id, force=False))
         # An attach that waited while the set was evicted must not lease it.
         with pytest.raises(UnknownSet, match="dropped while the worker waited"):
-            d.server.store.add_lease(ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()))
+            d.server.store.add_lease(
+                ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), pb.HANDLE_KIND_FD
+            )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import pwd
 import shutil
 import stat
 import subprocess
@@ -14,13 +16,14 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import Daemon, Worker, as_user, wait_until
+from conftest import TESTS, Daemon, Worker, as_user, wait_until
 from engramd.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
+from engramd_client.fdchannel import collect
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from helpers import attach_error, reason
+from helpers import RawLease, attach_error, reason
 
 GROUP = "engramd-t"
 MEMBER = "engramd-tm"
@@ -81,6 +84,7 @@ def test_only_the_group_may_attach_or_read(
         folder = sets_root(shm) / s.set_id
         assert stat.S_IMODE((top / "run").stat().st_mode) == 0o750
         assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+        assert stat.S_IMODE(d.socket.with_name("fds.sock").stat().st_mode) == 0o660
         assert stat.S_IMODE(folder.stat().st_mode) == 0o750
         files = list(folder.iterdir())
         assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in files)
@@ -106,6 +110,45 @@ def test_only_the_group_may_attach_or_read(
             text=True,
         )
         assert admin.returncode == 1 and [x.set_id for x in d.status().sets] == [s.set_id]
+    finally:
+        d.stop()
+
+
+def test_fd_channel_refuses_a_peer_outside_the_group(
+    users: None, open_dirs: tuple[Path, Path, Path]
+) -> None:
+    top, shm, ckpt = open_dirs
+    d = Daemon(
+        top / "run" / "d.sock",
+        shm,
+        ["--checkpoint", str(ckpt), "--socket-group", GROUP],
+        top / "log",
+    ).start()
+    try:
+        [s] = d.status().sets
+        fds = d.socket.with_name("fds.sock")
+        # As if an operator loosened the modes: now only SO_PEERCRED stands in the way.
+        (top / "run").chmod(0o751)
+        fds.chmod(0o666)
+        with RawLease(d, s.set_id) as lease:
+            secret = lease.attachment.fd_channel.secret
+            probe = [str(fds), lease.attachment.lease_id, secret]
+            outsider = subprocess.run(
+                [*as_user(OUTSIDER), str(TESTS / "fd_probe.py"), *probe],
+                capture_output=True,
+                text=True,
+            )
+            assert json.loads(outsider.stdout) == {
+                "error": "NotAllowed",
+                "message": "engramd's fd channel refused: uid "
+                f"{pwd.getpwnam(OUTSIDER).pw_uid} is neither root, engramd's user, nor in the "
+                "socket's group",
+            }, outsider.stderr
+            # Nothing was granted: the secret is still unspent for its own worker.
+            fds_granted = collect(str(fds), lease.attachment.lease_id, secret, 10)
+            assert fds_granted
+            for fd in fds_granted.values():
+                os.close(fd)
     finally:
         d.stop()
 

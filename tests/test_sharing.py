@@ -7,15 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Worker
-from helpers import reference_digests
-
-
-def shmem_bytes() -> int:
-    """The node's shared memory (tmpfs and shm pages), from /proc/meminfo."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("Shmem:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no Shmem line in /proc/meminfo")
+from helpers import reference_digests, shmem_bytes
 
 
 def test_four_workers_share_one_copy(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 from pathlib import Path
@@ -10,19 +11,24 @@ import pytest
 
 from conftest import mounted_tmpfs
 from engramd import errors as daemon_errors
-from engramd.backings import BACKINGS, TmpfsBacking
+from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
+from engramd.backings.memfd import SEALS
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
+from engramd.fdstore import FdStore
+from engramd.memlimit import MemoryLimit, memory_limit
 from engramd.policy import LoadPolicy
+from engramd.sdnotify import Notifier
 from engramd.status_view import as_dict, render
 from engramd.store import STATUS_LEASES, Lease, SetState, TableSet
 from engramd.text import escape
 from engramd.units import gib, parse_size
 from engramd.wire import set_info
-from engramd_client.checkpoint import SourceFile, plan_tables
-from engramd_client.config import DEFAULT_SOCKET, ClientConfig
+from engramd_client.checkpoint import SourceFile, TablePlan, plan_tables
+from engramd_client.config import DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
 from engramd_client.errors import BY_REASON, Reason
+from engramd_client.handles import MAPPERS
 from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.tables import Region
@@ -87,6 +93,11 @@ def test_client_config_from_env() -> None:
     env = {"ENGRAMD_SHARE": "On", "ENGRAMD_SOCKET": "/run/x.sock"}
     assert ClientConfig.from_env(env) == ClientConfig(socket="/run/x.sock", share=True)
     assert ClientConfig.from_env({"ENGRAMD_SHARE": "off"}).share is False
+    assert ClientConfig.from_env({"ENGRAMD_FD_SOCKET": "/c/fds"}).fd_socket == "/c/fds"
+    assert ClientConfig.from_env({"ENGRAMD_HANDLES": " shm "}).handles == ("shm",)
+    assert tuple(MAPPERS) == HANDLE_KINDS  # every kind a worker may name has its mapper
+    with pytest.raises(ValueError, match="use fd,shm"):
+        ClientConfig.from_env({"ENGRAMD_HANDLES": "cuda"})
     # Arguments win over the environment.
     assert ClientConfig.from_env(env, socket="/y", share=False) == ClientConfig("/y", False)
     with pytest.raises(ValueError, match="use auto, on or off"):
@@ -100,11 +111,13 @@ def test_status_is_bounded_and_prints_safely() -> None:
         fingerprint="f",
         nbytes=1 << 30,
         ntensors=2,
-        backing="tmpfs",
+        backing=TmpfsBacking("/dev/shm", None),
         state=SetState.READY,
     )
     for i in range(STATUS_LEASES + 5):
-        lease = Lease(f"l{i}", ts.set_id, pid=100 + i, labels={"rank": str(i)}, pid_start=None)
+        lease = Lease(
+            f"l{i}", ts.set_id, "tmpfs", pid=100 + i, labels={"rank": str(i)}, pid_start=None
+        )
         ts.leases[lease.lease_id] = lease
     ts.leases["l0"].stale = True
     info = set_info(ts)
@@ -140,7 +153,7 @@ def test_tmpfs_backing_bookkeeping(checkpoint: Path) -> None:
 
 def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
     assert BACKINGS["tmpfs"] is TmpfsBacking
-    backing = TmpfsBacking.from_config(DaemonConfig(shm_dir=str(shm_dir)), None)
+    backing = TmpfsBacking.from_config(DaemonConfig(shm_dir=str(shm_dir)), None, _NO_FD_STORE)
     backing.claim()
     (shm_dir / "other-writer").write_bytes(b"\1" * (8 << 20))
     usage = backing.usage()
@@ -156,16 +169,36 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
 
     plan = plan_tables(checkpoint)
     abandoned = backing.stage(plan)
-    abandoned.discard()
-    staged = backing.stage(plan)
     [staging] = sets_root(shm_dir).iterdir()
     assert staging.name.startswith(plan.set_id + LOADING_MARK)
+    abandoned.discard()
+    assert list(sets_root(shm_dir).iterdir()) == []
+    manifest = _copy_in(backing, plan)
+    sums = [t.checksum for t in manifest.tensors]
+    (sets_root(shm_dir) / f"{'cd' * 10}{LOADING_MARK}1-x").mkdir()  # an interrupted load
+    (sets_root(shm_dir) / "junk").mkdir()
+    assert backing.adopt() == [manifest]
+    assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
+    assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
+    [handle, *_] = backing.handles(manifest, pb.HANDLE_KIND_SHM)
+    assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
+    _check_descriptors(backing, manifest, plan)
+    backing.remove(plan.set_id)
+    assert list(sets_root(shm_dir).iterdir()) == []
+
+
+#: No systemd here: the fd store is off.
+_NO_FD_STORE = FdStore(Notifier(address=""), env={})
+
+
+def _copy_in(backing: Backing, plan: TablePlan) -> Manifest:
+    """Stage, fill and publish the plan's set the way the loader does, in this thread."""
+    staged = backing.stage(plan)
     sums = []
     for i, t in enumerate(plan.tensors):
         with open(t.file, "rb") as f:
             f.seek(t.offset)
             staged.write(i, memoryview(f.read(t.nbytes)), 0)
-        with open(t.file, "rb") as f:
             sums.append(digest_fd(f.fileno(), t.offset, t.nbytes))
     manifest = _manifest(
         set_id=plan.set_id,
@@ -175,15 +208,97 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
         ),
     )
     staged.publish(manifest)
-    (sets_root(shm_dir) / f"{'cd' * 10}{LOADING_MARK}1-x").mkdir()  # an interrupted load
-    (sets_root(shm_dir) / "junk").mkdir()
-    assert backing.adopt() == [manifest]
-    assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
-    assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
-    [handle, *_] = backing.handles(manifest, pb.HANDLE_KIND_SHM)
-    assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
+    return manifest
+
+
+def _check_descriptors(backing: Backing, manifest: Manifest, plan: TablePlan) -> None:
+    """Each tensor's bytes, read through the backing's read-only descriptors, are the plan's."""
+    opened = dict(backing.descriptors(manifest))
+    try:
+        handles = backing.handles(manifest, pb.HANDLE_KIND_FD)
+        for handle, t in zip(handles, plan.tensors, strict=True):
+            fd = opened[handle.fd.file]
+            with open(t.file, "rb") as f:
+                f.seek(t.offset)
+                assert os.pread(fd, handle.fd.length, handle.fd.offset) == f.read(t.nbytes)
+            assert fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    finally:
+        for fd in opened.values():
+            os.close(fd)
+
+
+def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:
+    backing = MemfdBacking.from_config(DaemonConfig(), None, _NO_FD_STORE)
+    backing.claim()
+    assert not backing.survives_restart and backing.handle_kinds == {pb.HANDLE_KIND_FD}
+    usage = backing.usage()
+    assert usage.total >= usage.free > 0 and usage.used == 0
+    with pytest.raises(ShmFull, match="in all"):
+        backing.check_capacity(usage.total + 1, "set x")
+    plan = plan_tables(checkpoint)
+    backing.stage(plan).discard()
+    manifest = _copy_in(backing, plan)
+    # Tensors share one memfd, each at a page-aligned offset.
+    assert {t.file for t in manifest.tensors} == {"tables"}
+    assert all(t.offset % backing.page_size == 0 for t in manifest.tensors)
+    assert backing.usage().used == sum(backing.reserved(t.nbytes) for t in plan.tensors)
+    assert [backing.checksum(manifest, i) for i in range(len(plan.tensors))] == [
+        t.checksum for t in manifest.tensors
+    ]
+    _check_descriptors(backing, manifest, plan)
+    [(_, fd)] = backing.descriptors(manifest)
+    try:
+        assert fcntl.fcntl(fd, fcntl.F_GET_SEALS) == SEALS
+        # Sealed: not even a writable descriptor of the same memfd may change it.
+        rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+        try:
+            with pytest.raises(PermissionError):
+                os.pwrite(rw, b"x", 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(rw, 0)
+        finally:
+            os.close(rw)
+    finally:
+        os.close(fd)
+    assert backing.adopt() == []  # nothing passed by an fd store
     backing.remove(plan.set_id)
-    assert list(sets_root(shm_dir).iterdir()) == []
+    assert backing.usage().used == 0
+    with pytest.raises(ManifestError, match="no longer held"):
+        backing.descriptors(manifest)
+
+
+def test_memory_limit_reads_cgroup_v1_and_v2(tmp_path: Path) -> None:
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 4194304 kB\nMemAvailable: 3145728 kB\n")
+    (proc / "self/cgroup").write_text("0::/\n")
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "cgroup.controllers").write_text("memory\n")
+    assert memory_limit(str(proc), str(v2)) == MemoryLimit(
+        "host memory (MemTotal)", 4 << 30, 3 << 30
+    )
+    (proc / "self/cgroup").write_text("0::/system.slice/engramd.service\n")
+    service = v2 / "system.slice/engramd.service"
+    service.mkdir(parents=True)
+    (service / "memory.max").write_text(f"{1 << 30}\n")
+    (service / "memory.current").write_text(f"{256 << 20}\n")
+    (v2 / "system.slice/memory.max").write_text("max\n")
+    (v2 / "system.slice/memory.current").write_text("0\n")
+    assert memory_limit(str(proc), str(v2)) == MemoryLimit(
+        "cgroup /system.slice/engramd.service memory.max", 1 << 30, 768 << 20
+    )
+    # cgroup v1: the memory controller's own hierarchy; "no limit" is a huge number.
+    (proc / "self/cgroup").write_text("4:memory:/docker/abc\n0::/\n")
+    v1 = tmp_path / "v1"
+    (v1 / "memory/docker/abc").mkdir(parents=True)
+    (v1 / "memory/docker/abc/memory.limit_in_bytes").write_text(f"{2 << 30}\n")
+    (v1 / "memory/docker/abc/memory.usage_in_bytes").write_text(f"{1 << 30}\n")
+    (v1 / "memory/memory.limit_in_bytes").write_text("9223372036854771712\n")
+    (v1 / "memory/memory.usage_in_bytes").write_text("0\n")
+    assert memory_limit(str(proc), str(v1)) == MemoryLimit(
+        "cgroup /docker/abc memory.limit_in_bytes", 2 << 30, 1 << 30
+    )
 
 
 def test_load_policy(checkpoint: Path, tmp_path: Path) -> None:

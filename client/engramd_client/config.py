@@ -22,6 +22,10 @@ _SHARE_WORDS: dict[str, bool | None] = {
 }
 
 
+#: Handle kinds a worker can map, by TensorHandle's field name, in the default order.
+HANDLE_KINDS = ("fd", "shm")
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """How a worker attaches to the daemon."""
@@ -38,6 +42,10 @@ class ClientConfig:
     #: First and longest pause between reconnects after the daemon went away.
     reconnect_min_s: float = 0.05
     reconnect_max_s: float = 2.0
+    #: The daemon's fd channel; "": the name the daemon gives, beside `socket`.
+    fd_socket: str = ""
+    #: Handle kinds to accept, preferred first: "fd" (any namespace), "shm" (paths).
+    handles: tuple[str, ...] = HANDLE_KINDS
 
     @classmethod
     def from_env(
@@ -47,11 +55,23 @@ class ClientConfig:
         socket: str | None = None,
         share: bool | None = None,
     ) -> ClientConfig:
-        """Settings from ENGRAMD_SOCKET and ENGRAMD_SHARE; explicit arguments win."""
+        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES and _SHARE; arguments win."""
         env = os.environ if env is None else env
         if share is None:
             word = env.get("ENGRAMD_SHARE", "auto").strip().lower()
             if word not in _SHARE_WORDS:
                 raise ValueError(f"ENGRAMD_SHARE={word!r}: use auto, on or off")
             share = _SHARE_WORDS[word]
-        return cls(socket=socket or env.get("ENGRAMD_SOCKET") or DEFAULT_SOCKET, share=share)
+        words = env.get("ENGRAMD_HANDLES", "").split(",")
+        handles = tuple(w.strip() for w in words if w.strip()) or HANDLE_KINDS
+        if not set(handles) <= set(HANDLE_KINDS):
+            raise ValueError(
+                f"ENGRAMD_HANDLES={','.join(handles)!r}: use {','.join(HANDLE_KINDS)} or a "
+                "part of it, preferred first"
+            )
+        return cls(
+            socket=socket or env.get("ENGRAMD_SOCKET") or DEFAULT_SOCKET,
+            fd_socket=env.get("ENGRAMD_FD_SOCKET", ""),
+            handles=handles,
+            share=share,
+        )

@@ -30,6 +30,8 @@ class Reason(enum.StrEnum):
     FINGERPRINT = "fingerprint"
     LOAD_FAILED = "load-failed"
     DRAINING = "draining"
+    #: The fd channel: the daemon's own copy of the set cannot be handed out.
+    NOT_VISIBLE = "not-visible"
 
 
 class EngramdError(Exception):
@@ -106,6 +108,7 @@ BY_REASON: dict[str, type[ShareError]] = {
     Reason.SELECTION: SelectionRefused,
     Reason.UNKNOWN_SET: UnknownSet,
     Reason.DRAINING: DaemonUnavailable,
+    Reason.NOT_VISIBLE: SegmentNotVisible,
 }
 
 #: Every cause a worker may report in ReportFallback; the daemon accepts no other.
@@ -123,5 +126,5 @@ CAUSES = frozenset(
     )
 )
 
-#: Trailing-metadata key that carries the daemon's reason for an error.
+#: Trailing-metadata key (and the fd channel's FdReply.reason) that carries the daemon's reason.
 REASON_KEY = "engramd-reason"

@@ -8,10 +8,14 @@ entry in MAPPERS (the oneof field name of engramd.v1.TensorHandle).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from .config import ClientConfig
 from .errors import NotAllowed, SegmentNotVisible
+from .fdchannel import check_descriptor, collect
 from .layout import MANIFEST_NAME, ManifestError, NotOwned, open_owned, read_manifest
 from .pb import engramd_pb2 as pb
 from .tables import Region
@@ -24,13 +28,16 @@ FIX_NAMESPACE = (
 
 
 class HandleMapper(Protocol):
-    """Turns handles of one kind into read-only descriptors."""
+    """Turns handles of one kind into read-only descriptors; `close` when done."""
 
     def region(self, handle: pb.TensorHandle) -> Region:
         """Which bytes of the descriptor hold the tensor."""
 
     def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
         """A read-only descriptor of the handle's memory; raises a ShareError otherwise."""
+
+    def close(self) -> None:
+        """Release what the mapper still holds."""
 
 
 class PathMapper:
@@ -42,10 +49,13 @@ class PathMapper:
     another.
     """
 
-    def __init__(self, owner: int) -> None:
+    def __init__(self, config: ClientConfig, owner: int) -> None:
         #: The daemon's uid (the owner of its socket).
         self._owner = owner
         self._checked: set[str] = set()
+
+    def close(self) -> None:
+        """Nothing to release: each open is the caller's."""
 
     def region(self, handle: pb.TensorHandle) -> Region:
         """The handle's byte range of its file."""
@@ -101,10 +111,68 @@ class PathMapper:
             )
 
 
-#: The mapper of each handle kind, by TensorHandle's oneof field, and the kind it maps.
-MAPPERS: dict[str, tuple[pb.HandleKind, type[PathMapper]]] = {
-    "shm": (pb.HANDLE_KIND_SHM, PathMapper)
-}
+class FdMapper:
+    """HANDLE_KIND_FD: descriptors collected once per attach on the daemon's fd channel.
 
-#: The kinds this client maps, in the order it prefers them.
-ACCEPT = [kind for kind, _ in MAPPERS.values()]
+    Works in any mount and IPC namespace: the worker needs only the socket
+    folder. Each descriptor must be a read-only file of the daemon's user.
+    """
+
+    def __init__(self, config: ClientConfig, owner: int) -> None:
+        self._config = config
+        self._owner = owner
+        self._fds: dict[str, int] | None = None
+
+    def region(self, handle: pb.TensorHandle) -> Region:
+        """The handle's byte range of its file."""
+        return Region(
+            name=handle.name,
+            dtype=handle.dtype,
+            shape=tuple(handle.shape),
+            path=f"engramd descriptor {handle.fd.file!r}",
+            offset=handle.fd.offset,
+            length=handle.fd.length,
+        )
+
+    def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
+        """A duplicate of the descriptor of the handle's file (collected on first use)."""
+        if self._fds is None:
+            self._fds = collect(
+                self.channel_path(attachment),
+                attachment.lease_id,
+                attachment.fd_channel.secret,
+                self._config.reply_timeout_s,
+            )
+            for name, received in self._fds.items():
+                check_descriptor(received, self._owner, f"{attachment.set_id}/{name}")
+        fd = self._fds.get(handle.fd.file)
+        if fd is None:
+            raise SegmentNotVisible(
+                f"engramd sent no descriptor for {handle.fd.file!r} of set {attachment.set_id}"
+            )
+        return os.dup(fd)
+
+    def channel_path(self, attachment: pb.Attachment) -> str:
+        """ENGRAMD_FD_SOCKET, else the daemon's fd socket by name beside this worker's socket.
+
+        The worker may see the socket folder at another path than the daemon
+        (a container mount), so the daemon's own path is used only for its name.
+        """
+        if self._config.fd_socket:
+            return self._config.fd_socket
+        name = Path(attachment.fd_channel.socket).name or "fds.sock"
+        return str(Path(self._config.socket).with_name(name))
+
+    def close(self) -> None:
+        """Close the collected descriptors (the mappings keep the memory)."""
+        for fd in (self._fds or {}).values():
+            os.close(fd)
+        self._fds = None
+
+
+#: The mapper of each handle kind, by TensorHandle's oneof field, and the kind it maps.
+#: A mapper is made per attach from the worker's settings and the daemon's uid.
+MAPPERS: dict[str, tuple[pb.HandleKind, Callable[[ClientConfig, int], HandleMapper]]] = {
+    "fd": (pb.HANDLE_KIND_FD, FdMapper),
+    "shm": (pb.HANDLE_KIND_SHM, PathMapper),
+}

@@ -22,9 +22,11 @@ from .errors import (
     DaemonUnavailable,
     FingerprintMismatch,
     NotAllowed,
+    SegmentNotVisible,
     ShareError,
 )
-from .handles import ACCEPT, MAPPERS, HandleMapper
+from .fdchannel import FdChannelUnreachable
+from .handles import MAPPERS, HandleMapper
 from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
@@ -116,6 +118,29 @@ def _attach_shared(
     populate: bool,
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
+    try:
+        return _attach_as(config, target, rows, labels, populate, config.handles)
+    except FdChannelUnreachable as unreachable:
+        # Paths still work where the worker shares the daemon's /dev/shm.
+        paths = tuple(h for h in config.handles if h != "fd")
+        if not paths:
+            raise
+        try:
+            return _attach_as(config, target, rows, labels, populate, paths)
+        except SegmentNotVisible as e:
+            raise SegmentNotVisible(f"{unreachable}; and by path: {e}") from None
+        except ShareError:
+            raise unreachable from None
+
+
+def _attach_as(
+    config: ClientConfig,
+    target: TablePlan | str,
+    rows: RowRanges | None,
+    labels: Mapping[str, str],
+    populate: bool,
+    handles: tuple[str, ...],
+) -> Tables:
     plan = target if isinstance(target, TablePlan) else None
     request = pb.AttachRequest(
         set_id=plan.set_id if plan else str(target),
@@ -123,7 +148,7 @@ def _attach_shared(
         tensors=plan.selection if plan else "",
         pid=os.getpid(),
         labels=dict(labels),
-        accept=ACCEPT,
+        accept=[MAPPERS[name][0] for name in handles],
         pid_namespace=pid_namespace(),
         pid_start=start_ticks(os.getpid()) or 0,
     )
@@ -134,7 +159,7 @@ def _attach_shared(
             check_row_names(rows, [h.name for h in attachment.tensors])
         else:
             _check_sources(plan, attachment)
-        tensors = _map(attachment, rows, populate, os.stat(config.socket).st_uid)
+        tensors = _map(attachment, rows, populate, config, os.stat(config.socket).st_uid)
     except BaseException:
         lease.close()
         raise
@@ -165,18 +190,28 @@ _SOURCE_FIELDS = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
 
 
 def _map(
-    attachment: pb.Attachment, rows: RowRanges | None, populate: bool, owner: int
+    attachment: pb.Attachment,
+    rows: RowRanges | None,
+    populate: bool,
+    config: ClientConfig,
+    owner: int,
 ) -> dict[str, torch.Tensor]:
     mappers: dict[str, HandleMapper] = {}
     tensors = {}
-    for handle in attachment.tensors:
-        which = handle.WhichOneof("handle")
-        if which not in MAPPERS:
-            raise DaemonError(
-                f"engramd handed out a {which or 'kind'} handle, which this client cannot map "
-                f"(it accepts {ACCEPT}); upgrade engramd_client"
-            )
-        mapper = mappers.setdefault(which, MAPPERS[which][1](owner))
-        region = mapper.region(handle).cut(rows)
-        tensors[handle.name] = map_fd(mapper.open(attachment, handle), region, populate)
+    try:
+        for handle in attachment.tensors:
+            which = handle.WhichOneof("handle")
+            if which not in MAPPERS:
+                raise DaemonError(
+                    f"engramd handed out a {which or 'kind'} handle, which this client cannot "
+                    f"map (it maps {', '.join(MAPPERS)}); upgrade engramd_client"
+                )
+            if which not in mappers:
+                mappers[which] = MAPPERS[which][1](config, owner)
+            mapper = mappers[which]
+            region = mapper.region(handle).cut(rows)
+            tensors[handle.name] = map_fd(mapper.open(attachment, handle), region, populate)
+    finally:
+        for mapper in mappers.values():
+            mapper.close()
     return tensors

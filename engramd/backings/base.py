@@ -1,9 +1,10 @@
 """What every backing of table sets provides: one interface, one module per backing.
 
-A backing is where the bytes of a set live (today: files in a tmpfs folder).
-The loader's read-and-digest loop is the same for all of them and writes
-through `StagedSet.write`; the store adopts, pins, verifies and removes
-through the backing; the service hands out the backing's handles.
+A backing is where the bytes of a set live (files in a tmpfs folder, sealed
+memfds). The loader's read-and-digest loop is the same for all of them and
+writes through `StagedSet.write`; the store adopts, pins, verifies and
+removes through the backing; the service hands out the backing's handles and
+the fd channel its read-only descriptors.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from engramd_client.layout import Manifest
 from engramd_client.pb import engramd_pb2 as pb
 
 from ..config import DaemonConfig
+from ..fdstore import FdStore
 from ..pinning import PinnedFiles
 
 
@@ -63,8 +65,13 @@ class Backing(ABC):
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: DaemonConfig, gid: int | None) -> Backing:
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
         """The backing a daemon with `config` uses; `gid` may attach (owns its files)."""
+
+    @property
+    @abstractmethod
+    def survives_restart(self) -> bool:
+        """Sets outlive the daemon, for the next one to adopt."""
 
     @abstractmethod
     def claim(self) -> None:
@@ -108,3 +115,21 @@ class Backing(ABC):
     @abstractmethod
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
         """One handle of `kind` per tensor of the set."""
+
+    @abstractmethod
+    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
+        """(file, read-only descriptor) for each file of the set; the caller closes them."""
+
+    @staticmethod
+    def fd_handles(manifest: Manifest) -> list[pb.TensorHandle]:
+        """HANDLE_KIND_FD handles: each tensor's file (as `descriptors` names it) and range."""
+        return [
+            pb.TensorHandle(
+                name=t.name,
+                dtype=t.dtype,
+                shape=t.shape,
+                kind=pb.HANDLE_KIND_FD,
+                fd=pb.FdHandle(file=t.file, offset=t.offset, length=t.nbytes),
+            )
+            for t in manifest.tensors
+        ]

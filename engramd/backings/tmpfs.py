@@ -1,8 +1,9 @@
 """Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.layout.
 
 A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages.
-Sets survive a daemon restart; workers open them by path (read-only
-mappings, checked by owner, mode and the manifest's nonce).
+Sets survive a daemon restart; workers get read-only descriptors over the
+fd channel, or open the files by path (checked by owner, mode and the
+manifest's nonce) where they share the daemon's /dev/shm.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from engramd_client.pb import engramd_pb2 as pb
 from ..checksum import digest_fd
 from ..config import DaemonConfig
 from ..errors import ShmFull
+from ..fdstore import FdStore
 from ..pinning import PinnedFiles
 from ..shmfs import huge_pages, usage
 from ..shmroot import claim_root
@@ -54,7 +56,7 @@ class TmpfsBacking(Backing):
     """Files under `<shm_dir>/engramd/`, one per tensor, 0640, group `gid`."""
 
     name: ClassVar[str] = "tmpfs"
-    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM})
+    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
 
     def __init__(self, shm_dir: str, gid: int | None) -> None:
         self.shm_dir = shm_dir
@@ -63,9 +65,14 @@ class TmpfsBacking(Backing):
         self.page_size = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
 
     @classmethod
-    def from_config(cls, config: DaemonConfig, gid: int | None) -> TmpfsBacking:
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> TmpfsBacking:
         """Files under `config.shm_dir`."""
         return cls(config.shm_dir, gid)
+
+    @property
+    def survives_restart(self) -> bool:
+        """tmpfs files stay until they are unlinked (or the node reboots)."""
+        return True
 
     def claim(self) -> None:
         """Make the shm folder where missing; make or check `<shm_dir>/engramd` (shmroot)."""
@@ -133,7 +140,9 @@ class TmpfsBacking(Backing):
         shutil.rmtree(set_dir(self.shm_dir, set_id), ignore_errors=True)
 
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
-        """Paths (HANDLE_KIND_SHM), valid in the daemon's mount namespace."""
+        """Descriptors (HANDLE_KIND_FD), or paths (HANDLE_KIND_SHM) valid in the daemon's mounts."""
+        if kind == pb.HANDLE_KIND_FD:
+            return self.fd_handles(manifest)
         folder = set_dir(self.shm_dir, manifest.set_id)
         return [
             pb.TensorHandle(
@@ -150,6 +159,19 @@ class TmpfsBacking(Backing):
             )
             for t in manifest.tensors
         ]
+
+    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
+        """Each tensor file, opened read-only once it proved to be the daemon's own."""
+        folder = set_dir(self.shm_dir, manifest.set_id)
+        opened: list[tuple[str, int]] = []
+        try:
+            for file in dict.fromkeys(t.file for t in manifest.tensors):
+                opened.append((file, open_owned(folder / file, self._owner)))
+        except BaseException:
+            for _, fd in opened:
+                os.close(fd)
+            raise
+        return opened
 
 
 class _StagedFolder(StagedSet):

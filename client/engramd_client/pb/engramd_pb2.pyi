@@ -11,8 +11,10 @@ class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
     HANDLE_KIND_SHM: _ClassVar[HandleKind]
+    HANDLE_KIND_FD: _ClassVar[HandleKind]
 HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_SHM: HandleKind
+HANDLE_KIND_FD: HandleKind
 
 class AttachRequest(_message.Message):
     __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start")
@@ -68,7 +70,7 @@ class Draining(_message.Message):
     def __init__(self) -> None: ...
 
 class Attachment(_message.Message):
-    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources")
+    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources", "fd_channel")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +79,7 @@ class Attachment(_message.Message):
     SET_DIR_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
+    FD_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     fingerprint: str
     nonce: str
@@ -85,7 +88,36 @@ class Attachment(_message.Message):
     set_dir: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
     sources: _containers.RepeatedCompositeFieldContainer[SourceFile]
-    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ...) -> None: ...
+    fd_channel: FdChannel
+    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ..., fd_channel: _Optional[_Union[FdChannel, _Mapping]] = ...) -> None: ...
+
+class FdChannel(_message.Message):
+    __slots__ = ("socket", "secret")
+    SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    socket: str
+    secret: str
+    def __init__(self, socket: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class FdRequest(_message.Message):
+    __slots__ = ("lease_id", "secret")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SECRET_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    secret: str
+    def __init__(self, lease_id: _Optional[str] = ..., secret: _Optional[str] = ...) -> None: ...
+
+class FdReply(_message.Message):
+    __slots__ = ("error", "files", "more", "reason")
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    error: str
+    files: _containers.RepeatedScalarFieldContainer[str]
+    more: bool
+    reason: str
+    def __init__(self, error: _Optional[str] = ..., files: _Optional[_Iterable[str]] = ..., more: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SourceFile(_message.Message):
     __slots__ = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
@@ -104,18 +136,30 @@ class SourceFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "kind", "shm")
+    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    FD_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     kind: HandleKind
     shm: ShmHandle
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ...) -> None: ...
+    fd: FdHandle
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ...) -> None: ...
+
+class FdHandle(_message.Message):
+    __slots__ = ("file", "offset", "length")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    length: int
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ShmHandle(_message.Message):
     __slots__ = ("path", "offset", "length", "set_dir")
@@ -134,14 +178,16 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("daemon", "shm", "sets")
+    __slots__ = ("daemon", "shm", "sets", "backings")
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SETS_FIELD_NUMBER: _ClassVar[int]
+    BACKINGS_FIELD_NUMBER: _ClassVar[int]
     daemon: DaemonInfo
     shm: ShmInfo
     sets: _containers.RepeatedCompositeFieldContainer[SetInfo]
-    def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ...) -> None: ...
+    backings: _containers.RepeatedCompositeFieldContainer[BackingInfo]
+    def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ...) -> None: ...
 
 class DaemonInfo(_message.Message):
     __slots__ = ("version", "pid", "uptime_s", "socket", "ready")
@@ -172,6 +218,24 @@ class ShmInfo(_message.Message):
     huge_pages: bool
     page_size: int
     def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class BackingInfo(_message.Message):
+    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SURVIVES_RESTART_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    where: str
+    total_bytes: int
+    used_bytes: int
+    free_bytes: int
+    page_size: int
+    survives_restart: bool
+    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ...) -> None: ...
 
 class SetInfo(_message.Message):
     __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count")
@@ -206,7 +270,7 @@ class SetInfo(_message.Message):
     def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified")
+    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -220,13 +284,15 @@ class LeaseInfo(_message.Message):
     ATTACHED_S_FIELD_NUMBER: _ClassVar[int]
     STALE_FIELD_NUMBER: _ClassVar[int]
     PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     labels: _containers.ScalarMap[str, str]
     attached_s: float
     stale: bool
     pid_verified: bool
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ...) -> None: ...
+    kind: HandleKind
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ...) -> None: ...
 
 class FallbackReport(_message.Message):
     __slots__ = ("cause", "set_id", "pid", "bytes")

@@ -1,0 +1,278 @@
+"""Sets in sealed memfds: not bounded by /dev/shm, unchangeable once published.
+
+One memfd per set holds every tensor (each at a page-aligned offset), one
+more holds its manifest. The loader fills them like tmpfs files; at publish
+both are sealed (F_SEAL_SHRINK, F_SEAL_GROW, F_SEAL_WRITE, F_SEAL_SEAL), so
+no holder of a descriptor, root included, can change a byte or shrink the
+file under a worker's mapping (no SIGBUS). Workers get read-only descriptors
+over the fd channel; there is no path to open.
+
+A memfd lives while a descriptor or a mapping of it does. The daemon keeps
+the descriptors; under systemd it also hands them to the fd store
+(fdstore.py) and the next daemon adopts them. Without a store a restart
+reloads, and workers keep reading the copy they map.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import ClassVar
+
+from engramd_client.checkpoint import TablePlan
+from engramd_client.layout import Manifest, ManifestError
+from engramd_client.pb import engramd_pb2 as pb
+
+from ..checksum import digest_fd
+from ..config import DaemonConfig
+from ..errors import ShmFull
+from ..fdstore import FdStore
+from ..memlimit import memory_limit, page_size_of_memfd
+from ..pinning import PinnedFiles
+from ..units import gib
+from .base import Backing, StagedSet, Usage
+
+log = logging.getLogger("engramd")
+
+#: What a published set's memfds carry: nothing can change their bytes or size.
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+#: The file name of a set's tables in its manifest, the fd channel and the fd store.
+TABLES = "tables"
+MANIFEST = "manifest"
+FIX_MEMORY = (
+    "raise the daemon's memory limit (systemd MemoryMax=, the container's memory limit), "
+    "drop unused sets, or use --backing tmpfs with a shm folder sized for the tables"
+)
+
+
+@dataclass(frozen=True)
+class _Held:
+    manifest: Manifest
+    tables: int
+    manifest_fd: int
+
+
+class MemfdBacking(Backing):
+    """Sealed memfds held by the daemon (and systemd's fd store, where there is one)."""
+
+    name: ClassVar[str] = "memfd"
+    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_FD})
+
+    def __init__(self, fd_store: FdStore) -> None:
+        self._fd_store = fd_store
+        self._held: dict[str, _Held] = {}
+        # pin, checksum and remove run on different threads: a descriptor is
+        # used under this lock or through a dup, never after remove closed it.
+        self._lock = threading.Lock()
+        self.page_size = page_size_of_memfd()
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> MemfdBacking:
+        """memfds need no folder and no group: workers get descriptors."""
+        return cls(fd_store)
+
+    @property
+    def survives_restart(self) -> bool:
+        """Only where systemd's fd store keeps the descriptors."""
+        return self._fd_store.available
+
+    def claim(self) -> None:
+        """Say whether sets will outlive this daemon."""
+        if not self.survives_restart:
+            log.info(
+                "memfd sets live as long as this daemon (no systemd fd store: "
+                "FileDescriptorStoreMax= unset, or not run by systemd); after a restart they "
+                "are loaded again, and running workers keep the copy they map"
+            )
+
+    def usage(self) -> Usage:
+        """The daemon's memory bound; used: the sets held."""
+        limit = memory_limit()
+        with self._lock:
+            used = sum(self.reserved_set(h.manifest) for h in self._held.values())
+        return Usage(limit.where, limit.total, used, limit.available, self.page_size)
+
+    def reserved_set(self, manifest: Manifest) -> int:
+        """Bytes the set's memfd takes (tensors at page-aligned offsets)."""
+        return sum(self.reserved(t.nbytes) for t in manifest.tensors)
+
+    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+        """Refuse a set larger than the daemon's memory bound, or than what is available."""
+        limit = memory_limit()
+        if needed > limit.total:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} but the daemon may use {gib(limit.total)} of memory "
+                f"in all ({limit.where}); {FIX_MEMORY}"
+            )
+        if needed > limit.available + reclaimable:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} but only {gib(limit.available)} of memory is "
+                f"available to the daemon ({limit.where}: {gib(limit.total)}); {FIX_MEMORY}"
+            )
+
+    def stage(self, plan: TablePlan) -> StagedSet:
+        """An unsealed memfd with every tensor's pages allocated."""
+        return _StagedMemfd(self, plan)
+
+    def adopt(self) -> list[Manifest]:
+        """The sets systemd passed back from its fd store; anything else is closed."""
+        passed = self._fd_store.take()
+        found = []
+        for name in sorted(passed):
+            set_id, _, part = name.partition(".")
+            if part != TABLES:
+                continue
+            manifest_fd = passed.pop(f"{set_id}.{MANIFEST}", None)
+            tables = passed.pop(name)
+            try:
+                if manifest_fd is None:
+                    raise ManifestError("its manifest was not passed")
+                manifest = _check_adopted(set_id, tables, manifest_fd)
+            except (OSError, ManifestError) as e:
+                log.warning("not adopting set %s from the fd store: %s", set_id, e)
+                self._forget(set_id, tables, manifest_fd)
+                continue
+            with self._lock:
+                self._held[set_id] = _Held(manifest, tables, manifest_fd)
+            found.append(manifest)
+        for name, fd in passed.items():
+            log.warning("closing descriptor %r from the fd store: not a memfd set", name)
+            os.close(fd)
+            self._fd_store.remove(name)
+        return found
+
+    def _forget(self, set_id: str, *fds: int | None) -> None:
+        for fd in fds:
+            if fd is not None:
+                # A descriptor systemd passed may be anything, even one closed already.
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        for part in (TABLES, MANIFEST):
+            self._fd_store.remove(f"{set_id}.{part}")
+
+    def _dup(self, set_id: str) -> int:
+        with self._lock:
+            held = self._held.get(set_id)
+            if held is None:
+                raise ManifestError(f"set {set_id} is no longer held")
+            return os.dup(held.tables)
+
+    def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
+        """Map the tensor's range of the set's memfd read-only and lock it."""
+        t = manifest.tensors[index]
+        try:
+            fd = self._dup(manifest.set_id)
+        except ManifestError:
+            return  # dropped meanwhile
+        try:
+            pins.pin_fd(fd, t.offset, t.nbytes, f"memfd of set {manifest.set_id}")
+        finally:
+            os.close(fd)
+
+    def checksum(self, manifest: Manifest, index: int) -> str:
+        """The digest of the tensor's range as it is now."""
+        t = manifest.tensors[index]
+        fd = self._dup(manifest.set_id)
+        try:
+            return digest_fd(fd, t.offset, t.nbytes)
+        finally:
+            os.close(fd)
+
+    def remove(self, set_id: str) -> None:
+        """Close the set's memfds and take them out of the fd store."""
+        with self._lock:
+            held = self._held.pop(set_id, None)
+        if held is not None:
+            self._forget(set_id, held.tables, held.manifest_fd)
+
+    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+        """HANDLE_KIND_FD handles into the set's one memfd."""
+        return self.fd_handles(manifest)
+
+    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
+        """A read-only descriptor of the set's memfd (a new open of it, O_RDONLY)."""
+        with self._lock:
+            held = self._held.get(manifest.set_id)
+            if held is None:
+                raise ManifestError(f"set {manifest.set_id} is no longer held")
+            return [(TABLES, os.open(f"/proc/self/fd/{held.tables}", os.O_RDONLY | os.O_CLOEXEC))]
+
+
+class _StagedMemfd(StagedSet):
+    def __init__(self, backing: MemfdBacking, plan: TablePlan) -> None:
+        self._backing = backing
+        self._plan = plan
+        self._offsets = []
+        size = 0
+        for t in plan.tensors:
+            self._offsets.append(size)
+            size += backing.reserved(t.nbytes)
+        self._fd = os.memfd_create(f"engramd-{plan.set_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.ftruncate(self._fd, size)
+            if size:
+                # Every page now: a set that does not fit fails here, not as a
+                # SIGBUS in the middle of the copy.
+                os.posix_fallocate(self._fd, 0, size)
+        except OSError as e:
+            os.close(self._fd)
+            raise ShmFull(
+                f"could not allocate {gib(size)} of memory for set {plan.set_id} "
+                f"({e.strerror}); {FIX_MEMORY}"
+            ) from None
+
+    def placement(self, index: int) -> tuple[str, int]:
+        """Every tensor in the set's one memfd, at a page-aligned offset."""
+        return TABLES, self._offsets[index]
+
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        """Positional writes into the memfd."""
+        at = self._offsets[index] + offset
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._fd, data[done:], at + done)
+
+    def publish(self, manifest: Manifest) -> None:
+        """Seal the tables and a memfd of the manifest; hold both (and store them)."""
+        manifest_fd = os.memfd_create(
+            f"engramd-{manifest.set_id}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        )
+        try:
+            os.write(manifest_fd, manifest.to_json().encode())
+            for fd in (self._fd, manifest_fd):
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except BaseException:
+            os.close(manifest_fd)
+            raise
+        backing = self._backing
+        with backing._lock:
+            backing._held[manifest.set_id] = _Held(manifest, self._fd, manifest_fd)
+        store = backing._fd_store
+        for part, fd in ((TABLES, self._fd), (MANIFEST, manifest_fd)):
+            store.store(f"{manifest.set_id}.{part}", fd)
+
+    def discard(self) -> None:
+        """Close the memfd: its pages go with it."""
+        os.close(self._fd)
+
+
+def _check_adopted(set_id: str, tables: int, manifest_fd: int) -> Manifest:
+    """The manifest of a set passed back by the fd store, once both memfds prove complete."""
+    for fd in (tables, manifest_fd):
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise ManifestError("a descriptor is not a memfd of engramd's own")
+        if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
+            raise ManifestError("a memfd is not sealed (the load never finished)")
+    manifest = Manifest.from_json(os.pread(manifest_fd, os.fstat(manifest_fd).st_size, 0))
+    if manifest.set_id != set_id:
+        raise ManifestError(f"the manifest names set {manifest.set_id}")
+    end = max((t.offset + t.nbytes for t in manifest.tensors), default=0)
+    if os.fstat(tables).st_size < end:
+        raise ManifestError(f"the tables memfd is shorter than its manifest's {end} bytes")
+    return manifest

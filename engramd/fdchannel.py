@@ -1,0 +1,273 @@
+"""The fd channel: a set's read-only descriptors for the worker that holds its lease.
+
+A SOCK_SEQPACKET Unix socket beside the worker socket (default `fds.sock`,
+0660, the socket group), served on the daemon's event loop. Descriptors work
+in any mount and IPC namespace: a worker that can reach the socket folder
+maps the daemon's memory whatever its own /dev/shm is.
+
+One exchange per connection, each message one engramd.v1 protobuf::
+
+    worker -> daemon   FdRequest{lease_id, secret}          within 5 s, at most 1 KiB
+    daemon -> worker   FdReply{files, more} + descriptors    SCM_RIGHTS, at most 250 a message
+                       ... until more is false
+                  or   FdReply{error}                       no descriptor, then close
+
+Every check comes before any descriptor leaves the daemon:
+
+- the peer (SO_PEERCRED) is root, the daemon's user, or in the socket group
+  (the socket's mode already keeps everyone else from connecting);
+- the lease is live and the secret is its own (compared in constant time)
+  and unused: it is spent by the first exchange that presents it;
+- where the peer's pid is visible to the daemon, the peer is the lease's
+  process: its pid in its own namespace (the last NSpid) is the pid the
+  worker attached with. A peer in a pid namespace the daemon cannot see
+  (pid 0) is bound by the secret alone.
+
+The lease's pid then counts as verified (the peer's pid as the daemon sees
+it): the sweep ends the lease when that process is gone.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import contextlib
+import grp
+import logging
+import os
+import pwd
+import secrets
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from google.protobuf.message import DecodeError
+
+from engramd_client.errors import Reason
+from engramd_client.layout import ManifestError, NotOwned
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.process import start_ticks
+
+from .store import SetState, SetStore
+
+log = logging.getLogger("engramd")
+
+#: How long a connected peer may take to send its request.
+REQUEST_TIMEOUT_S = 5.0
+#: The largest request accepted.
+MAX_REQUEST_BYTES = 1024
+#: Exchanges served at once; further connections are closed at once.
+MAX_CONNECTIONS = 64
+#: Descriptors per message (the kernel's SCM_MAX_FD is 253).
+FDS_PER_MESSAGE = 250
+
+
+class Refused(Exception):
+    """A request the fd channel answers with an error and no descriptor."""
+
+    def __init__(self, message: str, reason: Reason = Reason.NOT_ALLOWED) -> None:
+        super().__init__(message)
+        #: Which client exception the worker raises (engramd_client.errors.BY_REASON).
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The connecting process, as the kernel saw it at connect() (SO_PEERCRED)."""
+
+    pid: int
+    uid: int
+    gid: int
+
+    @classmethod
+    def of(cls, conn: socket.socket) -> Peer:
+        """The peer of a connected Unix socket."""
+        creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return cls(*struct.unpack("3i", creds))
+
+    def status(self) -> dict[str, list[int]]:
+        """Groups and NSpid from /proc/<pid>/status (empty where the pid is not visible)."""
+        if self.pid <= 0:
+            return {}
+        try:
+            text = Path(f"/proc/{self.pid}/status").read_text()
+        except OSError:
+            return {}
+        fields = {}
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key in ("Groups", "NSpid"):
+                fields[key] = [int(v) for v in value.split()]
+        return fields
+
+
+class FdChannel:
+    """Serves a store's read-only descriptors on a Unix socket."""
+
+    def __init__(self, path: str, gid: int | None, store: SetStore) -> None:
+        self.path = path
+        self._gid = os.getegid() if gid is None else gid
+        self._store = store
+        self._sock: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
+        self._exchanges: set[asyncio.Task[None]] = set()
+
+    def bind(self) -> None:
+        """Create the listening socket (the caller sets its mode and group)."""
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+        sock.setblocking(False)
+        sock.bind(self.path)
+        sock.listen(128)
+        self._sock = sock
+
+    def start(self) -> None:
+        """Accept connections on the running loop."""
+        self._accepting = asyncio.get_running_loop().create_task(self._accept())
+
+    async def stop(self) -> None:
+        """Stop accepting, end the exchanges in progress, remove the socket."""
+        tasks = [t for t in (self._accepting, *self._exchanges) if t is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._sock is not None:
+            self._sock.close()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    async def _accept(self) -> None:
+        assert self._sock is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                conn, _ = await loop.sock_accept(self._sock)
+            except OSError as e:
+                # EMFILE and the like: pause, do not spin; the next accept may work.
+                log.warning("fd channel: accept failed: %s", e)
+                await asyncio.sleep(0.1)
+                continue
+            if len(self._exchanges) >= MAX_CONNECTIONS:
+                log.warning(
+                    "fd channel: %d exchanges in progress; closing one more", MAX_CONNECTIONS
+                )
+                conn.close()
+                continue
+            task = loop.create_task(self._exchange(conn))
+            self._exchanges.add(task)
+            task.add_done_callback(self._exchanges.discard)
+
+    async def _exchange(self, conn: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        with conn:
+            try:
+                peer = Peer.of(conn)
+                request = await asyncio.wait_for(
+                    loop.sock_recv(conn, MAX_REQUEST_BYTES + 1), REQUEST_TIMEOUT_S
+                )
+            except (TimeoutError, OSError) as e:
+                log.debug("fd channel: no request (%s)", e or "timed out")
+                return
+            try:
+                files = self._grant(request, peer)
+            except Refused as e:
+                log.warning("fd channel: refused pid %d (uid %d): %s", peer.pid, peer.uid, e)
+                with contextlib.suppress(OSError, TimeoutError):
+                    await _send(conn, pb.FdReply(error=str(e), reason=e.reason), [])
+                return
+            try:
+                for start in range(0, len(files), FDS_PER_MESSAGE):
+                    batch = files[start : start + FDS_PER_MESSAGE]
+                    reply = pb.FdReply(
+                        files=[name for name, _ in batch],
+                        more=start + FDS_PER_MESSAGE < len(files),
+                    )
+                    await _send(conn, reply, [fd for _, fd in batch])
+            except (OSError, TimeoutError) as e:
+                # The worker went away mid-exchange: what was in flight is the kernel's to free.
+                log.debug("fd channel: reply to pid %d failed: %s", peer.pid, e)
+            finally:
+                for _, fd in files:
+                    os.close(fd)
+
+    def _grant(self, data: bytes, peer: Peer) -> list[tuple[str, int]]:
+        """The descriptors for a request, once every check passed; raises Refused."""
+        if len(data) > MAX_REQUEST_BYTES:
+            raise Refused(f"the request is longer than {MAX_REQUEST_BYTES} bytes")
+        try:
+            request = pb.FdRequest.FromString(data)
+        except DecodeError:
+            raise Refused("the request is not an engramd.v1.FdRequest") from None
+        status = peer.status()
+        if not self._member(peer, status.get("Groups", [])):
+            raise Refused(
+                f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
+            )
+        found = self._store.find_lease(request.lease_id)
+        if (
+            found is None
+            or not found[1].fd_secret
+            or not secrets.compare_digest(found[1].fd_secret, request.secret)
+        ):
+            raise Refused(
+                "no live lease with this id and an unused secret (the lease ended, or its "
+                "descriptors were collected already); attach again"
+            )
+        ts, lease = found
+        nspid = status.get("NSpid", [])
+        if nspid and nspid[-1] != lease.pid:
+            raise Refused(
+                f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
+                f"process (pid {nspid[-1]} in its namespace)"
+            )
+        lease.fd_secret = ""
+        if ts.state is not SetState.READY or ts.manifest is None:
+            raise Refused(f"set {ts.set_id} is no longer held; attach again", Reason.NOT_VISIBLE)
+        if nspid:
+            lease.pid, lease.pid_start = peer.pid, start_ticks(peer.pid)
+        try:
+            return ts.backing.descriptors(ts.manifest)
+        except NotOwned as e:
+            raise Refused(
+                f"set {ts.set_id} in the shm folder is not engramd's own ({e}): refusing to "
+                "hand it out; drop it and load it again",
+                Reason.NOT_VISIBLE,
+            ) from None
+        except (OSError, ManifestError) as e:
+            raise Refused(f"set {ts.set_id} cannot be opened ({e})", Reason.NOT_VISIBLE) from None
+
+    def _member(self, peer: Peer, groups: list[int]) -> bool:
+        if peer.uid in (0, os.geteuid()) or peer.gid == self._gid or self._gid in groups:
+            return True
+        # A peer whose groups /proc does not show (another pid namespace).
+        try:
+            name = grp.getgrgid(self._gid).gr_mem
+        except KeyError:
+            return False
+        try:
+            return pwd.getpwuid(peer.uid).pw_name in name
+        except KeyError:
+            return False
+
+
+async def _send(conn: socket.socket, reply: pb.FdReply, fds: list[int]) -> None:
+    """One message with `fds` attached; waits at most REQUEST_TIMEOUT_S for buffer space."""
+    loop = asyncio.get_running_loop()
+    rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    data = reply.SerializeToString()
+    while True:
+        try:
+            conn.sendmsg([data], rights)
+            return
+        except BlockingIOError:
+            writable: asyncio.Future[None] = loop.create_future()
+            loop.add_writer(conn, _resolve, writable)
+            try:
+                await asyncio.wait_for(writable, REQUEST_TIMEOUT_S)
+            finally:
+                loop.remove_writer(conn)
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
