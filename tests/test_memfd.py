@@ -22,7 +22,6 @@ from engramd.backings.memfd import SEALS
 from engramd.status_view import render
 from engramd.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests, shmem_bytes
 
