@@ -239,11 +239,10 @@ class EngramdServer:
 
 def create_server(config: DaemonConfig) -> EngramdServer:
     """A daemon for `config`, not yet started: `await server.start()`, later `stop()`."""
-    beside = Path(config.socket)
     sockets = (
         config.socket,
         config.admin_socket or admin_socket_for(config.socket),
-        config.fd_socket or str(beside.with_name("fds.sock")),
+        config.fd_socket or str(Path(config.socket).with_name("fds.sock")),
     )
     for path in sockets:
         if len(path.encode()) > _MAX_UNIX_PATH:

@@ -157,13 +157,42 @@ def test_raw_garbage_on_the_socket(live: Daemon, chunks: list[bytes]) -> None:
     _alive(live)
 
 
+@FUZZ
+@given(
+    request=st.one_of(
+        st.binary(max_size=2048),
+        st.builds(
+            lambda lease, secret: pb.FdRequest(lease_id=lease, secret=secret).SerializeToString(),
+            st.text(max_size=40),
+            st.text(max_size=80),
+        ),
+    ),
+    read_reply=st.booleans(),
+)
+def test_anything_on_the_fd_channel_is_refused(
+    live: Daemon, request: bytes, read_reply: bool
+) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as s:
+        s.settimeout(10)
+        s.connect(str(live.socket.with_name("fds.sock")))
+        s.send(request)
+        if read_reply:
+            data, fds, _, _ = socket.recv_fds(s, 65536, 8)
+            assert fds == []  # no lease, no descriptor
+            assert pb.FdReply.FromString(data).error
+    _alive(live)
+
+
 # -- safetensors headers -------------------------------------------------------
+
+
+def _nested(inner: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    return st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
+
 
 json_value = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
-    lambda inner: (
-        st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4)
-    ),
+    _nested,
     max_leaves=12,
 )
 entry = st.fixed_dictionaries(
