@@ -40,7 +40,6 @@ import secrets
 import socket
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from google.protobuf.message import DecodeError
 
@@ -86,20 +85,23 @@ class Peer:
         creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         return cls(*struct.unpack("3i", creds))
 
-    def status(self) -> dict[str, list[int]]:
-        """Groups and NSpid from /proc/<pid>/status (empty where the pid is not visible)."""
+    def status_field(self, key: str) -> list[int]:
+        """A list field of /proc/<pid>/status ("Groups", "NSpid"); [] where it is not visible."""
         if self.pid <= 0:
-            return {}
+            return []
         try:
-            text = Path(f"/proc/{self.pid}/status").read_text()
+            fd = os.open(f"/proc/{self.pid}/status", os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return {}
-        fields = {}
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key in ("Groups", "NSpid"):
-                fields[key] = [int(v) for v in value.split()]
-        return fields
+            return []
+        try:
+            text = os.read(fd, 1 << 16)
+        finally:
+            os.close(fd)
+        start = text.find(b"\n" + key.encode() + b":")
+        if start < 0:
+            return []
+        end = text.find(b"\n", start + 1)
+        return [int(v) for v in text[start + len(key) + 2 : end].split()]
 
 
 class FdChannel:
@@ -198,8 +200,7 @@ class FdChannel:
             request = pb.FdRequest.FromString(data)
         except DecodeError:
             raise Refused("the request is not an engramd.v1.FdRequest") from None
-        status = peer.status()
-        if not self._member(peer, status.get("Groups", [])):
+        if not self._member(peer):
             raise Refused(
                 f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
             )
@@ -214,7 +215,10 @@ class FdChannel:
                 "descriptors were collected already); attach again"
             )
         ts, lease = found
-        nspid = status.get("NSpid", [])
+        # A lease verified in the daemon's pid namespace names the peer's pid
+        # directly; otherwise the peer's own pid is the last of its NSpid.
+        verified = lease.pid_start is not None and peer.pid == lease.pid
+        nspid = [] if verified else peer.status_field("NSpid")
         if nspid and nspid[-1] != lease.pid:
             raise Refused(
                 f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
@@ -236,16 +240,15 @@ class FdChannel:
         except (OSError, ManifestError) as e:
             raise Refused(f"set {ts.set_id} cannot be opened ({e})", Reason.NOT_VISIBLE) from None
 
-    def _member(self, peer: Peer, groups: list[int]) -> bool:
-        if peer.uid in (0, os.geteuid()) or peer.gid == self._gid or self._gid in groups:
+    def _member(self, peer: Peer) -> bool:
+        if peer.uid in (0, os.geteuid()) or peer.gid == self._gid:
+            return True
+        if self._gid in peer.status_field("Groups"):
             return True
         # A peer whose groups /proc does not show (another pid namespace).
         try:
-            name = grp.getgrgid(self._gid).gr_mem
-        except KeyError:
-            return False
-        try:
-            return pwd.getpwuid(peer.uid).pw_name in name
+            members = grp.getgrgid(self._gid).gr_mem
+            return pwd.getpwuid(peer.uid).pw_name in members
         except KeyError:
             return False
 
