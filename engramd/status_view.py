@@ -50,13 +50,10 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
 
 
 def _pages(size: int) -> str:
-    return (
-        f"{size >> 30} GiB"
-        if size >= 1 << 30
-        else f"{size >> 20} MiB"
-        if size >= 1 << 20
-        else (f"{size >> 10} KiB")
-    )
+    for shift, unit in ((30, "GiB"), (20, "MiB")):
+        if size >= 1 << shift:
+            return f"{size >> shift} {unit}"
+    return f"{size >> 10} KiB"
 
 
 def _backing_lines(reply: pb.StatusReply) -> list[str]:

@@ -94,10 +94,10 @@ class MemfdBacking(Backing):
         """The daemon's memory bound; used: the sets held."""
         limit = memory_limit()
         with self._lock:
-            used = sum(self.reserved_set(h.manifest) for h in self._held.values())
+            used = sum(self._footprint(h.manifest) for h in self._held.values())
         return Usage(limit.where, limit.total, used, limit.available, self.page_size)
 
-    def reserved_set(self, manifest: Manifest) -> int:
+    def _footprint(self, manifest: Manifest) -> int:
         """Bytes the set's memfd takes (tensors at page-aligned offsets)."""
         return sum(self.reserved(t.nbytes) for t in manifest.tensors)
 
