@@ -69,9 +69,9 @@ def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
     shutil.rmtree(shm, ignore_errors=True)
 
 
-def test_only_the_group_may_attach_or_read(
-    users: None, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
-) -> None:
+@pytest.fixture
+def group_daemon(users: None, open_dirs: tuple[Path, Path, Path]) -> Iterator[Daemon]:
+    """A daemon whose socket group is the test group, serving the open checkpoint."""
     top, shm, ckpt = open_dirs
     d = Daemon(
         top / "run" / "d.sock",
@@ -80,77 +80,77 @@ def test_only_the_group_may_attach_or_read(
         top / "log",
     ).start()
     try:
-        [s] = d.status().sets
-        folder = sets_root(shm) / s.set_id
-        assert stat.S_IMODE((top / "run").stat().st_mode) == 0o750
-        assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
-        assert stat.S_IMODE(d.socket.with_name("fds.sock").stat().st_mode) == 0o660
-        assert stat.S_IMODE(folder.stat().st_mode) == 0o750
-        files = list(folder.iterdir())
-        assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in files)
-
-        member = Worker(ckpt, d.socket, share="on", user=MEMBER)
-        workers.append(member)
-        assert member.hello["mode"] == "shared"
-
-        outsider = Worker(ckpt, d.socket, share="on", user=OUTSIDER)
-        workers.append(outsider)
-        assert outsider.hello["error"] == "NotAllowed"
-        assert "permission denied" in outsider.hello["message"]
-        peek = subprocess.run(
-            ["runuser", "-u", OUTSIDER, "--", "cat", str(folder / "0000.bin")],
-            capture_output=True,
-            text=True,
-        )
-        assert peek.returncode != 0 and "Permission denied" in peek.stderr
-        # The admin socket is the owner's alone, group or not.
-        admin = subprocess.run(
-            [*as_user(MEMBER), "-m", "engramd", "drop", s.set_id, "--socket", str(d.socket)],
-            capture_output=True,
-            text=True,
-        )
-        assert admin.returncode == 1 and [x.set_id for x in d.status().sets] == [s.set_id]
+        yield d
     finally:
         d.stop()
+
+
+def test_only_the_group_may_attach_or_read(
+    group_daemon: Daemon, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    top, shm, ckpt = open_dirs
+    d = group_daemon
+    [s] = d.status().sets
+    folder = sets_root(shm) / s.set_id
+    assert stat.S_IMODE((top / "run").stat().st_mode) == 0o750
+    assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+    assert stat.S_IMODE(d.socket.with_name("fds.sock").stat().st_mode) == 0o660
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o750
+    files = list(folder.iterdir())
+    assert files and all(stat.S_IMODE(f.stat().st_mode) == 0o640 for f in files)
+
+    member = Worker(ckpt, d.socket, share="on", user=MEMBER)
+    workers.append(member)
+    assert member.hello["mode"] == "shared"
+
+    outsider = Worker(ckpt, d.socket, share="on", user=OUTSIDER)
+    workers.append(outsider)
+    assert outsider.hello["error"] == "NotAllowed"
+    assert "permission denied" in outsider.hello["message"]
+    peek = subprocess.run(
+        ["runuser", "-u", OUTSIDER, "--", "cat", str(folder / "0000.bin")],
+        capture_output=True,
+        text=True,
+    )
+    assert peek.returncode != 0 and "Permission denied" in peek.stderr
+    # The admin socket is the owner's alone, group or not.
+    admin = subprocess.run(
+        [*as_user(MEMBER), "-m", "engramd", "drop", s.set_id, "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+    )
+    assert admin.returncode == 1 and [x.set_id for x in d.status().sets] == [s.set_id]
 
 
 def test_fd_channel_refuses_a_peer_outside_the_group(
-    users: None, open_dirs: tuple[Path, Path, Path]
+    group_daemon: Daemon, open_dirs: tuple[Path, Path, Path]
 ) -> None:
-    top, shm, ckpt = open_dirs
-    d = Daemon(
-        top / "run" / "d.sock",
-        shm,
-        ["--checkpoint", str(ckpt), "--socket-group", GROUP],
-        top / "log",
-    ).start()
-    try:
-        [s] = d.status().sets
-        fds = d.socket.with_name("fds.sock")
-        # As if an operator loosened the modes: now only SO_PEERCRED stands in the way.
-        (top / "run").chmod(0o751)
-        fds.chmod(0o666)
-        with RawLease(d, s.set_id) as lease:
-            secret = lease.attachment.fd_channel.secret
-            probe = [str(fds), lease.attachment.lease_id, secret]
-            outsider = subprocess.run(
-                [*as_user(OUTSIDER), str(TESTS / "fd_probe.py"), *probe],
-                capture_output=True,
-                text=True,
-            )
-            assert json.loads(outsider.stdout) == {
-                "error": "NotAllowed",
-                "message": "engramd's fd channel refused: uid "
-                f"{pwd.getpwnam(OUTSIDER).pw_uid} is neither root, engramd's user, nor in the "
-                "socket's group",
-            }, outsider.stderr
-            # Nothing was granted: the secret is still unspent for its own worker.
-            fds_granted = collect(str(fds), lease.attachment.lease_id, secret, 10)
-            assert fds_granted
-            for fd in fds_granted.values():
-                os.close(fd)
-    finally:
-        d.stop()
+    top = open_dirs[0]
+    d = group_daemon
+    [s] = d.status().sets
+    fds = d.socket.with_name("fds.sock")
+    # As if an operator loosened the modes: now only SO_PEERCRED stands in the way.
+    (top / "run").chmod(0o751)
+    fds.chmod(0o666)
+    with RawLease(d, s.set_id) as lease:
+        secret = lease.attachment.fd_channel.secret
+        probe = [str(fds), lease.attachment.lease_id, secret]
+        outsider = subprocess.run(
+            [*as_user(OUTSIDER), str(TESTS / "fd_probe.py"), *probe],
+            capture_output=True,
+            text=True,
+        )
+        assert json.loads(outsider.stdout) == {
+            "error": "NotAllowed",
+            "message": "engramd's fd channel refused: uid "
+            f"{pwd.getpwnam(OUTSIDER).pw_uid} is neither root, engramd's user, nor in the "
+            "socket's group",
+        }, outsider.stderr
+        # Nothing was granted: the secret is still unspent for its own worker.
+        fds_granted = collect(str(fds), lease.attachment.lease_id, secret, 10)
+        assert fds_granted
+        for fd in fds_granted.values():
+            os.close(fd)
 
 
 def test_worker_socket_serves_no_admin(checkpoint: Path, daemons: Any) -> None:
