@@ -172,8 +172,18 @@ def serve(
             "folder can hold the set, else memfd).",
         ),
     ] = DEFAULTS.backing,
+    page_size: Annotated[
+        str,
+        typer.Option(
+            envvar="ENGRAMD_PAGE_SIZE",
+            help="memfd sets on hugetlb pages: 2M or 1G (0: the kernel's pages).",
+        ),
+    ] = str(DEFAULTS.page_size),
     shm_dir: Annotated[
-        Path, typer.Option(envvar="ENGRAMD_SHM_DIR", help="tmpfs folder for the sets.")
+        Path,
+        typer.Option(
+            envvar="ENGRAMD_SHM_DIR", help="tmpfs or hugetlbfs folder for the sets (detected)."
+        ),
     ] = Path(DEFAULTS.shm_dir),
     allow_root: Annotated[
         list[Path] | None,
@@ -264,6 +274,7 @@ def serve(
         fd_socket=values["fd_socket"],
         socket_group=values["socket_group"],
         backing=_backing(values["backing"]),
+        page_size=parse_size(str(values["page_size"])),
         shm_dir=str(values["shm_dir"]),
         allow_roots=[str(p) for p in values["allow_root"] or []],
         memory_budget=parse_size(str(values["memory_budget"])),

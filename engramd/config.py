@@ -26,7 +26,9 @@ class DaemonConfig:
     socket_group: str = "engramd"
     #: Where sets live: a name in engramd.backings.BACKINGS, or "auto" (tmpfs, else memfd).
     backing: str = "tmpfs"
-    #: tmpfs folder that holds the sets (under <shm_dir>/engramd/).
+    #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
+    page_size: int = 0
+    #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"
     #: Roots under which a worker's attach may start a load; none by default.
     allow_roots: list[str] = field(default_factory=list)

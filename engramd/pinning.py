@@ -52,21 +52,31 @@ class PinnedFiles:
         #: Why locking a file failed (the first failure), or None.
         self.error: str | None = None
 
-    def pin(self, path: Path) -> None:
-        """Map `path` read-only and lock its pages; records the failure instead of raising."""
+    def pin(self, path: Path, offset: int = 0, length: int | None = None) -> None:
+        """Map `length` bytes at `offset` of `path` (default: to its end) read-only and lock them.
+
+        Records the failure instead of raising.
+        """
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as e:
             self._fail(f"open {path}: {e.strerror}")
             return
         try:
-            self.pin_fd(fd, 0, os.fstat(fd).st_size, str(path))
+            if length is None:
+                length = os.fstat(fd).st_size - offset
+            self.pin_fd(fd, offset, length, str(path))
         finally:
             os.close(fd)
 
     def pin_fd(self, fd: int, offset: int, length: int, what: str) -> None:
-        """Map `length` bytes at `offset` of `fd` read-only and lock them (as `pin`)."""
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        """Map `length` bytes at `offset` of `fd` read-only and lock them (as `pin`).
+
+        The mapping starts at the file's page boundary (its block size: a huge
+        page on hugetlbfs).
+        """
+        granularity = max(mmap.ALLOCATIONGRANULARITY, os.fstat(fd).st_blksize)
+        start = offset - offset % granularity
         size = offset + length - start
         if length == 0 or self._released:
             return

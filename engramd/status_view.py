@@ -50,6 +50,8 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
 
 
 def _pages(size: int) -> str:
+    if not size:
+        return "-"  # a daemon older than the field
     for shift, unit in ((30, "GiB"), (20, "MiB")):
         if size >= 1 << shift:
             return f"{size >> shift} {unit}"
@@ -86,7 +88,7 @@ def render(reply: pb.StatusReply) -> str:
     ]
     if reply.sets:
         lines.append(
-            f"{'SET':20}  {'STATE':8}  {'BACKING':7}  {'BYTES':>10}  {'LOADED':>6}  "
+            f"{'SET':20}  {'STATE':8}  {'BACKING':9}  {'PAGES':>7}  {'BYTES':>10}  {'LOADED':>6}  "
             f"{'LOCKED':6}  {'LEASES':>6}  CHECKPOINT"
         )
     else:
@@ -95,7 +97,8 @@ def render(reply: pb.StatusReply) -> str:
         loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
         state = s.state + ("*" if s.adopted else "")
         lines.append(
-            f"{s.set_id:20}  {state:8}  {s.backing:7}  {gib(s.bytes):>10}  {loaded:>6}  "
+            f"{s.set_id:20}  {state:8}  {s.backing:9}  {_pages(s.page_size):>7}  "
+            f"{gib(s.bytes):>10}  {loaded:>6}  "
             f"{'yes' if s.locked else 'no':6}  {s.lease_count:>6}  {escape(s.checkpoint)}"
         )
         if s.error:

@@ -270,11 +270,12 @@ class SetStore:
         ts = self.get(plan.set_id)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
-        needed = max(sum(b.reserved(t.nbytes) for t in plan.tensors) for b in self.backings)
+        sizes = [t.nbytes for t in plan.tensors]
+        needed = max(b.footprint(sizes) for b in self.backings)
         what = f"set {plan.set_id} ({plan.checkpoint})"
         while True:
             victims = self._victims(needed, what)
-            backing = self._place(plan, what, victims)
+            backing = self._place(sizes, what, victims)
             if not victims:
                 break
             for victim in victims:
@@ -305,11 +306,11 @@ class SetStore:
         self._spawn(self._load(ts, plan))
         return ts
 
-    def _place(self, plan: TablePlan, what: str, victims: list[TableSet]) -> Backing:
-        """The first backing that can hold the plan (counting what evicting `victims` frees)."""
+    def _place(self, sizes: list[int], what: str, victims: list[TableSet]) -> Backing:
+        """The first backing that can hold the tensors (counting what evicting `victims` frees)."""
         refusals = []
         for backing in self.backings:
-            needed = sum(backing.reserved(t.nbytes) for t in plan.tensors)
+            needed = backing.footprint(sizes)
             freed = sum(self._reserved(v) for v in victims if v.backing is backing)
             try:
                 backing.check_capacity(needed, what, reclaimable=freed)
@@ -357,7 +358,7 @@ class SetStore:
     def _reserved(self, ts: TableSet) -> int:
         if ts.manifest is None:
             return ts.backing.reserved(ts.nbytes)
-        return sum(ts.backing.reserved(t.nbytes) for t in ts.manifest.tensors)
+        return ts.backing.footprint([t.nbytes for t in ts.manifest.tensors])
 
     async def drop(
         self, set_id: str, force: bool, backing: Backing | None = None

@@ -71,6 +71,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],
         lease_count=len(ts.leases),
+        page_size=ts.backing.page_size,
     )
 
 

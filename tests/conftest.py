@@ -102,6 +102,45 @@ def mounted_tmpfs(size: str) -> Iterator[Path]:
         path.rmdir()
 
 
+@contextlib.contextmanager
+def huge_pages(page_size: int, count: int) -> Iterator[int]:
+    """Reserve `count` more hugetlb pages of `page_size` bytes; yields how many the kernel granted.
+
+    The old count is restored afterwards. Skips where the pool cannot be changed
+    (needs root); the caller decides what a short grant means.
+    """
+    pool = Path(f"/sys/kernel/mm/hugepages/hugepages-{page_size >> 10}kB/nr_hugepages")
+    try:
+        old = int(pool.read_text())
+        pool.write_text(str(old + count))
+    except OSError as e:
+        pytest.skip(f"cannot reserve huge pages of {page_size >> 10} kB here ({e}); needs root")
+    try:
+        yield int(pool.read_text()) - old
+    finally:
+        pool.write_text(str(old))
+
+
+@contextlib.contextmanager
+def mounted_hugetlbfs(page_size: int) -> Iterator[Path]:
+    """A hugetlbfs of `page_size` pages, unmounted afterwards (skips where mounting fails)."""
+    path = Path(tempfile.mkdtemp(prefix="engramd-hugetlbfs-", dir="/tmp"))
+    mounted = subprocess.run(
+        ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page_size >> 10}K", "none", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        path.rmdir()
+        pytest.skip(f"cannot mount hugetlbfs here ({mounted.stderr.strip()}); needs root")
+    try:
+        yield path
+    finally:
+        # Lazy: a worker that still maps a set keeps its pages until it exits.
+        subprocess.run(["umount", "-l", str(path)], check=True)
+        path.rmdir()
+
+
 @pytest.fixture
 def sock_dir() -> Iterator[Path]:
     """A short folder for Unix sockets."""

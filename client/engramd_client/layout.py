@@ -8,6 +8,11 @@
             0000.bin  0001.bin  ...          one file per tensor, 0640, the
                                              tensor's bytes at offset 0, exactly
                                              `nbytes` long (posix_fallocate'd)
+        <set_id>/                            a packed set (hugetlbfs: no write(),
+            tables                           huge pages): every tensor in one file
+                                             at 4 KiB-aligned offsets, the manifest
+                                             and its trailer at the end of the last
+                                             huge page (TRAILER), no manifest.json
         <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
                                              to, removed by the next daemon
 
@@ -42,6 +47,7 @@ import json
 import os
 import re
 import stat
+import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -51,6 +57,12 @@ from .checkpoint import DTYPES, LAYOUT_VERSION, SourceFile, is_set_id
 ROOT_NAME = "engramd"
 MANIFEST_NAME = "manifest.json"
 LOADING_MARK = ".loading-"
+#: The one file of a packed set, and its last bytes: magic, manifest length.
+PACKED_NAME = "tables"
+TRAILER = struct.Struct("<8sQ")
+TRAILER_MAGIC = b"engramd\x01"
+#: Alignment of tensors in a packed file (a page of the smallest size).
+PACKED_ALIGN = 4096
 
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
 
@@ -200,11 +212,44 @@ def tensor_file_name(index: int) -> str:
 
 
 def read_manifest(folder: Path, owner: int) -> Manifest:
-    """Read and parse the manifest of a set folder that `owner` (a uid) owns, as its manifest."""
+    """Read and parse the manifest of a set folder that `owner` (a uid) owns, as its manifest.
+
+    manifest.json, or for a packed set the manifest at the end of its one file.
+    """
     check_owned_dir(folder.parent, owner)
     check_owned_dir(folder, owner)
-    with open(open_owned(folder / MANIFEST_NAME, owner), "rb") as f:
+    try:
+        fd = open_owned(folder / MANIFEST_NAME, owner)
+    except FileNotFoundError:
+        with open(open_owned(folder / PACKED_NAME, owner), "rb") as f:
+            return Manifest.from_json(read_trailer(f.fileno()))
+    with open(fd, "rb") as f:
         return Manifest.from_json(f.read())
+
+
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """(offset of each tensor, end of the last) in a packed file: PACKED_ALIGN-aligned, in order."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // PACKED_ALIGN) * PACKED_ALIGN
+    return offsets, end
+
+
+def trailer(manifest: bytes) -> bytes:
+    """The manifest and the trailer that ends a packed file."""
+    return manifest + TRAILER.pack(TRAILER_MAGIC, len(manifest))
+
+
+def read_trailer(fd: int) -> bytes:
+    """The manifest bytes at the end of a packed file; raises ManifestError if there is none."""
+    size = os.fstat(fd).st_size
+    if size < TRAILER.size:
+        raise ManifestError("the packed file is too short for its trailer")
+    magic, length = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
+    if magic != TRAILER_MAGIC or length > size - TRAILER.size:
+        raise ManifestError("the packed file has no manifest (an interrupted load?)")
+    return os.pread(fd, length, size - TRAILER.size - length)
 
 
 def check_complete(folder: Path, manifest: Manifest, owner: int) -> None:
@@ -220,7 +265,8 @@ def check_complete(folder: Path, manifest: Manifest, owner: int) -> None:
             size = os.fstat(fd).st_size
         finally:
             os.close(fd)
-        if size != t.offset + t.nbytes:
+        if size < t.offset + t.nbytes:
             raise ManifestError(
-                f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says {t.offset + t.nbytes}"
+                f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says at least "
+                f"{t.offset + t.nbytes}"
             )

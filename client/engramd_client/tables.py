@@ -102,12 +102,15 @@ def map_fd(fd: int, region: Region, populate: bool) -> torch.Tensor:
     try:
         if region.length == 0:
             return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
-        size = os.fstat(fd).st_size
-        if region.offset + region.length > size:
+        st = os.fstat(fd)
+        if region.offset + region.length > st.st_size:
             raise OSError(
-                f"{region.path} is {size} bytes, the handle needs {region.offset + region.length}"
+                f"{region.path} is {st.st_size} bytes, the handle needs "
+                f"{region.offset + region.length}"
             )
-        start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+        # A mapping starts at a page of the file: a huge page on hugetlbfs, whose
+        # block size says so.
+        start = region.offset - region.offset % max(mmap.ALLOCATIONGRANULARITY, st.st_blksize)
         buffer = mmap.mmap(
             fd,
             region.offset + region.length - start,

@@ -82,8 +82,12 @@ class Backing(ABC):
         """What the backing holds and can hold."""
 
     def reserved(self, nbytes: int) -> int:
-        """Bytes a tensor of `nbytes` takes, rounded up to whole pages."""
+        """Bytes of `nbytes` rounded up to whole pages."""
         return -(-nbytes // self.page_size) * self.page_size
+
+    def footprint(self, sizes: list[int]) -> int:
+        """Bytes a set of tensors of these sizes takes (each in whole pages of its own)."""
+        return sum(self.reserved(n) for n in sizes)
 
     @abstractmethod
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:

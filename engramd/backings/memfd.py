@@ -25,13 +25,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import Manifest, ManifestError
+from engramd_client.layout import Manifest, ManifestError, packed_offsets
 from engramd_client.pb import engramd_pb2 as pb
 
 from ..checksum import digest_fd
 from ..config import DaemonConfig
 from ..errors import ShmFull
 from ..fdstore import FdStore
+from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from ..memlimit import memory_limit, page_size_of_memfd
 from ..pinning import PinnedFiles
 from ..units import gib
@@ -63,18 +64,29 @@ class MemfdBacking(Backing):
     name: ClassVar[str] = "memfd"
     handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_FD})
 
-    def __init__(self, fd_store: FdStore) -> None:
+    def __init__(self, fd_store: FdStore, huge_page_size: int = 0) -> None:
         self._fd_store = fd_store
         self._held: dict[str, _Held] = {}
         # pin, checksum and remove run on different threads: a descriptor is
         # used under this lock or through a dup, never after remove closed it.
         self._lock = threading.Lock()
-        self.page_size = page_size_of_memfd()
+        #: hugetlb pages of this size (MFD_HUGETLB), or 0 for the kernel's own pages.
+        self.huge_page_size = huge_page_size
+        self.page_size = huge_page_size or page_size_of_memfd()
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> MemfdBacking:
         """memfds need no folder and no group: workers get descriptors."""
-        return cls(fd_store)
+        if config.page_size and config.page_size not in MEMFD_PAGE_SIZES:
+            sizes = ", ".join(gib(n) for n in MEMFD_PAGE_SIZES)
+            raise ValueError(f"--page-size {gib(config.page_size)}: memfds take {sizes} pages")
+        return cls(fd_store, config.page_size)
+
+    def footprint(self, sizes: list[int]) -> int:
+        """hugetlb: one packed memfd in whole huge pages; else each tensor in pages of its own."""
+        if not self.huge_page_size:
+            return super().footprint(sizes)
+        return self.reserved(packed_offsets(sizes)[1])
 
     @property
     def survives_restart(self) -> bool:
@@ -91,18 +103,27 @@ class MemfdBacking(Backing):
             )
 
     def usage(self) -> Usage:
-        """The daemon's memory bound; used: the sets held."""
-        limit = memory_limit()
+        """The daemon's memory bound, or the hugetlb pool; used: the sets held."""
         with self._lock:
-            used = sum(self._footprint(h.manifest) for h in self._held.values())
+            used = sum(
+                self.footprint([t.nbytes for t in h.manifest.tensors]) for h in self._held.values()
+            )
+        if self.huge_page_size:
+            p = pool(self.huge_page_size)
+            return Usage(str(p.sysfs), p.total, used, p.free, self.page_size)
+        limit = memory_limit()
         return Usage(limit.where, limit.total, used, limit.available, self.page_size)
 
-    def _footprint(self, manifest: Manifest) -> int:
-        """Bytes the set's memfd takes (tensors at page-aligned offsets)."""
-        return sum(self.reserved(t.nbytes) for t in manifest.tensors)
-
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
-        """Refuse a set larger than the daemon's memory bound, or than what is available."""
+        """Refuse a set larger than the daemon's memory bound (or huge page pool), or its room."""
+        if self.huge_page_size:
+            p = pool(self.huge_page_size)
+            if needed > p.free + reclaimable:
+                raise ShmFull(
+                    f"{what} needs {gib(needed)} of {gib(p.page_size)} huge pages but "
+                    f"{gib(p.free)} of {gib(p.total)} are free; {p.fix(needed + p.total - p.free)}"
+                )
+            return
         limit = memory_limit()
         if needed > limit.total:
             raise ShmFull(
@@ -207,23 +228,32 @@ class _StagedMemfd(StagedSet):
     def __init__(self, backing: MemfdBacking, plan: TablePlan) -> None:
         self._backing = backing
         self._plan = plan
-        self._offsets = []
-        size = 0
-        for t in plan.tensors:
-            self._offsets.append(size)
-            size += backing.reserved(t.nbytes)
-        self._fd = os.memfd_create(f"engramd-{plan.set_id}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        sizes = [t.nbytes for t in plan.tensors]
+        huge = backing.huge_page_size
+        if huge:
+            self._offsets, _ = packed_offsets(sizes)
+        else:
+            self._offsets = [backing.footprint(sizes[:i]) for i in range(len(sizes))]
+        size = backing.footprint(sizes)
+        flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+        if huge:
+            flags |= os.MFD_HUGETLB | MEMFD_PAGE_SIZES[huge]
+        self._fd = os.memfd_create(f"engramd-{plan.set_id}", flags)
+        self._writer: MappedWriter | None = None
         try:
             os.ftruncate(self._fd, size)
             if size:
                 # Every page now: a set that does not fit fails here, not as a
                 # SIGBUS in the middle of the copy.
                 os.posix_fallocate(self._fd, 0, size)
+                if huge:
+                    self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()
         except OSError as e:
             os.close(self._fd)
+            fix = pool(huge).fix(size) if huge else FIX_MEMORY
             raise ShmFull(
                 f"could not allocate {gib(size)} of memory for set {plan.set_id} "
-                f"({e.strerror}); {FIX_MEMORY}"
+                f"({e.strerror}); {fix}"
             ) from None
 
     def placement(self, index: int) -> tuple[str, int]:
@@ -231,14 +261,18 @@ class _StagedMemfd(StagedSet):
         return TABLES, self._offsets[index]
 
     def write(self, index: int, data: memoryview, offset: int) -> None:
-        """Positional writes into the memfd."""
+        """Positional writes into the memfd (through a mapping on hugetlb pages)."""
         at = self._offsets[index] + offset
+        if self._writer is not None:
+            self._writer.write(data, at)
+            return
         done = 0
         while done < len(data):
             done += os.pwrite(self._fd, data[done:], at + done)
 
     def publish(self, manifest: Manifest) -> None:
         """Seal the tables and a memfd of the manifest; hold both (and store them)."""
+        self._unmap()  # a writable mapping would keep F_SEAL_WRITE out (EBUSY)
         manifest_fd = os.memfd_create(
             f"engramd-{manifest.set_id}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
@@ -258,7 +292,13 @@ class _StagedMemfd(StagedSet):
 
     def discard(self) -> None:
         """Close the memfd: its pages go with it."""
+        self._unmap()
         os.close(self._fd)
+
+    def _unmap(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
 
 def _check_adopted(set_id: str, tables: int, manifest_fd: int) -> Manifest:

@@ -126,8 +126,9 @@ class TmpfsBacking(Backing):
         return set_dir(self.shm_dir, manifest.set_id) / manifest.tensors[index].file
 
     def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
-        """Map the tensor's file read-only and lock it."""
-        pins.pin(self._path(manifest, index))
+        """Map the tensor's range of its file read-only and lock it."""
+        t = manifest.tensors[index]
+        pins.pin(self._path(manifest, index), t.offset, t.nbytes)
 
     def checksum(self, manifest: Manifest, index: int) -> str:
         """The digest of the tensor's file as it is now ("short" when it is shorter)."""

@@ -1,0 +1,202 @@
+"""Sets on a hugetlbfs mount (2 MiB or 1 GiB pages): the tmpfs layout, packed, written by mapping.
+
+A `--shm-dir` on hugetlbfs is detected by its filesystem (engramd.backings).
+Everything a tmpfs set has holds: crash-safe loads (a `.loading-*` folder
+renamed once complete), read-only mappings by descriptor or path, adoption
+after a restart. What hugetlbfs changes:
+
+- no write(2): the loader's writes go through a shared mapping of the file;
+- files take whole huge pages: a set is packed into one file (`tables`),
+  tensors at 4 KiB-aligned offsets, so a 32 MiB scale tensor shares a page
+  with its neighbours instead of taking a 1 GiB page of its own; its
+  manifest sits at the end of the last page (layout.TRAILER);
+- mappings start at huge-page boundaries: workers and the pinning align
+  their offsets down to the file's block size (the page size);
+- capacity is the pool of free huge pages of that size (and the mount's
+  size= limit), judged before a byte is copied: a set never meets an empty
+  pool halfway, in the daemon or a worker (no SIGBUS).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import secrets
+import shutil
+from typing import ClassVar
+
+from engramd_client.checkpoint import TablePlan
+from engramd_client.layout import (
+    LOADING_MARK,
+    PACKED_NAME,
+    Manifest,
+    packed_offsets,
+    sets_root,
+    trailer,
+)
+from engramd_client.pb import engramd_pb2 as pb
+
+from ..config import DaemonConfig
+from ..errors import ShmFull, UntrustedShm
+from ..fdstore import FdStore
+from ..hugepages import MappedWriter, fs_page_size, pool
+from ..shmfs import mount_of
+from ..units import gib
+from .base import StagedSet, Usage
+from .tmpfs import TmpfsBacking
+
+
+def manifest_room(ntensors: int) -> int:
+    """Bytes kept at the end of a packed file for its manifest and trailer.
+
+    A tensor's entry and its file's (at most one per tensor) take a few
+    hundred bytes unless their names are extreme; 8 KiB each is ample.
+    """
+    return (64 << 10) + (8 << 10) * ntensors
+
+
+class HugetlbfsBacking(TmpfsBacking):
+    """Packed set files on a hugetlbfs mount, 0640, group `gid`."""
+
+    name: ClassVar[str] = "hugetlbfs"
+    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+
+    def __init__(self, shm_dir: str, gid: int | None) -> None:
+        super().__init__(shm_dir, gid)
+        self.page_size = fs_page_size(shm_dir)
+
+    @classmethod
+    def from_config(
+        cls, config: DaemonConfig, gid: int | None, fd_store: FdStore
+    ) -> HugetlbfsBacking:
+        """Files under `config.shm_dir`, which must be a hugetlbfs mount."""
+        return cls(config.shm_dir, gid)
+
+    def claim(self) -> None:
+        """Refuse a shm folder that is not on hugetlbfs; then as tmpfs."""
+        fstype, _ = mount_of(self.shm_dir)
+        if fstype != "hugetlbfs":
+            raise UntrustedShm(
+                f"--backing hugetlbfs needs --shm-dir on a hugetlbfs mount; {self.shm_dir} is on "
+                f"{fstype or 'an unknown filesystem'} (mount -t hugetlbfs -o pagesize=1G none DIR)"
+            )
+        super().claim()
+
+    def usage(self) -> Usage:
+        """The pool of huge pages of the mount's size, tightened by its size= limit."""
+        p = pool(self.page_size)
+        st = os.statvfs(self.shm_dir)
+        total, free = p.total, p.free
+        if st.f_blocks:  # mounted with size=
+            total = min(total, st.f_blocks * st.f_frsize)
+            free = min(free, st.f_bavail * st.f_frsize)
+        used = sum(
+            f.stat().st_size
+            for folder in sets_root(self.shm_dir).glob("*")
+            for f in folder.glob("*")
+            if f.is_file()
+        )
+        return Usage(self.shm_dir, total, used, free, self.page_size)
+
+    def footprint(self, sizes: list[int]) -> int:
+        """One packed file: the tensors, the manifest's room, in whole huge pages."""
+        _, end = packed_offsets(sizes)
+        return self.reserved(end + manifest_room(len(sizes)))
+
+    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+        """Refuse a set beyond the pool (or the mount), or its free pages plus `reclaimable`."""
+        u = self.usage()
+        p = pool(self.page_size)
+        if needed > u.total:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
+                f"{self.shm_dir} can have {gib(u.total)} in all; {p.fix(needed)}"
+            )
+        if needed > u.free + reclaimable:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
+                f"{gib(u.free)} are free for {self.shm_dir}; drop unused sets or "
+                f"{p.fix(needed + u.total - u.free)}"
+            )
+
+    def stage(self, plan: TablePlan) -> StagedSet:
+        """A `.loading-*` folder with the packed file's pages allocated and mapped."""
+        return _StagedPacked(self, plan)
+
+
+class _StagedPacked(StagedSet):
+    def __init__(self, backing: HugetlbfsBacking, plan: TablePlan) -> None:
+        self._backing = backing
+        self._plan = plan
+        self._root = sets_root(backing.shm_dir)
+        self._folder = (
+            self._root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        )
+        self._offsets, self._end = packed_offsets([t.nbytes for t in plan.tensors])
+        self._size = backing.footprint([t.nbytes for t in plan.tensors])
+        self._fd = -1
+        self._writer: MappedWriter | None = None
+        gid = backing._gid
+        try:
+            self._folder.mkdir(mode=0o750)
+            if gid is not None:
+                os.chown(self._folder, -1, gid)
+            self._fd = os.open(
+                self._folder / PACKED_NAME,
+                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
+                0o640,
+            )
+            if gid is not None:
+                os.fchown(self._fd, -1, gid)
+            try:
+                # Every huge page now: an empty pool fails here, never as a
+                # SIGBUS at the first touch of a page.
+                os.posix_fallocate(self._fd, 0, self._size)
+            except OSError as e:
+                if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                raise ShmFull(
+                    f"the pool of {gib(backing.page_size)} huge pages ran out while reserving "
+                    f"{gib(self._size)} for set {plan.set_id} (another user took pages after "
+                    f"the capacity check?); {pool(backing.page_size).fix(self._size)}"
+                ) from None
+            self._writer = MappedWriter(self._fd, self._size)
+        except BaseException:
+            self.discard()
+            raise
+
+    def placement(self, index: int) -> tuple[str, int]:
+        """Every tensor in the one packed file."""
+        return PACKED_NAME, self._offsets[index]
+
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        """Copy into the mapping (hugetlbfs has no write())."""
+        assert self._writer is not None
+        self._writer.write(data, self._offsets[index] + offset)
+
+    def publish(self, manifest: Manifest) -> None:
+        """Put the manifest at the end of the file, then rename the folder to the set id."""
+        assert self._writer is not None
+        tail = trailer(manifest.to_json().encode())
+        room = self._size - self._end
+        if len(tail) > room:
+            raise ShmFull(
+                f"the manifest of set {manifest.set_id} ({len(tail)} bytes) does not fit the "
+                f"{room} bytes kept for it; report this with the checkpoint's layout"
+            )
+        self._writer.write(tail, self._size - len(tail))
+        self._close()
+        os.rename(self._folder, self._root / manifest.set_id)
+
+    def discard(self) -> None:
+        """Remove the `.loading-*` folder; its pages return to the pool."""
+        self._close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
