@@ -71,6 +71,15 @@ def _backing(name: str) -> str:
     return name
 
 
+def _numa(text: str) -> str:
+    from .numa import NumaError, Placement
+
+    try:
+        return Placement.parse(text).policy
+    except NumaError as e:
+        raise typer.BadParameter(str(e), param_hint="--numa") from None
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg (and exc when there is one)."""
 
@@ -179,6 +188,13 @@ def serve(
             help="memfd sets on hugetlb pages: 2M or 1G (0: the kernel's pages).",
         ),
     ] = str(DEFAULTS.page_size),
+    numa: Annotated[
+        str,
+        typer.Option(
+            envvar="ENGRAMD_NUMA",
+            help="Where sets' pages go: interleave, node:N (default: the kernel's choice).",
+        ),
+    ] = DEFAULTS.numa,
     shm_dir: Annotated[
         Path,
         typer.Option(
@@ -275,6 +291,7 @@ def serve(
         socket_group=values["socket_group"],
         backing=_backing(values["backing"]),
         page_size=parse_size(str(values["page_size"])),
+        numa=_numa(values["numa"]),
         shm_dir=str(values["shm_dir"]),
         allow_roots=[str(p) for p in values["allow_root"] or []],
         memory_budget=parse_size(str(values["memory_budget"])),

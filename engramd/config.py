@@ -28,6 +28,8 @@ class DaemonConfig:
     backing: str = "tmpfs"
     #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
     page_size: int = 0
+    #: Where a set's pages go: "" (the kernel's choice), "interleave" (every node), "node:N".
+    numa: str = ""
     #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"
     #: Roots under which a worker's attach may start a load; none by default.

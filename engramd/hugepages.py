@@ -15,20 +15,24 @@ from pathlib import Path
 from .units import gib
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
+NODES = Path("/sys/devices/system/node")
 
 
 @dataclass(frozen=True)
 class Pool:
-    """The hugetlb pool of one page size, in bytes."""
+    """The hugetlb pool of one page size (on one NUMA node, or all), in bytes."""
 
     page_size: int
     total: int
     free: int
+    #: The NUMA node whose pool this is, or None for the whole machine's.
+    node: int | None = None
 
     @property
     def sysfs(self) -> Path:
-        """The pool's folder: nr_hugepages, free_hugepages, resv_hugepages."""
-        return HUGEPAGES / f"hugepages-{self.page_size >> 10}kB"
+        """The pool's folder: nr_hugepages, free_hugepages."""
+        kb = f"hugepages-{self.page_size >> 10}kB"
+        return HUGEPAGES / kb if self.node is None else NODES / f"node{self.node}/hugepages/{kb}"
 
     def fix(self, needed: int) -> str:
         """How an operator gives this pool `needed` bytes."""
@@ -41,9 +45,12 @@ class Pool:
         )
 
 
-def pool(page_size: int, root: Path = HUGEPAGES) -> Pool:
-    """The pool of `page_size` pages: all of it, and what is neither used nor promised."""
-    folder = root / f"hugepages-{page_size >> 10}kB"
+def pool(page_size: int, node: int | None = None) -> Pool:
+    """The pool of `page_size` pages (on `node`): all of it, and what is neither used nor promised.
+
+    Pages promised to mappings (resv_hugepages) are counted only machine-wide.
+    """
+    folder = Pool(page_size, 0, 0, node).sysfs
 
     def read(name: str) -> int:
         try:
@@ -52,7 +59,12 @@ def pool(page_size: int, root: Path = HUGEPAGES) -> Pool:
             return 0
 
     free = max(read("free_hugepages") - read("resv_hugepages"), 0)
-    return Pool(page_size, read("nr_hugepages") * page_size, free * page_size)
+    return Pool(page_size, read("nr_hugepages") * page_size, free * page_size, node)
+
+
+def bound_node(numa: str) -> int | None:
+    """The node a `--numa node:N` placement binds pages to, else None."""
+    return int(numa.split(":")[1]) if numa.startswith("node:") else None
 
 
 #: Huge page sizes a memfd may ask for (MFD_HUGETLB), with their flags.

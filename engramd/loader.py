@@ -7,7 +7,8 @@
    never published.
 1. Reserve: the backing reserves every byte first (`Backing.stage`). A
    backing too small fails there, before a byte is copied, and a reserved
-   page can never raise SIGBUS later in the daemon or in any worker.
+   page can never raise SIGBUS later in the daemon or in any worker. The
+   pages are allocated here, under the NUMA placement (numa.py).
 2. Copy: positional reads from the checkpoint into a small reused buffer,
    an XXH3-64 digest of the buffer while it is still in the CPU cache, a
    write through the backing; one thread per tensor, largest first, on
@@ -40,6 +41,9 @@ from engramd_client.layout import Manifest, ManifestTensor
 from .backings import Backing, StagedSet
 from .blocking import map_on_threads
 from .checksum import chunks, label, new_digest
+from .numa import Placement, applied
+
+DEFAULT_PLACEMENT = Placement()
 
 # How often a copy thread reports progress and checks for cancellation.
 PROGRESS_BYTES = 64 << 20
@@ -72,12 +76,22 @@ class LoadProgress:
             raise LoadCancelled("the daemon is stopping")
 
 
-def load_set(plan: TablePlan, backing: Backing, threads: int, progress: LoadProgress) -> Manifest:
-    """Copy the plan's tensors into `backing`, publish the set and return its manifest."""
+def load_set(
+    plan: TablePlan,
+    backing: Backing,
+    threads: int,
+    progress: LoadProgress,
+    placement: Placement = DEFAULT_PLACEMENT,
+) -> Manifest:
+    """Copy the plan's tensors into `backing`, publish the set and return its manifest.
+
+    The backing reserves (allocates) every page in this thread, under `placement`.
+    """
     sources = {s.path: s for s in plan.sources}
     for source in plan.sources:
         _check_identity(source, os.stat(source.path), "since its headers were read")
-    staged = backing.stage(plan)
+    with applied(placement):
+        staged = backing.stage(plan)
     try:
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
 

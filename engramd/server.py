@@ -44,6 +44,7 @@ from .errors import DecodeGuard, ServiceError
 from .fdchannel import FdChannel
 from .fdstore import FdStore
 from .metrics import serve_metrics
+from .numa import Placement
 from .sdnotify import Notifier
 from .service import TableService
 from .store import SetState, SetStore, TableSet
@@ -74,6 +75,7 @@ class EngramdServer:
             evict_idle=config.evict_idle,
             adopt_grace_s=config.adopt_grace_s,
             max_leases=config.max_leases,
+            placement=Placement.parse(config.numa),
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False

@@ -18,6 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engramd_client.checkpoint import CheckpointError, TablePlan
@@ -36,7 +37,8 @@ from .errors import (
     TooManyLeases,
     UnknownSet,
 )
-from .loader import LoadCancelled, LoadProgress, load_set
+from .loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
+from .numa import Placement, bytes_per_node
 from .pinning import FIX_MEMLOCK, PinnedFiles
 from .units import gib
 
@@ -124,6 +126,8 @@ class TableSet:
     pins: PinnedFiles = field(default_factory=PinnedFiles)
     #: Every page of the set is locked in memory.
     locked: bool = False
+    #: Bytes of the set on each NUMA node, as the daemon's pinned mappings show (numa_maps).
+    nodes: dict[int, int] = field(default_factory=dict)
     leases: dict[str, Lease] = field(default_factory=dict)
     #: When a worker last attached or detached (or the set became ready).
     last_used: float = field(default_factory=time.monotonic)
@@ -162,6 +166,7 @@ class SetStore:
         evict_idle: bool = False,
         adopt_grace_s: float = 0.0,
         max_leases: int = 0,
+        placement: Placement = DEFAULT_PLACEMENT,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
         self.backings = backings
@@ -171,6 +176,7 @@ class SetStore:
         self._evict_idle = evict_idle
         self._adopt_grace_s = adopt_grace_s
         self._max_leases = max_leases
+        self._placement = placement
         # Loads, and the daemon's own file work (pin, verify, unlink), each on
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
@@ -423,7 +429,7 @@ class SetStore:
         )
         try:
             ts.manifest = await self._loads.run(
-                load_set, plan, ts.backing, self._load_threads, ts.progress
+                load_set, plan, ts.backing, self._load_threads, ts.progress, self._placement
             )
         except BaseException as e:
             ts.state = SetState.FAILED
@@ -456,6 +462,9 @@ class SetStore:
                 return  # dropped meanwhile: PinnedFiles unmaps what it still pins
             await self._files.run(ts.backing.pin, ts.manifest, index, ts.pins)
         ts.locked = ts.pins.error is None and self.get(ts.set_id) is ts
+        if ts.locked:
+            # Reading numa_maps walks the page tables of every mapping: once, off the loop.
+            ts.nodes = await self._files.run(_nodes_of, ts.backing.mapped_as(ts.set_id))
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(
@@ -565,6 +574,14 @@ def _release_all(sets: list[TableSet], drop: bool) -> None:
             _remove(ts.backing, ts.pins, ts.set_id)
         else:
             ts.pins.release()
+
+
+def _nodes_of(mapped_as: str) -> dict[int, int]:
+    try:
+        text = Path("/proc/self/numa_maps").read_text()
+    except OSError:
+        return {}  # a kernel without NUMA support
+    return bytes_per_node(text, mapped_as)
 
 
 def _corrupted(backing: Backing, manifest: Manifest) -> list[str]:

@@ -89,12 +89,13 @@ def test_daemon_on_hugetlbfs_serves_by_fd_and_path_and_adopts_after_a_kill(
             d.stop()
 
 
+@pytest.mark.parametrize("numa", ["", "node:0"])
 def test_a_set_beyond_the_free_huge_pages_is_refused_before_copying(
-    checkpoint: Path, daemons: Any
+    checkpoint: Path, daemons: Any, numa: str
 ) -> None:
     plan = plan_tables(checkpoint)
     with huge_pages(2 * MiB, 4), mounted_hugetlbfs(2 * MiB) as shm:
-        d = daemons("--allow-root", str(checkpoint.parent), shm=shm)
+        d = daemons("--allow-root", str(checkpoint.parent), "--numa", numa, shm=shm)
         try:
             free = pool(2 * MiB).free
             err = attach_error(d, pb.AttachRequest(set_id=plan.set_id, checkpoint=str(checkpoint)))
@@ -102,6 +103,8 @@ def test_a_set_beyond_the_free_huge_pages_is_refused_before_copying(
             assert reason(err) == "capacity"
             details = str(err.details())
             assert "nr_hugepages" in details and "hugepages=" in details, details
+            # Bound to a node, the node's own pool is what counts.
+            assert ("/node0/hugepages/" in details) == (numa == "node:0"), details
             assert pool(2 * MiB).free == free and list(sets_root(shm).iterdir()) == []
         finally:
             d.stop()

@@ -121,6 +121,10 @@ class Backing(ABC):
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
+    def mapped_as(self, set_id: str) -> str:
+        """What /proc/<pid>/maps and numa_maps show for mappings of the set's files."""
+
+    @abstractmethod
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
         """(file, read-only descriptor) for each file of the set; the caller closes them."""
 

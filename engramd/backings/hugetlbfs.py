@@ -39,7 +39,7 @@ from engramd_client.pb import engramd_pb2 as pb
 from ..config import DaemonConfig
 from ..errors import ShmFull, UntrustedShm
 from ..fdstore import FdStore
-from ..hugepages import MappedWriter, fs_page_size, pool
+from ..hugepages import MappedWriter, bound_node, fs_page_size, pool
 from ..shmfs import mount_of
 from ..units import gib
 from .base import StagedSet, Usage
@@ -61,16 +61,18 @@ class HugetlbfsBacking(TmpfsBacking):
     name: ClassVar[str] = "hugetlbfs"
     handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
 
-    def __init__(self, shm_dir: str, gid: int | None) -> None:
+    def __init__(self, shm_dir: str, gid: int | None, node: int | None = None) -> None:
         super().__init__(shm_dir, gid)
         self.page_size = fs_page_size(shm_dir)
+        #: Pages come from this NUMA node's pool (--numa node:N), else from any.
+        self.node = node
 
     @classmethod
     def from_config(
         cls, config: DaemonConfig, gid: int | None, fd_store: FdStore
     ) -> HugetlbfsBacking:
         """Files under `config.shm_dir`, which must be a hugetlbfs mount."""
-        return cls(config.shm_dir, gid)
+        return cls(config.shm_dir, gid, bound_node(config.numa))
 
     def claim(self) -> None:
         """Refuse a shm folder that is not on hugetlbfs; then as tmpfs."""
@@ -84,7 +86,7 @@ class HugetlbfsBacking(TmpfsBacking):
 
     def usage(self) -> Usage:
         """The pool of huge pages of the mount's size, tightened by its size= limit."""
-        p = pool(self.page_size)
+        p = pool(self.page_size, self.node)
         st = os.statvfs(self.shm_dir)
         total, free = p.total, p.free
         if st.f_blocks:  # mounted with size=
@@ -106,7 +108,7 @@ class HugetlbfsBacking(TmpfsBacking):
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
         """Refuse a set beyond the pool (or the mount), or its free pages plus `reclaimable`."""
         u = self.usage()
-        p = pool(self.page_size)
+        p = pool(self.page_size, self.node)
         if needed > u.total:
             raise ShmFull(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
@@ -158,7 +160,7 @@ class _StagedPacked(StagedSet):
                 raise ShmFull(
                     f"the pool of {gib(backing.page_size)} huge pages ran out while reserving "
                     f"{gib(self._size)} for set {plan.set_id} (another user took pages after "
-                    f"the capacity check?); {pool(backing.page_size).fix(self._size)}"
+                    f"the capacity check?); {pool(backing.page_size, backing.node).fix(self._size)}"
                 ) from None
             self._writer = MappedWriter(self._fd, self._size)
         except BaseException:

@@ -32,7 +32,7 @@ from ..checksum import digest_fd
 from ..config import DaemonConfig
 from ..errors import ShmFull
 from ..fdstore import FdStore
-from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
+from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, bound_node, pool
 from ..memlimit import memory_limit, page_size_of_memfd
 from ..pinning import PinnedFiles
 from ..units import gib
@@ -64,7 +64,7 @@ class MemfdBacking(Backing):
     name: ClassVar[str] = "memfd"
     handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_FD})
 
-    def __init__(self, fd_store: FdStore, huge_page_size: int = 0) -> None:
+    def __init__(self, fd_store: FdStore, huge_page_size: int = 0, node: int | None = None) -> None:
         self._fd_store = fd_store
         self._held: dict[str, _Held] = {}
         # pin, checksum and remove run on different threads: a descriptor is
@@ -73,6 +73,8 @@ class MemfdBacking(Backing):
         #: hugetlb pages of this size (MFD_HUGETLB), or 0 for the kernel's own pages.
         self.huge_page_size = huge_page_size
         self.page_size = huge_page_size or page_size_of_memfd()
+        #: hugetlb pages come from this NUMA node's pool (--numa node:N), else from any.
+        self.node = node
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> MemfdBacking:
@@ -80,7 +82,7 @@ class MemfdBacking(Backing):
         if config.page_size and config.page_size not in MEMFD_PAGE_SIZES:
             sizes = ", ".join(gib(n) for n in MEMFD_PAGE_SIZES)
             raise ValueError(f"--page-size {gib(config.page_size)}: memfds take {sizes} pages")
-        return cls(fd_store, config.page_size)
+        return cls(fd_store, config.page_size, bound_node(config.numa))
 
     def footprint(self, sizes: list[int]) -> int:
         """hugetlb: one packed memfd in whole huge pages; else each tensor in pages of its own."""
@@ -109,7 +111,7 @@ class MemfdBacking(Backing):
                 self.footprint([t.nbytes for t in h.manifest.tensors]) for h in self._held.values()
             )
         if self.huge_page_size:
-            p = pool(self.huge_page_size)
+            p = pool(self.huge_page_size, self.node)
             return Usage(str(p.sysfs), p.total, used, p.free, self.page_size)
         limit = memory_limit()
         return Usage(limit.where, limit.total, used, limit.available, self.page_size)
@@ -117,7 +119,7 @@ class MemfdBacking(Backing):
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
         """Refuse a set larger than the daemon's memory bound (or huge page pool), or its room."""
         if self.huge_page_size:
-            p = pool(self.huge_page_size)
+            p = pool(self.huge_page_size, self.node)
             if needed > p.free + reclaimable:
                 raise ShmFull(
                     f"{what} needs {gib(needed)} of {gib(p.page_size)} huge pages but "
@@ -215,6 +217,10 @@ class MemfdBacking(Backing):
         """HANDLE_KIND_FD handles into the set's one memfd."""
         return self.fd_handles(manifest)
 
+    def mapped_as(self, set_id: str) -> str:
+        """The memfd's name as the kernel shows it."""
+        return f"/memfd:engramd-{set_id} "
+
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
         """A read-only descriptor of the set's memfd (a new open of it, O_RDONLY)."""
         with self._lock:
@@ -250,7 +256,7 @@ class _StagedMemfd(StagedSet):
                     self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()
         except OSError as e:
             os.close(self._fd)
-            fix = pool(huge).fix(size) if huge else FIX_MEMORY
+            fix = pool(huge, backing.node).fix(size) if huge else FIX_MEMORY
             raise ShmFull(
                 f"could not allocate {gib(size)} of memory for set {plan.set_id} "
                 f"({e.strerror}); {fix}"

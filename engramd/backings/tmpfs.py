@@ -161,6 +161,10 @@ class TmpfsBacking(Backing):
             for t in manifest.tensors
         ]
 
+    def mapped_as(self, set_id: str) -> str:
+        """The set's folder: every file of it is mapped by its path."""
+        return f"{set_dir(self.shm_dir, set_id)}/"
+
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
         """Each tensor file, opened read-only once it proved to be the daemon's own."""
         folder = set_dir(self.shm_dir, manifest.set_id)
