@@ -22,11 +22,12 @@ from .attach import attach_and_restart
 from .common import Figure, as_json, checkpoint, machine
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
 from .gather import gather_throughput
+from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .storm import attach_storm
 
-SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds"]
+SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds", "hugepages"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -45,6 +46,9 @@ def main() -> int:
     )
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts for host memory")
     parser.add_argument("--attach-sizes", default="0.25,1,4", help="set sizes (GiB) for attach")
+    parser.add_argument(
+        "--huge-gib", type=float, default=8.0, help="tables for the page-size section (default 8)"
+    )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run")
@@ -100,6 +104,10 @@ def main() -> int:
         figures += attach_by_kind(sizes)
         figures += gather_by_kind(main_ckpt, args.reps)
         figures += isolated_memory(main_ckpt, max(counts))
+
+    if "hugepages" in only:
+        print(f"page sizes at {args.huge_gib:g} GiB: tmpfs 4 KiB / 2 MiB, hugetlb 2 MiB / 1 GiB")
+        figures += huge_page_figures(args.workdir, args.huge_gib, args.reps)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -44,14 +44,16 @@ def test_systemd_units_verify(tmp_path: Path) -> None:
     unit = (DEPLOY / "systemd" / "engramd.service").read_text()
     unit = unit.replace("/usr/local/bin/engramd", str(engramd))
     (tmp_path / "engramd.service").write_text(unit)
-    shutil.copy(DEPLOY / "systemd" / "srv-engramd-shm.mount", tmp_path)
+    others = ["srv-engramd-shm.mount", "srv-engramd-huge.mount", "engramd-hugepages.service"]
+    for name in others:
+        shutil.copy(DEPLOY / "systemd" / name, tmp_path)
     result = subprocess.run(
         [
             analyze,
             "verify",
             "--man=no",
             str(tmp_path / "engramd.service"),
-            str(tmp_path / "srv-engramd-shm.mount"),
+            *(str(tmp_path / name) for name in others),
         ],
         capture_output=True,
         text=True,
@@ -74,6 +76,13 @@ def test_systemd_unit_matches_the_daemon() -> None:
         assert forbidden not in unit
     mount = (DEPLOY / "systemd" / "srv-engramd-shm.mount").read_text()
     assert "huge=within_size" in mount and "Where=/srv/engramd/shm" in mount
+    huge = (DEPLOY / "systemd" / "srv-engramd-huge.mount").read_text()
+    assert "Type=hugetlbfs" in huge and "pagesize=1G" in huge
+    assert "z /srv/engramd/huge 0750 engramd engramd -" in tmpfiles
+    reserve = (DEPLOY / "systemd" / "engramd-hugepages.service").read_text()
+    assert (
+        "hugepages-1048576kB/nr_hugepages" in reserve and "Before=srv-engramd-huge.mount" in reserve
+    )
 
 
 @pytest.mark.parametrize("name", ["daemonset.yaml", "sidecar.yaml", "engine-pod.yaml"])
@@ -124,12 +133,19 @@ def test_sidecar_shares_only_the_socket_folder() -> None:
     containers = {c["name"]: c for c in spec["containers"]}
     args = _args(containers["engramd"])
     volumes = {v["name"]: v for v in spec["volumes"]}
-    assert volumes["shm"]["emptyDir"]["medium"] == "Memory"
-    assert volumes["shm"]["emptyDir"]["sizeLimit"]
+    # The daemon's tables on 1 GiB pages, asked for as a resource.
+    assert volumes["shm"]["emptyDir"]["medium"] == "HugePages-1Gi"
+    daemon = containers["engramd"]
+    assert (
+        daemon["resources"]["limits"]["hugepages-1Gi"]
+        == (daemon["resources"]["requests"]["hugepages-1Gi"])
+    )
     assert "emptyDir" in volumes["socket"]
     for c in containers.values():
         assert _mounts(c)[SOCKET_DIR] == "socket"
-    assert _mounts(containers["engramd"])["/dev/shm"] == "shm"
+    assert _mounts(daemon)[args["shm-dir"]] == "shm"
+    [prepare] = spec["initContainers"]
+    assert f"chmod 1777 {args['shm-dir']}" in prepare["command"][-1]
     # The engine's /dev/shm is its own: the tables come as descriptors.
     assert _mounts(containers["engine"])["/dev/shm"] == "engine-shm"
     assert "shm" not in _mounts(containers["engine"]).values()

@@ -1,0 +1,236 @@
+"""Page sizes at the largest size this machine holds: 4 KiB, 2 MiB (tmpfs and hugetlb), 1 GiB.
+
+For each side: the load against `cp` into tmpfs (warm), an attach and the
+first T=4096 step after it, gathers T=1/64/4096 on 1 and 2 threads against
+private tensors on 4 KiB pages (alternating), and the page-table bytes a
+worker adds when it touches every page (VmPTE), extrapolated to 189 GiB.
+hugetlb pages are reserved for the side and given back after; 1 GiB pages
+come only as many as the kernel grants at run time, so that side measures
+the largest set those pages hold and records the count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engramd_client import Tables, attach, plan_tables
+from engramd_client.checkpoint import TablePlan
+
+from .attach import wait_locked
+from .common import Figure, GiB, MiB, checkpoint, compare, daemon, huge_tmpfs, shm_folder, timed
+from .gather import Lookup
+from .load import _cp, _warm
+from .replicas import Replica
+
+MODEL_GIB = 189
+HUGEPAGES = Path("/sys/kernel/mm/hugepages")
+
+
+def _vm_pte(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmPTE:"):
+            return int(line.split()[1]) << 10
+    raise RuntimeError("no VmPTE in /proc/PID/status")
+
+
+@contextlib.contextmanager
+def _reserved(page_size: int, pages: int) -> Iterator[int]:
+    """Ask for `pages` more hugetlb pages (compacting memory first); yields the grant."""
+    nr = HUGEPAGES / f"hugepages-{page_size >> 10}kB" / "nr_hugepages"
+    old = int(nr.read_text())
+    Path("/proc/sys/vm/compact_memory").write_text("1")
+    nr.write_text(str(old + pages))
+    try:
+        yield int(nr.read_text()) - old
+    finally:
+        nr.write_text(str(old))
+
+
+@contextlib.contextmanager
+def _hugetlbfs(page_size: int) -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="engramd-bench-hugetlbfs-", dir="/tmp"))
+    subprocess.run(
+        ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page_size >> 10}K", "none", str(path)],
+        check=True,
+    )
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+        path.rmdir()
+
+
+@contextlib.contextmanager
+def _side(name: str, ckpt: Path) -> Iterator[Path | None]:
+    gib = plan_tables(ckpt).nbytes / GiB
+    if name == "tmpfs, 4 KiB pages":
+        with shm_folder() as folder:
+            yield folder
+    elif name == "tmpfs, 2 MiB pages":
+        with huge_tmpfs(gib + 0.1) as folder:
+            yield folder
+    else:
+        page = 2 * MiB if "2 MiB" in name else GiB
+        pages = int((gib * GiB + 64 * MiB) // page) + 1
+        with _reserved(page, pages) as granted:
+            if granted < pages:
+                print(f"  {name}: asked for {pages} pages, the kernel granted {granted}")
+                yield None
+                return
+            with _hugetlbfs(page) as folder:
+                yield folder
+
+
+def huge_page_figures(workdir: Path, gib: float, reps: int) -> list[Figure]:
+    """Every side at `gib` GiB of tables; 1 GiB pages at as many as the kernel grants."""
+    with _reserved(GiB, 64) as granted:
+        pass
+    print(f"  1 GiB pages: the kernel grants {granted} at run time", flush=True)
+    figures = []
+    main = checkpoint(workdir, gib)
+    sides = ["tmpfs, 4 KiB pages", "tmpfs, 2 MiB pages", "hugetlbfs, 2 MiB pages"]
+    figures += _measure(main, sides, reps)
+    if granted >= 1:
+        one_gib = checkpoint(workdir, granted - 0.1)
+        figures += _measure(one_gib, ["hugetlbfs, 1 GiB pages"], reps, note=f"{granted} pages")
+    return figures
+
+
+def _measure(ckpt: Path, sides: list[str], reps: int, note: str = "") -> list[Figure]:
+    plan = plan_tables(ckpt)
+    gib = plan.nbytes / GiB
+    private = attach(ckpt, share=False)
+    figures: list[Figure] = []
+    for side in sides:
+        label = f"{side}, {gib:.1f} GiB" + (f" ({note})" if note else "")
+        with _side(side, ckpt) as folder:
+            if folder is None:
+                continue
+            _warm(ckpt)
+            cp_s = [_cp_seconds(plan) for _ in range(2)][-1]
+            with daemon(folder, "--checkpoint", str(ckpt)) as d:
+                [s] = d.status().sets
+                load = s.bytes / s.load_seconds / 1e9
+                figures.append(
+                    compare(
+                        f"load, {label}",
+                        "GB/s",
+                        [load],
+                        [plan.nbytes / cp_s / 1e9],
+                        higher_is_better=True,
+                        target=">= 1.0x cp into tmpfs" if "hugetlbfs" in side else "reported",
+                        at_least=1.0 if "hugetlbfs" in side else None,
+                    )
+                )
+                wait_locked(d)
+                figures += _latency(ckpt, str(d.socket), label)
+                shared = attach(ckpt, socket=str(d.socket), share=True, populate=True)
+                figures += _gathers(shared, private, label, side, reps)
+                shared.close()
+                figures.append(_page_tables(ckpt, str(d.socket), label, side, gib))
+            print(f"  {label}: done", flush=True)
+    private.close()
+    return figures
+
+
+def _cp_seconds(plan: TablePlan) -> float:
+    with shm_folder() as folder:
+        return timed(lambda: _cp(plan, folder))
+
+
+def _latency(ckpt: Path, socket: str, label: str) -> list[Figure]:
+    attach_ms, first_ms = [], []
+    for _ in range(5):
+        start = time.perf_counter()
+        tables = attach(ckpt, socket=socket, share=True)
+        attach_ms.append((time.perf_counter() - start) * 1e3)
+        lookup = Lookup(tables, 4096)
+        first_ms.append(timed(lookup.step) * 1e3)
+        tables.close()
+    return [
+        compare(
+            f"attach and first T=4096 step, {label}",
+            "ms",
+            [a + f for a, f in zip(attach_ms, first_ms, strict=True)],
+            None,
+            higher_is_better=False,
+            target="reported",
+            note=f"attach {statistics.median(attach_ms):.1f} ms, first step "
+            f"{statistics.median(first_ms):.1f} ms",
+        )
+    ]
+
+
+def _gathers(shared: Tables, private: Tables, label: str, side: str, reps: int) -> list[Figure]:
+    figures = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for tokens in (1, 64, 4096):
+            sides = {"shared": Lookup(shared, tokens), "private": Lookup(private, tokens)}
+            for lookup in sides.values():
+                lookup.step()
+            rates: dict[str, list[float]] = {"shared": [], "private": []}
+            for rep in range(reps):
+                for name in ["shared", "private"] if rep % 2 else ["private", "shared"]:
+                    rates[name].append(sides[name].rate() / 1e6)
+            goal = 1.3 if "1 GiB" in side and tokens == 4096 else None
+            figures.append(
+                compare(
+                    f"gather T={tokens}, {threads} thread(s), {label}",
+                    "Mrows/s",
+                    rates["shared"],
+                    rates["private"],
+                    higher_is_better=True,
+                    target=">= 1.3x private (4 KiB)" if goal else "reported (vs private 4 KiB)",
+                    at_least=goal,
+                )
+            )
+            print(f"  {figures[-1].name}: {figures[-1].ratio:.3f}x", flush=True)
+    torch.set_num_threads(2)
+    return figures
+
+
+def _page_tables(ckpt: Path, socket: str, label: str, side: str, gib: float) -> Figure:
+    replica = Replica(ckpt, socket, "shared")
+    try:
+        replica.attached = replica.read()
+        before = _vm_pte(replica.proc.pid)
+        replica.send("touch")
+        replica.read()
+        per_gib = (_vm_pte(replica.proc.pid) - before) / gib
+    finally:
+        replica.stop()
+    at_model = per_gib * MODEL_GIB
+    return compare(
+        f"page tables per worker at {MODEL_GIB} GiB, {label}",
+        "KiB",
+        [at_model / 1024],
+        None,
+        higher_is_better=False,
+        target="< 64 KiB" if "1 GiB" in side else "reported",
+        at_most=64 if "1 GiB" in side else None,
+        note=f"measured {per_gib / 1024:.1f} KiB per GiB touched (VmPTE); formula: "
+        f"{_formula(side) / 1024:.1f} KiB per GiB",
+    )
+
+
+def _formula(side: str) -> float:
+    """Page-table bytes per GiB mapped: 8-byte entries, 4 KiB table pages.
+
+    4 KiB pages: a PTE per page (2 MiB) plus the PMD page above them (4 KiB);
+    2 MiB pages: a PMD entry each, one 4 KiB PMD page per GiB; 1 GiB pages: a
+    PUD entry each, one PUD page per 512 GiB.
+    """
+    if "4 KiB" in side:
+        return 2 * MiB + 4096
+    if "2 MiB" in side:
+        return 4096
+    return 4096 / 512
