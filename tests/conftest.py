@@ -81,25 +81,34 @@ class Worker(JsonLinesChild):
 
 
 @contextlib.contextmanager
-def mounted_tmpfs(size: str) -> Iterator[Path]:
-    """A real tmpfs of `size` (mount's syntax: 8m, 64m), unmounted afterwards.
+def _mounted(fstype: str, options: str) -> Iterator[Path]:
+    """A fresh mount of `fstype` in a folder under /tmp; unmounted (lazily) afterwards.
 
-    Skips the test where mounting is not permitted (needs root).
+    Lazy: a worker that still maps files of it keeps their pages until it
+    exits. Skips the test where mounting is not permitted (needs root).
     """
-    path = Path(tempfile.mkdtemp(prefix="engramd-tmpfs-", dir="/tmp"))
+    path = Path(tempfile.mkdtemp(prefix=f"engramd-{fstype}-", dir="/tmp"))
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
+        ["mount", "-t", fstype, "-o", options, fstype, str(path)], capture_output=True, text=True
     )
     if mounted.returncode != 0:
         path.rmdir()
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.strip()}); needs root")
+        pytest.skip(f"cannot mount a {fstype} here ({mounted.stderr.strip()}); needs root")
     try:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
         path.rmdir()
+
+
+def mounted_tmpfs(size: str) -> contextlib.AbstractContextManager[Path]:
+    """A real tmpfs of `size` (mount's syntax: 8m, 64m), unmounted afterwards."""
+    return _mounted("tmpfs", f"size={size}")
+
+
+def mounted_hugetlbfs(page_size: int) -> contextlib.AbstractContextManager[Path]:
+    """A hugetlbfs of `page_size` pages, unmounted afterwards."""
+    return _mounted("hugetlbfs", f"pagesize={page_size >> 10}K")
 
 
 @contextlib.contextmanager
@@ -119,26 +128,6 @@ def huge_pages(page_size: int, count: int) -> Iterator[int]:
         yield int(pool.read_text()) - old
     finally:
         pool.write_text(str(old))
-
-
-@contextlib.contextmanager
-def mounted_hugetlbfs(page_size: int) -> Iterator[Path]:
-    """A hugetlbfs of `page_size` pages, unmounted afterwards (skips where mounting fails)."""
-    path = Path(tempfile.mkdtemp(prefix="engramd-hugetlbfs-", dir="/tmp"))
-    mounted = subprocess.run(
-        ["mount", "-t", "hugetlbfs", "-o", f"pagesize={page_size >> 10}K", "none", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        path.rmdir()
-        pytest.skip(f"cannot mount hugetlbfs here ({mounted.stderr.strip()}); needs root")
-    try:
-        yield path
-    finally:
-        # Lazy: a worker that still maps a set keeps its pages until it exits.
-        subprocess.run(["umount", "-l", str(path)], check=True)
-        path.rmdir()
 
 
 @pytest.fixture
