@@ -303,11 +303,13 @@ def _claim_socket(path: str, gid: int | None) -> None:
     except FileNotFoundError:
         return
     except OSError as e:
-        if e.errno != errno.ECONNREFUSED:
-            raise
-        log.info("removing stale socket %s", path)
-        os.unlink(path)
-        return
+        # EPROTOTYPE: a live socket of another type (the fd channel is SOCK_SEQPACKET).
+        if e.errno != errno.EPROTOTYPE:
+            if e.errno != errno.ECONNREFUSED:
+                raise
+            log.info("removing stale socket %s", path)
+            os.unlink(path)
+            return
     finally:
         probe.close()
     raise RuntimeError(f"another engramd is serving on {path}; stop it first or choose --socket")

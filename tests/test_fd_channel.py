@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from conftest import Daemon
 from engramd.backings.memfd import SEALS
 from engramd_client.errors import NotAllowed
 from engramd_client.fdchannel import collect
@@ -148,3 +149,19 @@ def test_bad_clients_leave_the_daemon_serving_and_its_descriptors_flat(
         cycle()
     assert open_fds(d.pid) <= baseline + 2, "the daemon's descriptors grew over the churn"
     assert d.status().sets[0].state == "ready"
+
+
+def test_a_second_daemon_does_not_take_a_live_fd_channel(
+    checkpoint: Path, daemons: Any, sock_dir: Path
+) -> None:
+    d = daemons()
+    other = Daemon(
+        sock_dir / "other.sock",
+        d.shm_dir,
+        ["--fd-socket", fd_socket(d), "--admin-socket", str(sock_dir / "other-admin.sock")],
+        sock_dir / "other.log",
+    )
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        other.start()
+    assert f"another engramd is serving on {fd_socket(d)}" in other.log
+    assert os.path.exists(fd_socket(d))  # the first daemon's channel is still there
