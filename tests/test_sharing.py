@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Worker
+from engramd_client import plan_tables
 from helpers import reference_digests, shmem_bytes
 
 
@@ -49,8 +50,11 @@ def test_write_through_shared_tensor_faults(
 def test_private_tensor_is_writable_and_separate(
     checkpoint: Path, workers: list[Worker], sock_dir: Path
 ) -> None:
+    before = shmem_bytes()
     w = Worker(checkpoint, sock_dir / "none.sock", share="off")
     workers.append(w)
+    # Private tables are the worker's own memory, not shared memory.
+    assert shmem_bytes() - before < plan_tables(checkpoint).nbytes // 2
     name = "layers.1.engram.embed.weight"
     assert w.ask(f"write {name}") == {"wrote": name}
     assert w.ask("digest")["digests"][name] != reference_digests(checkpoint)[name]

@@ -3,7 +3,7 @@
 Both paths hand out CPU tensors that view their memory without a copy. A
 shared tensor views a PROT_READ mapping: a write through it faults (SIGSEGV)
 instead of changing the table for every worker. A private tensor views an
-anonymous mapping of exactly the tensor's bytes (rounded to a page), filled
+private anonymous mapping of exactly the tensor's bytes (rounded to a page), filled
 with positional reads from the checkpoint; no caching allocator rounds it up.
 """
 
@@ -130,7 +130,9 @@ def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
     ).cut(rows)
     if region.length == 0:
         return torch.empty(region.shape, dtype=torch_dtype(region.dtype))
-    buffer = mmap.mmap(-1, region.length)
+    # MAP_PRIVATE: a private copy is this process's memory, not shared memory
+    # (Python's default for -1 is a shared mapping, which counts as Shmem).
+    buffer = mmap.mmap(-1, region.length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = memoryview(buffer)
     try:
         with open(region.path, "rb", buffering=0) as f:
