@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon
+from conftest import Daemon, wait_until
 from engramd.backings.memfd import SEALS
 from engramd_client.errors import NotAllowed
 from engramd_client.fdchannel import collect
@@ -88,8 +88,10 @@ def test_secret_is_one_time_and_bound_to_a_live_lease(checkpoint: Path, daemons:
             os.close(fd)
         with pytest.raises(NotAllowed, match="no live lease"):
             take(d, lease)
+    # The daemon ends a lease when it sees its stream go, a moment after the cancel.
+    wait_until(lambda: d.status().sets[0].lease_count == 0, 10, "both leases to end")
     with pytest.raises(NotAllowed, match="no live lease"):
-        take(d, other)  # its lease ended with its stream
+        take(d, other)
 
 
 def test_lease_of_another_process_is_refused(checkpoint: Path, daemons: Any) -> None:
@@ -147,7 +149,8 @@ def test_bad_clients_leave_the_daemon_serving_and_its_descriptors_flat(
             )
     for _ in range(200):
         cycle()
-    assert open_fds(d.pid) <= baseline + 2, "the daemon's descriptors grew over the churn"
+    # The last connections close on the daemon's side a moment after this side's.
+    wait_until(lambda: open_fds(d.pid) <= baseline + 2, 10, f"the daemon's fds near {baseline}")
     assert d.status().sets[0].state == "ready"
 
 
