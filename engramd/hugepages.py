@@ -62,11 +62,6 @@ def pool(page_size: int, node: int | None = None) -> Pool:
     return Pool(page_size, read("nr_hugepages") * page_size, free * page_size, node)
 
 
-def bound_node(numa: str) -> int | None:
-    """The node a `--numa node:N` placement binds pages to, else None."""
-    return int(numa.split(":")[1]) if numa.startswith("node:") else None
-
-
 #: Huge page sizes a memfd may ask for (MFD_HUGETLB), with their flags.
 MEMFD_PAGE_SIZES = {2 << 20: os.MFD_HUGE_2MB, 1 << 30: os.MFD_HUGE_1GB}
 

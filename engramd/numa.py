@@ -56,12 +56,17 @@ class Placement:
             )
         return cls(text)
 
+    @property
+    def node(self) -> int | None:
+        """The node a "node:N" placement binds pages to, else None."""
+        return int(self.policy.split(":")[1]) if self.policy.startswith("node:") else None
+
     def mode_and_nodes(self, root: Path = NODES) -> tuple[int, list[int]]:
         """The set_mempolicy mode and node list of this placement."""
         if self.policy == "interleave":
             return MPOL_INTERLEAVE, nodes(root)
-        if self.policy.startswith("node:"):
-            return MPOL_BIND, [int(self.policy.split(":")[1])]
+        if self.node is not None:
+            return MPOL_BIND, [self.node]
         return MPOL_DEFAULT, []
 
 

@@ -259,6 +259,10 @@ class SetStore:
             iter(held), None
         )
 
+    def holds(self, ts: TableSet) -> bool:
+        """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
+        return self.sets.get(self.key(ts.set_id, ts.backing)) is ts
+
     def find_lease(self, lease_id: str) -> tuple[TableSet, Lease] | None:
         """The set and the live lease with this id, if any."""
         for ts in self.sets.values():
@@ -291,9 +295,7 @@ class SetStore:
                     gib(victim.nbytes),
                     what,
                 )
-                if self.sets.get(self.key(victim.set_id, victim.backing)) is victim and not (
-                    victim.leases
-                ):
+                if self.holds(victim) and not victim.leases:
                     await self.drop(victim.set_id, force=False, backing=victim.backing)
             # Other loads may have started while the drops ran: judge again.
             ts = self.get(plan.set_id)
@@ -403,7 +405,7 @@ class SetStore:
         try:
             corrupted = await self._files.run(_corrupted, ts.backing, ts.manifest)
         except (OSError, ManifestError):
-            if self.get(set_id) is ts:
+            if self.holds(ts):
                 raise
             raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
         return ts, corrupted
@@ -458,10 +460,10 @@ class SetStore:
         if not self._mlock or ts.manifest is None:
             return
         for index in range(len(ts.manifest.tensors)):
-            if self.get(ts.set_id) is not ts:
+            if not self.holds(ts):
                 return  # dropped meanwhile: PinnedFiles unmaps what it still pins
             await self._files.run(ts.backing.pin, ts.manifest, index, ts.pins)
-        ts.locked = ts.pins.error is None and self.get(ts.set_id) is ts
+        ts.locked = ts.pins.error is None and self.holds(ts)
         if ts.locked:
             # Reading numa_maps walks the page tables of every mapping: once, off the loop.
             ts.nodes = await self._files.run(_nodes_of, ts.backing.mapped_as(ts.set_id))
@@ -478,7 +480,7 @@ class SetStore:
 
     def add_lease(self, ts: TableSet, request: pb.AttachRequest, kind: int) -> Lease:
         """Record a worker attached to a ready set, mapping it by handles of `kind`."""
-        if self.get(ts.set_id) is not ts:
+        if not self.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
         held = self.lease_count()
         if self._max_leases and held >= self._max_leases:

@@ -39,7 +39,8 @@ from engramd_client.pb import engramd_pb2 as pb
 from ..config import DaemonConfig
 from ..errors import ShmFull, UntrustedShm
 from ..fdstore import FdStore
-from ..hugepages import MappedWriter, bound_node, fs_page_size, pool
+from ..hugepages import MappedWriter, Pool, fs_page_size, pool
+from ..numa import Placement
 from ..shmfs import mount_of
 from ..units import gib
 from .base import StagedSet, Usage
@@ -72,7 +73,7 @@ class HugetlbfsBacking(TmpfsBacking):
         cls, config: DaemonConfig, gid: int | None, fd_store: FdStore
     ) -> HugetlbfsBacking:
         """Files under `config.shm_dir`, which must be a hugetlbfs mount."""
-        return cls(config.shm_dir, gid, bound_node(config.numa))
+        return cls(config.shm_dir, gid, Placement(config.numa).node)
 
     def claim(self) -> None:
         """Refuse a shm folder that is not on hugetlbfs; then as tmpfs."""
@@ -84,14 +85,19 @@ class HugetlbfsBacking(TmpfsBacking):
             )
         super().claim()
 
-    def usage(self) -> Usage:
-        """The pool of huge pages of the mount's size, tightened by its size= limit."""
+    def _bounds(self) -> tuple[Pool, int, int]:
+        """(the pool, total, free): the pool of the mount's page size, tightened by size=."""
         p = pool(self.page_size, self.node)
         st = os.statvfs(self.shm_dir)
         total, free = p.total, p.free
         if st.f_blocks:  # mounted with size=
             total = min(total, st.f_blocks * st.f_frsize)
             free = min(free, st.f_bavail * st.f_frsize)
+        return p, total, free
+
+    def usage(self) -> Usage:
+        """The pool of huge pages of the mount's size, tightened by its size= limit."""
+        _, total, free = self._bounds()
         used = sum(
             f.stat().st_size
             for folder in sets_root(self.shm_dir).glob("*")
@@ -107,18 +113,17 @@ class HugetlbfsBacking(TmpfsBacking):
 
     def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
         """Refuse a set beyond the pool (or the mount), or its free pages plus `reclaimable`."""
-        u = self.usage()
-        p = pool(self.page_size, self.node)
-        if needed > u.total:
+        p, total, free = self._bounds()
+        if needed > total:
             raise ShmFull(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
-                f"{self.shm_dir} can have {gib(u.total)} in all; {p.fix(needed)}"
+                f"{self.shm_dir} can have {gib(total)} in all; {p.fix(needed)}"
             )
-        if needed > u.free + reclaimable:
+        if needed > free + reclaimable:
             raise ShmFull(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
-                f"{gib(u.free)} are free for {self.shm_dir}; drop unused sets or "
-                f"{p.fix(needed + u.total - u.free)}"
+                f"{gib(free)} are free for {self.shm_dir}; drop unused sets or "
+                f"{p.fix(needed + total - free)}"
             )
 
     def stage(self, plan: TablePlan) -> StagedSet:

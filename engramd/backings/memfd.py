@@ -32,8 +32,9 @@ from ..checksum import digest_fd
 from ..config import DaemonConfig
 from ..errors import ShmFull
 from ..fdstore import FdStore
-from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, bound_node, pool
+from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from ..memlimit import memory_limit, page_size_of_memfd
+from ..numa import Placement
 from ..pinning import PinnedFiles
 from ..units import gib
 from .base import Backing, StagedSet, Usage
@@ -82,7 +83,7 @@ class MemfdBacking(Backing):
         if config.page_size and config.page_size not in MEMFD_PAGE_SIZES:
             sizes = ", ".join(gib(n) for n in MEMFD_PAGE_SIZES)
             raise ValueError(f"--page-size {gib(config.page_size)}: memfds take {sizes} pages")
-        return cls(fd_store, config.page_size, bound_node(config.numa))
+        return cls(fd_store, config.page_size, Placement(config.numa).node)
 
     def footprint(self, sizes: list[int]) -> int:
         """hugetlb: one packed memfd in whole huge pages; else each tensor in pages of its own."""
