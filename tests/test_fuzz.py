@@ -60,9 +60,12 @@ def _alive(d: Daemon) -> None:
     assert d.status().daemon.pid == d.pid
 
 
+#: Past the daemon's 4096-character limits, cheaply: one character repeated
+#: (70,000 random characters per field exceeded hypothesis's generation budget).
+long_text = st.builds(lambda c, n: c * n, st.characters(), st.integers(4097, 70_000))
 text = st.one_of(
     st.text(max_size=64),
-    st.text(min_size=4096, max_size=70_000),
+    long_text,
     st.sampled_from(["../../etc", "/", "*", "[", "**/..", "\x00", "0" * 20, "f" * 20]),
 )
 
@@ -73,7 +76,11 @@ text = st.one_of(
     checkpoint=text,
     tensors=text,
     pid=st.integers(-(2**31), 2**31 - 1),
-    labels=st.dictionaries(st.text(max_size=300), st.text(max_size=300), max_size=40),
+    labels=st.dictionaries(
+        st.one_of(st.text(max_size=80), long_text),
+        st.one_of(st.text(max_size=80), long_text),
+        max_size=40,
+    ),
     accept=st.lists(st.integers(0, 2**31 - 1), max_size=5),
     reattach=st.booleans(),
 )
