@@ -28,22 +28,23 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadEvent]:
-        """Load a checkpoint's set; stream progress, then the ready set."""
+        """Load a checkpoint's set (a copy per node, --numa per-node); progress, then the set."""
         try:
             if not request.checkpoint:
                 raise InvalidRequest("checkpoint is empty; name a checkpoint folder")
             plan = await self._readers.run(
                 plan_tables, request.checkpoint, request.tensors or self._config.tensors
             )
-            ts = await self._store.ensure(plan)
-            async for progress in load_progress(ts):
-                yield pb.LoadEvent(progress=progress)
-            if ts.error is not None:
-                raise ts.error
+            copies = await self._store.ensure_everywhere(plan)
+            for ts in copies:
+                async for progress in load_progress(ts):
+                    yield pb.LoadEvent(progress=progress)
+                if ts.error is not None:
+                    raise ts.error
         except Exception as e:
             await abort(context, e)
             return
-        yield pb.LoadEvent(ready=set_info(ts))
+        yield pb.LoadEvent(ready=set_info(copies[0]))
 
     async def Drop(
         self, request: pb.DropRequest, context: grpc.aio.ServicerContext

@@ -192,7 +192,8 @@ def serve(
         str,
         typer.Option(
             envvar="ENGRAMD_NUMA",
-            help="Where sets' pages go: interleave, node:N (default: the kernel's choice).",
+            help="Where sets' pages go: interleave, node:N, or per-node (a copy on every node, "
+            "each worker mapping its node's; default: the kernel's choice).",
         ),
     ] = DEFAULTS.numa,
     shm_dir: Annotated[

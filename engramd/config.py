@@ -28,7 +28,7 @@ class DaemonConfig:
     backing: str = "tmpfs"
     #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
     page_size: int = 0
-    #: Where a set's pages go: "" (the kernel's choice), "interleave" (every node), "node:N".
+    #: Where a set's pages go: "" (the kernel's choice), "interleave", "node:N", "per-node".
     numa: str = ""
     #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"

@@ -82,16 +82,18 @@ def load_set(
     threads: int,
     progress: LoadProgress,
     placement: Placement = DEFAULT_PLACEMENT,
+    node: int | None = None,
 ) -> Manifest:
     """Copy the plan's tensors into `backing`, publish the set and return its manifest.
 
-    The backing reserves (allocates) every page in this thread, under `placement`.
+    The backing reserves (allocates) every page in this thread, under
+    `placement`; a copy kept for NUMA `node` (--numa per-node) is bound there.
     """
     sources = {s.path: s for s in plan.sources}
     for source in plan.sources:
         _check_identity(source, os.stat(source.path), "since its headers were read")
-    with applied(placement):
-        staged = backing.stage(plan)
+    with applied(placement.for_copy(node)):
+        staged = backing.stage(plan, node)
     try:
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
 
@@ -122,6 +124,7 @@ def load_set(
                 for i, t in enumerate(plan.tensors)
             ),
             sources=plan.sources,
+            node=node,
         )
         staged.publish(manifest)
         return manifest

@@ -33,6 +33,8 @@ class SetSample:
     """One set at one scrape."""
 
     set_id: str
+    #: The NUMA node of a per-node copy, "" for a set's one copy.
+    node: str
     backing: str
     state: str
     nbytes: int
@@ -55,6 +57,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
         samples.append(
             SetSample(
                 ts.set_id,
+                "" if ts.node is None else str(ts.node),
                 ts.backing.name,
                 ts.state.value,
                 ts.nbytes,
@@ -85,24 +88,21 @@ class StoreCollector(Collector):
         sets, usages, ready = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(
             SNAPSHOT_TIMEOUT_S
         )
+        copy = ["set_id", "node"]
         set_bytes = GaugeMetricFamily(
-            "engramd_set_bytes", "Bytes of a set's tensors", labels=["set_id", "backing", "state"]
+            "engramd_set_bytes", "Bytes of a set's tensors", labels=[*copy, "backing", "state"]
         )
-        leases = GaugeMetricFamily("engramd_set_leases", "Workers attached", labels=["set_id"])
-        locked = GaugeMetricFamily("engramd_set_locked", "1 when mlocked", labels=["set_id"])
-        loaded = GaugeMetricFamily(
-            "engramd_load_bytes_done", "Bytes copied in so far", labels=["set_id"]
-        )
-        rate = GaugeMetricFamily(
-            "engramd_load_bytes_per_second", "Load throughput", labels=["set_id"]
-        )
+        leases = GaugeMetricFamily("engramd_set_leases", "Workers attached", labels=copy)
+        locked = GaugeMetricFamily("engramd_set_locked", "1 when mlocked", labels=copy)
+        loaded = GaugeMetricFamily("engramd_load_bytes_done", "Bytes copied in so far", labels=copy)
+        rate = GaugeMetricFamily("engramd_load_bytes_per_second", "Load throughput", labels=copy)
         for s in sets:
-            set_bytes.add_metric([s.set_id, s.backing, s.state], s.nbytes)
-            leases.add_metric([s.set_id], s.leases)
-            locked.add_metric([s.set_id], 1 if s.locked else 0)
-            loaded.add_metric([s.set_id], s.loaded)
+            set_bytes.add_metric([s.set_id, s.node, s.backing, s.state], s.nbytes)
+            leases.add_metric([s.set_id, s.node], s.leases)
+            locked.add_metric([s.set_id, s.node], 1 if s.locked else 0)
+            loaded.add_metric([s.set_id, s.node], s.loaded)
             if s.rate is not None:
-                rate.add_metric([s.set_id], s.rate)
+                rate.add_metric([s.set_id, s.node], s.rate)
         yield from (set_bytes, leases, locked, loaded, rate)
         attached, fell_back = self._store.stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])

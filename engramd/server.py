@@ -111,7 +111,7 @@ class EngramdServer:
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
-                self._configured.append(await self.store.ensure(plan))
+                self._configured += await self.store.ensure_everywhere(plan)
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays
                 # NOT_SERVING so the operator sees that this one is missing.

@@ -18,7 +18,7 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from .backings import Backing
 from .blocking import BlockingPool
 from .config import DaemonConfig
-from .errors import InvalidRequest, UnknownSet, abort
+from .errors import InvalidRequest, LoadFailed, UnknownSet, abort
 from .policy import LoadPolicy
 from .store import Lease, SetState, SetStore, TableSet
 from .units import gib
@@ -91,9 +91,23 @@ class TableService(pb_grpc.TableServiceServicer):
         )
 
     async def _resolve(self, request: pb.AttachRequest) -> TableSet:
-        ts = self._store.get(request.set_id)
+        node = self._store.copy_node_for(
+            request.numa_node if request.HasField("numa_node") else None
+        )
+        ts = self._store.get(request.set_id, node)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
+        held = self._store.get(request.set_id)
+        if held is not None and held.manifest is not None:
+            # A copy on another node (--numa per-node): this node's comes from the
+            # checkpoint and selection that one was loaded from.
+            plan = await self._readers.run(plan_tables, held.checkpoint, held.manifest.selection)
+            if plan.set_id != held.set_id:
+                raise LoadFailed(
+                    f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "
+                    f"copy for NUMA node {node} can be made; load the checkpoint again"
+                )
+            return await self._store.ensure(plan, node)
         if request.reattach or not request.checkpoint:
             if ts is not None and ts.error is not None:
                 raise ts.error
@@ -105,7 +119,7 @@ class TableService(pb_grpc.TableServiceServicer):
         path = self._policy.check_request(request, loaded)
         plan = await self._readers.run(plan_tables, path, self._config.tensors)
         self._policy.check_plan(path, plan, request.set_id)
-        return await self._store.ensure(plan)
+        return await self._store.ensure(plan, node)
 
     def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
         assert ts.manifest is not None

@@ -7,6 +7,7 @@ from typing import Any
 from google.protobuf.json_format import MessageToDict
 
 from engramd_client.config import ClientConfig
+from engramd_client.layout import copy_name
 from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -96,8 +97,9 @@ def render(reply: pb.StatusReply) -> str:
     for s in reply.sets:
         loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
         state = s.state + ("*" if s.adopted else "")
+        name = copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None)
         lines.append(
-            f"{s.set_id:20}  {state:8}  {s.backing:9}  {_pages(s.page_size):>7}  "
+            f"{name:20}  {state:8}  {s.backing:9}  {_pages(s.page_size):>7}  "
             f"{gib(s.bytes):>10}  {loaded:>6}  "
             f"{'yes' if s.locked else 'no':6}  {s.lease_count:>6}  {escape(s.checkpoint)}"
         )

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from engramd_client.checkpoint import CheckpointError, TablePlan
-from engramd_client.layout import Manifest, ManifestError
+from engramd_client.layout import Manifest, ManifestError, copy_name
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.process import pid_namespace, start_ticks
 
@@ -88,6 +88,8 @@ class Lease:
     set_id: str
     #: The name of the backing of the set the lease holds.
     backing: str
+    #: The NUMA node of the copy the lease holds (--numa per-node), else None.
+    node: int | None
     pid: int
     labels: dict[str, str]
     #: When the worker's process started (clock ticks after boot), where the daemon
@@ -117,6 +119,8 @@ class TableSet:
     nbytes: int
     ntensors: int
     backing: Backing
+    #: The NUMA node this copy is kept for (--numa per-node); None: the set's one copy.
+    node: int | None = None
     state: SetState = SetState.LOADING
     adopted: bool = False
     manifest: Manifest | None = None
@@ -137,6 +141,11 @@ class TableSet:
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
+    def copy(self) -> str:
+        """This copy's name in its backing: the set id, with the node of a per-node copy."""
+        return copy_name(self.set_id, self.node)
+
+    @property
     def bytes_loaded(self) -> int:
         """Bytes copied so far (all of them once ready)."""
         if self.state is SetState.READY:
@@ -144,8 +153,9 @@ class TableSet:
         return self.progress.done if self.progress else 0
 
 
-#: A set is known by its id and its backing's name: the id never depends on the backing.
-SetKey = tuple[str, str]
+#: A set is known by its id, its backing's name and the NUMA node of a per-node copy:
+#: the id never depends on where the bytes are.
+SetKey = tuple[str, str, int | None]
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
 #: below gRPC's 4 MiB limit whatever the workers send.
@@ -181,7 +191,8 @@ class SetStore:
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
         self._files = BlockingPool("files", 4)
-        #: The sets by (set id, backing): one checkpoint's copies in two backings are two sets.
+        #: The sets by (set id, backing, node): one checkpoint's copies in two backings, or
+        #: on two nodes, are two sets.
         self.sets: dict[SetKey, TableSet] = {}
         #: Attaches served and refused, fallbacks reported (metrics).
         self.stats = Stats()
@@ -212,6 +223,17 @@ class SetStore:
         verify: bool,
         verifying: Callable[[str], None] | None,
     ) -> None:
+        if manifest.node not in self._placement.copy_nodes:
+            kept = "one copy" if manifest.node is None else f"a copy for NUMA node {manifest.node}"
+            log.info(
+                "removing set %s: it was kept as %s, --numa %s keeps copies for %s",
+                manifest.copy,
+                kept,
+                self._placement.policy or "(unset)",
+                self._placement.copy_nodes,
+            )
+            await self._files.run(backing.remove, manifest.copy)
+            return
         if verify:
             if verifying is not None:
                 verifying(manifest.set_id)
@@ -222,7 +244,7 @@ class SetStore:
                     manifest.set_id,
                     ", ".join(corrupted),
                 )
-                await self._files.run(backing.remove, manifest.set_id)
+                await self._files.run(backing.remove, manifest.copy)
                 return
         ts = TableSet(
             set_id=manifest.set_id,
@@ -231,37 +253,51 @@ class SetStore:
             nbytes=manifest.nbytes,
             ntensors=len(manifest.tensors),
             backing=backing,
+            node=manifest.node,
             state=SetState.READY,
             adopted=True,
             manifest=manifest,
             idle_after=time.monotonic() + self._adopt_grace_s,
         )
         ts.done.set()
-        self.sets[self.key(ts.set_id, backing)] = ts
+        self.sets[self.key(ts.set_id, backing, ts.node)] = ts
         self._spawn(self._pin(ts))
         log.info(
             "adopted set %s (%s, %s, %s) without reloading",
-            ts.set_id,
+            ts.copy,
             ts.checkpoint,
             gib(ts.nbytes),
             backing.name,
         )
 
     @staticmethod
-    def key(set_id: str, backing: Backing) -> SetKey:
-        """How the store knows the set with this id in `backing`."""
-        return set_id, backing.name
+    def key(set_id: str, backing: Backing, node: int | None = None) -> SetKey:
+        """How the store knows the copy of the set with this id in `backing` (for `node`)."""
+        return set_id, backing.name, node
 
-    def get(self, set_id: str) -> TableSet | None:
-        """The set with this id, in any state: the first that is not failed, by backing order."""
-        held = [ts for b in self.backings if (ts := self.sets.get(self.key(set_id, b)))]
+    def copies(self, set_id: str) -> list[TableSet]:
+        """Every copy of the set with this id, in any state: by backing order, then node."""
+        return [
+            ts
+            for b in self.backings
+            for node in self._placement.copy_nodes
+            if (ts := self.sets.get(self.key(set_id, b, node)))
+        ]
+
+    def get(self, set_id: str, node: int | None = None) -> TableSet | None:
+        """The set with this id (its copy for `node`, if given): first not failed, by backing."""
+        held = [ts for ts in self.copies(set_id) if node is None or ts.node == node]
         return next((ts for ts in held if ts.state is not SetState.FAILED), None) or next(
             iter(held), None
         )
 
     def holds(self, ts: TableSet) -> bool:
         """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
-        return self.sets.get(self.key(ts.set_id, ts.backing)) is ts
+        return self.sets.get(self.key(ts.set_id, ts.backing, ts.node)) is ts
+
+    def copy_node_for(self, worker_node: int | None) -> int | None:
+        """The node of the copy a worker on `worker_node` maps (None: the one copy)."""
+        return self._placement.copy_node_for(worker_node)
 
     def find_lease(self, lease_id: str) -> tuple[TableSet, Lease] | None:
         """The set and the live lease with this id, if any."""
@@ -271,21 +307,25 @@ class SetStore:
                 return ts, lease
         return None
 
-    async def ensure(self, plan: TablePlan) -> TableSet:
-        """The set of `plan`, starting its load unless it is loading or ready.
+    async def ensure_everywhere(self, plan: TablePlan) -> list[TableSet]:
+        """Every copy of the set of `plan` (one per node with --numa per-node), as `ensure`."""
+        return [await self.ensure(plan, node) for node in self._placement.copy_nodes]
+
+    async def ensure(self, plan: TablePlan, node: int | None = None) -> TableSet:
+        """The set of `plan` (its copy for `node`), starting its load unless it is loading or ready.
 
         Nothing is evicted unless the load can then go ahead: the budget and
         the shm folder's capacity are judged first, counting what eviction frees.
         """
-        ts = self.get(plan.set_id)
+        ts = self.get(plan.set_id, node)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
         sizes = [t.nbytes for t in plan.tensors]
         needed = max(b.footprint(sizes) for b in self.backings)
-        what = f"set {plan.set_id} ({plan.checkpoint})"
+        what = f"set {copy_name(plan.set_id, node)} ({plan.checkpoint})"
         while True:
             victims = self._victims(needed, what)
-            backing = self._place(sizes, what, victims)
+            backing = self._place(sizes, what, victims, node)
             if not victims:
                 break
             for victim in victims:
@@ -296,9 +336,9 @@ class SetStore:
                     what,
                 )
                 if self.holds(victim) and not victim.leases:
-                    await self.drop(victim.set_id, force=False, backing=victim.backing)
+                    await self._drop([victim])
             # Other loads may have started while the drops ran: judge again.
-            ts = self.get(plan.set_id)
+            ts = self.get(plan.set_id, node)
             if ts is not None and ts.state is not SetState.FAILED:
                 return ts
         ts = TableSet(
@@ -308,20 +348,23 @@ class SetStore:
             nbytes=plan.nbytes,
             ntensors=len(plan.tensors),
             backing=backing,
+            node=node,
             progress=LoadProgress(plan.nbytes),
         )
-        self.sets[self.key(plan.set_id, backing)] = ts
+        self.sets[self.key(plan.set_id, backing, node)] = ts
         self._spawn(self._load(ts, plan))
         return ts
 
-    def _place(self, sizes: list[int], what: str, victims: list[TableSet]) -> Backing:
+    def _place(
+        self, sizes: list[int], what: str, victims: list[TableSet], node: int | None
+    ) -> Backing:
         """The first backing that can hold the tensors (counting what evicting `victims` frees)."""
         refusals = []
         for backing in self.backings:
             needed = backing.footprint(sizes)
             freed = sum(self._reserved(v) for v in victims if v.backing is backing)
             try:
-                backing.check_capacity(needed, what, reclaimable=freed)
+                backing.check_capacity(needed, what, reclaimable=freed, node=node)
                 return backing
             except ShmFull as e:
                 refusals.append(e)
@@ -368,47 +411,58 @@ class SetStore:
             return ts.backing.reserved(ts.nbytes)
         return ts.backing.footprint([t.nbytes for t in ts.manifest.tensors])
 
-    async def drop(
-        self, set_id: str, force: bool, backing: Backing | None = None
-    ) -> tuple[int, int]:
-        """Unlink a set; returns (bytes, leases ended). Refuses a leased set unless `force`.
+    async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
+        """Unlink every copy of a set; returns (bytes, leases ended).
 
-        The set (in `backing`, else the one `get` finds) leaves the store at
-        once; unlocking and unlinking its files run on a thread (about a
-        minute at 189 GiB).
+        Refuses (dropping nothing) while a copy loads, or is leased unless
+        `force`. The copies leave the store at once; unlocking and unlinking
+        their files run on a thread (about a minute at 189 GiB).
         """
-        ts = self.get(set_id) if backing is None else self.sets.get(self.key(set_id, backing))
-        if ts is None:
+        copies = self.copies(set_id)
+        if not copies:
             raise UnknownSet(f"engramd holds no set {set_id}")
-        if ts.state is SetState.LOADING:
+        if any(ts.state is SetState.LOADING for ts in copies):
             raise LoadFailed(f"set {set_id} is still loading; drop it once it is ready")
-        if ts.leases and not force:
+        leases = [lease for ts in copies for lease in ts.leases.values()]
+        if leases and not force:
             raise LoadFailed(
-                f"set {set_id} has {len(ts.leases)} leases (pids "
-                f"{', '.join(str(lease.pid) for lease in ts.leases.values())}); "
+                f"set {set_id} has {len(leases)} leases (pids "
+                f"{', '.join(str(lease.pid) for lease in leases)}); "
                 "stop those workers or drop with --force (they keep their mappings)"
             )
-        leases = len(ts.leases)
-        for lease in ts.leases.values():
-            lease.ended.set()
-        ts.leases.clear()
-        del self.sets[self.key(set_id, ts.backing)]
-        await self._files.run(_remove, ts.backing, ts.pins, set_id)
-        log.info("dropped set %s (%s, %d leases ended)", set_id, gib(ts.nbytes), leases)
-        return ts.nbytes, leases
+        return await self._drop(copies)
+
+    async def _drop(self, copies: list[TableSet]) -> tuple[int, int]:
+        ended = [len(ts.leases) for ts in copies]
+        for ts in copies:
+            for lease in ts.leases.values():
+                lease.ended.set()
+            ts.leases.clear()
+            del self.sets[self.key(ts.set_id, ts.backing, ts.node)]
+        for ts, leases in zip(copies, ended, strict=True):
+            await self._files.run(_remove, ts.backing, ts.pins, ts.copy)
+            log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
+        return sum(ts.nbytes for ts in copies), sum(ended)
 
     async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
-        """The set, and the names of its tensors whose bytes no longer match the manifest."""
-        ts = self.get(set_id)
-        if ts is None or ts.manifest is None:
+        """The set, and the names of its tensors whose bytes no longer match the manifest.
+
+        Every ready copy is checked; a tensor of a per-node copy is named with its node.
+        """
+        ready = [ts for ts in self.copies(set_id) if ts.manifest is not None]
+        if not ready:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
-        try:
-            corrupted = await self._files.run(_corrupted, ts.backing, ts.manifest)
-        except (OSError, ManifestError):
-            if self.holds(ts):
-                raise
-            raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
-        return ts, corrupted
+        corrupted = []
+        for ts in ready:
+            assert ts.manifest is not None
+            try:
+                names = await self._files.run(_corrupted, ts.backing, ts.manifest)
+            except (OSError, ManifestError):
+                if self.holds(ts):
+                    raise
+                raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
+            corrupted += [name if ts.node is None else f"{name} (node {ts.node})" for name in names]
+        return ready[0], corrupted
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -424,20 +478,26 @@ class SetStore:
         assert ts.progress is not None
         log.info(
             "loading set %s: %d tensors, %s from %s",
-            ts.set_id,
+            ts.copy,
             ts.ntensors,
             gib(ts.nbytes),
             plan.checkpoint,
         )
         try:
             ts.manifest = await self._loads.run(
-                load_set, plan, ts.backing, self._load_threads, ts.progress, self._placement
+                load_set,
+                plan,
+                ts.backing,
+                self._load_threads,
+                ts.progress,
+                self._placement,
+                ts.node,
             )
         except BaseException as e:
             ts.state = SetState.FAILED
             ts.error = _load_error(ts, e)
             ts.done.set()
-            log.error("set %s failed to load: %s", ts.set_id, ts.error)
+            log.error("set %s failed to load: %s", ts.copy, ts.error)
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
@@ -447,7 +507,7 @@ class SetStore:
         ts.done.set()
         log.info(
             "set %s ready: %s in %.2f s (%.2f GB/s)",
-            ts.set_id,
+            ts.copy,
             gib(ts.nbytes),
             ts.load_seconds,
             ts.nbytes / max(ts.load_seconds, 1e-9) / 1e9,
@@ -466,7 +526,7 @@ class SetStore:
         ts.locked = ts.pins.error is None and self.holds(ts)
         if ts.locked:
             # Reading numa_maps walks the page tables of every mapping: once, off the loop.
-            ts.nodes = await self._files.run(_nodes_of, ts.backing.mapped_as(ts.set_id))
+            ts.nodes = await self._files.run(_nodes_of, ts.backing.mapped_as(ts.copy))
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(
@@ -494,6 +554,7 @@ class SetStore:
             lease_id=secrets.token_hex(6),
             set_id=ts.set_id,
             backing=ts.backing.name,
+            node=ts.node,
             pid=request.pid,
             labels=dict(request.labels),
             pid_start=start if verified else None,
@@ -512,7 +573,7 @@ class SetStore:
 
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
-        ts = self.sets.get((lease.set_id, lease.backing))
+        ts = self.sets.get((lease.set_id, lease.backing, lease.node))
         if ts is not None and ts.leases.pop(lease.lease_id, None) is not None:
             ts.last_used = time.monotonic()
 
@@ -562,18 +623,18 @@ class SetStore:
         await asyncio.wait([release], timeout=grace)
         if drop:
             for ts in ready:
-                log.info("dropped set %s", ts.set_id)
+                log.info("dropped set %s", ts.copy)
 
 
-def _remove(backing: Backing, pins: PinnedFiles, set_id: str) -> None:
+def _remove(backing: Backing, pins: PinnedFiles, copy: str) -> None:
     pins.release()
-    backing.remove(set_id)
+    backing.remove(copy)
 
 
 def _release_all(sets: list[TableSet], drop: bool) -> None:
     for ts in sets:
         if drop:
-            _remove(ts.backing, ts.pins, ts.set_id)
+            _remove(ts.backing, ts.pins, ts.copy)
         else:
             ts.pins.release()
 

@@ -73,6 +73,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         lease_count=len(ts.leases),
         page_size=ts.backing.page_size,
         bytes_per_node=ts.nodes,
+        numa_node=ts.node,
     )
 
 

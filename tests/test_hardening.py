@@ -590,8 +590,8 @@ def test_a_drop_in_progress_does_not_stall_the_daemon(
 ) -> None:
     entered, release = _paused(monkeypatch, "_remove")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing)] = d.server.store.sets
-        assert backing == "tmpfs"
+        [(set_id, backing, node)] = d.server.store.sets
+        assert (backing, node) == ("tmpfs", None)
         drop = d.spawn(d.server.store.drop(set_id, force=False))
         assert entered.wait(30)
         # The unlink is paused on its thread: status and attaches still answer.
@@ -609,8 +609,8 @@ def test_verify_racing_a_drop_answers_not_found(
 ) -> None:
     entered, release = _paused(monkeypatch, "_corrupted")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing)] = d.server.store.sets
-        assert backing == "tmpfs"
+        [(set_id, backing, node)] = d.server.store.sets
+        assert (backing, node) == ("tmpfs", None)
         with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
             admin = pb_grpc.AdminServiceStub(ch)
             verify = admin.Verify.future(pb.VerifyRequest(set_id=set_id), timeout=30)

@@ -8,13 +8,21 @@ it has not run on two nodes.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import os
 import platform
+import subprocess
+import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
-from conftest import Daemon
+from conftest import Daemon, Worker, wait_until
+from engramd import numa as numa_module
+from engramd.config import DaemonConfig
 from engramd.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
@@ -27,6 +35,11 @@ from engramd.numa import (
     nodes,
 )
 from engramd_client import plan_tables
+from engramd_client.layout import sets_root
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.topology import local_node
+from helpers import InProcessDaemon, reference_digests, shmem_bytes
 
 _GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
 
@@ -49,10 +62,10 @@ def this_threads_policy() -> tuple[int, list[int]]:
 
 def test_policies_reach_the_kernel_and_are_undone() -> None:
     assert this_threads_policy()[0] == MPOL_DEFAULT
-    with applied(Placement("interleave")):
+    with applied(Placement.parse("interleave")):
         assert this_threads_policy() == (MPOL_INTERLEAVE, nodes())
     assert this_threads_policy()[0] == MPOL_DEFAULT
-    with applied(Placement("node:0")):
+    with applied(Placement.parse("node:0")):
         assert this_threads_policy() == (MPOL_BIND, [0])
     assert this_threads_policy()[0] == MPOL_DEFAULT
 
@@ -61,15 +74,20 @@ def test_two_nodes_from_a_recorded_sysfs(tmp_path: Path) -> None:
     (tmp_path / "has_memory").write_text("0-1\n")
     (tmp_path / "online").write_text("0-1\n")
     assert nodes(tmp_path) == [0, 1]
-    assert Placement.parse("interleave", tmp_path).mode_and_nodes(tmp_path) == (
-        MPOL_INTERLEAVE,
-        [0, 1],
-    )
-    assert Placement.parse("node:1", tmp_path).mode_and_nodes(tmp_path) == (MPOL_BIND, [1])
+    assert Placement.parse("interleave", tmp_path).mode_and_nodes() == (MPOL_INTERLEAVE, [0, 1])
+    assert Placement.parse("node:1", tmp_path).mode_and_nodes() == (MPOL_BIND, [1])
     with pytest.raises(NumaError, match=r"node 2 has no memory; nodes: \[0, 1\]"):
         Placement.parse("node:2", tmp_path)
-    with pytest.raises(NumaError, match="use interleave or node:N"):
+    with pytest.raises(NumaError, match="use interleave, node:N or per-node"):
         Placement.parse("nearest", tmp_path)
+    per_node = Placement.parse("per-node", tmp_path)
+    assert per_node.copy_nodes == [0, 1]
+    assert per_node.mode_and_nodes() == (MPOL_DEFAULT, [])
+    assert per_node.for_copy(1).mode_and_nodes() == (MPOL_BIND, [1])
+    # A worker maps its node's copy; one whose node the daemon does not know, node 0's.
+    assert [per_node.copy_node_for(n) for n in (0, 1, 7, None)] == [0, 1, 0, 0]
+    one_copy = Placement.parse("interleave", tmp_path)
+    assert one_copy.copy_nodes == [None] and one_copy.copy_node_for(1) is None
     mask, maxnode = node_mask([0, 1, 65])
     assert (mask[0], mask[1], maxnode) == (0b11, 0b10, 129)
 
@@ -97,3 +115,182 @@ def test_a_daemon_bound_to_a_node_reports_where_its_set_is(
     with pytest.raises(RuntimeError, match="exited with"):
         bad.start()
     assert "node 7 has no memory" in bad.log
+
+
+def _two_node_sysfs(root: Path) -> Path:
+    """A recorded two-node host's /sys/devices/system/node: CPUs 0-3 on node 0, 4-7 on node 1."""
+    root.mkdir()
+    for name in ("has_memory", "online"):
+        (root / name).write_text("0-1\n")
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        (root / f"node{node}").mkdir()
+        (root / f"node{node}" / "cpulist").write_text(f"{cpus}\n")
+    return root
+
+
+def test_a_worker_s_node_is_where_most_of_its_cpus_are(tmp_path: Path) -> None:
+    root = _two_node_sysfs(tmp_path / "sys")
+    assert local_node(root, cpus={5, 6}) == 1
+    assert local_node(root, cpus={0, 5, 6}) == 1
+    assert local_node(root, cpus={3, 4}) == 0, "a tie goes to the lowest node"
+    assert local_node(tmp_path / "no-numa") is None
+    assert local_node() == nodes()[0], "this machine's one node"
+
+
+def _attach(sock: Path, set_id: str, numa_node: int | None) -> tuple[Any, pb.Attachment]:
+    """A raw Attach stream (reattach: the daemon may not load for it) and its Attachment."""
+    request = pb.AttachRequest(
+        set_id=set_id,
+        pid=os.getpid(),
+        accept=[pb.HANDLE_KIND_SHM],
+        reattach=True,
+        numa_node=numa_node,
+    )
+    channel = grpc.insecure_channel(f"unix:{sock}")
+    call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
+    attached = next(e for e in call if e.WhichOneof("event") == "attached").attached
+    return (channel, call), attached
+
+
+def _read_back(attachment: pb.Attachment, checkpoint: Path) -> Path:
+    """The one folder the attachment's tensors are in, once every byte equals the checkpoint's."""
+    source = {t.name: t for t in plan_tables(checkpoint).tensors}
+    for h in attachment.tensors:
+        t = source[h.name]
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            expected = f.read(t.nbytes)
+        with open(h.shm.path, "rb") as f:
+            f.seek(h.shm.offset)
+            assert f.read(h.shm.length) == expected, h.name
+    [folder] = {h.shm.set_dir for h in attachment.tensors}
+    return Path(folder)
+
+
+def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon's real code on two nodes, with the kernel's side recorded, not made.
+
+    This machine has one node, so the kernel refuses a binding to node 1: the
+    sysfs is a recorded two-node one, and set_mempolicy(2) is recorded per
+    loading thread instead of made. Everything else is the real daemon: its
+    store, loader, tmpfs files, gRPC service and adoption.
+    """
+    root = _two_node_sysfs(tmp_path / "sys")
+    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
+    policies: list[tuple[int, int, list[int]]] = []
+
+    def record(mode: int, node_ids: list[int]) -> None:
+        policies.append((threading.get_ident(), mode, node_ids))
+
+    monkeypatch.setattr(numa_module, "_set_mempolicy", record)
+    set_id = plan_tables(checkpoint).set_id
+    config = DaemonConfig(
+        checkpoints=[str(checkpoint)],
+        socket=str(sock_dir / "d.sock"),
+        shm_dir=str(shm_dir),
+        socket_group="",
+        mlock=False,
+        numa="per-node",
+    )
+    with InProcessDaemon(config) as d:
+        wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
+        assert set(d.server.store.sets) == {(set_id, "tmpfs", 0), (set_id, "tmpfs", 1)}
+        # Each copy's pages were reserved under a binding to its node, undone after.
+        bound = []
+        for thread in {t for t, _, _ in policies}:
+            mine = [(mode, ids) for t, mode, ids in policies if t == thread]
+            assert mine[1::2] == [(MPOL_DEFAULT, [])] * (len(mine) // 2) and len(mine) % 2 == 0
+            bound += mine[::2]
+        assert sorted(bound) == [(MPOL_BIND, [0]), (MPOL_BIND, [1])]
+        sock = sock_dir / "d.sock"
+        on_one, attached_one = _attach(sock, set_id, numa_node=1)
+        on_zero, attached_zero = _attach(sock, set_id, numa_node=0)
+        unknown, attached_unknown = _attach(sock, set_id, numa_node=None)
+        assert _read_back(attached_one, checkpoint).name == f"{set_id}-node1"
+        assert _read_back(attached_zero, checkpoint).name == f"{set_id}-node0"
+        assert _read_back(attached_unknown, checkpoint).name == f"{set_id}-node0"
+        status = d.server.service.status()
+        assert sorted((s.numa_node, s.lease_count) for s in status.sets) == [(0, 2), (1, 1)]
+        for channel, call in (on_one, on_zero, unknown):
+            call.cancel()
+            channel.close()
+    # The next daemon adopts both copies; one run without per-node removes them
+    # (they were bound to nodes it does not keep copies for) and loads one copy.
+    with InProcessDaemon(config) as d:
+        wait_until(lambda: d.server.ready, 60, "the adopted copies")
+        assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.values()) == [
+            (0, True),
+            (1, True),
+        ]
+    with InProcessDaemon(dataclasses.replace(config, numa="")) as d:
+        wait_until(lambda: d.server.ready, 60, "the set's one copy")
+        [ts] = d.server.store.sets.values()
+        assert (ts.node, ts.adopted) == (None, False)
+        assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [set_id]
+
+
+def test_per_node_loads_a_worker_s_copy_on_demand(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker-started load makes its node's copy only; a worker on the other node later
+    gets a copy of its own, from the checkpoint the first was loaded from."""
+    root = _two_node_sysfs(tmp_path / "sys")
+    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
+    monkeypatch.setattr(numa_module, "_set_mempolicy", lambda mode, node_ids: None)
+    set_id = plan_tables(checkpoint).set_id
+    config = DaemonConfig(
+        socket=str(sock_dir / "d.sock"),
+        shm_dir=str(shm_dir),
+        socket_group="",
+        mlock=False,
+        numa="per-node",
+        allow_roots=[str(checkpoint.parent)],
+    )
+    with InProcessDaemon(config) as d:
+        request = pb.AttachRequest(
+            set_id=set_id,
+            checkpoint=str(checkpoint),
+            pid=os.getpid(),
+            accept=[pb.HANDLE_KIND_SHM],
+            numa_node=1,
+        )
+        with grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as channel:
+            call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
+            first = next(e for e in call if e.WhichOneof("event") == "attached").attached
+            assert _read_back(first, checkpoint).name == f"{set_id}-node1"
+            assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
+            other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0)
+            assert _read_back(second, checkpoint).name == f"{set_id}-node0"
+            other[1].cancel()
+            other[0].close()
+            call.cancel()
+        reply = d.run(d.server.store.drop(set_id, force=True))
+        assert reply[0] == 2 * plan_tables(checkpoint).nbytes
+        assert list(sets_root(shm_dir).iterdir()) == []
+
+
+def test_per_node_on_this_one_node_host_is_one_copy(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    """The real kernel and real workers: per-node degenerates to one copy, bound to node 0."""
+    d = daemons("--checkpoint", str(checkpoint), "--numa", "per-node", "--backing", "memfd")
+    before = shmem_bytes()
+    workers += [Worker(checkpoint, d.socket, share="on") for _ in range(2)]
+    for w in workers:
+        assert w.hello["mode"] == "shared" and w.hello["digests"] == reference_digests(checkpoint)
+    [s] = d.status().sets
+    assert s.HasField("numa_node") and s.numa_node == 0 and s.lease_count == 2
+    wait_until(lambda: d.status().sets[0].locked, 30, "the copy to be locked")
+    [s] = d.status().sets
+    assert dict(s.bytes_per_node) == {0: s.bytes_per_node[0]} and s.bytes_per_node[0] >= s.bytes
+    assert shmem_bytes() - before < 1.5 * s.bytes, "two workers, one copy"
+    text = subprocess.run(
+        [sys.executable, "-m", "engramd", "status", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert f"{s.set_id}-node0" in text

@@ -116,7 +116,13 @@ def test_status_is_bounded_and_prints_safely() -> None:
     )
     for i in range(STATUS_LEASES + 5):
         lease = Lease(
-            f"l{i}", ts.set_id, "tmpfs", pid=100 + i, labels={"rank": str(i)}, pid_start=None
+            f"l{i}",
+            ts.set_id,
+            "tmpfs",
+            node=None,
+            pid=100 + i,
+            labels={"rank": str(i)},
+            pid_start=None,
         )
         ts.leases[lease.lease_id] = lease
     ts.leases["l0"].stale = True

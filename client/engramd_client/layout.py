@@ -13,6 +13,8 @@
                                              at 4 KiB-aligned offsets, the manifest
                                              and its trailer at the end of the last
                                              huge page (TRAILER), no manifest.json
+        <set_id>-node<N>/                    a copy kept for NUMA node N
+                                             (--numa per-node): same layout
         <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
                                              to, removed by the next daemon
 
@@ -25,7 +27,8 @@ manifest.json::
                   "size": ..., "mtime_ns": ..., "ctime_ns": ...}, ...],
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
-                  "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...]}
+                  "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...],
+     "node": N}                              only in a copy kept for node N
 
 A set folder never changes after its rename: the daemon writes everything
 under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
@@ -65,6 +68,7 @@ TRAILER_MAGIC = b"engramd\x01"
 PACKED_ALIGN = 4096
 
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
+_COPY = re.compile(r"^[0-9a-f]{20}(-node\d+)?$")
 
 
 class ManifestError(ValueError):
@@ -136,6 +140,13 @@ class Manifest:
     #: The checkpoint files as they were when loaded (none in sets of engramd 0.1.0).
     sources: tuple[SourceFile, ...] = ()
     layout_version: int = LAYOUT_VERSION
+    #: The NUMA node this copy is kept for (--numa per-node); None: the set's one copy.
+    node: int | None = None
+
+    @property
+    def copy(self) -> str:
+        """The name of this copy of the set in its backing (copy_name)."""
+        return copy_name(self.set_id, self.node)
 
     @property
     def nbytes(self) -> int:
@@ -143,8 +154,11 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors)
 
     def to_json(self) -> str:
-        """Serialize for manifest.json."""
-        return json.dumps(asdict(self), indent=1)
+        """Serialize for manifest.json ("node" only in a copy kept per NUMA node)."""
+        doc = asdict(self)
+        if self.node is None:
+            del doc["node"]
+        return json.dumps(doc, indent=1)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> Manifest:
@@ -183,6 +197,7 @@ class Manifest:
                 created=float(doc["created"]),
                 tensors=tensors,
                 sources=sources,
+                node=None if doc.get("node") is None else int(doc["node"]),
             )
         except ManifestError:
             raise
@@ -201,9 +216,19 @@ def sets_root(shm_dir: str | os.PathLike[str]) -> Path:
     return Path(shm_dir) / ROOT_NAME
 
 
-def set_dir(shm_dir: str | os.PathLike[str], set_id: str) -> Path:
-    """The folder of a complete set."""
-    return sets_root(shm_dir) / set_id
+def copy_name(set_id: str, node: int | None) -> str:
+    """The name of a copy of a set: its id, and `-node<N>` for a copy kept for NUMA node N."""
+    return set_id if node is None else f"{set_id}-node{node}"
+
+
+def is_copy_name(name: str) -> bool:
+    """True for names copy_name makes."""
+    return _COPY.match(name) is not None
+
+
+def set_dir(shm_dir: str | os.PathLike[str], copy: str) -> Path:
+    """The folder of a complete copy of a set (named by copy_name)."""
+    return sets_root(shm_dir) / copy
 
 
 def tensor_file_name(index: int) -> str:
@@ -254,8 +279,8 @@ def read_trailer(fd: int) -> bytes:
 
 def check_complete(folder: Path, manifest: Manifest, owner: int) -> None:
     """Raise ManifestError unless every tensor file is there, `owner`'s, at its full size."""
-    if manifest.set_id != folder.name:
-        raise ManifestError(f"manifest names set {manifest.set_id}, folder is {folder.name}")
+    if manifest.copy != folder.name:
+        raise ManifestError(f"manifest names copy {manifest.copy}, folder is {folder.name}")
     for t in manifest.tensors:
         try:
             fd = open_owned(folder / t.file, owner)

@@ -31,6 +31,7 @@ from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
 from .tables import RowRanges, Tables, check_row_names, map_fd
+from .topology import local_node
 
 log = logging.getLogger("engramd_client")
 
@@ -151,6 +152,7 @@ def _attach_as(
         accept=[MAPPERS[name][0] for name in handles],
         pid_namespace=pid_namespace(),
         pid_start=start_ticks(os.getpid()) or 0,
+        numa_node=local_node(),
     )
     lease = Lease(config, request)
     try:

@@ -90,15 +90,21 @@ class Backing(ABC):
         return sum(self.reserved(n) for n in sizes)
 
     @abstractmethod
-    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
         """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit.
 
         `reclaimable` bytes count as free: sets the caller will evict first.
+        `node`: the NUMA node of a copy kept per node (its pages come from there).
         """
 
     @abstractmethod
-    def stage(self, plan: TablePlan) -> StagedSet:
-        """Reserve every byte of the plan's tensors; a full backing fails here."""
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
+        """Reserve every byte of the plan's tensors (a copy for `node`); a full backing fails here.
+
+        The caller has bound its thread's memory policy to the copy's node.
+        """
 
     @abstractmethod
     def adopt(self) -> list[Manifest]:
@@ -113,16 +119,17 @@ class Backing(ABC):
         """The digest of the index-th tensor as it is now (the manifest's format)."""
 
     @abstractmethod
-    def remove(self, set_id: str) -> None:
-        """Unlink a set; its memory returns when the last worker unmaps it."""
+    def remove(self, copy: str) -> None:
+        """Unlink a copy of a set (layout.copy_name); its memory returns when the last worker
+        unmaps it."""
 
     @abstractmethod
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
-    def mapped_as(self, set_id: str) -> str:
-        """What /proc/<pid>/maps and numa_maps show for mappings of the set's files."""
+    def mapped_as(self, copy: str) -> str:
+        """What /proc/<pid>/maps and numa_maps show for mappings of a copy's files."""
 
     @abstractmethod
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:

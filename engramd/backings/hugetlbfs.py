@@ -85,9 +85,12 @@ class HugetlbfsBacking(TmpfsBacking):
             )
         super().claim()
 
-    def _bounds(self) -> tuple[Pool, int, int]:
-        """(the pool, total, free): the pool of the mount's page size, tightened by size=."""
-        p = pool(self.page_size, self.node)
+    def _bounds(self, node: int | None = None) -> tuple[Pool, int, int]:
+        """(the pool, total, free): the pool of the mount's page size, tightened by size=.
+
+        The pool of `node` (a copy kept per node), else of the --numa node:N, else of all.
+        """
+        p = pool(self.page_size, self.node if node is None else node)
         st = os.statvfs(self.shm_dir)
         total, free = p.total, p.free
         if st.f_blocks:  # mounted with size=
@@ -111,9 +114,11 @@ class HugetlbfsBacking(TmpfsBacking):
         _, end = packed_offsets(sizes)
         return self.reserved(end + manifest_room(len(sizes)))
 
-    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
         """Refuse a set beyond the pool (or the mount), or its free pages plus `reclaimable`."""
-        p, total, free = self._bounds()
+        p, total, free = self._bounds(node)
         if needed > total:
             raise ShmFull(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
@@ -126,13 +131,13 @@ class HugetlbfsBacking(TmpfsBacking):
                 f"{p.fix(needed + total - free)}"
             )
 
-    def stage(self, plan: TablePlan) -> StagedSet:
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """A `.loading-*` folder with the packed file's pages allocated and mapped."""
-        return _StagedPacked(self, plan)
+        return _StagedPacked(self, plan, self.node if node is None else node)
 
 
 class _StagedPacked(StagedSet):
-    def __init__(self, backing: HugetlbfsBacking, plan: TablePlan) -> None:
+    def __init__(self, backing: HugetlbfsBacking, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
         self._root = sets_root(backing.shm_dir)
@@ -165,7 +170,7 @@ class _StagedPacked(StagedSet):
                 raise ShmFull(
                     f"the pool of {gib(backing.page_size)} huge pages ran out while reserving "
                     f"{gib(self._size)} for set {plan.set_id} (another user took pages after "
-                    f"the capacity check?); {pool(backing.page_size, backing.node).fix(self._size)}"
+                    f"the capacity check?); {pool(backing.page_size, node).fix(self._size)}"
                 ) from None
             self._writer = MappedWriter(self._fd, self._size)
         except BaseException:
@@ -182,7 +187,7 @@ class _StagedPacked(StagedSet):
         self._writer.write(data, self._offsets[index] + offset)
 
     def publish(self, manifest: Manifest) -> None:
-        """Put the manifest at the end of the file, then rename the folder to the set id."""
+        """Put the manifest at the end of the file, then rename the folder to the copy's name."""
         assert self._writer is not None
         tail = trailer(manifest.to_json().encode())
         room = self._size - self._end
@@ -193,7 +198,7 @@ class _StagedPacked(StagedSet):
             )
         self._writer.write(tail, self._size - len(tail))
         self._close()
-        os.rename(self._folder, self._root / manifest.set_id)
+        os.rename(self._folder, self._root / manifest.copy)
 
     def discard(self) -> None:
         """Remove the `.loading-*` folder; its pages return to the pool."""

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import Manifest, ManifestError, packed_offsets
+from engramd_client.layout import Manifest, ManifestError, copy_name, packed_offsets
 from engramd_client.pb import engramd_pb2 as pb
 
 from ..checksum import digest_fd
@@ -105,6 +105,9 @@ class MemfdBacking(Backing):
                 "are loaded again, and running workers keep the copy they map"
             )
 
+    def _pool_node(self, node: int | None) -> int | None:
+        return self.node if node is None else node
+
     def usage(self) -> Usage:
         """The daemon's memory bound, or the hugetlb pool; used: the sets held."""
         with self._lock:
@@ -117,10 +120,12 @@ class MemfdBacking(Backing):
         limit = memory_limit()
         return Usage(limit.where, limit.total, used, limit.available, self.page_size)
 
-    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
         """Refuse a set larger than the daemon's memory bound (or huge page pool), or its room."""
         if self.huge_page_size:
-            p = pool(self.huge_page_size, self.node)
+            p = pool(self.huge_page_size, self._pool_node(node))
             if needed > p.free + reclaimable:
                 raise ShmFull(
                     f"{what} needs {gib(needed)} of {gib(p.page_size)} huge pages but "
@@ -139,30 +144,30 @@ class MemfdBacking(Backing):
                 f"available to the daemon ({limit.where}: {gib(limit.total)}); {FIX_MEMORY}"
             )
 
-    def stage(self, plan: TablePlan) -> StagedSet:
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """An unsealed memfd with every tensor's pages allocated."""
-        return _StagedMemfd(self, plan)
+        return _StagedMemfd(self, plan, node)
 
     def adopt(self) -> list[Manifest]:
         """The sets systemd passed back from its fd store; anything else is closed."""
         passed = self._fd_store.take()
         found = []
         for name in sorted(passed):
-            set_id, _, part = name.partition(".")
+            copy, _, part = name.rpartition(".")
             if part != TABLES:
                 continue
-            manifest_fd = passed.pop(f"{set_id}.{MANIFEST}", None)
+            manifest_fd = passed.pop(f"{copy}.{MANIFEST}", None)
             tables = passed.pop(name)
             try:
                 if manifest_fd is None:
                     raise ManifestError("its manifest was not passed")
-                manifest = _check_adopted(set_id, tables, manifest_fd)
+                manifest = _check_adopted(copy, tables, manifest_fd)
             except (OSError, ManifestError) as e:
-                log.warning("not adopting set %s from the fd store: %s", set_id, e)
-                self._forget(set_id, tables, manifest_fd)
+                log.warning("not adopting set %s from the fd store: %s", copy, e)
+                self._forget(copy, tables, manifest_fd)
                 continue
             with self._lock:
-                self._held[set_id] = _Held(manifest, tables, manifest_fd)
+                self._held[copy] = _Held(manifest, tables, manifest_fd)
             found.append(manifest)
         for name, fd in passed.items():
             log.warning("closing descriptor %r from the fd store: not a memfd set", name)
@@ -170,69 +175,69 @@ class MemfdBacking(Backing):
             self._fd_store.remove(name)
         return found
 
-    def _forget(self, set_id: str, *fds: int | None) -> None:
+    def _forget(self, copy: str, *fds: int | None) -> None:
         for fd in fds:
             if fd is not None:
                 # A descriptor systemd passed may be anything, even one closed already.
                 with contextlib.suppress(OSError):
                     os.close(fd)
         for part in (TABLES, MANIFEST):
-            self._fd_store.remove(f"{set_id}.{part}")
+            self._fd_store.remove(f"{copy}.{part}")
 
-    def _dup(self, set_id: str) -> int:
+    def _dup(self, copy: str) -> int:
         with self._lock:
-            held = self._held.get(set_id)
+            held = self._held.get(copy)
             if held is None:
-                raise ManifestError(f"set {set_id} is no longer held")
+                raise ManifestError(f"set {copy} is no longer held")
             return os.dup(held.tables)
 
     def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
         """Map the tensor's range of the set's memfd read-only and lock it."""
         t = manifest.tensors[index]
         try:
-            fd = self._dup(manifest.set_id)
+            fd = self._dup(manifest.copy)
         except ManifestError:
             return  # dropped meanwhile
         try:
-            pins.pin_fd(fd, t.offset, t.nbytes, f"memfd of set {manifest.set_id}")
+            pins.pin_fd(fd, t.offset, t.nbytes, f"memfd of set {manifest.copy}")
         finally:
             os.close(fd)
 
     def checksum(self, manifest: Manifest, index: int) -> str:
         """The digest of the tensor's range as it is now."""
         t = manifest.tensors[index]
-        fd = self._dup(manifest.set_id)
+        fd = self._dup(manifest.copy)
         try:
             return digest_fd(fd, t.offset, t.nbytes)
         finally:
             os.close(fd)
 
-    def remove(self, set_id: str) -> None:
-        """Close the set's memfds and take them out of the fd store."""
+    def remove(self, copy: str) -> None:
+        """Close the copy's memfds and take them out of the fd store."""
         with self._lock:
-            held = self._held.pop(set_id, None)
+            held = self._held.pop(copy, None)
         if held is not None:
-            self._forget(set_id, held.tables, held.manifest_fd)
+            self._forget(copy, held.tables, held.manifest_fd)
 
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
         """HANDLE_KIND_FD handles into the set's one memfd."""
         return self.fd_handles(manifest)
 
-    def mapped_as(self, set_id: str) -> str:
+    def mapped_as(self, copy: str) -> str:
         """The memfd's name as the kernel shows it."""
-        return f"/memfd:engramd-{set_id} "
+        return f"/memfd:engramd-{copy} "
 
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
         """A read-only descriptor of the set's memfd (a new open of it, O_RDONLY)."""
         with self._lock:
-            held = self._held.get(manifest.set_id)
+            held = self._held.get(manifest.copy)
             if held is None:
-                raise ManifestError(f"set {manifest.set_id} is no longer held")
+                raise ManifestError(f"set {manifest.copy} is no longer held")
             return [(TABLES, os.open(f"/proc/self/fd/{held.tables}", os.O_RDONLY | os.O_CLOEXEC))]
 
 
 class _StagedMemfd(StagedSet):
-    def __init__(self, backing: MemfdBacking, plan: TablePlan) -> None:
+    def __init__(self, backing: MemfdBacking, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
         sizes = [t.nbytes for t in plan.tensors]
@@ -245,7 +250,7 @@ class _StagedMemfd(StagedSet):
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge:
             flags |= os.MFD_HUGETLB | MEMFD_PAGE_SIZES[huge]
-        self._fd = os.memfd_create(f"engramd-{plan.set_id}", flags)
+        self._fd = os.memfd_create(f"engramd-{copy_name(plan.set_id, node)}", flags)
         self._writer: MappedWriter | None = None
         try:
             os.ftruncate(self._fd, size)
@@ -257,7 +262,7 @@ class _StagedMemfd(StagedSet):
                     self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()
         except OSError as e:
             os.close(self._fd)
-            fix = pool(huge, backing.node).fix(size) if huge else FIX_MEMORY
+            fix = pool(huge, backing._pool_node(node)).fix(size) if huge else FIX_MEMORY
             raise ShmFull(
                 f"could not allocate {gib(size)} of memory for set {plan.set_id} "
                 f"({e.strerror}); {fix}"
@@ -281,7 +286,7 @@ class _StagedMemfd(StagedSet):
         """Seal the tables and a memfd of the manifest; hold both (and store them)."""
         self._unmap()  # a writable mapping would keep F_SEAL_WRITE out (EBUSY)
         manifest_fd = os.memfd_create(
-            f"engramd-{manifest.set_id}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
+            f"engramd-{manifest.copy}-manifest", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         )
         try:
             os.write(manifest_fd, manifest.to_json().encode())
@@ -292,10 +297,10 @@ class _StagedMemfd(StagedSet):
             raise
         backing = self._backing
         with backing._lock:
-            backing._held[manifest.set_id] = _Held(manifest, self._fd, manifest_fd)
+            backing._held[manifest.copy] = _Held(manifest, self._fd, manifest_fd)
         store = backing._fd_store
         for part, fd in ((TABLES, self._fd), (MANIFEST, manifest_fd)):
-            store.store(f"{manifest.set_id}.{part}", fd)
+            store.store(f"{manifest.copy}.{part}", fd)
 
     def discard(self) -> None:
         """Close the memfd: its pages go with it."""
@@ -308,7 +313,7 @@ class _StagedMemfd(StagedSet):
             self._writer = None
 
 
-def _check_adopted(set_id: str, tables: int, manifest_fd: int) -> Manifest:
+def _check_adopted(copy: str, tables: int, manifest_fd: int) -> Manifest:
     """The manifest of a set passed back by the fd store, once both memfds prove complete."""
     for fd in (tables, manifest_fd):
         st = os.fstat(fd)
@@ -317,8 +322,8 @@ def _check_adopted(set_id: str, tables: int, manifest_fd: int) -> Manifest:
         if fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS != SEALS:
             raise ManifestError("a memfd is not sealed (the load never finished)")
     manifest = Manifest.from_json(os.pread(manifest_fd, os.fstat(manifest_fd).st_size, 0))
-    if manifest.set_id != set_id:
-        raise ManifestError(f"the manifest names set {manifest.set_id}")
+    if manifest.copy != copy:
+        raise ManifestError(f"the manifest names set {manifest.copy}")
     end = max((t.offset + t.nbytes for t in manifest.tensors), default=0)
     if os.fstat(tables).st_size < end:
         raise ManifestError(f"the tables memfd is shorter than its manifest's {end} bytes")

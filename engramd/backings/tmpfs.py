@@ -16,13 +16,14 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan, TensorEntry, is_set_id
+from engramd_client.checkpoint import TablePlan, TensorEntry
 from engramd_client.layout import (
     LOADING_MARK,
     MANIFEST_NAME,
     Manifest,
     ManifestError,
     check_complete,
+    is_copy_name,
     open_owned,
     read_manifest,
     set_dir,
@@ -84,7 +85,9 @@ class TmpfsBacking(Backing):
         u = usage(self.shm_dir)
         return Usage(u.dir, u.total, u.used, u.free, self.page_size)
 
-    def check_capacity(self, needed: int, what: str, reclaimable: int = 0) -> None:
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
         """Refuse a set larger than the tmpfs in all, or than its free space plus `reclaimable`."""
         u = self.usage()
         if needed > u.total:
@@ -98,7 +101,7 @@ class TmpfsBacking(Backing):
                 f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
             )
 
-    def stage(self, plan: TablePlan) -> StagedSet:
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """A `.loading-*` folder with every tensor file reserved to its full size."""
         return _StagedFolder(self, plan)
 
@@ -111,7 +114,7 @@ class TmpfsBacking(Backing):
                 shutil.rmtree(folder, ignore_errors=True)
                 continue
             try:
-                if not is_set_id(folder.name):
+                if not is_copy_name(folder.name):
                     raise ManifestError("not a set folder")
                 manifest = read_manifest(folder, self._owner)
                 check_complete(folder, manifest, self._owner)
@@ -123,7 +126,7 @@ class TmpfsBacking(Backing):
         return found
 
     def _path(self, manifest: Manifest, index: int) -> Path:
-        return set_dir(self.shm_dir, manifest.set_id) / manifest.tensors[index].file
+        return set_dir(self.shm_dir, manifest.copy) / manifest.tensors[index].file
 
     def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
         """Map the tensor's range of its file read-only and lock it."""
@@ -136,15 +139,15 @@ class TmpfsBacking(Backing):
         with open(open_owned(self._path(manifest, index), self._owner), "rb") as f:
             return digest_fd(f.fileno(), t.offset, t.nbytes)
 
-    def remove(self, set_id: str) -> None:
-        """Unlink the set's folder."""
-        shutil.rmtree(set_dir(self.shm_dir, set_id), ignore_errors=True)
+    def remove(self, copy: str) -> None:
+        """Unlink the copy's folder."""
+        shutil.rmtree(set_dir(self.shm_dir, copy), ignore_errors=True)
 
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
         """Descriptors (HANDLE_KIND_FD), or paths (HANDLE_KIND_SHM) valid in the daemon's mounts."""
         if kind == pb.HANDLE_KIND_FD:
             return self.fd_handles(manifest)
-        folder = set_dir(self.shm_dir, manifest.set_id)
+        folder = set_dir(self.shm_dir, manifest.copy)
         return [
             pb.TensorHandle(
                 name=t.name,
@@ -161,13 +164,13 @@ class TmpfsBacking(Backing):
             for t in manifest.tensors
         ]
 
-    def mapped_as(self, set_id: str) -> str:
-        """The set's folder: every file of it is mapped by its path."""
-        return f"{set_dir(self.shm_dir, set_id)}/"
+    def mapped_as(self, copy: str) -> str:
+        """The copy's folder: every file of it is mapped by its path."""
+        return f"{set_dir(self.shm_dir, copy)}/"
 
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
         """Each tensor file, opened read-only once it proved to be the daemon's own."""
-        folder = set_dir(self.shm_dir, manifest.set_id)
+        folder = set_dir(self.shm_dir, manifest.copy)
         opened: list[tuple[str, int]] = []
         try:
             for file in dict.fromkeys(t.file for t in manifest.tensors):
@@ -232,7 +235,7 @@ class _StagedFolder(StagedSet):
             done += os.pwrite(self._fds[index], data[done:], offset + done)
 
     def publish(self, manifest: Manifest) -> None:
-        """Write the manifest last, then rename the folder to the set id."""
+        """Write the manifest last, then rename the folder to the copy's name."""
         try:
             fd = os.open(
                 self._folder / MANIFEST_NAME,
@@ -243,7 +246,7 @@ class _StagedFolder(StagedSet):
                 os.fchown(fd, -1, self._backing._gid)
             with os.fdopen(fd, "w") as f:
                 f.write(manifest.to_json())
-            os.rename(self._folder, self._root / manifest.set_id)
+            os.rename(self._folder, self._root / manifest.copy)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise

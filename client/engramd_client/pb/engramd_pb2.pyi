@@ -17,7 +17,7 @@ HANDLE_KIND_SHM: HandleKind
 HANDLE_KIND_FD: HandleKind
 
 class AttachRequest(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start")
+    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class AttachRequest(_message.Message):
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PID_START_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     tensors: str
@@ -45,7 +46,8 @@ class AttachRequest(_message.Message):
     nonce: str
     pid_namespace: int
     pid_start: int
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ...) -> None: ...
+    numa_node: int
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
     __slots__ = ("progress", "attached", "draining")
@@ -238,7 +240,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +264,7 @@ class SetInfo(_message.Message):
     LEASE_COUNT_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_NODE_FIELD_NUMBER: _ClassVar[int]
+    NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -278,7 +281,8 @@ class SetInfo(_message.Message):
     lease_count: int
     page_size: int
     bytes_per_node: _containers.ScalarMap[int, int]
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ...) -> None: ...
+    numa_node: int
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind")
