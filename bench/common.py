@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engramd.daemon_process import DaemonProcess
-from engramd.synth import SCALE_GROUP, SynthSpec, synthesize
+from engramd.demo.daemon_process import DaemonProcess
+from engramd.demo.synth import SCALE_GROUP, SynthSpec, synthesize
 
 GiB = 1 << 30
 MiB = 1 << 20

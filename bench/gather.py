@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engramd.engram_hash import EngramHash, byte_rows, gather
+from engramd.demo.engram_hash import EngramHash, byte_rows, gather
 from engramd_client import Tables, attach
 
 from .common import Figure, any_shm, compare, daemon

@@ -479,7 +479,7 @@ def synth(
     seed: int = 0,
 ) -> None:
     """Write a synthetic Engram checkpoint (fp8 tables with e8m0 scales) with safetensors."""
-    from .synth import SynthSpec, synthesize
+    from .demo.synth import SynthSpec, synthesize
 
     spec = SynthSpec(layers=layers, rows=rows, dim=dim, shards=shards, seed=seed)
     synthesize(out, spec)
@@ -497,7 +497,7 @@ def demo(
     workdir: Annotated[Path | None, typer.Option(help="Where to write the checkpoint.")] = None,
 ) -> None:
     """Show the point in one command: N replicas share one copy; one private for comparison."""
-    from .demo import run_demo
+    from .demo.run import run_demo
 
     _logging("warning")
     raise typer.Exit(

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from engramd.child import JsonLinesChild
-from engramd.daemon_process import DaemonProcess as Daemon
-from engramd.synth import SynthSpec, synthesize
+from engramd.demo.child import JsonLinesChild
+from engramd.demo.daemon_process import DaemonProcess as Daemon
+from engramd.demo.synth import SynthSpec, synthesize
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"

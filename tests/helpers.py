@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from engramd.config import DaemonConfig
-from engramd.daemon_process import DaemonProcess
+from engramd.demo.daemon_process import DaemonProcess
 from engramd.server import EngramdServer, create_server
 from engramd_client.errors import REASON_KEY
 from engramd_client.pb import engramd_pb2 as pb

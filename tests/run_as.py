@@ -41,7 +41,7 @@ PRELOAD = (
     "engramd.cli",
     "engramd.server",
     "engramd.status_view",
-    "engramd.synth",
+    "engramd.demo.synth",
 )
 
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Worker
-from engramd.synth import expected_rows
+from engramd.demo.synth import expected_rows
 
 
 def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 
 from conftest import Daemon, Worker, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
+from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import ShmFull
 from engramd.loader import LoadProgress, load_set
-from engramd.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_client.layout import LOADING_MARK, check_complete, read_manifest, sets_root
 from engramd_client.pb import engramd_pb2 as pb

@@ -29,9 +29,9 @@ from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd import store as store_module
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
+from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
 from engramd.loader import LoadProgress, load_set
-from engramd.synth import SynthSpec, synthesize
 from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
-from engramd.synth import SynthSpec, synthesize
+from engramd.demo.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_client.fdchannel import collect
 from engramd_client.layout import sets_root

@@ -19,15 +19,15 @@ from typing import Any
 
 import psutil
 
+from ..shmfs import usage
+from ..units import gib
 from .child import JsonLinesChild
 from .daemon_process import DaemonProcess
-from .shmfs import usage
 from .synth import SynthSpec, synthesize
-from .units import gib
 
 
 class Replica(JsonLinesChild):
-    """A demo_replica child process."""
+    """A demo replica child process."""
 
     def __init__(
         self, checkpoint: Path, socket: Path, rank: int, share: str, steps: int, tokens: int
@@ -36,7 +36,7 @@ class Replica(JsonLinesChild):
             [
                 sys.executable,
                 "-m",
-                "engramd.demo_replica",
+                "engramd.demo.replica",
                 "--checkpoint",
                 str(checkpoint),
                 "--socket",
