@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from conftest import Worker
 from engramd_client import plan_tables
@@ -58,3 +65,43 @@ def test_private_tensor_is_writable_and_separate(
     name = "layers.1.engram.embed.weight"
     assert w.ask(f"write {name}") == {"wrote": name}
     assert w.ask("digest")["digests"][name] != reference_digests(checkpoint)[name]
+
+
+_ANON_HUGE = textwrap.dedent(
+    """
+    import json, sys
+    from engramd_client import attach
+
+    def anon_huge():
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) << 10
+        return 0
+
+    before = anon_huge()
+    tables = attach(sys.argv[1], share=False)
+    print(json.dumps({"grew": anon_huge() - before, "nbytes": tables.nbytes}))
+    """
+)
+
+
+@pytest.mark.parametrize("thp", ["on", "off"])
+def test_private_tables_take_transparent_huge_pages(checkpoint: Path, thp: str) -> None:
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    if "[never]" in mode:
+        pytest.skip(f"this kernel gives no transparent huge pages (enabled: {mode.strip()})")
+    env = {**os.environ, "ENGRAMD_PRIVATE_THP": thp}
+    out = subprocess.run(
+        [sys.executable, "-c", _ANON_HUGE, str(checkpoint)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    report = json.loads(out.stdout)
+    if thp == "on":
+        # Every whole 2 MiB of a table's private mapping (THP "madvise" or "always").
+        assert report["grew"] >= report["nbytes"] // 2, report
+    else:
+        assert report["grew"] < 2 << 20, report

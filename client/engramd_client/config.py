@@ -21,6 +21,7 @@ _SHARE_WORDS: dict[str, bool | None] = {
     "0": False,
 }
 
+_SWITCH_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
 
 #: Handle kinds a worker can map, by TensorHandle's field name, in the default order.
 HANDLE_KINDS = ("fd", "shm")
@@ -46,6 +47,8 @@ class ClientConfig:
     fd_socket: str = ""
     #: Handle kinds to accept, preferred first: "fd" (any namespace), "shm" (paths).
     handles: tuple[str, ...] = HANDLE_KINDS
+    #: Private tables on transparent huge pages (MADV_HUGEPAGE); False: 4 KiB pages only.
+    private_thp: bool = True
 
     @classmethod
     def from_env(
@@ -55,7 +58,7 @@ class ClientConfig:
         socket: str | None = None,
         share: bool | None = None,
     ) -> ClientConfig:
-        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES and _SHARE; arguments win."""
+        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES, _SHARE, _PRIVATE_THP; args win."""
         env = os.environ if env is None else env
         if share is None:
             word = env.get("ENGRAMD_SHARE", "auto").strip().lower()
@@ -69,9 +72,13 @@ class ClientConfig:
                 f"ENGRAMD_HANDLES={','.join(handles)!r}: use {','.join(HANDLE_KINDS)} or a "
                 "part of it, preferred first"
             )
+        thp = env.get("ENGRAMD_PRIVATE_THP", "on").strip().lower()
+        if thp not in _SWITCH_WORDS:
+            raise ValueError(f"ENGRAMD_PRIVATE_THP={thp!r}: use on or off")
         return cls(
             socket=socket or env.get("ENGRAMD_SOCKET") or DEFAULT_SOCKET,
             fd_socket=env.get("ENGRAMD_FD_SOCKET", ""),
             handles=handles,
             share=share,
+            private_thp=_SWITCH_WORDS[thp],
         )

@@ -82,7 +82,7 @@ def attach(
     if config.share is False:
         if plan is None:
             raise ValueError(f"share=False needs a checkpoint folder, not the set id {target}")
-        return Tables.private(plan, rows, reason=None)
+        return Tables.private(plan, rows, reason=None, thp=config.private_thp)
     try:
         tables = _attach_shared(
             config, target if plan is None else plan, rows, labels or {}, populate
@@ -97,7 +97,7 @@ def attach(
         if not isinstance(e, DaemonUnavailable | NotAllowed):
             # The daemon answered but cannot serve: count it where operators look.
             report_fallback(config, e.cause, plan.set_id, plan.nbytes)
-        tables = Tables.private(plan, rows, reason=reason)
+        tables = Tables.private(plan, rows, reason=reason, thp=config.private_thp)
     tables.reattach = functools.partial(
         attach,
         checkpoint,

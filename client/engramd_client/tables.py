@@ -2,9 +2,11 @@
 
 Both paths hand out CPU tensors that view their memory without a copy. A
 shared tensor views a PROT_READ mapping: a write through it faults (SIGSEGV)
-instead of changing the table for every worker. A private tensor views an
-private anonymous mapping of exactly the tensor's bytes (rounded to a page), filled
-with positional reads from the checkpoint; no caching allocator rounds it up.
+instead of changing the table for every worker. A private tensor views a
+private anonymous mapping of exactly the tensor's bytes (rounded to a page),
+filled with positional reads from the checkpoint; no caching allocator rounds
+it up. Like the engines' private tables it is the process's own memory (not
+Shmem), on transparent huge pages where the kernel gives them (`use_thp`).
 """
 
 from __future__ import annotations
@@ -123,8 +125,13 @@ def map_fd(fd: int, region: Region, populate: bool) -> torch.Tensor:
     return _view(buffer, region.offset - start, region)
 
 
-def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
-    """Read a tensor (or its row range) from the checkpoint into private memory."""
+def load_private(entry: TensorEntry, rows: RowRanges | None, thp: bool = True) -> torch.Tensor:
+    """Read a tensor (or its row range) from the checkpoint into private memory.
+
+    `thp`: ask for transparent huge pages (MADV_HUGEPAGE) before the pages are
+    touched (a kernel with THP "never" gives 4 KiB pages); else refuse them
+    (MADV_NOHUGEPAGE), even where THP is "always".
+    """
     region = Region(
         entry.name, entry.dtype, entry.shape, str(entry.file), entry.offset, entry.nbytes
     ).cut(rows)
@@ -133,6 +140,7 @@ def load_private(entry: TensorEntry, rows: RowRanges | None) -> torch.Tensor:
     # MAP_PRIVATE: a private copy is this process's memory, not shared memory
     # (Python's default for -1 is a shared mapping, which counts as Shmem).
     buffer = mmap.mmap(-1, region.length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE if thp else mmap.MADV_NOHUGEPAGE)
     view = memoryview(buffer)
     try:
         with open(region.path, "rb", buffering=0) as f:
@@ -181,10 +189,12 @@ class Tables(Mapping[str, torch.Tensor]):
         self.reattach: Callable[[], Tables] | None = None
 
     @classmethod
-    def private(cls, plan: TablePlan, rows: RowRanges | None, reason: str | None) -> Tables:
-        """Private copies of a plan's tensors, read from the checkpoint."""
+    def private(
+        cls, plan: TablePlan, rows: RowRanges | None, reason: str | None, thp: bool = True
+    ) -> Tables:
+        """Private copies of a plan's tensors, read from the checkpoint (on THP with `thp`)."""
         check_row_names(rows, [t.name for t in plan.tensors])
-        tensors = {t.name: load_private(t, rows) for t in plan.tensors}
+        tensors = {t.name: load_private(t, rows, thp) for t in plan.tensors}
         return cls(tensors, mode="private", set_id=plan.set_id, reason=reason)
 
     @property
