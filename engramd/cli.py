@@ -317,6 +317,13 @@ def serve(
         raise typer.Exit(1) from None
 
 
+def _columns() -> int:
+    """The terminal's width for status tables; 0 (as wide as needed) when not a terminal."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+
+
 def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
     typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
     return typer.Exit(1)
@@ -342,7 +349,7 @@ def status(
             reply = fetch(socket)
         except grpc.RpcError as e:
             raise _unanswered(socket, e) from None
-        typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply))
+        typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
         return
     # Ctrl-C is taken between frames only: a signal that lands inside gRPC's
     # channel machinery (even one a Python handler merely records) can hang
@@ -353,7 +360,8 @@ def status(
         stub = pb_grpc.TableServiceStub(channel)
         while True:
             try:
-                text = render(stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S))
+                reply = stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
+                text = render(reply, _columns())
             except grpc.RpcError as e:
                 text = f"engramd is not answering on {socket}: {e.details()}"
             # Home the cursor and clear, so the table redraws in place (written
@@ -376,19 +384,6 @@ def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
     return pb_grpc.AdminServiceStub(channel), path
 
 
-def _bar(done: int, total: int, started: float) -> str:
-    from .units import gib
-
-    width = 30
-    filled = width * done // max(total, 1)
-    rate = done / max(time.monotonic() - started, 1e-9)
-    eta = (total - done) / rate if rate else 0
-    return (
-        f"\r[{'#' * filled}{'.' * (width - filled)}] {100 * done // max(total, 1):3d}% "
-        f"{gib(done)} / {gib(total)}  {rate / 1e9:.2f} GB/s  ETA {eta:.0f} s "
-    )
-
-
 @app.command()
 def load(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder, as the daemon sees it.")],
@@ -399,24 +394,28 @@ def load(
     """Load a checkpoint's tables into the daemon, with a progress bar."""
     from engramd_client.pb import engramd_pb2 as pb
 
+    from .load_view import load_bar
     from .units import gib
 
     stub, _ = _admin(socket, admin_socket)
-    started = time.monotonic()
-    try:
-        for event in stub.Load(
-            pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
-        ):
-            if event.WhichOneof("event") == "progress":
-                p = event.progress
-                typer.echo(_bar(p.bytes_done, p.bytes_total, started), nl=False, err=True)
-            else:
-                s = event.ready
-                typer.echo(_bar(s.bytes, s.bytes, started), err=True)
-                typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
-    except grpc.RpcError as e:
-        typer.echo(f"\nload failed: {e.details()}", err=True)
-        raise typer.Exit(1) from None
+    with load_bar() as progress:
+        task = progress.add_task("load")
+        try:
+            for event in stub.Load(
+                pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
+            ):
+                if event.WhichOneof("event") == "progress":
+                    p = event.progress
+                    progress.update(task, completed=p.bytes_done, total=p.bytes_total)
+                else:
+                    s = event.ready
+                    progress.update(task, completed=s.bytes, total=s.bytes)
+                    progress.stop()
+                    typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
+        except grpc.RpcError as e:
+            progress.stop()
+            typer.echo(f"load failed: {e.details()}", err=True)
+            raise typer.Exit(1) from None
 
 
 @app.command()

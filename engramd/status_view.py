@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
 
 from engramd_client.config import ClientConfig
 from engramd_client.layout import copy_name
@@ -17,6 +22,8 @@ from .units import gib
 
 #: How long `engramd status` waits for the daemon.
 STATUS_TIMEOUT_S = 2.0
+#: Columns when the width is not bounded: tables then take their natural width.
+_UNBOUNDED = 10_000
 
 
 def fetch(socket: str) -> pb.StatusReply:
@@ -59,70 +66,120 @@ def _pages(size: int) -> str:
     return f"{size >> 10} KiB"
 
 
-def _backing_lines(reply: pb.StatusReply) -> list[str]:
-    shm = reply.shm
+def _backings(reply: pb.StatusReply) -> Table:
+    table = Table("BACKING", "WHERE", "USED", "FREE", "TOTAL", "PAGES", "SETS", box=box.SIMPLE)
     if not reply.backings:  # a daemon older than the backings field
+        shm = reply.shm
         page = shm.page_size or (2 << 20 if shm.huge_pages else 4096)
-        return [
-            f"shm {shm.dir}: {gib(shm.used_bytes)} used, {gib(shm.free_bytes)} free of "
-            f"{gib(shm.total_bytes)}  ({_pages(page)} pages)"
-        ]
-    return [
-        f"{b.name} {escape(b.where)}: {gib(b.used_bytes)} used, {gib(b.free_bytes)} free of "
-        f"{gib(b.total_bytes)}  ({_pages(b.page_size)} pages; sets "
-        f"{'survive' if b.survives_restart else 'do not survive'} a daemon restart)"
-        for b in reply.backings
-    ]
+        table.add_row("shm", Text(escape(shm.dir)), *_sizes(shm), _pages(page), "survive a restart")
+    for b in reply.backings:
+        kept = (
+            "survive a daemon restart" if b.survives_restart else "do not survive a daemon restart"
+        )
+        table.add_row(b.name, Text(escape(b.where)), *_sizes(b), _pages(b.page_size), kept)
+    for column in table.columns[2:6]:
+        column.justify = "right"
+    return _whole(table)
+
+
+def _sizes(b: pb.BackingInfo | pb.ShmInfo) -> tuple[str, str, str]:
+    return gib(b.used_bytes), gib(b.free_bytes), gib(b.total_bytes)
 
 
 _KIND = {pb.HANDLE_KIND_FD: "fd", pb.HANDLE_KIND_SHM: "path"}
 
 
-def render(reply: pb.StatusReply) -> str:
-    """A readable summary of the node."""
-    d = reply.daemon
-    lines = [
-        f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
-        f"{'ready' if d.ready else 'not ready'}",
-        *_backing_lines(reply),
-        "",
-    ]
-    if reply.sets:
-        lines.append(
-            f"{'SET':20}  {'STATE':8}  {'BACKING':9}  {'PAGES':>7}  {'BYTES':>10}  {'LOADED':>6}  "
-            f"{'LOCKED':6}  {'LEASES':>6}  CHECKPOINT"
-        )
-    else:
-        lines.append("no sets")
+def _sets(reply: pb.StatusReply) -> Table:
+    table = Table(
+        "SET",
+        "STATE",
+        "BACKING",
+        "PAGES",
+        "BYTES",
+        "LOADED",
+        "LOCKED",
+        "LEASES",
+        "CHECKPOINT",
+        box=box.SIMPLE,
+    )
+    for column in table.columns[3:8]:
+        column.justify = "right"
+    table.columns[0].min_width = len("0" * 20 + "-node0")
     for s in reply.sets:
-        loaded = f"{100 * s.bytes_loaded // max(s.bytes, 1)}%"
-        state = s.state + ("*" if s.adopted else "")
-        name = copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None)
-        lines.append(
-            f"{name:20}  {state:8}  {s.backing:9}  {_pages(s.page_size):>7}  "
-            f"{gib(s.bytes):>10}  {loaded:>6}  "
-            f"{'yes' if s.locked else 'no':6}  {s.lease_count:>6}  {escape(s.checkpoint)}"
+        table.add_row(
+            copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None),
+            s.state + ("*" if s.adopted else ""),
+            s.backing,
+            _pages(s.page_size),
+            gib(s.bytes),
+            f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
+            "yes" if s.locked else "no",
+            str(s.lease_count),
+            Text(escape(s.checkpoint)),
         )
         if s.error:
-            lines.append(f"    error: {escape(s.error)}")
+            table.add_row("", Text(f"error: {escape(s.error)}", style="red"), end_section=True)
+    return _whole(table)
+
+
+def _leases(reply: pb.StatusReply) -> Table:
+    table = Table("SET", "LEASE", "PID", "BY", "LABELS", "", box=box.SIMPLE)
+    for s in reply.sets:
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
-            marks = ("" if lease.pid_verified else " (unverified)") + (
-                "  STALE: maps an earlier copy" if lease.stale else ""
+            marks = ("" if lease.pid_verified else "unverified pid  ") + (
+                "STALE: maps an earlier copy" if lease.stale else ""
             )
-            lines.append(
-                f"    lease {lease.lease_id}  pid {lease.pid}{marks}  "
-                f"by {_KIND.get(lease.kind, '?')}  {escape(labels)}"
+            table.add_row(
+                s.set_id,
+                lease.lease_id,
+                str(lease.pid),
+                _KIND.get(lease.kind, "?"),
+                Text(escape(labels)),
+                Text(marks, style="yellow"),
             )
         if s.lease_count > len(s.leases):
-            lines.append(f"    ... and {s.lease_count - len(s.leases)} more leases")
+            table.add_row(s.set_id, f"... and {s.lease_count - len(s.leases)} more leases")
+    table.columns[0].min_width = 20
+    return _whole(table)
+
+
+def _whole(table: Table) -> Table:
+    # A narrow terminal folds a cell onto more lines; it never cuts an id or a path short.
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
+def render(reply: pb.StatusReply, width: int = 0) -> str:
+    """A readable summary of the node: rich tables, `width` columns wide (0: as wide as needed).
+
+    Text from outside (paths, labels, errors) is escaped, never read as markup.
+    """
+    d = reply.daemon
+    parts: list[RenderableType] = [
+        Text(
+            f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
+            f"{'ready' if d.ready else 'not ready'}"
+        ),
+        _backings(reply),
+        _sets(reply) if reply.sets else Text("no sets"),
+    ]
+    if any(s.leases for s in reply.sets):
+        parts.append(_leases(reply))
     if any(s.adopted for s in reply.sets):
-        lines.append("(* adopted from an earlier daemon without reloading)")
+        parts.append(Text("(* adopted from an earlier daemon without reloading)"))
     if any(lease.stale for s in reply.sets for lease in s.leases):
-        lines.append(
-            "(STALE: the set was loaded again, after a drop or a restart that did not keep it; "
-            "those workers still read their earlier copy until they call Tables.refresh())"
+        parts.append(
+            Text(
+                "(STALE: the set was loaded again, after a drop or a restart that did not keep "
+                "it; those workers still read their earlier copy until they call "
+                "Tables.refresh())"
+            )
         )
     total = sum(saved_bytes(s) for s in reply.sets)
-    lines.append(f"host memory saved versus a private copy per lease: {gib(total)}")
-    return "\n".join(lines)
+    parts.append(Text(f"host memory saved versus a private copy per lease: {gib(total)}"))
+    out = io.StringIO()
+    console = Console(file=out, width=width or _UNBOUNDED, color_system=None, highlight=False)
+    console.print(Group(*parts))
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())

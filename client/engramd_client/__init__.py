@@ -5,11 +5,12 @@
     tables = attach("/models/ckpt", labels={"dp_rank": "0"})
     tables.mode            # "shared" or "private"
     tables["layers.1.engram.embed.weight"]
+    bind(model, tables, {"model.layers.1.engram.weight": "layers.1.engram.embed.weight"})
 
 This package never imports the daemon (engramd). The daemon imports it for
-the layout, the checkpoint reader and the wire stubs, so `attach` and
-`Tables` (which need torch) are imported on first use: the daemon never
-loads torch.
+the layout, the checkpoint reader and the wire stubs, so `attach`,
+`Tables` and `bind` (which need torch) are imported on first use: the
+daemon never loads torch.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -29,13 +30,16 @@ from .errors import (
     ShmCapacityError,
     UnknownSet,
 )
+from .sharding import head_rows, head_rows_by_table
 
 if TYPE_CHECKING:
+    from .binding import BindError, bind, layer_names
     from .share import attach
     from .tables import Tables
 
 __all__ = [
     "DEFAULT_TENSORS",
+    "BindError",
     "CheckpointError",
     "ClientConfig",
     "DaemonError",
@@ -51,6 +55,10 @@ __all__ = [
     "Tables",
     "UnknownSet",
     "attach",
+    "bind",
+    "head_rows",
+    "head_rows_by_table",
+    "layer_names",
     "plan_tables",
 ]
 
@@ -64,4 +72,8 @@ def __getattr__(name: str) -> Any:
         from .tables import Tables
 
         return Tables
+    if name in ("bind", "layer_names", "BindError"):
+        from . import binding
+
+        return getattr(binding, name)
     raise AttributeError(f"module 'engramd_client' has no attribute {name!r}")

@@ -187,6 +187,7 @@ class Tables(Mapping[str, torch.Tensor]):
         self.set_id = set_id
         #: How `attach` made these tables: `refresh` calls it again.
         self.reattach: Callable[[], Tables] | None = None
+        self._when_closed: list[Callable[[], None]] = []
 
     @classmethod
     def private(
@@ -231,8 +232,15 @@ class Tables(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def when_closed(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when these tables close (bind() undoes its bindings there)."""
+        self._when_closed.append(callback)
+
     def close(self) -> None:
-        """End the lease (if shared) and drop this object's references to the memory."""
+        """Undo bindings, end the lease (if shared), drop this object's references to the memory."""
+        callbacks, self._when_closed = self._when_closed, []
+        for callback in callbacks:
+            callback()
         if self._lease is not None:
             self._lease.close()
             self._lease = None
