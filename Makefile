@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test bench proto lint format clean
+.PHONY: setup test-tools demo test test-gpu bench proto lint format clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,14 @@ demo: setup
 
 test: setup test-tools
 	$(PY) -m pytest $(ARGS)
+
+# The GPU tests (tests/gpu, skipped where no CUDA device is seen) with the
+# venv, or on a GPU machine whose interpreter already has CUDA torch with
+# `make test-gpu PY=python3`: the project then comes from this checkout
+# (PYTHONPATH), and pytest, safetensors, rich, prometheus-client and
+# grpcio-health-checking must be importable there.
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
+	PYTHONPATH=$(CURDIR)/client:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -m gpu tests/gpu $(ARGS)
 
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"

@@ -1,7 +1,7 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
     python -m bench [--size-gib 2] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
-                    [--reps 5] [--storm 64] [--only memory,attach,...,fds]
+                    [--reps 5] [--storm 64] [--only memory,attach,...,gpu]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -22,12 +22,13 @@ from .attach import attach_and_restart
 from .common import Figure, as_json, checkpoint, machine
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
 from .gather import gather_throughput
+from .gpu import gpu_figures
 from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .storm import attach_storm
 
-SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds", "hugepages"]
+SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds", "hugepages", "gpu"]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -108,6 +109,10 @@ def main() -> int:
     if "hugepages" in only:
         print(f"page sizes at {args.huge_gib:g} GiB: tmpfs 4 KiB / 2 MiB, hugetlb 2 MiB / 1 GiB")
         figures += huge_page_figures(args.workdir, args.huge_gib, args.reps)
+
+    if "gpu" in only:
+        print("GPU: registration in place against pinned private copies; UVA gathers")
+        figures += gpu_figures(main_ckpt, args.reps)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,7 @@ _LABEL_KEY = re.compile(r"^[A-Za-z0-9._-]{1,63}$")
 _LABEL_VALUE = re.compile(r"^[A-Za-z0-9._-]{0,63}$")
 _MAX_PATH = 4096
 _NONCE = re.compile(r"^([0-9a-f]{32})?$")
+_DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 # Reads of workers' checkpoints (headers, samples) at once; they may hang on a
 # network mount, so they never share threads with the daemon's own work.
 _CHECKPOINT_READERS = 8
@@ -191,6 +192,8 @@ def _validate(request: pb.AttachRequest) -> None:
         raise InvalidRequest(f"pid {request.pid} is negative")
     if not _NONCE.match(request.nonce):
         raise InvalidRequest("nonce is not 32 hex digits")
+    if not _DEVICE.match(request.device):
+        raise InvalidRequest("device is not cuda:N (or empty)")
     if len(request.labels) > _MAX_LABELS or not all(
         _LABEL_KEY.match(k) and _LABEL_VALUE.match(v) for k, v in request.labels.items()
     ):

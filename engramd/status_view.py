@@ -123,7 +123,7 @@ def _sets(reply: pb.StatusReply) -> Table:
 
 
 def _leases(reply: pb.StatusReply) -> Table:
-    table = Table("SET", "LEASE", "PID", "BY", "LABELS", "", box=box.SIMPLE)
+    table = Table("SET", "LEASE", "PID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
     for s in reply.sets:
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
@@ -135,6 +135,7 @@ def _leases(reply: pb.StatusReply) -> Table:
                 lease.lease_id,
                 str(lease.pid),
                 _KIND.get(lease.kind, "?"),
+                lease.device or "cpu",
                 Text(escape(labels)),
                 Text(marks, style="yellow"),
             )

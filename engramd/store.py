@@ -100,6 +100,8 @@ class Lease:
     stale: bool = False
     #: How the worker maps the set (engramd.v1.HandleKind).
     kind: int = pb.HANDLE_KIND_SHM
+    #: The CUDA device the worker registers the set for ("cuda:N"), or "".
+    device: str = ""
     #: One-time secret for the fd channel; "" once used.
     fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     started: float = field(default_factory=time.monotonic)
@@ -562,6 +564,7 @@ class SetStore:
                 request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
             ),
             kind=kind,
+            device=request.device,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()

@@ -67,6 +67,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 stale=lease.stale,
                 pid_verified=lease.pid_start is not None,
                 kind=lease.kind,  # type: ignore[arg-type]
+                device=lease.device,
             )
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],

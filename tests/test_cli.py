@@ -49,6 +49,8 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
             "pid_verified": True,
             # It collected its descriptors on the fd channel.
             "kind": "HANDLE_KIND_FD",
+            # It asked for no CUDA device.
+            "device": "",
             "stale": False,
         }
     ]

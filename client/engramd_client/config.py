@@ -49,6 +49,8 @@ class ClientConfig:
     handles: tuple[str, ...] = HANDLE_KINDS
     #: Private tables on transparent huge pages (MADV_HUGEPAGE); False: 4 KiB pages only.
     private_thp: bool = True
+    #: "cuda:N": the tables also get CUDA views on device N (registered in place); "": CPU only.
+    device: str = ""
 
     @classmethod
     def from_env(
@@ -57,8 +59,12 @@ class ClientConfig:
         *,
         socket: str | None = None,
         share: bool | None = None,
+        device: str | None = None,
     ) -> ClientConfig:
-        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES, _SHARE, _PRIVATE_THP; args win."""
+        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES, _SHARE, _PRIVATE_THP, _DEVICE.
+
+        Arguments win over the environment.
+        """
         env = os.environ if env is None else env
         if share is None:
             word = env.get("ENGRAMD_SHARE", "auto").strip().lower()
@@ -81,4 +87,5 @@ class ClientConfig:
             handles=handles,
             share=share,
             private_thp=_SWITCH_WORDS[thp],
+            device=(env.get("ENGRAMD_DEVICE", "") if device is None else device).strip(),
         )

@@ -42,6 +42,14 @@ class CheckpointError(EngramdError):
     """A checkpoint that cannot be read as safetensors: names the file, the tensor and the fix."""
 
 
+class DeviceError(EngramdError):
+    """A device was asked for that this worker cannot use: names the device and the fix.
+
+    A configuration error, raised in every share mode: private tables cannot
+    give a worker a device it cannot reach.
+    """
+
+
 class ShareError(EngramdError):
     """Sharing is impossible; the message names the cause, the sizes and the fix."""
 

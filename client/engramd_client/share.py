@@ -17,6 +17,7 @@ import torch
 
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
+from .cuda import check_device, parse_device
 from .errors import (
     DaemonError,
     DaemonUnavailable,
@@ -55,6 +56,7 @@ def attach(
     socket: str | None = None,
     labels: Mapping[str, str] | None = None,
     populate: bool = False,
+    device: str | None = None,
 ) -> Tables:
     """Attach to the node's copy of a checkpoint's Engram tables, or load them privately.
 
@@ -68,13 +70,38 @@ def attach(
         labels: shown with this worker's lease in `engramd status` (dp_rank, tp_rank, ...).
         populate: fill the page tables of shared mappings at attach (MAP_POPULATE):
             the attach takes longer, the first lookups no longer fault page by page.
+        device: "cuda:N" (or ENGRAMD_DEVICE): the tables' pages are also registered
+            with CUDA device N in place, and `tables.cuda(name)` views them there.
 
     Raises:
         CheckpointError: the checkpoint cannot be read at all.
+        DeviceError: `device` names a device this worker cannot use (in every mode).
         ShareError: strict mode (or a bare set id) and the tables cannot be shared.
         ValueError: `rows` names an unselected tensor or a range outside it.
     """
-    config = ClientConfig.from_env(socket=socket, share=share)
+    config = ClientConfig.from_env(socket=socket, share=share, device=device)
+    # A device this worker cannot use is its configuration's error, in every share mode.
+    index = parse_device(config.device)
+    if index is not None:
+        check_device(index)
+    tables = _attach(config, checkpoint, tensors, rows, labels, populate)
+    if index is not None:
+        try:
+            tables.register_on(index)
+        except BaseException:
+            tables.close()
+            raise
+    return tables
+
+
+def _attach(
+    config: ClientConfig,
+    checkpoint: str | os.PathLike[str],
+    tensors: str,
+    rows: RowRanges | None,
+    labels: Mapping[str, str] | None,
+    populate: bool,
+) -> Tables:
     target = os.fspath(checkpoint)
     plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
     if plan is not None:
@@ -103,12 +130,18 @@ def attach(
         checkpoint,
         tensors=tensors,
         rows=rows,
-        share=share,
-        socket=socket,
+        share=config.share,
+        socket=config.socket,
         labels=labels,
         populate=populate,
+        device=config.device,
     )
     return tables
+
+
+def _device_name(text: str) -> str:
+    index = parse_device(text)
+    return "" if index is None else f"cuda:{index}"
 
 
 def _attach_shared(
@@ -153,6 +186,7 @@ def _attach_as(
         pid_namespace=pid_namespace(),
         pid_start=start_ticks(os.getpid()) or 0,
         numa_node=local_node(),
+        device=_device_name(config.device),
     )
     lease = Lease(config, request)
     try:

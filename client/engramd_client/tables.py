@@ -25,6 +25,7 @@ from .checkpoint import DTYPES, TablePlan, TensorEntry
 from .errors import CheckpointError
 
 if TYPE_CHECKING:
+    from .cuda import Registration
     from .lease import Lease
 
 #: {tensor name: (first row, end row)} to map only a row range (a TP shard).
@@ -188,6 +189,9 @@ class Tables(Mapping[str, torch.Tensor]):
         #: How `attach` made these tables: `refresh` calls it again.
         self.reattach: Callable[[], Tables] | None = None
         self._when_closed: list[Callable[[], None]] = []
+        self._registrations: dict[str, Registration] = {}
+        #: The CUDA device the tables are registered for (`cuda`), or None.
+        self.device: torch.device | None = None
 
     @classmethod
     def private(
@@ -232,6 +236,26 @@ class Tables(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._tensors)
 
+    def register_on(self, index: int) -> None:
+        """Register every tensor's pages in place for CUDA device `index` (attach(device=))."""
+        from .cuda import register_all
+
+        if self._registrations:
+            raise ValueError(f"these tables are registered for {self.device} already")
+        self._registrations = register_all(self._tensors, index, read_only=self.mode == "shared")
+        self.device = torch.device("cuda", index)
+
+    def cuda(self, name: str) -> torch.Tensor:
+        """The tensor `name` on the CUDA device: the same host pages, read over UVA (no copy).
+
+        Valid until `close()`, which unregisters the pages.
+        """
+        if self.device is None:
+            raise ValueError(
+                "these tables have no CUDA views: attach with device='cuda:N' (or ENGRAMD_DEVICE)"
+            )
+        return self._registrations[name].view
+
     def when_closed(self, callback: Callable[[], None]) -> None:
         """Call `callback` when these tables close (bind() undoes its bindings there)."""
         self._when_closed.append(callback)
@@ -241,6 +265,9 @@ class Tables(Mapping[str, torch.Tensor]):
         callbacks, self._when_closed = self._when_closed, []
         for callback in callbacks:
             callback()
+        registrations, self._registrations, self.device = self._registrations, {}, None
+        for registration in registrations.values():
+            registration.release()
         if self._lease is not None:
             self._lease.close()
             self._lease = None

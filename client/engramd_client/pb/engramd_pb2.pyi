@@ -17,7 +17,7 @@ HANDLE_KIND_SHM: HandleKind
 HANDLE_KIND_FD: HandleKind
 
 class AttachRequest(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node")
+    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node", "device")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -36,6 +36,7 @@ class AttachRequest(_message.Message):
     PID_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     PID_START_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     tensors: str
@@ -47,7 +48,8 @@ class AttachRequest(_message.Message):
     pid_namespace: int
     pid_start: int
     numa_node: int
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ...) -> None: ...
+    device: str
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
     __slots__ = ("progress", "attached", "draining")
@@ -285,7 +287,7 @@ class SetInfo(_message.Message):
     def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind")
+    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -300,6 +302,7 @@ class LeaseInfo(_message.Message):
     STALE_FIELD_NUMBER: _ClassVar[int]
     PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     labels: _containers.ScalarMap[str, str]
@@ -307,7 +310,8 @@ class LeaseInfo(_message.Message):
     stale: bool
     pid_verified: bool
     kind: HandleKind
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ...) -> None: ...
+    device: str
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ...) -> None: ...
 
 class FallbackReport(_message.Message):
     __slots__ = ("cause", "set_id", "pid", "bytes")

@@ -1,0 +1,213 @@
+"""CUDA views of a worker's tables: the same host pages, registered with the driver (UVA).
+
+A GPU reads Engram rows straight from host memory: the pages must be
+page-locked and mapped for the device. `torch.Tensor.pin_memory()` would
+copy each table into torch's pinned caching allocator, which rounds a block
+up to a power of two (a 94.4 GiB table takes 128 GiB). Instead each
+tensor's own mapping (the daemon's shared pages, or a private copy of
+exactly its size) is registered in place with cudaHostRegister:
+
+- flags: mapped (a device pointer exists), portable (every context sees
+  it), and read-only for a shared mapping (PROT_READ pages cannot be pinned
+  for writing; the device attribute HostRegisterReadOnlySupported says
+  whether the driver can);
+- in chunks of at most REGISTER_CHUNK bytes: drivers refuse very large
+  single registrations;
+- the device view is made at the pointer the driver returns
+  (cudaHostGetDevicePointer), which is the host pointer itself where the
+  device can use host pointers for registered memory.
+
+The CUDA calls go through NVIDIA's cuda-bindings (`pip install
+engramd[cuda]`), imported only when a device is asked for. A view becomes a
+torch tensor through the CUDA array interface, without a copy.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import DeviceError
+
+#: The most bytes one cudaHostRegister call is given (vLLM met a 512 GiB cap).
+REGISTER_CHUNK = 64 << 30
+#: Registrations start and end on page boundaries.
+PAGE = 4096
+
+# cudaHostRegister flags (cuda_runtime_api.h); fixed by the CUDA ABI.
+HOST_REGISTER_PORTABLE = 0x01
+HOST_REGISTER_MAPPED = 0x02
+HOST_REGISTER_READ_ONLY = 0x08
+
+FIX_CUDA = (
+    "install a CUDA build of torch and engramd's CUDA extra (pip install 'engramd[cuda]'), "
+    "or attach without device= (ENGRAMD_DEVICE unset) for CPU tensors"
+)
+
+
+def parse_device(text: str) -> int | None:
+    """The CUDA device index of "cuda:N" ("cuda": 0); None for "" (CPU tensors only)."""
+    text = text.strip()
+    if not text:
+        return None
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type != "cuda":
+        raise DeviceError(f"device={text!r}: use cuda:N (N a CUDA device index), or nothing")
+    return device.index or 0
+
+
+def chunks(address: int, length: int, limit: int = REGISTER_CHUNK) -> list[tuple[int, int]]:
+    """(start, bytes) of each registration covering [address, address + length).
+
+    The range is widened to whole pages; each chunk holds at most `limit`
+    bytes (a multiple of the page) and starts where the previous one ended.
+    """
+    if length <= 0:
+        return []
+    if limit < PAGE or limit % PAGE:
+        raise ValueError(f"a chunk limit of {limit} bytes is not a whole number of pages")
+    start = address - address % PAGE
+    end = -(-(address + length) // PAGE) * PAGE
+    return [(at, min(limit, end - at)) for at in range(start, end, limit)]
+
+
+def register_flags(read_only: bool) -> int:
+    """cudaHostRegister flags for a mapping: mapped, portable, and read-only where asked."""
+    flags = HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
+    return flags | HOST_REGISTER_READ_ONLY if read_only else flags
+
+
+def _runtime() -> Any:
+    """cuda-bindings' runtime module; DeviceError naming the extra where it is missing."""
+    for name in ("cuda.bindings.runtime", "cuda.cudart"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise DeviceError(f"CUDA views need NVIDIA's cuda-bindings, which is not installed; {FIX_CUDA}")
+
+
+def check_device(index: int) -> None:
+    """Raise DeviceError unless torch sees CUDA device `index` and cuda-bindings is installed."""
+    if not torch.cuda.is_available():
+        raise DeviceError(
+            f"device='cuda:{index}' needs CUDA, and this torch {torch.__version__} sees no CUDA "
+            f"device; {FIX_CUDA}"
+        )
+    count = torch.cuda.device_count()
+    if index >= count:
+        raise DeviceError(
+            f"device='cuda:{index}': this process sees {count} CUDA device(s) "
+            f"(CUDA_VISIBLE_DEVICES?); use cuda:0 to cuda:{count - 1}"
+        )
+    _runtime()
+
+
+def _check(result: tuple[Any, ...], what: str) -> tuple[Any, ...]:
+    err, *values = result
+    if int(err) != 0:
+        raise DeviceError(f"{what} failed: CUDA error {int(err)} ({err!r})")
+    return tuple(values)
+
+
+@dataclass
+class Registration:
+    """One tensor's mapping registered with CUDA, and its device view."""
+
+    chunks: list[tuple[int, int]]
+    #: The tensor on the device, aliasing the host pages.
+    view: torch.Tensor
+
+    def release(self) -> None:
+        """Unregister the chunks; the device view must not be used after."""
+        rt = _runtime()
+        for start, _ in self.chunks:
+            _check(rt.cudaHostUnregister(start), "cudaHostUnregister")
+        self.chunks = []
+
+
+class _CudaArray:
+    """The CUDA array interface of `length` bytes at a device pointer (torch.as_tensor reads it)."""
+
+    def __init__(self, pointer: int, length: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _attribute(rt: Any, name: str, index: int) -> int:
+    (value,) = _check(
+        rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, name), index),
+        f"cudaDeviceGetAttribute({name})",
+    )
+    return int(value)
+
+
+def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
+    """Register a CPU tensor's pages in place for device `index`; its view there, no copy."""
+    rt = _runtime()
+    length = tensor.numel() * tensor.element_size()
+    device = torch.device("cuda", index)
+    if length == 0:
+        return Registration([], torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+    _check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
+    if read_only and not _attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index):
+        raise DeviceError(
+            f"cuda:{index} cannot register read-only host memory (a driver or device without "
+            "cudaHostRegisterReadOnly), and the shared tables are mapped read-only; attach with "
+            "share=False for private tables on the device"
+        )
+    planned = chunks(tensor.data_ptr(), length)
+    uses_host_pointer = bool(_attribute(rt, "cudaDevAttrCanUseHostPointerForRegisteredMem", index))
+    if len(planned) > 1 and not uses_host_pointer:
+        # Separate registrations need not be contiguous on the device.
+        raise DeviceError(
+            f"a tensor of {length} bytes needs {len(planned)} registrations, and cuda:{index} "
+            "cannot use host pointers for registered memory, so they would not form one view"
+        )
+    registration = Registration([], tensor)
+    try:
+        for start, size in planned:
+            _check(
+                rt.cudaHostRegister(start, size, register_flags(read_only)),
+                f"cudaHostRegister of {size} bytes on cuda:{index}",
+            )
+            registration.chunks.append((start, size))
+        pointer = tensor.data_ptr()
+        if not uses_host_pointer:
+            (pointer,) = _check(
+                rt.cudaHostGetDevicePointer(tensor.data_ptr(), 0), "cudaHostGetDevicePointer"
+            )
+    except BaseException:
+        registration.release()
+        raise
+    # The CUDA array interface's read-only flag is left clear: the host mapping
+    # (PROT_READ for shared tables) and the read-only registration protect the pages.
+    flat = torch.as_tensor(_CudaArray(int(pointer), length), device=device)
+    registration.view = flat.view(tensor.dtype).view(tensor.shape)
+    return registration
+
+
+def register_all(
+    tensors: dict[str, torch.Tensor], index: int, read_only: bool
+) -> dict[str, Registration]:
+    """Every tensor registered for device `index`; nothing stays registered on failure."""
+    done: dict[str, Registration] = {}
+    try:
+        for name, tensor in tensors.items():
+            done[name] = register(tensor, index, read_only)
+    except BaseException:
+        for registration in done.values():
+            registration.release()
+        raise
+    return done

@@ -1,0 +1,108 @@
+"""Everything around the CUDA calls that runs without a GPU: devices, chunks, flags, errors.
+
+The registrations themselves run in tests/gpu/ (make test-gpu) where a CUDA
+device exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from engramd.status_view import render
+from engramd_client import ClientConfig, DeviceError, attach
+from engramd_client.cuda import (
+    HOST_REGISTER_MAPPED,
+    HOST_REGISTER_PORTABLE,
+    HOST_REGISTER_READ_ONLY,
+    REGISTER_CHUNK,
+    chunks,
+    parse_device,
+    register_flags,
+)
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from helpers import attach_error
+
+GiB = 1 << 30
+
+
+def test_devices_are_parsed_as_torch_names_them() -> None:
+    assert parse_device("") is None
+    assert parse_device("cuda") == 0
+    assert parse_device(" cuda:3 ") == 3
+    for bad in ("cpu", "gpu:0", "cuda:x", "meta"):
+        with pytest.raises(DeviceError, match="use cuda:N"):
+            parse_device(bad)
+    assert ClientConfig.from_env({"ENGRAMD_DEVICE": "cuda:1"}).device == "cuda:1"
+    assert ClientConfig.from_env({"ENGRAMD_DEVICE": "cuda:1"}, device="").device == ""
+
+
+def test_registrations_are_planned_in_page_aligned_chunks() -> None:
+    assert chunks(3 * 4096 + 100, 10) == [(3 * 4096, 4096)]
+    assert chunks(4096, 0) == []
+    # 189 GiB, as DeepSeek-V4.1-Flash's tables: three calls of at most 64 GiB.
+    base = 1 << 40
+    assert chunks(base, 189 * GiB) == [
+        (base, 64 * GiB),
+        (base + 64 * GiB, 64 * GiB),
+        (base + 128 * GiB, 61 * GiB),
+    ]
+    assert 64 * GiB == REGISTER_CHUNK
+    # A range that ends inside a page takes the whole page; none is left out or doubled.
+    planned = chunks(base + 5, 2 * 8192, limit=8192)
+    assert planned == [(base, 8192), (base + 8192, 8192), (base + 16384, 4096)]
+    with pytest.raises(ValueError, match="not a whole number of pages"):
+        chunks(base, GiB, limit=5000)
+
+
+def test_shared_mappings_are_registered_read_only() -> None:
+    assert register_flags(read_only=True) == (
+        HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY
+    )
+    assert register_flags(read_only=False) == HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
+
+
+@pytest.mark.parametrize("share", [None, True, False], ids=["auto", "strict", "private"])
+def test_a_device_without_cuda_is_a_clear_error_in_every_mode(
+    checkpoint: Path, sock_dir: Path, share: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device: the CPU-only error cannot happen here")
+    # No daemon at this socket: the device is refused before anything is tried.
+    socket = str(sock_dir / "none.sock")
+    with pytest.raises(DeviceError, match=r"needs CUDA.*engramd\[cuda\]"):
+        attach(checkpoint, share=share, socket=socket, device="cuda:0")
+    monkeypatch.setenv("ENGRAMD_DEVICE", "cuda:1")
+    with pytest.raises(DeviceError, match="device='cuda:1' needs CUDA"):
+        attach(checkpoint, share=share, socket=socket)
+
+
+def test_tables_without_a_device_have_no_cuda_views(checkpoint: Path) -> None:
+    with attach(checkpoint, share=False) as tables:
+        assert tables.device is None
+        with pytest.raises(ValueError, match="attach with device='cuda:N'"):
+            tables.cuda("layers.1.engram.embed.weight")
+
+
+def test_status_shows_the_device_a_lease_registered_for(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    set_id = d.status().sets[0].set_id
+    bad = attach_error(d, pb.AttachRequest(set_id=set_id, device="cuda:x"))
+    assert bad is not None and bad.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(
+            pb.AttachRequest(set_id=set_id, pid=1, device="cuda:1"), timeout=30
+        )
+        try:
+            next(e for e in call if e.WhichOneof("event") == "attached")
+            reply = d.status()
+            [lease] = reply.sets[0].leases
+            assert lease.device == "cuda:1"
+            assert "cuda:1" in render(reply)
+        finally:
+            call.cancel()
