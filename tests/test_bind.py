@@ -163,6 +163,14 @@ def test_refreshed_tables_keep_their_binding_when_the_old_ones_close(checkpoint:
     assert on_meta(model) == on_meta(Model(shapes_of(checkpoint)))
 
 
+def test_cuda_views_are_bound_only_from_tables_on_a_device(checkpoint: Path) -> None:
+    model = Model(shapes_of(checkpoint))
+    tables = attach(checkpoint, share=False)
+    with tables, pytest.raises(BindError, match="cuda=True needs tables attached with device="):
+        bind(model, tables, NAMES, cuda=True)
+    assert "layers.1.engram.weight" in on_meta(model)
+
+
 def test_layer_templates_need_the_layer_on_both_sides() -> None:
     with pytest.raises(ValueError, match=r"both templates need the layer as \{L\}"):
         layer_names({"model.engram.weight": "layers.{L}.engram.embed.weight"})

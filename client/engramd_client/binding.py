@@ -61,15 +61,23 @@ def layer_names(templates: Mapping[str, str]) -> Callable[[str], str | None]:
 
 
 def bind(
-    module: torch.nn.Module, tables: Mapping[str, torch.Tensor], names: Names
+    module: torch.nn.Module,
+    tables: Mapping[str, torch.Tensor],
+    names: Names,
+    *,
+    cuda: bool = False,
 ) -> dict[str, str]:
     """Replace the module's parameters or buffers with the tables' tensors (no copy, no grad).
 
     Returns {parameter name: tensor name} of what was bound. Raises
     BindError, changing nothing, on an unknown parameter or tensor name, a
     shape or dtype mismatch, or when `names` matches nothing. With a
-    `Tables`, closing it puts the module's own tensors back.
+    `Tables`, closing it puts the module's own tensors back. `cuda=True`
+    binds the tables' CUDA views (`Tables.cuda`, attach(device=...)).
     """
+    if cuda and not (isinstance(tables, Tables) and tables.device is not None):
+        raise BindError("cuda=True needs tables attached with device='cuda:N'")
+    tensor_of = tables.cuda if cuda and isinstance(tables, Tables) else tables.__getitem__
     own: dict[str, torch.Tensor] = dict(module.named_parameters(remove_duplicate=False))
     own.update(module.named_buffers(remove_duplicate=False))
     if callable(names):
@@ -88,7 +96,7 @@ def bind(
         elif tensor not in tables:
             problems.append(f"{param} -> {tensor}: the tables hold no tensor {tensor}")
         else:
-            mine, theirs = own[param], tables[tensor]
+            mine, theirs = own[param], tensor_of(tensor)
             if mine.shape != theirs.shape or mine.dtype != theirs.dtype:
                 problems.append(f"{param} is {_describe(mine)} but {tensor} is {_describe(theirs)}")
     if problems:
@@ -96,7 +104,7 @@ def bind(
     bound = []
     for param, tensor in pairs.items():
         slot = _Slot.of(module, param)
-        new = torch.nn.Parameter(tables[tensor], False) if slot.is_param else tables[tensor]
+        new = torch.nn.Parameter(tensor_of(tensor), False) if slot.is_param else tensor_of(tensor)
         slot.bind(new)
         bound.append((slot, new))
     if isinstance(tables, Tables):

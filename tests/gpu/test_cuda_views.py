@@ -130,3 +130,18 @@ def test_gathers_continue_through_a_daemon_restart(checkpoint: Path, daemons: An
     worker.stdin.close()
     assert worker.wait(timeout=60) == 0
     assert plan_tables(checkpoint).set_id == d.status().sets[0].set_id
+
+
+def test_bind_puts_the_cuda_views_in_a_gpu_model(checkpoint: Path, daemons: Any) -> None:
+    from torch import nn
+
+    from engramd_client import bind
+
+    d = daemons("--checkpoint", str(checkpoint))
+    name = "layers.1.engram.embed.weight"
+    with attach(checkpoint, socket=str(d.socket), device="cuda:0") as tables:
+        module = nn.Module()
+        module.register_buffer("weight", torch.empty_like(tables.cuda(name), device="meta"))
+        bind(module, tables, {"weight": name}, cuda=True)
+        assert module.get_buffer("weight").data_ptr() == tables.cuda(name).data_ptr()
+    assert module.get_buffer("weight").is_meta
