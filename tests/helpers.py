@@ -94,6 +94,17 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def in_process_config(sock_dir: Path, shm_dir: Path, **fields: Any) -> DaemonConfig:
+    """A DaemonConfig for an InProcessDaemon: its socket in `sock_dir`, no group, no mlock."""
+    defaults: dict[str, Any] = {
+        "socket": str(sock_dir / "d.sock"),
+        "shm_dir": str(shm_dir),
+        "socket_group": "",
+        "mlock": False,
+    }
+    return DaemonConfig(**{**defaults, **fields})
+
+
 class InProcessDaemon:
     """`create_server(config)` on an event loop in a thread of the test process.
 

@@ -28,7 +28,6 @@ import pytest
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd import store as store_module
 from engramd.backings import TmpfsBacking
-from engramd.config import DaemonConfig
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
 from engramd.loader import LoadProgress, load_set
@@ -37,7 +36,7 @@ from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.process import pid_namespace, start_ticks
-from helpers import InProcessDaemon, attach_error, reason, reference_digests
+from helpers import InProcessDaemon, attach_error, in_process_config, reason, reference_digests
 
 NOBODY = 65534
 
@@ -560,13 +559,7 @@ def test_bad_paths_get_a_status_code_not_a_traceback(daemons: Any, tmp_path: Pat
 @contextlib.contextmanager
 def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> Iterator[InProcessDaemon]:
     """An in-process daemon holding the checkpoint's set, once that set is ready."""
-    config = DaemonConfig(
-        checkpoints=[str(checkpoint)],
-        socket=str(sock_dir / "d.sock"),
-        shm_dir=str(shm_dir),
-        socket_group="",
-        mlock=False,
-    )
+    config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)])
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 30, "the configured set")
         yield d

@@ -22,7 +22,6 @@ import pytest
 
 from conftest import Daemon, Worker, wait_until
 from engramd import numa as numa_module
-from engramd.config import DaemonConfig
 from engramd.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
@@ -39,7 +38,7 @@ from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.topology import local_node
-from helpers import InProcessDaemon, reference_digests, shmem_bytes
+from helpers import InProcessDaemon, in_process_config, reference_digests, shmem_bytes
 
 _GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
 
@@ -186,14 +185,7 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
 
     monkeypatch.setattr(numa_module, "_set_mempolicy", record)
     set_id = plan_tables(checkpoint).set_id
-    config = DaemonConfig(
-        checkpoints=[str(checkpoint)],
-        socket=str(sock_dir / "d.sock"),
-        shm_dir=str(shm_dir),
-        socket_group="",
-        mlock=False,
-        numa="per-node",
-    )
+    config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa="per-node")
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
         assert set(d.server.store.sets) == {(set_id, "tmpfs", 0), (set_id, "tmpfs", 1)}
@@ -240,13 +232,8 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
     monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
     monkeypatch.setattr(numa_module, "_set_mempolicy", lambda mode, node_ids: None)
     set_id = plan_tables(checkpoint).set_id
-    config = DaemonConfig(
-        socket=str(sock_dir / "d.sock"),
-        shm_dir=str(shm_dir),
-        socket_group="",
-        mlock=False,
-        numa="per-node",
-        allow_roots=[str(checkpoint.parent)],
+    config = in_process_config(
+        sock_dir, shm_dir, numa="per-node", allow_roots=[str(checkpoint.parent)]
     )
     with InProcessDaemon(config) as d:
         request = pb.AttachRequest(
