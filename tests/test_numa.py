@@ -256,6 +256,18 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
         reply = d.run(d.server.store.drop(set_id, force=True))
         assert reply[0] == 2 * plan_tables(checkpoint).nbytes
         assert list(sets_root(shm_dir).iterdir()) == []
+        # An operator's load makes every node's copy.
+        with grpc.insecure_channel(f"unix:{d.server.config.admin_socket}") as channel:
+            events = list(
+                pb_grpc.AdminServiceStub(channel).Load(
+                    pb.LoadRequest(checkpoint=str(checkpoint)), timeout=60
+                )
+            )
+        assert events[-1].ready.set_id == set_id
+        assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [
+            f"{set_id}-node0",
+            f"{set_id}-node1",
+        ]
 
 
 def test_per_node_on_this_one_node_host_is_one_copy(
