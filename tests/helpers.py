@@ -31,11 +31,13 @@ def reason(err: grpc.RpcError) -> str:
     return next((str(v) for k, v in err.trailing_metadata() or () if k == REASON_KEY), "")
 
 
-def attach_error(d: DaemonProcess, request: pb.AttachRequest) -> grpc.RpcError | None:
-    """Send one raw Attach; the daemon's error, or None once it handed out the set."""
+def attach_error(d: DaemonProcess | Path, request: pb.AttachRequest) -> grpc.RpcError | None:
+    """Send one raw Attach (to a daemon, or a socket); its error, or None once it handed out
+    the set."""
     if not request.pid:
         request.pid = os.getpid()
-    with d.channel() as ch:
+    channel = grpc.insecure_channel(f"unix:{d}") if isinstance(d, Path) else d.channel()
+    with channel as ch:
         call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=30)
         try:
             next(e for e in call if e.WhichOneof("event") == "attached")

@@ -11,6 +11,7 @@ import ctypes
 import dataclasses
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import pytest
 
 from conftest import Daemon, Worker, wait_until
 from engramd import numa as numa_module
+from engramd.demo.synth import SynthSpec, synthesize
 from engramd.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
@@ -38,7 +40,13 @@ from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.topology import local_node
-from helpers import InProcessDaemon, in_process_config, reference_digests, shmem_bytes
+from helpers import (
+    InProcessDaemon,
+    attach_error,
+    in_process_config,
+    reference_digests,
+    shmem_bytes,
+)
 
 _GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
 
@@ -268,6 +276,34 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             f"{set_id}-node0",
             f"{set_id}-node1",
         ]
+
+
+def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
+    sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = _two_node_sysfs(tmp_path / "sys")
+    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
+    monkeypatch.setattr(numa_module, "_set_mempolicy", lambda mode, node_ids: None)
+    ckpt = synthesize(tmp_path / "ckpt", SynthSpec(rows=4_000, seed=5))
+    set_id = plan_tables(ckpt).set_id
+    config = in_process_config(sock_dir, shm_dir, numa="per-node", allow_roots=[str(tmp_path)])
+    with InProcessDaemon(config) as d:
+        request = pb.AttachRequest(
+            set_id=set_id, checkpoint=str(ckpt), pid=os.getpid(), numa_node=1
+        )
+        with grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as channel:
+            call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
+            next(e for e in call if e.WhichOneof("event") == "attached")
+            # Rewritten with other contents: the files the node 1 copy came from are gone.
+            shutil.rmtree(ckpt)
+            synthesize(ckpt, SynthSpec(rows=4_000, seed=6))
+            err = attach_error(
+                sock_dir / "d.sock",
+                pb.AttachRequest(set_id=set_id, reattach=True, numa_node=0),
+            )
+            call.cancel()
+        assert err is not None and "changed since set" in (err.details() or "")
+        assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
 
 
 def test_per_node_on_this_one_node_host_is_one_copy(
