@@ -80,7 +80,7 @@ def chunks(address: int, length: int, limit: int = REGISTER_CHUNK) -> list[tuple
 def register_flags(read_only: bool) -> int:
     """cudaHostRegister flags for a mapping: mapped, portable, and read-only where asked."""
     flags = HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
-    return flags | HOST_REGISTER_READ_ONLY if read_only else flags
+    return (flags | HOST_REGISTER_READ_ONLY) if read_only else flags
 
 
 def _runtime() -> Any:
