@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import shutil
 from typing import ClassVar
 
 from engramd_client.checkpoint import TablePlan
 from engramd_client.layout import (
-    LOADING_MARK,
     PACKED_NAME,
     Manifest,
     packed_offsets,
@@ -140,26 +138,14 @@ class _StagedPacked(StagedSet):
     def __init__(self, backing: HugetlbfsBacking, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
-        self._root = sets_root(backing.shm_dir)
-        self._folder = (
-            self._root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        )
+        self._folder = backing.loading_folder(plan.set_id)
         self._offsets, self._end = packed_offsets([t.nbytes for t in plan.tensors])
         self._size = backing.footprint([t.nbytes for t in plan.tensors])
         self._fd = -1
         self._writer: MappedWriter | None = None
-        gid = backing._gid
         try:
-            self._folder.mkdir(mode=0o750)
-            if gid is not None:
-                os.chown(self._folder, -1, gid)
-            self._fd = os.open(
-                self._folder / PACKED_NAME,
-                os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                0o640,
-            )
-            if gid is not None:
-                os.fchown(self._fd, -1, gid)
+            backing.make_folder(self._folder)
+            self._fd = backing.make_file(self._folder / PACKED_NAME)
             try:
                 # Every huge page now: an empty pool fails here, never as a
                 # SIGBUS at the first touch of a page.
@@ -198,7 +184,7 @@ class _StagedPacked(StagedSet):
             )
         self._writer.write(tail, self._size - len(tail))
         self._close()
-        os.rename(self._folder, self._root / manifest.copy)
+        os.rename(self._folder, self._folder.with_name(manifest.copy))
 
     def discard(self) -> None:
         """Remove the `.loading-*` folder; its pages return to the pool."""

@@ -105,6 +105,25 @@ class TmpfsBacking(Backing):
         """A `.loading-*` folder with every tensor file reserved to its full size."""
         return _StagedFolder(self, plan)
 
+    def loading_folder(self, set_id: str) -> Path:
+        """The path of a new load's folder: never a copy's name, unique to this load."""
+        return (
+            sets_root(self.shm_dir) / f"{set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        )
+
+    def make_folder(self, folder: Path) -> None:
+        """Create `folder` (not there before), 0750, group `gid`."""
+        folder.mkdir(mode=0o750)
+        if self._gid is not None:
+            os.chown(folder, -1, self._gid)
+
+    def make_file(self, path: Path) -> int:
+        """Create `path` (not there before), 0640, group `gid`; a read-write descriptor."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        if self._gid is not None:
+            os.fchown(fd, -1, self._gid)
+        return fd
+
     def adopt(self) -> list[Manifest]:
         """Complete sets of the daemon's own; partial loads and anything else are removed."""
         found = []
@@ -186,25 +205,13 @@ class _StagedFolder(StagedSet):
     def __init__(self, backing: TmpfsBacking, plan: TablePlan) -> None:
         self._backing = backing
         self._plan = plan
-        self._root = sets_root(backing.shm_dir)
-        self._folder = (
-            self._root / f"{plan.set_id}{LOADING_MARK}{os.getpid()}-{secrets.token_hex(4)}"
-        )
+        self._folder = backing.loading_folder(plan.set_id)
         self._fds: list[int] = []
-        gid = backing._gid
         try:
-            self._folder.mkdir(mode=0o750)
-            if gid is not None:
-                os.chown(self._folder, -1, gid)
+            backing.make_folder(self._folder)
             for i, entry in enumerate(plan.tensors):
-                fd = os.open(
-                    self._folder / tensor_file_name(i),
-                    os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                    0o640,
-                )
+                fd = backing.make_file(self._folder / tensor_file_name(i))
                 self._fds.append(fd)
-                if gid is not None:
-                    os.fchown(fd, -1, gid)
                 self._reserve(fd, entry)
         except BaseException:
             self.discard()
@@ -237,16 +244,9 @@ class _StagedFolder(StagedSet):
     def publish(self, manifest: Manifest) -> None:
         """Write the manifest last, then rename the folder to the copy's name."""
         try:
-            fd = os.open(
-                self._folder / MANIFEST_NAME,
-                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC,
-                0o640,
-            )
-            if self._backing._gid is not None:
-                os.fchown(fd, -1, self._backing._gid)
-            with os.fdopen(fd, "w") as f:
+            with os.fdopen(self._backing.make_file(self._folder / MANIFEST_NAME), "w") as f:
                 f.write(manifest.to_json())
-            os.rename(self._folder, self._root / manifest.copy)
+            os.rename(self._folder, self._folder.with_name(manifest.copy))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
