@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from engramd_client.topology import NODES
+
 from .units import gib
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
-NODES = Path("/sys/devices/system/node")
 
 
 @dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 A set's pages are allocated when the loader reserves them (posix_fallocate
 in the load thread), so the policy is the loading thread's memory policy,
-set with set_mempolicy(2) around the reservation and the copy and reset
-after. Python has no binding for it and libnuma may be absent, so the
-syscall is made through ctypes. Where pages are is read back from
+set with set_mempolicy(2) around the reservation and reset after (the copy
+then writes into pages that already exist). Python has no binding for it
+and libnuma may be absent, so the syscall is made through ctypes. Where pages are is read back from
 /proc/<pid>/numa_maps (N<node>=<pages> of each mapping).
 
 Policies (`--numa`): "" leaves placement to the kernel (first touch);

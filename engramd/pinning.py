@@ -52,8 +52,8 @@ class PinnedFiles:
         #: Why locking a file failed (the first failure), or None.
         self.error: str | None = None
 
-    def pin(self, path: Path, offset: int = 0, length: int | None = None) -> None:
-        """Map `length` bytes at `offset` of `path` (default: to its end) read-only and lock them.
+    def pin(self, path: Path, offset: int, length: int) -> None:
+        """Map `length` bytes at `offset` of `path` read-only and lock them.
 
         Records the failure instead of raising.
         """
@@ -63,8 +63,6 @@ class PinnedFiles:
             self._fail(f"open {path}: {e.strerror}")
             return
         try:
-            if length is None:
-                length = os.fstat(fd).st_size - offset
             self.pin_fd(fd, offset, length, str(path))
         finally:
             os.close(fd)

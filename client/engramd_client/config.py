@@ -9,19 +9,10 @@ from dataclasses import dataclass
 #: Where the daemon listens unless told otherwise (systemd RuntimeDirectory).
 DEFAULT_SOCKET = "/run/engramd/engramd.sock"
 
-_SHARE_WORDS: dict[str, bool | None] = {
-    "auto": None,
-    "": None,
-    "on": True,
-    "true": True,
-    "1": True,
-    "strict": True,
-    "off": False,
-    "false": False,
-    "0": False,
-}
-
+#: The words of an on/off setting (ENGRAMD_PRIVATE_THP).
 _SWITCH_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": False, "0": False}
+#: ENGRAMD_SHARE: an on/off setting that may also be left to the client (auto).
+_SHARE_WORDS: dict[str, bool | None] = {"auto": None, "": None, "strict": True, **_SWITCH_WORDS}
 
 #: Handle kinds a worker can map, by TensorHandle's field name, in the default order.
 HANDLE_KINDS = ("fd", "shm")

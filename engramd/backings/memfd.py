@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import itertools
 import logging
 import os
 import stat
@@ -245,7 +246,8 @@ class _StagedMemfd(StagedSet):
         if huge:
             self._offsets, _ = packed_offsets(sizes)
         else:
-            self._offsets = [backing.footprint(sizes[:i]) for i in range(len(sizes))]
+            # Each tensor in pages of its own: a running sum of the pages before it.
+            self._offsets = list(itertools.accumulate(map(backing.reserved, sizes[:-1]), initial=0))
         size = backing.footprint(sizes)
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge:
