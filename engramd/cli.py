@@ -25,7 +25,8 @@ from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
 from . import __version__, units
-from .backings import BACKINGS, COMBINED
+from .backings import BACKINGS, COMBINED, CudaDeviceBacking
+from .backings.cuda import device_of
 from .config import DaemonConfig
 from .text import escape
 
@@ -63,6 +64,12 @@ _BACKING_NAMES = (*BACKINGS, *COMBINED)
 
 
 def _backing(name: str) -> str:
+    if name.startswith(f"{CudaDeviceBacking.name}:"):
+        try:
+            device_of(name)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--backing") from None
+        return name
     if name not in _BACKING_NAMES:
         raise typer.BadParameter(
             f"{name!r} is not a backing (known: {', '.join(_BACKING_NAMES)})",
@@ -178,7 +185,7 @@ def serve(
         typer.Option(
             envvar="ENGRAMD_BACKING",
             help=f"Where sets live: {', '.join(_BACKING_NAMES)} (auto: tmpfs when the shm "
-            "folder can hold the set, else memfd).",
+            "folder can hold the set, else memfd; cuda-device:N: GPU N's memory).",
         ),
     ] = DEFAULTS.backing,
     page_size: Annotated[

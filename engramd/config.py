@@ -24,7 +24,8 @@ class DaemonConfig:
     fd_socket: str = ""
     #: Group that may attach: owns the socket, its folder and the sets' files.
     socket_group: str = "engramd"
-    #: Where sets live: a name in engramd.backings.BACKINGS, or "auto" (tmpfs, else memfd).
+    #: Where sets live: a name in engramd.backings.BACKINGS ("cuda-device:N" for GPU N), or
+    #: "auto" (tmpfs, else memfd).
     backing: str = "tmpfs"
     #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
     page_size: int = 0

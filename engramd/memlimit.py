@@ -1,6 +1,6 @@
 """How much memory the daemon may still take: the host's and its cgroup's limits.
 
-memfd sets are bounded by memory, not by a tmpfs size: their pages are
+memfd and cuda-host sets are bounded by memory, not by a tmpfs size: their pages are
 charged to the daemon's memory cgroup (v2 `memory.max`, v1
 `memory.limit_in_bytes`, the tightest of the cgroup and its ancestors) and
 come out of the host's MemAvailable.
@@ -11,6 +11,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .errors import ShmFull
+from .units import gib
 
 # cgroup v1 writes "no limit" as a huge page-aligned number.
 _NO_LIMIT = 1 << 62
@@ -37,6 +40,24 @@ def memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Me
         else:
             best = replace(best, available=available)
     return best
+
+
+def check_memory(needed: int, what: str, reclaimable: int, fix: str) -> None:
+    """Raise ShmFull, naming the bound and `fix`, unless `needed` bytes fit in memory.
+
+    `reclaimable` bytes count as available: sets the caller evicts first.
+    """
+    limit = memory_limit()
+    if needed > limit.total:
+        raise ShmFull(
+            f"{what} needs {gib(needed)} but the daemon may use {gib(limit.total)} of memory "
+            f"in all ({limit.where}); {fix}"
+        )
+    if needed > limit.available + reclaimable:
+        raise ShmFull(
+            f"{what} needs {gib(needed)} but only {gib(limit.available)} of memory is "
+            f"available to the daemon ({limit.where}: {gib(limit.total)}); {fix}"
+        )
 
 
 def _meminfo(path: Path) -> dict[str, int]:

@@ -36,6 +36,8 @@ _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 # Reads of workers' checkpoints (headers, samples) at once; they may hang on a
 # network mount, so they never share threads with the daemon's own work.
 _CHECKPOINT_READERS = 8
+#: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
+CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
 
 
 class TableService(pb_grpc.TableServiceServicer):
@@ -86,6 +88,12 @@ class TableService(pb_grpc.TableServiceServicer):
             if kind in offered:
                 return kind
         names = ", ".join(pb.HandleKind.Name(k) for k in sorted(offered))
+        if offered <= CUDA_KINDS:
+            raise InvalidRequest(
+                f"this daemon's {'/'.join(b.name for b in backings)} sets are cuMem allocations "
+                f"({names}), handed out to workers with a CUDA device only; attach with "
+                "device='cuda:N' (ENGRAMD_DEVICE)"
+            )
         raise InvalidRequest(
             f"this daemon's {'/'.join(b.name for b in backings)} sets are handed out as "
             f"{names}; the request accepts none of them (upgrade the worker's engramd_client)"
@@ -133,7 +141,7 @@ class TableService(pb_grpc.TableServiceServicer):
             sources=source_files(ts.manifest),
             tensors=handles,
         )
-        if kind == pb.HANDLE_KIND_FD:
+        if kind in (pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM):
             attachment.fd_channel.socket = self._config.fd_socket
             attachment.fd_channel.secret = lease.fd_secret
         if kind == pb.HANDLE_KIND_SHM and handles:

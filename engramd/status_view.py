@@ -82,11 +82,25 @@ def _backings(reply: pb.StatusReply) -> Table:
     return _whole(table)
 
 
+def _stand_ins(reply: pb.StatusReply) -> list[tuple[str, str, str]]:
+    """(backing asked for, why it cannot be used, the backings standing in) per such backing."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for b in reply.backings:
+        if b.stands_in_for:
+            found.setdefault((b.stands_in_for, b.reason), []).append(b.name)
+    return [(asked, reason, "/".join(names)) for (asked, reason), names in found.items()]
+
+
 def _sizes(b: pb.BackingInfo | pb.ShmInfo) -> tuple[str, str, str]:
     return gib(b.used_bytes), gib(b.free_bytes), gib(b.total_bytes)
 
 
-_KIND = {pb.HANDLE_KIND_FD: "fd", pb.HANDLE_KIND_SHM: "path"}
+_KIND = {
+    pb.HANDLE_KIND_FD: "fd",
+    pb.HANDLE_KIND_SHM: "path",
+    pb.HANDLE_KIND_CUMEM: "cumem",
+    pb.HANDLE_KIND_CUMEM_FABRIC: "fabric",
+}
 
 
 def _sets(reply: pb.StatusReply) -> Table:
@@ -164,8 +178,16 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
             f"{'ready' if d.ready else 'not ready'}"
         ),
         _backings(reply),
-        _sets(reply) if reply.sets else Text("no sets"),
     ]
+    for asked, reason, instead in _stand_ins(reply):
+        parts.append(
+            Text(
+                f"--backing {asked} cannot be used here: {reason}; {instead} stand(s) in "
+                "for it, and workers with a device register their own mapping",
+                style="yellow",
+            )
+        )
+    parts.append(_sets(reply) if reply.sets else Text("no sets"))
     if any(s.leases for s in reply.sets):
         parts.append(_leases(reply))
     if any(s.adopted for s in reply.sets):

@@ -528,7 +528,9 @@ class SetStore:
         ts.locked = ts.pins.error is None and self.holds(ts)
         if ts.locked:
             # Reading numa_maps walks the page tables of every mapping: once, off the loop.
-            ts.nodes = await self._files.run(_nodes_of, ts.backing.mapped_as(ts.copy))
+            mapped_as = ts.backing.mapped_as(ts.copy)
+            if mapped_as is not None:
+                ts.nodes = await self._files.run(_nodes_of, mapped_as)
         if ts.pins.error and not self._warned_mlock:
             self._warned_mlock = True
             log.warning(

@@ -105,6 +105,8 @@ def status_reply(store: SetStore, socket: str, uptime_s: float, ready: bool) -> 
                 free_bytes=bu.free,
                 page_size=bu.page_size,
                 survives_restart=b.survives_restart,
+                stands_in_for=b.stands_in_for,
+                reason=b.reason,
             )
             for b, bu in usages
         ],

@@ -28,7 +28,7 @@ from engramd.wire import set_info
 from engramd_client.checkpoint import SourceFile, TablePlan, plan_tables
 from engramd_client.config import DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
 from engramd_client.errors import BY_REASON, Reason
-from engramd_client.handles import MAPPERS
+from engramd_client.handles import CUDA_KINDS, KINDS, MAPPERS
 from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.tables import Region
@@ -95,8 +95,11 @@ def test_client_config_from_env() -> None:
     assert ClientConfig.from_env({"ENGRAMD_SHARE": "off"}).share is False
     assert ClientConfig.from_env({"ENGRAMD_FD_SOCKET": "/c/fds"}).fd_socket == "/c/fds"
     assert ClientConfig.from_env({"ENGRAMD_HANDLES": " shm "}).handles == ("shm",)
-    assert tuple(MAPPERS) == HANDLE_KINDS  # every kind a worker may name has its mapper
-    with pytest.raises(ValueError, match="use fd,shm"):
+    assert ClientConfig.from_env({"ENGRAMD_HANDLES": "fabric,shm"}).handles == ("fabric", "shm")
+    # Every kind a worker may name is a handle kind; those of host memory have their mapper.
+    assert tuple(KINDS) == HANDLE_KINDS
+    assert set(MAPPERS) == set(HANDLE_KINDS) - set(CUDA_KINDS)
+    with pytest.raises(ValueError, match="use cumem,fabric,fd,shm"):
         ClientConfig.from_env({"ENGRAMD_HANDLES": "cuda"})
     # Arguments win over the environment.
     assert ClientConfig.from_env(env, socket="/y", share=False) == ClientConfig("/y", False)

@@ -14,8 +14,9 @@ _SWITCH_WORDS = {"on": True, "true": True, "1": True, "off": False, "false": Fal
 #: ENGRAMD_SHARE: an on/off setting that may also be left to the client (auto).
 _SHARE_WORDS: dict[str, bool | None] = {"auto": None, "": None, "strict": True, **_SWITCH_WORDS}
 
-#: Handle kinds a worker can map, by TensorHandle's field name, in the default order.
-HANDLE_KINDS = ("fd", "shm")
+#: Handle kinds a worker can map, by name, in the default order: cuMem allocations (only
+#: with a device), by descriptor or FABRIC handle; then host memory by descriptor or path.
+HANDLE_KINDS = ("cumem", "fabric", "fd", "shm")
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,8 @@ class ClientConfig:
     reconnect_max_s: float = 2.0
     #: The daemon's fd channel; "": the name the daemon gives, beside `socket`.
     fd_socket: str = ""
-    #: Handle kinds to accept, preferred first: "fd" (any namespace), "shm" (paths).
+    #: Handle kinds to accept, preferred first: "cumem"/"fabric" (with a device), "fd" (any
+    #: namespace), "shm" (paths).
     handles: tuple[str, ...] = HANDLE_KINDS
     #: Private tables on transparent huge pages (MADV_HUGEPAGE); False: 4 KiB pages only.
     private_thp: bool = True

@@ -17,9 +17,12 @@ exactly its size) is registered in place with cudaHostRegister:
   (cudaHostGetDevicePointer), which is the host pointer itself where the
   device can use host pointers for registered memory.
 
+A set of engramd's cuda-host or cuda-device backing needs none of this: it
+comes already pinned, by cuMem handle (cumem.py).
+
 The CUDA calls go through NVIDIA's cuda-bindings (`pip install
 engramd[cuda]`), imported only when a device is asked for. A view becomes a
-torch tensor through the CUDA array interface, without a copy.
+torch tensor through the CUDA array interface, without a copy (cumem.cuda_view).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import Any
 
 import torch
 
+from .cumem import cuda_view
 from .errors import DeviceError
 
 #: The most bytes one cudaHostRegister call is given (vLLM met a 512 GiB cap).
@@ -132,19 +136,6 @@ class Registration:
         self.chunks = []
 
 
-class _CudaArray:
-    """The CUDA array interface of `length` bytes at a device pointer (torch.as_tensor reads it)."""
-
-    def __init__(self, pointer: int, length: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (length,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def _attribute(rt: Any, name: str, index: int) -> int:
     (value,) = _check(
         rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, name), index),
@@ -157,9 +148,8 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     """Register a CPU tensor's pages in place for device `index`; its view there, no copy."""
     rt = _runtime()
     length = tensor.numel() * tensor.element_size()
-    device = torch.device("cuda", index)
     if length == 0:
-        return Registration([], torch.empty(tensor.shape, dtype=tensor.dtype, device=device))
+        return Registration([], cuda_view(0, 0, tensor.dtype, tuple(tensor.shape), index))
     _check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
     if read_only and not _attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index):
         raise DeviceError(
@@ -193,8 +183,7 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
         raise
     # The CUDA array interface's read-only flag is left clear: the host mapping
     # (PROT_READ for shared tables) and the read-only registration protect the pages.
-    flat = torch.as_tensor(_CudaArray(int(pointer), length), device=device)
-    registration.view = flat.view(tensor.dtype).view(tensor.shape)
+    registration.view = cuda_view(int(pointer), length, tensor.dtype, tuple(tensor.shape), index)
     return registration
 
 

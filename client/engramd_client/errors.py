@@ -50,6 +50,13 @@ class DeviceError(EngramdError):
     """
 
 
+class NoCpuView(EngramdError, KeyError):
+    """`tables[name]` of a set held in GPU memory: only its CUDA view (`tables.cuda`) exists."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 class ShareError(EngramdError):
     """Sharing is impossible; the message names the cause, the sizes and the fix."""
 

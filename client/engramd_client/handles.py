@@ -1,9 +1,11 @@
-"""One mapper per handle kind: from a daemon's handle to a read-only descriptor.
+"""One mapper per handle kind of host memory: from a daemon's handle to a read-only descriptor.
 
-Every kind ends the same way: `tables.map_fd` maps the descriptor PROT_READ
-and views it as a tensor. A mapper only says how to get that descriptor and
-what proves it is the daemon's. Adding a kind is one mapper here plus its
-entry in MAPPERS (the oneof field name of engramd.v1.TensorHandle).
+Every such kind ends the same way: `tables.map_fd` maps the descriptor
+PROT_READ and views it as a tensor. A mapper only says how to get that
+descriptor and what proves it is the daemon's. Adding a kind is one mapper
+here plus its entry in MAPPERS (the oneof field name of
+engramd.v1.TensorHandle). cuMem handles (already pinned, GPU-readable) are
+imported by cumem.py instead.
 """
 
 from __future__ import annotations
@@ -25,6 +27,18 @@ FIX_NAMESPACE = (
     "--ipc=container:<engramd>; in Kubernetes mount the daemon's /dev/shm hostPath or "
     "shared memory-backed emptyDir at the same path)"
 )
+
+
+def channel_path(config: ClientConfig, attachment: pb.Attachment) -> str:
+    """ENGRAMD_FD_SOCKET, else the daemon's fd socket by name beside this worker's socket.
+
+    The worker may see the socket folder at another path than the daemon
+    (a container mount), so the daemon's own path is used only for its name.
+    """
+    if config.fd_socket:
+        return config.fd_socket
+    name = Path(attachment.fd_channel.socket).name or "fds.sock"
+    return str(Path(config.socket).with_name(name))
 
 
 class HandleMapper(Protocol):
@@ -138,7 +152,7 @@ class FdMapper:
         """A duplicate of the descriptor of the handle's file (collected on first use)."""
         if self._fds is None:
             self._fds = collect(
-                self.channel_path(attachment),
+                channel_path(self._config, attachment),
                 attachment.lease_id,
                 attachment.fd_channel.secret,
                 self._config.reply_timeout_s,
@@ -152,23 +166,24 @@ class FdMapper:
             )
         return os.dup(fd)
 
-    def channel_path(self, attachment: pb.Attachment) -> str:
-        """ENGRAMD_FD_SOCKET, else the daemon's fd socket by name beside this worker's socket.
-
-        The worker may see the socket folder at another path than the daemon
-        (a container mount), so the daemon's own path is used only for its name.
-        """
-        if self._config.fd_socket:
-            return self._config.fd_socket
-        name = Path(attachment.fd_channel.socket).name or "fds.sock"
-        return str(Path(self._config.socket).with_name(name))
-
     def close(self) -> None:
         """Close the collected descriptors (the mappings keep the memory)."""
         for fd in (self._fds or {}).values():
             os.close(fd)
         self._fds = None
 
+
+#: Every handle kind by its name in ENGRAMD_HANDLES (HANDLE_KINDS in config.py).
+KINDS: dict[str, pb.HandleKind] = {
+    "cumem": pb.HANDLE_KIND_CUMEM,
+    "fabric": pb.HANDLE_KIND_CUMEM_FABRIC,
+    "fd": pb.HANDLE_KIND_FD,
+    "shm": pb.HANDLE_KIND_SHM,
+}
+#: Kinds whose handles are collected on the fd channel.
+ON_FD_CHANNEL = ("cumem", "fd")
+#: cuMem allocations (cumem.py): accepted only by a worker that asked for a device.
+CUDA_KINDS = ("cumem", "fabric")
 
 #: The mapper of each handle kind, by TensorHandle's oneof field, and the kind it maps.
 #: A mapper is made per attach from the worker's settings and the daemon's uid.

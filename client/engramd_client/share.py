@@ -18,6 +18,7 @@ import torch
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import ClientConfig
 from .cuda import check_device, parse_device
+from .cumem import import_set
 from .errors import (
     DaemonError,
     DaemonUnavailable,
@@ -26,8 +27,8 @@ from .errors import (
     SegmentNotVisible,
     ShareError,
 )
-from .fdchannel import FdChannelUnreachable
-from .handles import MAPPERS, HandleMapper
+from .fdchannel import FdChannelUnreachable, collect
+from .handles import CUDA_KINDS, KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
 from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
@@ -84,8 +85,8 @@ def attach(
     index = parse_device(config.device)
     if index is not None:
         check_device(index)
-    tables = _attach(config, checkpoint, tensors, rows, labels, populate)
-    if index is not None:
+    tables = _attach(config, checkpoint, tensors, rows, labels, populate, index)
+    if index is not None and tables.device is None:
         try:
             tables.register_on(index)
         except BaseException:
@@ -101,6 +102,7 @@ def _attach(
     rows: RowRanges | None,
     labels: Mapping[str, str] | None,
     populate: bool,
+    index: int | None,
 ) -> Tables:
     target = os.fspath(checkpoint)
     plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
@@ -112,7 +114,7 @@ def _attach(
         return Tables.private(plan, rows, reason=None, thp=config.private_thp)
     try:
         tables = _attach_shared(
-            config, target if plan is None else plan, rows, labels or {}, populate
+            config, target if plan is None else plan, rows, labels or {}, populate, index
         )
     except ShareError as e:
         if config.share or plan is None:
@@ -150,17 +152,20 @@ def _attach_shared(
     rows: RowRanges | None,
     labels: Mapping[str, str],
     populate: bool,
+    index: int | None,
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
+    # cuMem allocations are GPU memory, or host memory only the driver can map.
+    handles = tuple(h for h in config.handles if index is not None or h not in CUDA_KINDS)
     try:
-        return _attach_as(config, target, rows, labels, populate, config.handles)
+        return _attach_as(config, target, rows, labels, populate, handles, index)
     except FdChannelUnreachable as unreachable:
-        # Paths still work where the worker shares the daemon's /dev/shm.
-        paths = tuple(h for h in config.handles if h != "fd")
+        # FABRIC handles and paths need no fd channel (paths: the daemon's /dev/shm).
+        paths = tuple(h for h in handles if h not in ON_FD_CHANNEL)
         if not paths:
             raise
         try:
-            return _attach_as(config, target, rows, labels, populate, paths)
+            return _attach_as(config, target, rows, labels, populate, paths, index)
         except SegmentNotVisible as e:
             raise SegmentNotVisible(f"{unreachable}; and by path: {e}") from None
         except ShareError:
@@ -174,6 +179,7 @@ def _attach_as(
     labels: Mapping[str, str],
     populate: bool,
     handles: tuple[str, ...],
+    index: int | None,
 ) -> Tables:
     plan = target if isinstance(target, TablePlan) else None
     request = pb.AttachRequest(
@@ -182,7 +188,7 @@ def _attach_as(
         tensors=plan.selection if plan else "",
         pid=os.getpid(),
         labels=dict(labels),
-        accept=[MAPPERS[name][0] for name in handles],
+        accept=[KINDS[name] for name in handles],
         pid_namespace=pid_namespace(),
         pid_start=start_ticks(os.getpid()) or 0,
         numa_node=local_node(),
@@ -195,11 +201,45 @@ def _attach_as(
             check_row_names(rows, [h.name for h in attachment.tensors])
         else:
             _check_sources(plan, attachment)
+        if any(h.WhichOneof("handle") == "cumem" for h in attachment.tensors):
+            return _imported_tables(attachment, rows, config, index, lease)
         tensors = _map(attachment, rows, populate, config, os.stat(config.socket).st_uid)
     except BaseException:
         lease.close()
         raise
     return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
+
+
+def _imported_tables(
+    attachment: pb.Attachment,
+    rows: RowRanges | None,
+    config: ClientConfig,
+    index: int | None,
+    lease: Lease,
+) -> Tables:
+    """Tables over the set's cuMem allocation, imported for the worker's device.
+
+    The allocation's descriptor comes from the fd channel (or a FABRIC
+    handle in the reply); CPU views exist for host memory only.
+    """
+    if index is None:
+        raise DaemonError("engramd handed out cuMem handles to a worker that asked for no device")
+    descriptors: dict[str, int] = {}
+    if any(h.cumem.file for h in attachment.tensors):
+        descriptors = collect(
+            channel_path(config, attachment),
+            attachment.lease_id,
+            attachment.fd_channel.secret,
+            config.reply_timeout_s,
+        )
+    try:
+        imported = import_set(list(attachment.tensors), descriptors, index, rows)
+    finally:
+        for fd in descriptors.values():
+            os.close(fd)
+    tables = Tables(imported.cpu, mode="shared", set_id=attachment.set_id, lease=lease)
+    tables.set_views(imported.cuda, index, imported.release)
+    return tables
 
 
 def _check_sources(plan: TablePlan, attachment: pb.Attachment) -> None:

@@ -22,10 +22,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from .checkpoint import DTYPES, TablePlan, TensorEntry
-from .errors import CheckpointError
+from .errors import CheckpointError, NoCpuView
 
 if TYPE_CHECKING:
-    from .cuda import Registration
     from .lease import Lease
 
 #: {tensor name: (first row, end row)} to map only a row range (a TP shard).
@@ -189,8 +188,10 @@ class Tables(Mapping[str, torch.Tensor]):
         #: How `attach` made these tables: `refresh` calls it again.
         self.reattach: Callable[[], Tables] | None = None
         self._when_closed: list[Callable[[], None]] = []
-        self._registrations: dict[str, Registration] = {}
-        #: The CUDA device the tables are registered for (`cuda`), or None.
+        self._names = list(tensors)
+        self._views: dict[str, torch.Tensor] = {}
+        self._release_views: Callable[[], None] | None = None
+        #: The CUDA device of the tables' CUDA views (`cuda`), or None.
         self.device: torch.device | None = None
 
     @classmethod
@@ -225,36 +226,59 @@ class Tables(Mapping[str, torch.Tensor]):
     @property
     def nbytes(self) -> int:
         """Bytes of the tensors handed out (row ranges only, when given)."""
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        tensors = self._tensors or self._views
+        return sum(t.numel() * t.element_size() for t in tensors.values())
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._tensors and name in self._views:
+            raise NoCpuView(
+                f"{name!r} of set {self.set_id} lives in GPU memory (engramd's cuda-device "
+                f"backing): use tables.cuda({name!r}), its CUDA view"
+            )
         return self._tensors[name]
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
     def __iter__(self) -> Iterator[str]:
-        return iter(self._tensors)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._tensors)
+        return len(self._names)
 
     def register_on(self, index: int) -> None:
         """Register every tensor's pages in place for CUDA device `index` (attach(device=))."""
         from .cuda import register_all
 
-        if self._registrations:
-            raise ValueError(f"these tables are registered for {self.device} already")
-        self._registrations = register_all(self._tensors, index, read_only=self.mode == "shared")
+        registrations = register_all(self._tensors, index, read_only=self.mode == "shared")
+
+        def release() -> None:
+            for registration in registrations.values():
+                registration.release()
+
+        self.set_views({n: r.view for n, r in registrations.items()}, index, release)
+
+    def set_views(
+        self, views: dict[str, torch.Tensor], index: int, release: Callable[[], None]
+    ) -> None:
+        """Give the tables CUDA views on device `index`; `close()` calls `release` for them."""
+        if self.device is not None:
+            raise ValueError(f"these tables have CUDA views on {self.device} already")
+        self._views, self._release_views = views, release
+        self._names = self._names or list(views)
         self.device = torch.device("cuda", index)
 
     def cuda(self, name: str) -> torch.Tensor:
-        """The tensor `name` on the CUDA device: the same host pages, read over UVA (no copy).
+        """The tensor `name` on the CUDA device, read in place (no copy): host pages over UVA,
+        or the GPU's own memory for a set of engramd's cuda-device backing.
 
-        Valid until `close()`, which unregisters the pages.
+        Valid until `close()`, which unregisters or unmaps the memory.
         """
         if self.device is None:
             raise ValueError(
                 "these tables have no CUDA views: attach with device='cuda:N' (or ENGRAMD_DEVICE)"
             )
-        return self._registrations[name].view
+        return self._views[name]
 
     def when_closed(self, callback: Callable[[], None]) -> None:
         """Call `callback` when these tables close (bind() undoes its bindings there)."""
@@ -265,13 +289,14 @@ class Tables(Mapping[str, torch.Tensor]):
         callbacks, self._when_closed = self._when_closed, []
         for callback in callbacks:
             callback()
-        registrations, self._registrations, self.device = self._registrations, {}, None
-        for registration in registrations.values():
-            registration.release()
+        release, self._release_views = self._release_views, None
+        self._views, self.device = {}, None
+        if release is not None:
+            release()
         if self._lease is not None:
             self._lease.close()
             self._lease = None
-        self._tensors = {}
+        self._tensors, self._names = {}, []
 
     def __enter__(self) -> Tables:
         return self

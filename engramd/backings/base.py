@@ -33,6 +33,17 @@ class Usage:
     page_size: int
 
 
+class BackingUnavailable(Exception):
+    """The backing asked for cannot work here (no CUDA driver, a device without cuMem, ...)."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name}: {reason}")
+        #: The backing's name.
+        self.name = name
+        #: Why, in one line.
+        self.reason = reason
+
+
 class StagedSet(ABC):
     """A set being loaded: every byte reserved, nothing visible to workers yet."""
 
@@ -59,9 +70,13 @@ class Backing(ABC):
     #: The backing's name in status, metrics and flags.
     name: ClassVar[str]
     #: Handle kinds this backing can hand out (engramd.v1.HandleKind).
-    handle_kinds: ClassVar[frozenset[int]]
+    handle_kinds: frozenset[int]
     #: Bytes per page backing new sets (fixed for the backing's life).
     page_size: int
+    #: The backing asked for that this one replaces (it cannot work here), or "".
+    stands_in_for: str = ""
+    #: Why the backing asked for cannot work here, or "".
+    reason: str = ""
 
     @classmethod
     @abstractmethod
@@ -128,8 +143,8 @@ class Backing(ABC):
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
-    def mapped_as(self, copy: str) -> str:
-        """What /proc/<pid>/maps and numa_maps show for mappings of a copy's files."""
+    def mapped_as(self, copy: str) -> str | None:
+        """What numa_maps shows for mappings of a copy's files; None where it shows nothing."""
 
     @abstractmethod
     def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:

@@ -58,7 +58,7 @@ class HugetlbfsBacking(TmpfsBacking):
     """Packed set files on a hugetlbfs mount, 0640, group `gid`."""
 
     name: ClassVar[str] = "hugetlbfs"
-    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
 
     def __init__(self, shm_dir: str, gid: int | None, node: int | None = None) -> None:
         super().__init__(shm_dir, gid)

@@ -34,7 +34,7 @@ from ..config import DaemonConfig
 from ..errors import ShmFull
 from ..fdstore import FdStore
 from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
-from ..memlimit import memory_limit, page_size_of_memfd
+from ..memlimit import check_memory, memory_limit, page_size_of_memfd
 from ..numa import Placement
 from ..pinning import PinnedFiles
 from ..units import gib
@@ -64,7 +64,7 @@ class MemfdBacking(Backing):
     """Sealed memfds held by the daemon (and systemd's fd store, where there is one)."""
 
     name: ClassVar[str] = "memfd"
-    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({pb.HANDLE_KIND_FD})
 
     def __init__(self, fd_store: FdStore, huge_page_size: int = 0, node: int | None = None) -> None:
         self._fd_store = fd_store
@@ -133,17 +133,7 @@ class MemfdBacking(Backing):
                     f"{gib(p.free)} of {gib(p.total)} are free; {p.fix(needed + p.total - p.free)}"
                 )
             return
-        limit = memory_limit()
-        if needed > limit.total:
-            raise ShmFull(
-                f"{what} needs {gib(needed)} but the daemon may use {gib(limit.total)} of memory "
-                f"in all ({limit.where}); {FIX_MEMORY}"
-            )
-        if needed > limit.available + reclaimable:
-            raise ShmFull(
-                f"{what} needs {gib(needed)} but only {gib(limit.available)} of memory is "
-                f"available to the daemon ({limit.where}: {gib(limit.total)}); {FIX_MEMORY}"
-            )
+        check_memory(needed, what, reclaimable, FIX_MEMORY)
 
     def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """An unsealed memfd with every tensor's pages allocated."""

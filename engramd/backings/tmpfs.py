@@ -57,7 +57,7 @@ class TmpfsBacking(Backing):
     """Files under `<shm_dir>/engramd/`, one per tensor, 0640, group `gid`."""
 
     name: ClassVar[str] = "tmpfs"
-    handle_kinds: ClassVar[frozenset[int]] = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
 
     def __init__(self, shm_dir: str, gid: int | None) -> None:
         self.shm_dir = shm_dir

@@ -12,9 +12,13 @@ class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDLE_KIND_UNSPECIFIED: _ClassVar[HandleKind]
     HANDLE_KIND_SHM: _ClassVar[HandleKind]
     HANDLE_KIND_FD: _ClassVar[HandleKind]
+    HANDLE_KIND_CUMEM: _ClassVar[HandleKind]
+    HANDLE_KIND_CUMEM_FABRIC: _ClassVar[HandleKind]
 HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_SHM: HandleKind
 HANDLE_KIND_FD: HandleKind
+HANDLE_KIND_CUMEM: HandleKind
+HANDLE_KIND_CUMEM_FABRIC: HandleKind
 
 class AttachRequest(_message.Message):
     __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node", "device")
@@ -140,20 +144,40 @@ class SourceFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd")
+    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd", "cumem")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
+    CUMEM_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
     kind: HandleKind
     shm: ShmHandle
     fd: FdHandle
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ...) -> None: ...
+    cumem: CuMemHandle
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cumem: _Optional[_Union[CuMemHandle, _Mapping]] = ...) -> None: ...
+
+class CuMemHandle(_message.Message):
+    __slots__ = ("file", "fabric", "size", "offset", "length", "host_numa", "device_uuid")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    FABRIC_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    HOST_NUMA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    fabric: bytes
+    size: int
+    offset: int
+    length: int
+    host_numa: int
+    device_uuid: str
+    def __init__(self, file: _Optional[str] = ..., fabric: _Optional[bytes] = ..., size: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., host_numa: _Optional[int] = ..., device_uuid: _Optional[str] = ...) -> None: ...
 
 class FdHandle(_message.Message):
     __slots__ = ("file", "offset", "length")
@@ -224,7 +248,7 @@ class ShmInfo(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class BackingInfo(_message.Message):
-    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart")
+    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart", "stands_in_for", "reason")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +256,8 @@ class BackingInfo(_message.Message):
     FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
     SURVIVES_RESTART_FIELD_NUMBER: _ClassVar[int]
+    STANDS_IN_FOR_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     name: str
     where: str
     total_bytes: int
@@ -239,7 +265,9 @@ class BackingInfo(_message.Message):
     free_bytes: int
     page_size: int
     survives_restart: bool
-    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ...) -> None: ...
+    stands_in_for: str
+    reason: str
+    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
     __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node")

@@ -1,0 +1,203 @@
+"""The CUDA driver calls of cuMem allocations shared by handle, for both sides (no torch).
+
+The cuda-host and cuda-device backings (engramd/backings/cuda.py) make,
+map and export allocations; a worker (cumem.py) imports and maps them. The
+calls go through NVIDIA's cuda-bindings driver module (`pip install
+engramd[cuda]`), imported only when a CUDA backing or handle is used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import DeviceError
+
+FIX_BINDINGS = "pip install 'engramd[cuda]' (NVIDIA's cuda-bindings)"
+#: CUmemAllocationProp.requestedHandleTypes' byte offset (cuda.h; the same in every
+#: CUDA 12 and 13). cuda-bindings accepts one handle type there, not a mask of two.
+_HANDLE_TYPES_OFFSET = 4
+_lock = threading.Lock()
+_contexts: dict[int, Any] = {}
+
+
+def driver() -> Any:
+    """cuda-bindings' driver module, initialised; DeviceError saying what is missing."""
+    module = None
+    for name in ("cuda.bindings.driver", "cuda.cuda"):
+        try:
+            module = importlib.import_module(name)
+            break
+        except ImportError:
+            continue
+    if module is None:
+        raise DeviceError(f"cuMem handles need NVIDIA's cuda-bindings: {FIX_BINDINGS}")
+    try:
+        (err,) = module.cuInit(0)
+    except RuntimeError as e:  # cuda-bindings' DynamicLibNotFoundError: no libcuda
+        raise DeviceError(f"no CUDA driver on this machine ({e})") from None
+    if int(err):
+        raise DeviceError(f"cuInit failed: CUDA error {int(err)} ({err!r}); no usable GPU")
+    return module
+
+
+def check(result: tuple[Any, ...], what: str) -> Any:
+    """The value of a cuda-bindings call's (error, value...) result; DeviceError on an error."""
+    err, *values = result
+    if int(err):
+        raise DeviceError(f"{what} failed: CUDA error {int(err)} ({err!r})")
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+def make_current(index: int) -> Any:
+    """Make device `index`'s primary context current on this thread; the driver module."""
+    cu = driver()
+    with _lock:
+        ctx = _contexts.get(index)
+        if ctx is None:
+            device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+            ctx = _contexts[index] = check(
+                cu.cuDevicePrimaryCtxRetain(device), f"cuDevicePrimaryCtxRetain({index})"
+            )
+    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent({index})")
+    return cu
+
+
+def attribute(cu: Any, name: str, index: int) -> int:
+    """A CU_DEVICE_ATTRIBUTE_<name> of device `index` (0 where this driver lacks it)."""
+    attr = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}", None)
+    if attr is None:
+        return 0
+    device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+    return int(check(cu.cuDeviceGetAttribute(attr, device), f"cuDeviceGetAttribute({name})"))
+
+
+def device_uuid(cu: Any, index: int) -> str:
+    """Device `index`'s UUID as nvidia-smi prints it (GPU-xxxxxxxx-...)."""
+    device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
+    raw = bytes(check(cu.cuDeviceGetUuid(device), "cuDeviceGetUuid").bytes).hex()
+    return f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
+
+
+def device_index(cu: Any, uuid: str) -> int | None:
+    """The ordinal this process gives the GPU with `uuid`, or None where it does not see it."""
+    for index in range(int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))):
+        if device_uuid(cu, index) == uuid:
+            return index
+    return None
+
+
+def location(cu: Any, host_numa: int | None, device: int | None) -> Any:
+    """A CUmemLocation: host memory on NUMA node `host_numa`, or device `device`."""
+    where = cu.CUmemLocation()
+    if host_numa is not None:
+        where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+        where.id = host_numa
+    else:
+        where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        where.id = device or 0
+    return where
+
+
+def allocation_prop(cu: Any, host_numa: int | None, device: int | None, fabric: bool) -> Any:
+    """Pinned memory at the location, exportable as a POSIX fd (and a FABRIC handle)."""
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = location(cu, host_numa, device)
+    types = cu.CUmemAllocationHandleType
+    prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if fabric:
+        # Both types at once: a mask the binding's enum field cannot hold.
+        mask = int(types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) | int(
+            types.CU_MEM_HANDLE_TYPE_FABRIC
+        )
+        ctypes.c_int.from_address(prop.getPtr() + _HANDLE_TYPES_OFFSET).value = mask
+    return prop
+
+
+def granularity(cu: Any, prop: Any) -> int:
+    """The recommended size and alignment of allocations with `prop`."""
+    flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(check(cu.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
+
+
+def access(cu: Any, device: int, cpu: bool, writable: bool = False) -> list[Any]:
+    """Access descriptors: device `device` reads (writes), and the CPU too where `cpu`."""
+    flags = cu.CUmemAccess_flags
+    flag = (
+        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        if writable
+        else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    )
+    descs = []
+    for where in [location(cu, None, device), *([location(cu, 0, None)] if cpu else [])]:
+        desc = cu.CUmemAccessDesc()
+        desc.location = where
+        desc.flags = flag
+        descs.append(desc)
+    return descs
+
+
+@dataclass
+class Mapped:
+    """One allocation handle mapped at `pointer` in this process; `release` undoes it all."""
+
+    cu: Any
+    handle: Any
+    pointer: int
+    size: int
+    #: The mapping is readable by the CPU (host memory).
+    cpu: bool
+    _steps: list[str] = field(default_factory=list)
+
+    def release(self) -> None:
+        """Unmap, free the address range, release the handle (the memory goes with the last)."""
+        cu, steps, self._steps = self.cu, self._steps, []
+        if "mapped" in steps:
+            check(cu.cuMemUnmap(self.pointer, self.size), "cuMemUnmap")
+        if "reserved" in steps:
+            check(cu.cuMemAddressFree(self.pointer, self.size), "cuMemAddressFree")
+        if "handle" in steps:
+            check(cu.cuMemRelease(self.handle), "cuMemRelease")
+
+
+def map_handle(
+    cu: Any, handle: Any, size: int, align: int, device: int, cpu: bool, writable: bool = False
+) -> Mapped:
+    """Reserve `size` bytes of address space, map the allocation there, grant access.
+
+    Takes ownership of `handle`: it is released on failure, and by `release`.
+    """
+    mapped = Mapped(cu, handle, 0, size, cpu, ["handle"])
+    try:
+        mapped.pointer = int(
+            check(cu.cuMemAddressReserve(size, align, 0, 0), "cuMemAddressReserve")
+        )
+        mapped._steps.append("reserved")
+        check(cu.cuMemMap(mapped.pointer, size, 0, handle, 0), f"cuMemMap of {size} bytes")
+        mapped._steps.append("mapped")
+        descs = access(cu, device, cpu, writable)
+        check(cu.cuMemSetAccess(mapped.pointer, size, descs, len(descs)), "cuMemSetAccess")
+    except BaseException:
+        mapped.release()
+        raise
+    return mapped
+
+
+def import_handle(cu: Any, fd: int | None, fabric: bytes) -> Any:
+    """The allocation behind a POSIX fd (the caller keeps `fd`) or a FABRIC handle."""
+    types = cu.CUmemAllocationHandleType
+    if fd is not None:
+        return check(
+            cu.cuMemImportFromShareableHandle(fd, types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+            "cuMemImportFromShareableHandle (fd)",
+        )
+    shared = cu.CUmemFabricHandle()
+    shared.data = fabric
+    return check(
+        cu.cuMemImportFromShareableHandle(shared, types.CU_MEM_HANDLE_TYPE_FABRIC),
+        "cuMemImportFromShareableHandle (fabric)",
+    )

@@ -1,0 +1,151 @@
+"""cuMem allocations shared by handle: the driver calls of both sides, and the worker's import.
+
+The cuda-host and cuda-device backings (engramd/backings/cuda.py) hold each
+set in one cuMem allocation: pinned host memory on a NUMA node, or memory
+of one GPU. The daemon exports it as a POSIX file descriptor (collected on
+the fd channel) or a FABRIC handle (in the reply); a worker imports it:
+
+    cuMemImportFromShareableHandle -> cuMemAddressReserve -> cuMemMap
+    -> cuMemSetAccess (its device reads; the CPU reads host memory)
+
+and views each tensor at its offset, on the device (UVA: the mapped address
+is valid there) and, for host memory, on the CPU. No page is pinned or
+copied by the worker: the daemon's allocation is already pinned, which is
+what makes this attach take milliseconds where cudaHostRegister of a shm
+mapping takes about 0.1 s per GiB.
+
+A worker's import holds its own reference to the allocation: it stays
+mapped and readable when the daemon exits, until the worker closes it.
+
+The driver calls are in cudadriver.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .cudadriver import (
+    Mapped,
+    check,
+    device_index,
+    granularity,
+    import_handle,
+    make_current,
+    map_handle,
+)
+from .errors import DeviceError
+from .tables import Region, RowRanges, torch_dtype
+
+
+class CudaArray:
+    """The CUDA array interface of `length` bytes at a device pointer (torch.as_tensor reads it)."""
+
+    def __init__(self, pointer: int, length: int) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (length,),
+            "typestr": "|u1",
+            "data": (pointer, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def cuda_view(
+    pointer: int, length: int, dtype: torch.dtype, shape: tuple[int, ...], index: int
+) -> torch.Tensor:
+    """A tensor on CUDA device `index` over `length` bytes at a UVA address (no copy)."""
+    device = torch.device("cuda", index)
+    if length == 0:
+        return torch.empty(shape, dtype=dtype, device=device)
+    flat = torch.as_tensor(CudaArray(pointer, length), device=device)
+    return flat.view(dtype).view(shape)
+
+
+def cpu_view(pointer: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A CPU tensor over `length` bytes at a CPU-readable mapped address (no copy)."""
+    if length == 0:
+        return torch.empty(shape, dtype=dtype)
+    buffer = (ctypes.c_ubyte * length).from_address(pointer)
+    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
+
+
+@dataclass
+class ImportedSet:
+    """A set's cuMem allocation imported and mapped in this worker, and its tensors' views."""
+
+    mapped: Mapped
+    #: CPU tensors (host memory), by name; empty for device memory.
+    cpu: dict[str, torch.Tensor]
+    #: Tensors on the worker's device, by name.
+    cuda: dict[str, torch.Tensor]
+
+    def release(self) -> None:
+        """Drop the views and unmap (the views must not be used after)."""
+        self.cpu, self.cuda = {}, {}
+        self.mapped.release()
+
+
+def import_set(
+    handles: list[Any], descriptors: dict[str, int], index: int, rows: RowRanges | None = None
+) -> ImportedSet:
+    """Import the one allocation `handles` (TensorHandles, oneof cumem) point into, for `index`.
+
+    `descriptors`: the fd channel's descriptors by file name (POSIX fd
+    handles); the caller closes them. `rows`: RowRanges cutting the views.
+    """
+    sources = {(h.cumem.file, h.cumem.fabric, h.cumem.size) for h in handles}
+    if len(sources) != 1:
+        raise DeviceError(f"engramd handed out {len(sources)} cuMem allocations for one set")
+    ((file, fabric, size),) = sources
+    first = handles[0].cumem
+    cpu = first.WhichOneof("location") == "host_numa"
+    cu = make_current(index)
+    if not cpu:
+        mine = device_index(cu, first.device_uuid)
+        if mine is None:
+            raise DeviceError(
+                f"the set lives on GPU {first.device_uuid}, which this process does not see "
+                "(CUDA_VISIBLE_DEVICES); run the worker with that GPU visible"
+            )
+    fd = None
+    if not fabric:
+        fd = descriptors.get(file)
+        if fd is None:
+            raise DeviceError(f"engramd sent no descriptor for the allocation {file!r}")
+    handle = import_handle(cu, fd, fabric)
+    try:
+        prop = check(
+            cu.cuMemGetAllocationPropertiesFromHandle(handle),
+            "cuMemGetAllocationPropertiesFromHandle",
+        )
+        align = granularity(cu, prop)
+    except BaseException:
+        check(cu.cuMemRelease(handle), "cuMemRelease")
+        raise
+    try:
+        mapped = map_handle(cu, handle, size, align, index, cpu)
+    except DeviceError as e:
+        raise DeviceError(
+            f"{e}: cuda:{index} cannot map engramd's allocation"
+            + ("" if cpu else f" on GPU {first.device_uuid} (no peer access to it?)")
+        ) from None
+    imported = ImportedSet(mapped, {}, {})
+    for h in handles:
+        c = h.cumem
+        region = Region(
+            h.name, h.dtype, tuple(h.shape), f"cuMem {file or 'fabric'}", c.offset, c.length
+        )
+        region = region.cut(rows)
+        if region.offset + region.length > size:
+            imported.release()
+            raise DeviceError(f"tensor {h.name!r} lies outside engramd's {size}-byte allocation")
+        dtype = torch_dtype(region.dtype)
+        pointer = mapped.pointer + region.offset
+        imported.cuda[h.name] = cuda_view(pointer, region.length, dtype, region.shape, index)
+        if cpu:
+            imported.cpu[h.name] = cpu_view(pointer, region.length, dtype, region.shape)
+    return imported

@@ -1,0 +1,431 @@
+"""Sets in cuMem allocations shared by handle: pinned host memory, or one GPU's memory.
+
+One allocation per set copy (cuMemCreate, pinned), tensors packed at
+4 KiB-aligned offsets, the size rounded up to the driver's recommended
+granularity:
+
+    cuda-host      location HOST_NUMA: the copy's node (--numa node:N, a
+                   per-node copy's node), else the node nearest the GPU
+                   (CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID), else 0
+    cuda-device:N  location DEVICE N: HBM, shared with every worker on that
+                   GPU (or a peer GPU that may map it)
+
+Requested handle types: POSIX file descriptor, plus FABRIC where the device
+supports it and an IMEX channel exists. The daemon maps the allocation for
+itself, the loader fills it (host: CPU stores; device: cuMemcpyHtoD), every
+tensor's checksum is recomputed from the allocation, and only then is the
+copy published; the daemon's own access drops to read-only then. Workers
+collect the exported descriptor on the fd channel (HANDLE_KIND_CUMEM) or
+get the fabric handle in the reply (HANDLE_KIND_CUMEM_FABRIC) and import
+it (engramd_client/cudadriver.py): no per-worker pinning.
+
+Restarts: an allocation lives while the daemon or any worker that imported
+it holds it. A daemon that exits leaves every worker's tables mapped and
+readable; its copies are not adopted (survives_restart is false) and the
+next daemon loads them again. A worker's lease then re-attaches to the new
+copy and shows as stale until it calls Tables.refresh(); until it does, the
+node holds both copies.
+
+Where the driver or device cannot do this, `from_config` raises
+BackingUnavailable with the reason and the daemon uses tmpfs/memfd instead
+(backings_for), where workers register their own mapping (cuda.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import threading
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+from engramd_client import cudadriver
+from engramd_client.checkpoint import TablePlan
+from engramd_client.errors import DeviceError
+from engramd_client.layout import Manifest, ManifestError, copy_name, packed_offsets
+from engramd_client.pb import engramd_pb2 as pb
+
+from ..checksum import BUFFER_BYTES, label, new_digest
+from ..config import DaemonConfig
+from ..errors import LoadFailed, ShmFull
+from ..fdstore import FdStore
+from ..memlimit import check_memory, memory_limit
+from ..numa import Placement
+from ..pinning import PinnedFiles
+from ..units import gib
+from .base import Backing, BackingUnavailable, StagedSet, Usage
+
+log = logging.getLogger("engramd")
+
+#: The name of a set's allocation in its handles and on the fd channel.
+TABLES = "tables"
+#: Where the driver creates IMEX channels; FABRIC handles need one.
+IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
+FIX_HOST = (
+    "raise the daemon's memory limit (systemd MemoryMax=, the container's memory limit), "
+    "drop unused sets, or use --backing cuda-device:N for sets that fit in GPU memory"
+)
+
+
+@dataclass
+class _Copy:
+    """A copy's allocation: the daemon's mapping of it and its exported handles."""
+
+    mapped: cudadriver.Mapped
+    #: The POSIX file descriptor exported from the allocation.
+    exported: int
+    #: The FABRIC handle, or b"".
+    fabric: bytes
+    manifest: Manifest | None = None
+
+
+class _CudaBacking(Backing):
+    """What cuda-host and cuda-device share: one exported cuMem allocation per set copy."""
+
+    #: The CPU reads the allocation (host memory).
+    host: ClassVar[bool]
+
+    def __init__(self, device: int, host_numa: int | None, fabric: bool, page_size: int) -> None:
+        #: The device whose context the daemon uses (and, for cuda-device, that holds the sets).
+        self.device = device
+        #: cuda-host: the NUMA node of copies that are not per-node.
+        self.host_numa = host_numa
+        #: Allocations also export FABRIC handles.
+        self.fabric = fabric
+        self.handle_kinds = frozenset(
+            {pb.HANDLE_KIND_CUMEM, *([pb.HANDLE_KIND_CUMEM_FABRIC] if fabric else [])}
+        )
+        #: The allocation granularity: sets take whole multiples of it.
+        self.page_size = page_size
+        self.uuid = cudadriver.device_uuid(cudadriver.make_current(device), device)
+        self._copies: dict[str, _Copy] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def probe(cls, device: int, host_numa: int | None) -> tuple[bool, int]:
+        """(fabric handles work, granularity) of allocations here; BackingUnavailable if none."""
+        try:
+            cu = cudadriver.driver()
+            count = int(cudadriver.check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+            if device >= count:
+                raise DeviceError(f"this process sees {count} CUDA device(s), not cuda:{device}")
+            cu = cudadriver.make_current(device)
+            needs = [
+                "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED",
+                "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED",
+            ]
+            if cls.host:
+                needs.append("HOST_NUMA_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED")
+            missing = [n for n in needs if not cudadriver.attribute(cu, n, device)]
+            if missing:
+                raise DeviceError(f"cuda:{device} lacks {', '.join(missing).lower()}")
+            fabric = bool(cudadriver.attribute(cu, "HANDLE_TYPE_FABRIC_SUPPORTED", device)) and any(
+                IMEX_CHANNELS.glob("channel*")
+            )
+            prop = cudadriver.allocation_prop(cu, host_numa if cls.host else None, device, fabric)
+            return fabric, cudadriver.granularity(cu, prop)
+        except DeviceError as e:
+            raise BackingUnavailable(cls.name, str(e)) from None
+
+    @property
+    def survives_restart(self) -> bool:
+        """Never: an allocation dies with the daemon and the workers that imported it."""
+        return False
+
+    def claim(self) -> None:
+        """Say where sets go and what a restart does."""
+        log.info(
+            "%s sets: cuMem allocations on %s (%s), pinned, handed out as %s handles; a "
+            "restart loads them again, while running workers keep the copy they imported",
+            self.name,
+            self._where(),
+            self.uuid,
+            "POSIX fd and FABRIC" if self.fabric else "POSIX fd",
+        )
+
+    def _where(self, node: int | None = None) -> str:
+        return f"cuda:{self.device}"
+
+    def footprint(self, sizes: list[int]) -> int:
+        """One packed allocation in whole granules."""
+        return self.reserved(packed_offsets(sizes)[1])
+
+    def _used(self) -> int:
+        with self._lock:
+            manifests = [c.manifest for c in self._copies.values() if c.manifest is not None]
+        return sum(self.footprint([t.nbytes for t in m.tensors]) for m in manifests)
+
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
+        """A mapped allocation of the set's whole size, exported; nothing hands it out yet."""
+        return _StagedCopy(self, plan, node)
+
+    def adopt(self) -> list[Manifest]:
+        """Nothing: allocations do not outlive the daemon that made them."""
+        return []
+
+    def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
+        """Nothing to do: cuMem allocations are pinned from cuMemCreate on."""
+
+    def checksum(self, manifest: Manifest, index: int) -> str:
+        """The digest of the tensor's bytes as they are in the allocation now."""
+        t = manifest.tensors[index]
+        with self._lock:
+            copy = self._copies.get(manifest.copy)
+            if copy is None:
+                raise ManifestError(f"set {manifest.copy} is no longer held")
+            pointer = copy.mapped.pointer + t.offset
+            # Held under the lock: remove() must not unmap while this reads.
+            return self._digest(pointer, t.nbytes)
+
+    def _digest(self, pointer: int, nbytes: int) -> str:
+        digest = new_digest()
+        for at in range(0, nbytes, BUFFER_BYTES):
+            digest.update(self._read(pointer + at, min(BUFFER_BYTES, nbytes - at)))
+        return label(digest)
+
+    @abstractmethod
+    def _read(self, pointer: int, nbytes: int) -> memoryview:
+        """`nbytes` of the allocation at `pointer`, readable until the next call on this thread."""
+
+    @abstractmethod
+    def _write(self, pointer: int, data: memoryview) -> None:
+        """Copy `data` into the allocation at `pointer`."""
+
+    def remove(self, copy: str) -> None:
+        """Unmap the daemon's mapping and close its handle; workers keep what they imported."""
+        with self._lock:
+            held = self._copies.pop(copy, None)
+        if held is not None:
+            _release(held)
+
+    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+        """One CuMemHandle per tensor, all into the copy's one allocation."""
+        with self._lock:
+            held = self._copies[manifest.copy]
+        size = held.mapped.size
+        fabric = kind == pb.HANDLE_KIND_CUMEM_FABRIC
+        out = []
+        for t in manifest.tensors:
+            handle = pb.CuMemHandle(size=size, offset=t.offset, length=t.nbytes)
+            if fabric:
+                handle.fabric = held.fabric
+            else:
+                handle.file = TABLES
+            if self.host:
+                node = manifest.node if manifest.node is not None else self.host_numa
+                handle.host_numa = node or 0
+            else:
+                handle.device_uuid = self.uuid
+            out.append(
+                pb.TensorHandle(
+                    name=t.name,
+                    dtype=t.dtype,
+                    shape=t.shape,
+                    kind=pb.HANDLE_KIND_CUMEM_FABRIC if fabric else pb.HANDLE_KIND_CUMEM,
+                    cumem=handle,
+                )
+            )
+        return out
+
+    def mapped_as(self, copy: str) -> str | None:
+        """None: driver mappings carry no name in numa_maps."""
+        return None
+
+    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
+        """A duplicate of the allocation's exported POSIX descriptor."""
+        with self._lock:
+            held = self._copies.get(manifest.copy)
+            if held is None:
+                raise OSError(f"set {manifest.copy} is no longer held")
+            return [(TABLES, os.dup(held.exported))]
+
+
+class CudaHostBacking(_CudaBacking):
+    """Pinned host memory on a NUMA node, GPU-readable, shared by cuMem handle."""
+
+    name: ClassVar[str] = "cuda-host"
+    host: ClassVar[bool] = True
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
+        """Device 0's context; the node of --numa node:N, else the GPU's nearest node."""
+        node = Placement(config.numa).node
+        if node is None:
+            try:
+                cu = cudadriver.driver()
+                nearest = cudadriver.attribute(cu, "HOST_NUMA_ID", 0)
+            except DeviceError as e:
+                raise BackingUnavailable(cls.name, str(e)) from None
+            node = nearest if nearest >= 0 else 0
+        fabric, granule = cls.probe(0, node)
+        return cls(0, node, fabric, granule)
+
+    def _where(self, node: int | None = None) -> str:
+        return f"host NUMA node {self.host_numa if node is None else node}"
+
+    def usage(self) -> Usage:
+        """The daemon's memory bound (pinned pages are charged to it like memfd's)."""
+        limit = memory_limit()
+        return Usage(limit.where, limit.total, self._used(), limit.available, self.page_size)
+
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
+        """Refuse a set larger than the daemon's memory bound, or its room."""
+        check_memory(needed, what, reclaimable, FIX_HOST)
+
+    def _read(self, pointer: int, nbytes: int) -> memoryview:
+        return memoryview((ctypes.c_ubyte * nbytes).from_address(pointer)).cast("B")
+
+    def _write(self, pointer: int, data: memoryview) -> None:
+        memoryview((ctypes.c_ubyte * len(data)).from_address(pointer)).cast("B")[:] = data
+
+
+class CudaDeviceBacking(_CudaBacking):
+    """Memory of one GPU (--backing cuda-device:N), shared by cuMem handle."""
+
+    name: ClassVar[str] = "cuda-device"
+    host: ClassVar[bool] = False
+
+    def __init__(self, device: int, host_numa: int | None, fabric: bool, page_size: int) -> None:
+        super().__init__(device, host_numa, fabric, page_size)
+        self._buffers = threading.local()
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
+        """The GPU of `--backing cuda-device:N` (cuda-device alone: GPU 0)."""
+        device = device_of(config.backing)
+        fabric, granule = cls.probe(device, None)
+        return cls(device, None, fabric, granule)
+
+    def usage(self) -> Usage:
+        """The GPU's memory (cuMemGetInfo): what every process on it leaves free."""
+        cu = cudadriver.make_current(self.device)
+        free, total = cudadriver.check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        return Usage(
+            f"cuda:{self.device} {self.uuid}", int(total), self._used(), int(free), self.page_size
+        )
+
+    def check_capacity(
+        self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
+    ) -> None:
+        """Refuse a set larger than the GPU's free memory."""
+        usage = self.usage()
+        if needed > usage.free + reclaimable:
+            raise ShmFull(
+                f"{what} needs {gib(needed)} of GPU memory but cuda:{self.device} has "
+                f"{gib(usage.free)} of {gib(usage.total)} free; drop unused sets, free the GPU, "
+                "or use --backing cuda-host"
+            )
+
+    def _read(self, pointer: int, nbytes: int) -> memoryview:
+        buffer = getattr(self._buffers, "buffer", None)
+        if buffer is None:
+            buffer = self._buffers.buffer = bytearray(BUFFER_BYTES)
+        cu = cudadriver.make_current(self.device)
+        view = memoryview(buffer)[:nbytes]
+        cudadriver.check(cu.cuMemcpyDtoH(view, pointer, nbytes), "cuMemcpyDtoH")
+        return view
+
+    def _write(self, pointer: int, data: memoryview) -> None:
+        cu = cudadriver.make_current(self.device)
+        cudadriver.check(cu.cuMemcpyHtoD(pointer, data, len(data)), "cuMemcpyHtoD")
+
+
+def device_of(backing: str) -> int:
+    """N of "cuda-device:N" (0 for "cuda-device"); ValueError naming the form otherwise."""
+    _, _, index = backing.partition(":")
+    if not index:
+        return 0
+    if not index.isdigit():
+        raise ValueError(f"--backing {backing}: use cuda-device:N, N a CUDA device index")
+    return int(index)
+
+
+class _StagedCopy(StagedSet):
+    def __init__(self, backing: _CudaBacking, plan: TablePlan, node: int | None) -> None:
+        self._backing = backing
+        self._plan = plan
+        sizes = [t.nbytes for t in plan.tensors]
+        self._offsets, _ = packed_offsets(sizes)
+        size = max(backing.footprint(sizes), backing.page_size)
+        host_numa = (node if node is not None else backing.host_numa) if backing.host else None
+        cu = cudadriver.make_current(backing.device)
+        prop = cudadriver.allocation_prop(cu, host_numa, backing.device, backing.fabric)
+        where = backing._where(node)
+        try:
+            handle = cudadriver.check(cu.cuMemCreate(size, prop, 0), f"cuMemCreate of {gib(size)}")
+        except DeviceError as e:
+            raise ShmFull(
+                f"could not allocate {gib(size)} on {where} for set {plan.set_id} ({e}); "
+                + (FIX_HOST if backing.host else "drop unused sets or free the GPU")
+            ) from None
+        self._mapped = cudadriver.map_handle(
+            cu, handle, size, backing.page_size, backing.device, backing.host, writable=True
+        )
+        try:
+            types = cu.CUmemAllocationHandleType
+            self._exported = int(
+                cudadriver.check(
+                    cu.cuMemExportToShareableHandle(
+                        handle, types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                    ),
+                    "cuMemExportToShareableHandle (fd)",
+                )
+            )
+            self._fabric = b""
+            if backing.fabric:
+                shared = cudadriver.check(
+                    cu.cuMemExportToShareableHandle(handle, types.CU_MEM_HANDLE_TYPE_FABRIC, 0),
+                    "cuMemExportToShareableHandle (fabric)",
+                )
+                self._fabric = bytes(shared.data)
+        except BaseException:
+            self._mapped.release()
+            raise
+        log.debug("set %s: %s allocated on %s", copy_name(plan.set_id, node), gib(size), where)
+
+    def placement(self, index: int) -> tuple[str, int]:
+        """Every tensor in the copy's one allocation, packed."""
+        return TABLES, self._offsets[index]
+
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        """CPU stores (host memory) or cuMemcpyHtoD (device memory)."""
+        self._backing._write(self._mapped.pointer + self._offsets[index] + offset, data)
+
+    def publish(self, manifest: Manifest) -> None:
+        """Check every tensor against its load-time checksum, drop to read-only, hand it out."""
+        backing = self._backing
+        for t in manifest.tensors:
+            found = backing._digest(self._mapped.pointer + t.offset, t.nbytes)
+            if found != t.checksum:
+                raise LoadFailed(
+                    f"tensor {t.name!r} of set {manifest.set_id} reads back from "
+                    f"{backing.name} memory as {found}, not the {t.checksum} loaded; "
+                    "the allocation is not served (a driver or hardware fault?)"
+                )
+        cu = cudadriver.make_current(backing.device)
+        descs = cudadriver.access(cu, backing.device, backing.host)
+        cudadriver.check(
+            cu.cuMemSetAccess(self._mapped.pointer, self._mapped.size, descs, len(descs)),
+            "cuMemSetAccess (read-only)",
+        )
+        with backing._lock:
+            backing._copies[manifest.copy] = _Copy(
+                self._mapped, self._exported, self._fabric, manifest
+            )
+
+    def discard(self) -> None:
+        """Release the allocation: nothing was handed out."""
+        _release(_Copy(self._mapped, self._exported, self._fabric))
+
+
+def _release(copy: _Copy) -> None:
+    os.close(copy.exported)
+    with contextlib.suppress(DeviceError):
+        # A driver already torn down (daemon exit) frees everything anyway.
+        copy.mapped.release()
