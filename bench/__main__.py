@@ -1,7 +1,8 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
     python -m bench [--size-gib 2] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
-                    [--reps 5] [--storm 64] [--only memory,attach,...,gpu]
+                    [--reps 5] [--storm 64] [--cumem-gib 1,8,32]
+                    [--only memory,attach,...,gpu,cumem]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from .attach import attach_and_restart
 from .common import Figure, as_json, checkpoint, machine
+from .cumem import cumem_figures
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
 from .gather import gather_throughput
 from .gpu import gpu_figures
@@ -28,7 +30,18 @@ from .load import load_throughput
 from .memory import host_memory, page_tables
 from .storm import attach_storm
 
-SECTIONS = ["memory", "pagetables", "attach", "load", "gather", "storm", "fds", "hugepages", "gpu"]
+SECTIONS = [
+    "memory",
+    "pagetables",
+    "attach",
+    "load",
+    "gather",
+    "storm",
+    "fds",
+    "hugepages",
+    "gpu",
+    "cumem",
+]
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -49,6 +62,9 @@ def main() -> int:
     parser.add_argument("--attach-sizes", default="0.25,1,4", help="set sizes (GiB) for attach")
     parser.add_argument(
         "--huge-gib", type=float, default=8.0, help="tables for the page-size section (default 8)"
+    )
+    parser.add_argument(
+        "--cumem-gib", default="1,8,32", help="set sizes (GiB) for the cuMem section"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -113,6 +129,9 @@ def main() -> int:
     if "gpu" in only:
         print("GPU: registration in place against pinned private copies; UVA gathers")
         figures += gpu_figures(main_ckpt, args.reps)
+    if "cumem" in only:
+        print("GPU: cuMem import of the daemon's pinned allocation against cudaHostRegister")
+        figures += cumem_figures(args.workdir, _floats(args.cumem_gib), args.reps)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

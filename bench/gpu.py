@@ -42,7 +42,7 @@ def gpu_figures(ckpt: Path, reps: int) -> list[Figure]:
             start = time.perf_counter()
             tables = attach(ckpt, socket=socket, share=True, device=DEVICE)
             shared_s.append(time.perf_counter() - start)
-            _step(_views(tables), 0)
+            _step(cuda_views(tables), 0)
             first_ms.append((time.perf_counter() - start) * 1e3)
             tables.close()
             private_s.append(timed(lambda: attach(ckpt, share=False, device=DEVICE).close()))
@@ -70,11 +70,11 @@ def gpu_figures(ckpt: Path, reps: int) -> list[Figure]:
         rates: dict[str, list[float]] = {"shared": [], "private": [], "device": []}
         for rep in range(reps):
             for side, views in (
-                ("shared", _views(shared)),
-                ("private", _views(private)),
+                ("shared", cuda_views(shared)),
+                ("private", cuda_views(private)),
                 ("device", {n: t.view(torch.uint8) for n, t in in_hbm.items()}),
             ):
-                rates[side].append(_gather_rate(views, rep))
+                rates[side].append(gather_rate(views, rep))
         shared.close()
         private.close()
     figures.append(
@@ -101,7 +101,7 @@ def gpu_figures(ckpt: Path, reps: int) -> list[Figure]:
     return figures
 
 
-def _views(tables: Tables) -> dict[str, torch.Tensor]:
+def cuda_views(tables: Tables) -> dict[str, torch.Tensor]:
     """Each table's CUDA view as bytes [rows, row bytes]: one gather kernel for every dtype."""
     return {name: tables.cuda(name).view(torch.uint8) for name in tables if tables[name].numel()}
 
@@ -114,7 +114,7 @@ def _step(views: dict[str, torch.Tensor], seed: int) -> None:
     torch.cuda.synchronize()
 
 
-def _gather_rate(views: dict[str, torch.Tensor], seed: int) -> float:
+def gather_rate(views: dict[str, torch.Tensor], seed: int) -> float:
     """Million rows per second over STEPS steps of T rows from every table."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     indices = {

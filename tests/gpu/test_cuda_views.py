@@ -33,7 +33,7 @@ pytestmark = [
 WORKER = Path(__file__).parent / "gpu_worker.py"
 
 
-def _gathers_match(tables: Any, seed: int = 0) -> None:
+def gathers_match(tables: Any, seed: int = 0) -> None:
     g = torch.Generator().manual_seed(seed)
     for name in tables:
         cpu = tables[name]
@@ -65,7 +65,8 @@ def test_a_shared_set_registered_in_several_workers_at_once(checkpoint: Path, da
         out, _ = run.communicate(timeout=300)
         assert run.returncode == 0
         reports.append(json.loads(out))
-    assert all(r == {"mode": "shared", "ok": True, "rows": reports[0]["rows"]} for r in reports)
+    expected = {"mode": "shared", "cpu": True, "ok": True, "rows": reports[0]["rows"]}
+    assert all(r == expected for r in reports)
     [s] = d.status().sets
     assert s.lease_count == 0, "every worker unregistered and ended its lease"
 
@@ -79,12 +80,12 @@ def test_gpu_gathers_equal_cpu_gathers_for_every_dtype(tmp_path: Path, daemons: 
         assert {torch.float8_e4m3fn, torch.bfloat16, torch.float32} <= dtypes
         for name in tables:
             # The view is the host pages themselves, not a copy in device memory.
-            assert tables.cuda(name).numel() == 0 or not _in_device_memory(tables.cuda(name))
-        _gathers_match(tables)
+            assert tables.cuda(name).numel() == 0 or not in_device_memory(tables.cuda(name))
+        gathers_match(tables)
     assert d.status().sets[0].lease_count == 0
 
 
-def _in_device_memory(view: torch.Tensor) -> bool:
+def in_device_memory(view: torch.Tensor) -> bool:
     """True when the view's pointer is device memory (cudaPointerGetAttributes)."""
     from cuda.bindings import runtime as rt
 
@@ -99,14 +100,14 @@ def test_row_ranges_private_tables_and_reattach(checkpoint: Path, daemons: Any) 
     rows = {name: (1000, 3000)}
     with attach(checkpoint, socket=str(d.socket), rows=rows, device="cuda:0") as shard:
         assert shard.cuda(name).shape[0] == 2000
-        _gathers_match(shard)
+        gathers_match(shard)
     with attach(checkpoint, share=False, device="cuda:0") as private:
         assert private.mode == "private"
-        _gathers_match(private, seed=1)
+        gathers_match(private, seed=1)
     # Closing unregistered every page: the same tables register again.
     for seed in range(2):
         with attach(checkpoint, socket=str(d.socket), device="cuda:0") as again:
-            _gathers_match(again, seed)
+            gathers_match(again, seed)
 
 
 def test_gathers_continue_through_a_daemon_restart(checkpoint: Path, daemons: Any) -> None:

@@ -1,0 +1,114 @@
+"""The CUDA backings where CUDA cannot work, and the cuMem protocol parts that need no GPU.
+
+A daemon asked for cuda-host or cuda-device:N on a machine without a usable
+CUDA driver says why, in its log and in status, and serves from auto's
+backings (tmpfs, else memfd), where workers with a device register their
+own mapping. What needs a GPU (allocation, export, import, gathers) is in
+tests/gpu/test_cuda_handles.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_cli import engramd
+
+from conftest import Worker
+from engramd.backings import CudaHostBacking
+from engramd.backings.cuda import device_of
+from engramd.errors import InvalidRequest
+from engramd.service import TableService
+from engramd.status_view import render
+from engramd_client import cudadriver
+from engramd_client.errors import DeviceError, NoCpuView
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.tables import Tables
+from helpers import reference_digests
+
+
+def _no_driver() -> str | None:
+    """Why this process cannot use CUDA's driver, or None where it can."""
+    try:
+        cudadriver.driver()
+    except DeviceError as e:
+        return str(e)
+    return None
+
+
+NO_DRIVER = _no_driver()
+needs_no_driver = pytest.mark.skipif(
+    NO_DRIVER is None,
+    reason="a CUDA driver works here: tests/gpu/test_cuda_handles.py runs the CUDA backings",
+)
+
+
+@needs_no_driver
+@pytest.mark.parametrize("backing", ["cuda-host", "cuda-device:1"])
+def test_a_cuda_backing_that_cannot_work_here_says_why_and_auto_stands_in(
+    backing: str, checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    d = daemons("--backing", backing, "--checkpoint", str(checkpoint))
+    status = d.status()
+    assert [b.name for b in status.backings] == ["tmpfs", "memfd"]
+    for b in status.backings:
+        assert (b.stands_in_for, b.reason) == (backing, NO_DRIVER)
+    [s] = status.sets
+    assert (s.backing, s.state) == ("tmpfs", "ready")
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    assert w.hello["digests"] == reference_digests(checkpoint)
+    assert d.log.count(f"--backing {backing} cannot be used here ({NO_DRIVER})") == 1
+
+    text = render(status)
+    assert f"--backing {backing} cannot be used here: {NO_DRIVER}; tmpfs/memfd stand" in text
+    shown = engramd("status", "--socket", str(d.socket), "--json")
+    assert shown.returncode == 0
+    assert {b["stands_in_for"] for b in json.loads(shown.stdout)["backings"]} == {backing}
+
+
+def test_cuda_device_takes_a_device_index() -> None:
+    assert device_of("cuda-device") == 0 and device_of("cuda-device:3") == 3
+    with pytest.raises(ValueError, match="use cuda-device:N"):
+        device_of("cuda-device:x")
+    refused = engramd("serve", "--backing", "cuda-device:gpu1", "--socket", "/nonexistent/s")
+    assert refused.returncode == 2
+    assert "cuda-device:N" in refused.stderr
+
+
+def test_a_worker_without_a_device_is_told_to_ask_for_one() -> None:
+    # A cuMem backing as the service sees it: its name and handle kinds (no GPU here).
+    class CuMemOnly:
+        name = CudaHostBacking.name
+        handle_kinds = frozenset({pb.HANDLE_KIND_CUMEM})
+
+    cpu_only = pb.AttachRequest(accept=[pb.HANDLE_KIND_FD, pb.HANDLE_KIND_SHM])
+    with pytest.raises(InvalidRequest, match=r"device='cuda:N' \(ENGRAMD_DEVICE\)"):
+        TableService._handle_kind(cpu_only, [CuMemOnly()])  # type: ignore[list-item]
+    with_device = pb.AttachRequest(accept=[pb.HANDLE_KIND_CUMEM_FABRIC, pb.HANDLE_KIND_CUMEM])
+    # The first kind the worker accepts that the backing has: no fabric handle here.
+    assert TableService._handle_kind(with_device, [CuMemOnly()]) == pb.HANDLE_KIND_CUMEM  # type: ignore[list-item]
+
+
+def test_tables_of_a_device_only_set_name_the_cuda_view() -> None:
+    # CPU tensors stand in for the CUDA views a cuda-device import gives.
+    views = {"a": torch.arange(6, dtype=torch.float32).view(3, 2), "b": torch.zeros(0)}
+    released: list[bool] = []
+    tables = Tables({}, mode="shared", set_id="0" * 20)
+    tables.set_views(views, 1, lambda: released.append(True))
+    assert list(tables) == ["a", "b"] and len(tables) == 2 and "a" in tables
+    assert tables.device == torch.device("cuda", 1) and tables.nbytes == 24
+    assert tables.cuda("a") is views["a"]
+    with pytest.raises(NoCpuView, match=r"lives in GPU memory .* use tables.cuda\('a'\)"):
+        tables["a"]
+    with pytest.raises(KeyError):
+        tables["c"]
+    with pytest.raises(ValueError, match="CUDA views on cuda:1 already"):
+        tables.set_views(views, 1, lambda: None)
+    tables.close()
+    tables.close()
+    assert released == [True] and list(tables) == []
