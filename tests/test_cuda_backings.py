@@ -112,3 +112,34 @@ def test_tables_of_a_device_only_set_name_the_cuda_view() -> None:
     tables.close()
     tables.close()
     assert released == [True] and list(tables) == []
+
+
+def test_allocation_properties_and_access_as_the_driver_reads_them() -> None:
+    import ctypes
+
+    from cuda.bindings import driver as cu
+
+    host = cudadriver.allocation_prop(cu, 1, 0, fabric=False)
+    assert host.type == cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    assert (host.location.type, host.location.id) == (
+        cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA,
+        1,
+    )
+    fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    assert host.requestedHandleTypes == fd
+    on_gpu = cudadriver.allocation_prop(cu, None, 2, fabric=True)
+    assert (on_gpu.location.type, on_gpu.location.id) == (
+        cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE,
+        2,
+    )
+    # Both handle types: the mask the binding cannot hold, where cuda.h puts it.
+    fabric = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    mask = ctypes.c_int.from_address(on_gpu.getPtr() + 4).value
+    assert mask == int(fd) | int(fabric)
+
+    read = cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+    [device] = cudadriver.access(cu, 3, cpu=False)
+    assert (device.location.id, device.flags) == (3, read)
+    device, cpu = cudadriver.access(cu, 0, cpu=True, writable=True)
+    assert cpu.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+    assert {device.flags, cpu.flags} == {cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE}

@@ -145,17 +145,21 @@ def access(cu: Any, device: int, cpu: bool, writable: bool = False) -> list[Any]
 class Mapped:
     """One allocation handle mapped at `pointer` in this process; `release` undoes it all."""
 
-    cu: Any
     handle: Any
     pointer: int
     size: int
+    #: The device whose context made the mapping.
+    device: int
     #: The mapping is readable by the CPU (host memory).
     cpu: bool
     _steps: list[str] = field(default_factory=list)
 
     def release(self) -> None:
         """Unmap, free the address range, release the handle (the memory goes with the last)."""
-        cu, steps, self._steps = self.cu, self._steps, []
+        steps, self._steps = self._steps, []
+        if not steps:
+            return
+        cu = make_current(self.device)
         if "mapped" in steps:
             check(cu.cuMemUnmap(self.pointer, self.size), "cuMemUnmap")
         if "reserved" in steps:
@@ -171,7 +175,7 @@ def map_handle(
 
     Takes ownership of `handle`: it is released on failure, and by `release`.
     """
-    mapped = Mapped(cu, handle, 0, size, cpu, ["handle"])
+    mapped = Mapped(handle, 0, size, device, cpu, ["handle"])
     try:
         mapped.pointer = int(
             check(cu.cuMemAddressReserve(size, align, 0, 0), "cuMemAddressReserve")

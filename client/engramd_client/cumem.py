@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -38,6 +37,7 @@ from .cudadriver import (
     map_handle,
 )
 from .errors import DeviceError
+from .pb import engramd_pb2 as pb
 from .tables import Region, RowRanges, torch_dtype
 
 
@@ -61,7 +61,13 @@ def cuda_view(
     device = torch.device("cuda", index)
     if length == 0:
         return torch.empty(shape, dtype=dtype, device=device)
-    flat = torch.as_tensor(CudaArray(pointer, length), device=device)
+    # No device= here: torch would copy a view it places on another device.
+    flat = torch.as_tensor(CudaArray(pointer, length))
+    if flat.device != device or flat.data_ptr() != pointer:
+        raise DeviceError(
+            f"torch {torch.__version__} placed the CUDA view of {length} bytes at {pointer:#x} "
+            f"on {flat.device} at {flat.data_ptr():#x}, not in place on {device}"
+        )
     return flat.view(dtype).view(shape)
 
 
@@ -90,7 +96,10 @@ class ImportedSet:
 
 
 def import_set(
-    handles: list[Any], descriptors: dict[str, int], index: int, rows: RowRanges | None = None
+    handles: list[pb.TensorHandle],
+    descriptors: dict[str, int],
+    index: int,
+    rows: RowRanges | None = None,
 ) -> ImportedSet:
     """Import the one allocation `handles` (TensorHandles, oneof cumem) point into, for `index`.
 
@@ -104,13 +113,11 @@ def import_set(
     first = handles[0].cumem
     cpu = first.WhichOneof("location") == "host_numa"
     cu = make_current(index)
-    if not cpu:
-        mine = device_index(cu, first.device_uuid)
-        if mine is None:
-            raise DeviceError(
-                f"the set lives on GPU {first.device_uuid}, which this process does not see "
-                "(CUDA_VISIBLE_DEVICES); run the worker with that GPU visible"
-            )
+    if not cpu and device_index(cu, first.device_uuid) is None:
+        raise DeviceError(
+            f"the set lives on GPU {first.device_uuid}, which this process does not see "
+            "(CUDA_VISIBLE_DEVICES); run the worker with that GPU visible"
+        )
     fd = None
     if not fabric:
         fd = descriptors.get(file)
@@ -134,18 +141,21 @@ def import_set(
             + ("" if cpu else f" on GPU {first.device_uuid} (no peer access to it?)")
         ) from None
     imported = ImportedSet(mapped, {}, {})
-    for h in handles:
-        c = h.cumem
-        region = Region(
-            h.name, h.dtype, tuple(h.shape), f"cuMem {file or 'fabric'}", c.offset, c.length
-        )
-        region = region.cut(rows)
-        if region.offset + region.length > size:
-            imported.release()
-            raise DeviceError(f"tensor {h.name!r} lies outside engramd's {size}-byte allocation")
-        dtype = torch_dtype(region.dtype)
-        pointer = mapped.pointer + region.offset
-        imported.cuda[h.name] = cuda_view(pointer, region.length, dtype, region.shape, index)
-        if cpu:
-            imported.cpu[h.name] = cpu_view(pointer, region.length, dtype, region.shape)
+    try:
+        for h in handles:
+            c = h.cumem
+            where = f"cuMem {file or 'fabric'}"
+            region = Region(h.name, h.dtype, tuple(h.shape), where, c.offset, c.length).cut(rows)
+            if region.offset + region.length > size:
+                raise DeviceError(
+                    f"tensor {h.name!r} lies outside engramd's {size}-byte allocation"
+                )
+            dtype = torch_dtype(region.dtype)
+            pointer = mapped.pointer + region.offset
+            imported.cuda[h.name] = cuda_view(pointer, region.length, dtype, region.shape, index)
+            if cpu:
+                imported.cpu[h.name] = cpu_view(pointer, region.length, dtype, region.shape)
+    except BaseException:
+        imported.release()
+        raise
     return imported

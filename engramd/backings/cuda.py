@@ -43,6 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
+import numpy
+
 from engramd_client import cudadriver
 from engramd_client.checkpoint import TablePlan
 from engramd_client.errors import DeviceError
@@ -327,13 +329,18 @@ class CudaDeviceBacking(_CudaBacking):
         if buffer is None:
             buffer = self._buffers.buffer = bytearray(BUFFER_BYTES)
         cu = cudadriver.make_current(self.device)
-        view = memoryview(buffer)[:nbytes]
-        cudadriver.check(cu.cuMemcpyDtoH(view, pointer, nbytes), "cuMemcpyDtoH")
-        return view
+        cudadriver.check(cu.cuMemcpyDtoH(_address(buffer), pointer, nbytes), "cuMemcpyDtoH")
+        return memoryview(buffer)[:nbytes]
 
     def _write(self, pointer: int, data: memoryview) -> None:
         cu = cudadriver.make_current(self.device)
-        cudadriver.check(cu.cuMemcpyHtoD(pointer, data, len(data)), "cuMemcpyHtoD")
+        cudadriver.check(cu.cuMemcpyHtoD(pointer, _address(data), len(data)), "cuMemcpyHtoD")
+
+
+def _address(buffer: bytearray | memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers too), for the driver's copies."""
+    address: int = numpy.frombuffer(buffer, dtype=numpy.uint8).ctypes.data
+    return address
 
 
 def device_of(backing: str) -> int:
