@@ -3,13 +3,18 @@
 A daemon asked for cuda-host or cuda-device:N on a machine without a usable
 CUDA driver says why, in its log and in status, and serves from auto's
 backings (tmpfs, else memfd), where workers with a device register their
-own mapping. What needs a GPU (allocation, export, import, gathers) is in
-tests/gpu/test_cuda_handles.py.
+own mapping. Where no driver works, tests/fake_cuda stands in for the driver, so the
+cuda-host backing (allocate, load, check, export, verify, drop) and a
+worker's import run for real around it; what needs a GPU (device access,
+CUDA views, cuda-device, gathers) is in tests/gpu/test_cuda_handles.py.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +22,10 @@ import pytest
 import torch
 from test_cli import engramd
 
-from conftest import Worker
+from conftest import Worker, wait_until
 from engramd.backings import CudaHostBacking
 from engramd.backings.cuda import device_of
+from engramd.demo.child import JsonLinesChild
 from engramd.errors import InvalidRequest
 from engramd.service import TableService
 from engramd.status_view import render
@@ -40,6 +46,13 @@ def _no_driver() -> str | None:
 
 
 NO_DRIVER = _no_driver()
+#: A CUDA driver over memfds (tests/fake_cuda), first on a child's PYTHONPATH.
+FAKE_DRIVER = {
+    "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).parent / "fake_cuda"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
+}
+PROBE = Path(__file__).parent / "cumem_probe.py"
 needs_no_driver = pytest.mark.skipif(
     NO_DRIVER is None,
     reason="a CUDA driver works here: tests/gpu/test_cuda_handles.py runs the CUDA backings",
@@ -143,3 +156,58 @@ def test_allocation_properties_and_access_as_the_driver_reads_them() -> None:
     device, cpu = cudadriver.access(cu, 0, cpu=True, writable=True)
     assert cpu.location.type == cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
     assert {device.flags, cpu.flags} == {cu.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE}
+
+
+@needs_no_driver
+def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=FAKE_DRIVER)
+    status = d.status()
+    [b] = status.backings
+    assert (b.name, b.stands_in_for, b.survives_restart) == ("cuda-host", "", False)
+    assert b.page_size == 2 << 20  # the driver's granularity
+    [s] = status.sets
+    assert (s.backing, s.state, s.locked, s.page_size) == ("cuda-host", "ready", True, 2 << 20)
+
+    probes = [
+        JsonLinesChild(
+            [sys.executable, str(PROBE), str(d.socket), s.set_id], env={**os.environ, **FAKE_DRIVER}
+        )
+        for _ in range(2)
+    ]
+    expected = {
+        "kinds": ["HANDLE_KIND_CUMEM"],
+        "digests": reference_digests(checkpoint),
+        "host_numa": 0,
+    }
+    assert [p.read() for p in probes] == [expected, expected]
+    [s] = d.status().sets
+    assert [(lease.kind, lease.device) for lease in s.leases] == [
+        (pb.HANDLE_KIND_CUMEM, "cuda:0")
+    ] * 2
+
+    assert "cuda-host sets: cuMem allocations on host NUMA node 0" in d.log
+
+    # Killed, the daemon takes its allocation along but not the workers' imports; the next
+    # one loads a new copy, and their leases come back marked stale.
+    d.stop(signal.SIGKILL)
+    d.start()
+    wait_until(
+        lambda: [lease.stale for lease in d.status().sets[0].leases] == [True, True],
+        30,
+        "both leases back, stale",
+    )
+    assert not d.status().sets[0].adopted
+
+    socket = ("--socket", str(d.socket))
+    checked = engramd("verify", s.set_id, *socket)
+    assert checked.returncode == 0 and "all 4 tensors match" in checked.stdout
+    dropped = engramd("drop", "--force", s.set_id, *socket)
+    assert dropped.returncode == 0, dropped.stderr
+    assert list(d.status().sets) == []
+    for p in probes:
+        assert p.proc.stdin is not None
+        p.proc.stdin.close()
+        assert p.proc.wait(timeout=30) == 0, "the imports outlive the daemon and the drop"
+    assert "Traceback" not in d.log

@@ -95,16 +95,13 @@ class ImportedSet:
         self.mapped.release()
 
 
-def import_set(
-    handles: list[pb.TensorHandle],
-    descriptors: dict[str, int],
-    index: int,
-    rows: RowRanges | None = None,
-) -> ImportedSet:
-    """Import the one allocation `handles` (TensorHandles, oneof cumem) point into, for `index`.
+def map_allocation(
+    handles: list[pb.TensorHandle], descriptors: dict[str, int], index: int
+) -> Mapped:
+    """Import and map the one allocation `handles` (oneof cumem) point into, for device `index`.
 
     `descriptors`: the fd channel's descriptors by file name (POSIX fd
-    handles); the caller closes them. `rows`: RowRanges cutting the views.
+    handles); the caller closes them. The CPU may read host memory too.
     """
     sources = {(h.cumem.file, h.cumem.fabric, h.cumem.size) for h in handles}
     if len(sources) != 1:
@@ -134,26 +131,40 @@ def import_set(
         check(cu.cuMemRelease(handle), "cuMemRelease")
         raise
     try:
-        mapped = map_handle(cu, handle, size, align, index, cpu)
+        return map_handle(cu, handle, size, align, index, cpu)
     except DeviceError as e:
         raise DeviceError(
             f"{e}: cuda:{index} cannot map engramd's allocation"
             + ("" if cpu else f" on GPU {first.device_uuid} (no peer access to it?)")
         ) from None
+
+
+def import_set(
+    handles: list[pb.TensorHandle],
+    descriptors: dict[str, int],
+    index: int,
+    rows: RowRanges | None = None,
+) -> ImportedSet:
+    """The set's allocation mapped for device `index` (map_allocation), viewed tensor by tensor.
+
+    CUDA views of every tensor, and CPU views where the allocation is host
+    memory; `rows` cuts the views to row ranges.
+    """
+    mapped = map_allocation(handles, descriptors, index)
     imported = ImportedSet(mapped, {}, {})
+    where = "cuMem fabric" if handles[0].cumem.fabric else f"cuMem {handles[0].cumem.file}"
     try:
         for h in handles:
             c = h.cumem
-            where = f"cuMem {file or 'fabric'}"
             region = Region(h.name, h.dtype, tuple(h.shape), where, c.offset, c.length).cut(rows)
-            if region.offset + region.length > size:
+            if region.offset + region.length > mapped.size:
                 raise DeviceError(
-                    f"tensor {h.name!r} lies outside engramd's {size}-byte allocation"
+                    f"tensor {h.name!r} lies outside engramd's {mapped.size}-byte allocation"
                 )
             dtype = torch_dtype(region.dtype)
             pointer = mapped.pointer + region.offset
             imported.cuda[h.name] = cuda_view(pointer, region.length, dtype, region.shape, index)
-            if cpu:
+            if mapped.cpu:
                 imported.cpu[h.name] = cpu_view(pointer, region.length, dtype, region.shape)
     except BaseException:
         imported.release()

@@ -1,0 +1,1 @@
+"""A stand-in for NVIDIA's `cuda` package where no GPU exists (see bindings/driver.py)."""

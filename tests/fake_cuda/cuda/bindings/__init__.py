@@ -1,0 +1,1 @@
+"""A stand-in for cuda-bindings: only the driver module (driver.py)."""
