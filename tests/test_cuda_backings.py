@@ -189,6 +189,13 @@ def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
 
     assert "cuda-host sets: cuMem allocations on host NUMA node 0" in d.log
 
+    # A worker without a device is told to ask for one, and loads privately meanwhile.
+    cpu_only = Worker(checkpoint, d.socket)
+    assert cpu_only.hello["mode"] == "private"
+    assert "attach with device='cuda:N'" in cpu_only.hello["reason"]
+    assert cpu_only.hello["digests"] == expected["digests"]
+    assert cpu_only.exit() == 0
+
     # Killed, the daemon takes its allocation along but not the workers' imports; the next
     # one loads a new copy, and their leases come back marked stale.
     d.stop(signal.SIGKILL)

@@ -135,7 +135,7 @@ class _CudaBacking(Backing):
 
     @property
     def survives_restart(self) -> bool:
-        """Never: an allocation dies with the daemon and the workers that imported it."""
+        """Never: no later daemon can take over an allocation (workers keep their imports)."""
         return False
 
     def claim(self) -> None:

@@ -8,7 +8,6 @@ cannot work, handle kinds, device-only tables) are in tests/test_cuda_backings.p
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import os
 import signal
@@ -19,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_cuda_views import gathers_match, in_device_memory
+from test_cuda_views import GPU_ONLY, gathers_match, in_device_memory
 
 from conftest import wait_until
 from engramd_client import attach, plan_tables
@@ -31,14 +30,7 @@ from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reference_digests
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process"),
-    pytest.mark.skipif(
-        importlib.util.find_spec("cuda") is None,
-        reason="NVIDIA's cuda-bindings is not installed (pip install 'engramd[cuda]')",
-    ),
-]
+pytestmark = GPU_ONLY
 
 WORKER = Path(__file__).parent / "gpu_worker.py"
 NAME = "layers.1.engram.embed.weight"

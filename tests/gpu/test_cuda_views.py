@@ -21,7 +21,8 @@ from test_attach import write_checkpoint
 
 from engramd_client import attach, plan_tables
 
-pytestmark = [
+#: What every GPU test module is marked with: `gpu`, and skipped with a reason without CUDA.
+GPU_ONLY = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process"),
     pytest.mark.skipif(
@@ -29,6 +30,7 @@ pytestmark = [
         reason="NVIDIA's cuda-bindings is not installed (pip install 'engramd[cuda]')",
     ),
 ]
+pytestmark = GPU_ONLY
 
 WORKER = Path(__file__).parent / "gpu_worker.py"
 
