@@ -26,9 +26,9 @@ from engramd.text import escape
 from engramd.units import gib, parse_size
 from engramd.wire import set_info
 from engramd_client.checkpoint import SourceFile, TablePlan, plan_tables
-from engramd_client.config import DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
+from engramd_client.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
 from engramd_client.errors import BY_REASON, Reason
-from engramd_client.handles import CUDA_KINDS, KINDS, MAPPERS
+from engramd_client.handles import KINDS, MAPPERS
 from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.tables import Region
@@ -96,9 +96,13 @@ def test_client_config_from_env() -> None:
     assert ClientConfig.from_env({"ENGRAMD_FD_SOCKET": "/c/fds"}).fd_socket == "/c/fds"
     assert ClientConfig.from_env({"ENGRAMD_HANDLES": " shm "}).handles == ("shm",)
     assert ClientConfig.from_env({"ENGRAMD_HANDLES": "fabric,shm"}).handles == ("fabric", "shm")
+    with pytest.raises(ValueError, match=r"only cuMem kinds.*ENGRAMD_DEVICE"):
+        ClientConfig.from_env({"ENGRAMD_HANDLES": "cumem"})
+    cumem_only = {"ENGRAMD_HANDLES": "cumem", "ENGRAMD_DEVICE": "cuda:1"}
+    assert ClientConfig.from_env(cumem_only).handles == ("cumem",)
     # Every kind a worker may name is a handle kind; those of host memory have their mapper.
     assert tuple(KINDS) == HANDLE_KINDS
-    assert set(MAPPERS) == set(HANDLE_KINDS) - set(CUDA_KINDS)
+    assert set(MAPPERS) == set(HANDLE_KINDS) - set(CUDA_HANDLE_KINDS)
     with pytest.raises(ValueError, match="use cumem,fabric,fd,shm"):
         ClientConfig.from_env({"ENGRAMD_HANDLES": "cuda"})
     # Arguments win over the environment.

@@ -17,6 +17,8 @@ _SHARE_WORDS: dict[str, bool | None] = {"auto": None, "": None, "strict": True, 
 #: Handle kinds a worker can map, by name, in the default order: cuMem allocations (only
 #: with a device), by descriptor or FABRIC handle; then host memory by descriptor or path.
 HANDLE_KINDS = ("cumem", "fabric", "fd", "shm")
+#: The kinds of cuMem allocations: a worker accepts them only with a device.
+CUDA_HANDLE_KINDS = ("cumem", "fabric")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,12 @@ class ClientConfig:
                 f"ENGRAMD_HANDLES={','.join(handles)!r}: use {','.join(HANDLE_KINDS)} or a "
                 "part of it, preferred first"
             )
+        device = (env.get("ENGRAMD_DEVICE", "") if device is None else device).strip()
+        if not device and set(handles) <= set(CUDA_HANDLE_KINDS):
+            raise ValueError(
+                f"ENGRAMD_HANDLES={','.join(handles)!r} names only cuMem kinds, which a worker "
+                "takes with a device only: set ENGRAMD_DEVICE (device=) or add fd,shm"
+            )
         thp = env.get("ENGRAMD_PRIVATE_THP", "on").strip().lower()
         if thp not in _SWITCH_WORDS:
             raise ValueError(f"ENGRAMD_PRIVATE_THP={thp!r}: use on or off")
@@ -80,5 +88,5 @@ class ClientConfig:
             handles=handles,
             share=share,
             private_thp=_SWITCH_WORDS[thp],
-            device=(env.get("ENGRAMD_DEVICE", "") if device is None else device).strip(),
+            device=device,
         )

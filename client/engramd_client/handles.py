@@ -182,8 +182,6 @@ KINDS: dict[str, pb.HandleKind] = {
 }
 #: Kinds whose handles are collected on the fd channel.
 ON_FD_CHANNEL = ("cumem", "fd")
-#: cuMem allocations (cumem.py): accepted only by a worker that asked for a device.
-CUDA_KINDS = ("cumem", "fabric")
 
 #: The mapper of each handle kind, by TensorHandle's oneof field, and the kind it maps.
 #: A mapper is made per attach from the worker's settings and the daemon's uid.

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
-from .config import ClientConfig
+from .config import CUDA_HANDLE_KINDS, ClientConfig
 from .cuda import check_device, parse_device
 from .cumem import import_set
 from .errors import (
@@ -28,7 +28,7 @@ from .errors import (
     ShareError,
 )
 from .fdchannel import FdChannelUnreachable, collect
-from .handles import CUDA_KINDS, KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
+from .handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
 from .lease import Lease, probe_socket, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
@@ -156,7 +156,7 @@ def _attach_shared(
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
     # cuMem allocations are GPU memory, or host memory only the driver can map.
-    handles = tuple(h for h in config.handles if index is not None or h not in CUDA_KINDS)
+    handles = tuple(h for h in config.handles if index is not None or h not in CUDA_HANDLE_KINDS)
     try:
         return _attach_as(config, target, rows, labels, populate, handles, index)
     except FdChannelUnreachable as unreachable:
