@@ -1,9 +1,10 @@
 """How much memory the daemon may still take: the host's and its cgroup's limits.
 
-memfd and cuda-host sets are bounded by memory, not by a tmpfs size: their pages are
+memfd sets are bounded by memory, not by a tmpfs size: their pages are
 charged to the daemon's memory cgroup (v2 `memory.max`, v1
 `memory.limit_in_bytes`, the tightest of the cgroup and its ancestors) and
-come out of the host's MemAvailable.
+come out of the host's MemAvailable. cuda-host sets (pinned by the driver)
+are judged against the same bound.
 """
 
 from __future__ import annotations

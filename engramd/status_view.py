@@ -82,13 +82,13 @@ def _backings(reply: pb.StatusReply) -> Table:
     return _whole(table)
 
 
-def _stand_ins(reply: pb.StatusReply) -> list[tuple[str, str, str]]:
+def _stand_ins(reply: pb.StatusReply) -> list[tuple[str, str, list[str]]]:
     """(backing asked for, why it cannot be used, the backings standing in) per such backing."""
     found: dict[tuple[str, str], list[str]] = {}
     for b in reply.backings:
         if b.stands_in_for:
             found.setdefault((b.stands_in_for, b.reason), []).append(b.name)
-    return [(asked, reason, "/".join(names)) for (asked, reason), names in found.items()]
+    return [(asked, reason, names) for (asked, reason), names in found.items()]
 
 
 def _sizes(b: pb.BackingInfo | pb.ShmInfo) -> tuple[str, str, str]:
@@ -182,8 +182,9 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
     for asked, reason, instead in _stand_ins(reply):
         parts.append(
             Text(
-                f"--backing {asked} cannot be used here: {reason}; {instead} stand(s) in "
-                "for it, and workers with a device register their own mapping",
+                f"--backing {asked} cannot be used here: {reason}; {'/'.join(instead)} "
+                f"{'stands' if len(instead) == 1 else 'stand'} in for it, and workers with a "
+                "device register their own mapping",
                 style="yellow",
             )
         )

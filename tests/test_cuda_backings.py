@@ -78,7 +78,7 @@ def test_a_cuda_backing_that_cannot_work_here_says_why_and_auto_stands_in(
     assert d.log.count(f"--backing {backing} cannot be used here ({NO_DRIVER})") == 1
 
     text = render(status)
-    assert f"--backing {backing} cannot be used here: {NO_DRIVER}; tmpfs/memfd stand" in text
+    assert f"--backing {backing} cannot be used here: {NO_DRIVER}; tmpfs/memfd stand in" in text
     shown = engramd("status", "--socket", str(d.socket), "--json")
     assert shown.returncode == 0
     assert {b["stands_in_for"] for b in json.loads(shown.stdout)["backings"]} == {backing}

@@ -270,7 +270,7 @@ class CudaHostBacking(_CudaBacking):
         return f"host NUMA node {self.host_numa if node is None else node}"
 
     def usage(self) -> Usage:
-        """The daemon's memory bound (pinned pages are charged to it like memfd's)."""
+        """The daemon's memory bound, as for memfd sets (memlimit.py)."""
         limit = memory_limit()
         return Usage(limit.where, limit.total, self._used(), limit.available, self.page_size)
 
