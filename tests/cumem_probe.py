@@ -1,9 +1,10 @@
-"""Attach by cuMem handle, map the allocation for the CPU, print each tensor's digest.
+"""Attach by cuMem handle, map the allocation, print each tensor's digest.
 
     python tests/cumem_probe.py SOCKET SET_ID
 
-Prints {"kinds": [...], "digests": {name: sha256}, "host_numa": N} once
-attached, then holds the lease until stdin closes. Where no GPU exists it
+Reads host memory through CPU views and device memory by cuMemcpyDtoH.
+Prints {"kinds": [...], "digests": {name: sha256}, "location": "host_numa"
+or "device_uuid"} once attached, then holds the lease until stdin closes. Where no GPU exists it
 runs against tests/fake_cuda (on PYTHONPATH): the lease, the fd channel,
 the import and mapping of the allocation and the CPU views are the
 client's own code; only the CUDA views (tests/gpu) need a GPU.
@@ -15,9 +16,11 @@ import hashlib
 import os
 import sys
 
+import numpy
 import torch
 
 from engramd.demo.child import say
+from engramd_client import cudadriver
 from engramd_client.config import ClientConfig
 from engramd_client.cumem import cpu_view, map_allocation
 from engramd_client.fdchannel import collect
@@ -25,6 +28,16 @@ from engramd_client.handles import channel_path
 from engramd_client.lease import Lease
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.tables import torch_dtype
+
+
+def _from_device(pointer: int, length: int) -> bytes:
+    """`length` bytes of device memory, copied to the host by the driver."""
+    data = bytearray(length)
+    if length:
+        address = numpy.frombuffer(data, dtype=numpy.uint8).ctypes.data
+        cu = cudadriver.make_current(0)
+        cudadriver.check(cu.cuMemcpyDtoH(address, pointer, length), "cuMemcpyDtoH")
+    return bytes(data)
 
 
 def main() -> int:
@@ -46,15 +59,19 @@ def main() -> int:
             os.close(fd)
     digests = {}
     for h in handles:
-        view = cpu_view(
-            mapped.pointer + h.cumem.offset, h.cumem.length, torch_dtype(h.dtype), tuple(h.shape)
-        )
-        digests[h.name] = hashlib.sha256(view.view(torch.uint8).numpy().data).hexdigest()
+        pointer = mapped.pointer + h.cumem.offset
+        data: bytes | memoryview
+        if mapped.cpu:
+            view = cpu_view(pointer, h.cumem.length, torch_dtype(h.dtype), tuple(h.shape))
+            data = view.view(torch.uint8).numpy().data
+        else:
+            data = _from_device(pointer, h.cumem.length)
+        digests[h.name] = hashlib.sha256(data).hexdigest()
     say(
         {
             "kinds": sorted({pb.HandleKind.Name(h.kind) for h in handles}),
             "digests": digests,
-            "host_numa": handles[0].cumem.host_numa,
+            "location": handles[0].cumem.WhichOneof("location"),
         }
     )
     sys.stdin.read()

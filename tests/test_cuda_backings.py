@@ -179,7 +179,7 @@ def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
     expected = {
         "kinds": ["HANDLE_KIND_CUMEM"],
         "digests": reference_digests(checkpoint),
-        "host_numa": 0,
+        "location": "host_numa",
     }
     assert [p.read() for p in probes] == [expected, expected]
     [s] = d.status().sets
@@ -217,4 +217,33 @@ def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
         assert p.proc.stdin is not None
         p.proc.stdin.close()
         assert p.proc.wait(timeout=30) == 0, "the imports outlive the daemon and the drop"
+    assert "Traceback" not in d.log
+
+
+@needs_no_driver
+def test_cuda_device_copies_its_set_to_the_device_and_back_over_a_simulated_driver(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--backing", "cuda-device:0", "--checkpoint", str(checkpoint), env=FAKE_DRIVER)
+    status = d.status()
+    [b] = status.backings
+    assert (b.name, b.stands_in_for) == ("cuda-device", "")
+    assert b.where == "cuda:0 GPU-00010203-0405-0607-0809-0a0b0c0d0e0f"  # the driver's UUID
+    [s] = status.sets
+    assert (s.backing, s.state) == ("cuda-device", "ready")
+
+    probe = JsonLinesChild(
+        [sys.executable, str(PROBE), str(d.socket), s.set_id], env={**os.environ, **FAKE_DRIVER}
+    )
+    # Loaded by cuMemcpyHtoD, checked and read back by cuMemcpyDtoH: the checkpoint's bytes.
+    assert probe.read() == {
+        "kinds": ["HANDLE_KIND_CUMEM"],
+        "digests": reference_digests(checkpoint),
+        "location": "device_uuid",
+    }
+    checked = engramd("verify", s.set_id, "--socket", str(d.socket))
+    assert checked.returncode == 0 and "all 4 tensors match" in checked.stdout
+    assert probe.proc.stdin is not None
+    probe.proc.stdin.close()
+    assert probe.proc.wait(timeout=30) == 0
     assert "Traceback" not in d.log

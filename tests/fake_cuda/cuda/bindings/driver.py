@@ -7,11 +7,13 @@ removal; the fd channel; a worker's import and CPU views) runs for real.
 What only a GPU shows (device access, UVA, FABRIC handles, cuda-device)
 runs in tests/gpu with the real driver.
 
-One device; host memory only (location HOST_NUMA). An allocation is a
-memfd; exporting it dups the descriptor; an address reservation is a
-PROT_NONE mapping that cuMemMap replaces with the memfd (MAP_FIXED) and
-cuMemSetAccess opens for the CPU as the HOST_NUMA access descriptor says.
-Results are (CUresult, value...) tuples, as cuda-bindings returns them.
+One device. An allocation (host memory on a NUMA node, or "device"
+memory) is a memfd; exporting it dups the descriptor; an address
+reservation is a PROT_NONE mapping that cuMemMap replaces with the memfd
+(MAP_FIXED) and cuMemSetAccess opens for the CPU as the HOST_NUMA access
+descriptor says (never, for device memory: the CPU reaches it only by
+cuMemcpyHtoD / cuMemcpyDtoH). Results are (CUresult, value...) tuples, as
+cuda-bindings returns them.
 """
 
 from __future__ import annotations
@@ -124,6 +126,8 @@ class _Allocation:
 
 
 _handles: dict[int, _Allocation] = {}
+#: Mapped address ranges: start -> (descriptor, size), for the copies.
+_mapped: dict[int, tuple[int, int]] = {}
 _next_handle = itertools.count(1)
 _OK = CUresult.CUDA_SUCCESS
 
@@ -166,7 +170,11 @@ def cuMemGetInfo() -> tuple[Any, ...]:
 
 
 def cuMemCreate(size: int, prop: CUmemAllocationProp, flags: int) -> tuple[Any, ...]:
-    if prop.location.type != CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA:
+    host_or_device = (
+        CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA,
+        CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE,
+    )
+    if prop.location.type not in host_or_device:
         return CUresult.CUDA_ERROR_NOT_SUPPORTED, None
     if size % GRANULARITY:
         return CUresult.CUDA_ERROR_INVALID_VALUE, None
@@ -208,10 +216,10 @@ def cuMemImportFromShareableHandle(shared: Any, kind: int) -> tuple[Any, ...]:
     if kind != CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR:
         return CUresult.CUDA_ERROR_NOT_SUPPORTED, None
     fd = os.dup(shared)
+    # The location is not in the descriptor; the importer takes it from engramd's handle.
     prop = CUmemAllocationProp(
         CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED,
         CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-        CUmemLocation(CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA, 0),
     )
     return _OK, _hold(_Allocation(fd, os.fstat(fd).st_size, prop))
 
@@ -250,10 +258,40 @@ def cuMemMap(pointer: int, size: int, offset: int, handle: int, flags: int) -> t
     if allocation is None or offset or size > allocation.size or pointer % GRANULARITY:
         return (CUresult.CUDA_ERROR_INVALID_VALUE,)
     mapped = _mmap(pointer, size, _PROT_NONE, mmap.MAP_SHARED | _MAP_FIXED, allocation.fd)
-    return (_OK if mapped == pointer else CUresult.CUDA_ERROR_INVALID_VALUE,)
+    if mapped != pointer:
+        return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+    _mapped[pointer] = (allocation.fd, size)
+    return (_OK,)
+
+
+def _at(pointer: int, count: int) -> tuple[int, int] | None:
+    """(descriptor, offset) of `count` bytes at a mapped address, or None."""
+    for start, (fd, size) in _mapped.items():
+        if start <= pointer and pointer + count <= start + size:
+            return fd, pointer - start
+    return None
+
+
+def cuMemcpyHtoD(pointer: int, source: int, count: int) -> tuple[Any, ...]:
+    found = _at(pointer, count)
+    if found is None:
+        return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+    fd, offset = found
+    os.pwrite(fd, ctypes.string_at(source, count), offset)
+    return (_OK,)
+
+
+def cuMemcpyDtoH(destination: int, pointer: int, count: int) -> tuple[Any, ...]:
+    found = _at(pointer, count)
+    if found is None:
+        return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+    fd, offset = found
+    ctypes.memmove(destination, os.pread(fd, count, offset), count)
+    return (_OK,)
 
 
 def cuMemUnmap(pointer: int, size: int) -> tuple[Any, ...]:
+    _mapped.pop(pointer, None)
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
     kept = _mmap(pointer, size, _PROT_NONE, flags, -1)
     return (_OK if kept == pointer else CUresult.CUDA_ERROR_INVALID_VALUE,)
