@@ -53,7 +53,7 @@ from engramd_client.pb import engramd_pb2 as pb
 
 from ..checksum import BUFFER_BYTES, label, new_digest
 from ..config import DaemonConfig
-from ..errors import LoadFailed, ShmFull
+from ..errors import LoadFailed, ShmFull, UnknownSet
 from ..fdstore import FdStore
 from ..memlimit import check_memory, memory_limit
 from ..numa import Placement
@@ -207,7 +207,11 @@ class _CudaBacking(Backing):
     def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
         """One CuMemHandle per tensor, all into the copy's one allocation."""
         with self._lock:
-            held = self._copies[manifest.copy]
+            held = self._copies.get(manifest.copy)
+        if held is None:
+            raise UnknownSet(
+                f"set {manifest.copy} was dropped while the worker waited; attach again"
+            )
         size = held.mapped.size
         fabric = kind == pb.HANDLE_KIND_CUMEM_FABRIC
         out = []
