@@ -39,7 +39,7 @@ import logging
 import os
 import threading
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
@@ -83,6 +83,9 @@ class _Copy:
     #: The FABRIC handle, or b"".
     fabric: bytes
     manifest: Manifest | None = None
+    #: Held while the daemon reads the allocation, and to release it.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    released: bool = False
 
 
 class _CudaBacking(Backing):
@@ -177,11 +180,15 @@ class _CudaBacking(Backing):
         t = manifest.tensors[index]
         with self._lock:
             copy = self._copies.get(manifest.copy)
-            if copy is None:
-                raise ManifestError(f"set {manifest.copy} is no longer held")
-            pointer = copy.mapped.pointer + t.offset
-            # Held under the lock: remove() must not unmap while this reads.
-            return self._digest(pointer, t.nbytes)
+        gone = ManifestError(f"set {manifest.copy} is no longer held")
+        if copy is None:
+            raise gone
+        # The copy's own lock, not the backing's: status and attaches go on meanwhile,
+        # and remove() waits to unmap until this read is done.
+        with copy.lock:
+            if copy.released:
+                raise gone
+            return self._digest(copy.mapped.pointer + t.offset, t.nbytes)
 
     def _digest(self, pointer: int, nbytes: int) -> str:
         digest = new_digest()
@@ -436,7 +443,9 @@ class _StagedCopy(StagedSet):
 
 
 def _release(copy: _Copy) -> None:
-    os.close(copy.exported)
-    with contextlib.suppress(DeviceError):
-        # A driver already torn down (daemon exit) frees everything anyway.
-        copy.mapped.release()
+    with copy.lock:
+        copy.released = True
+        os.close(copy.exported)
+        with contextlib.suppress(DeviceError):
+            # A driver already torn down (daemon exit) frees everything anyway.
+            copy.mapped.release()
