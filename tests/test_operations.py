@@ -213,6 +213,19 @@ def test_status_watch_refreshes(checkpoint: Path, daemons: Any) -> None:
     assert frames == 3
 
 
+def test_the_cli_starts_no_thread_before_status_watch_masks_ctrl_c() -> None:
+    # status --watch blocks SIGINT before it opens a channel, so every gRPC thread
+    # inherits the mask. A thread some import started earlier (numpy's BLAS pool, say)
+    # would not: Ctrl-C landing there becomes a KeyboardInterrupt at a random point.
+    threads = subprocess.run(
+        [sys.executable, "-c", "import os, engramd.cli; print(len(os.listdir('/proc/self/task')))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert threads.stdout.strip() == "1"
+
+
 def test_load_verify_drop_from_the_cli(checkpoint: Path, daemons: Any) -> None:
     d = daemons()
     socket_args = ["--socket", str(d.socket)]

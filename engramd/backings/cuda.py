@@ -43,8 +43,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-import numpy
-
 from engramd_client import cudadriver
 from engramd_client.checkpoint import TablePlan
 from engramd_client.errors import DeviceError
@@ -349,9 +347,8 @@ class CudaDeviceBacking(_CudaBacking):
 
 
 def _address(buffer: bytearray | memoryview) -> int:
-    """The address of a buffer's first byte (read-only buffers too), for the driver's copies."""
-    address: int = numpy.frombuffer(buffer, dtype=numpy.uint8).ctypes.data
-    return address
+    """The address of a writable buffer's first byte (the loader's), for the driver's copies."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 def device_of(backing: str) -> int:
