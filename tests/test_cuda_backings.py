@@ -53,6 +53,14 @@ FAKE_DRIVER = {
     )
 }
 PROBE = Path(__file__).parent / "cumem_probe.py"
+
+
+def _probe(d: Any, set_id: str) -> JsonLinesChild:
+    """tests/cumem_probe.py attaching to `set_id` by cuMem handle, over the simulated driver."""
+    command = [sys.executable, str(PROBE), str(d.socket), set_id]
+    return JsonLinesChild(command, env={**os.environ, **FAKE_DRIVER})
+
+
 needs_no_driver = pytest.mark.skipif(
     NO_DRIVER is None,
     reason="a CUDA driver works here: tests/gpu/test_cuda_handles.py runs the CUDA backings",
@@ -170,12 +178,7 @@ def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
     [s] = status.sets
     assert (s.backing, s.state, s.locked, s.page_size) == ("cuda-host", "ready", True, 2 << 20)
 
-    probes = [
-        JsonLinesChild(
-            [sys.executable, str(PROBE), str(d.socket), s.set_id], env={**os.environ, **FAKE_DRIVER}
-        )
-        for _ in range(2)
-    ]
+    probes = [_probe(d, s.set_id) for _ in range(2)]
     expected = {
         "kinds": ["HANDLE_KIND_CUMEM"],
         "digests": reference_digests(checkpoint),
@@ -232,9 +235,7 @@ def test_cuda_device_copies_its_set_to_the_device_and_back_over_a_simulated_driv
     [s] = status.sets
     assert (s.backing, s.state) == ("cuda-device", "ready")
 
-    probe = JsonLinesChild(
-        [sys.executable, str(PROBE), str(d.socket), s.set_id], env={**os.environ, **FAKE_DRIVER}
-    )
+    probe = _probe(d, s.set_id)
     # Loaded by cuMemcpyHtoD, checked and read back by cuMemcpyDtoH: the checkpoint's bytes.
     assert probe.read() == {
         "kinds": ["HANDLE_KIND_CUMEM"],
