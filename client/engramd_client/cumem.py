@@ -10,9 +10,9 @@ the fd channel) or a FABRIC handle (in the reply); a worker imports it:
 
 and views each tensor at its offset, on the device (UVA: the mapped address
 is valid there) and, for host memory, on the CPU. No page is pinned or
-copied by the worker: the daemon's allocation is already pinned, which is
-what makes this attach take milliseconds where cudaHostRegister of a shm
-mapping takes about 0.1 s per GiB.
+copied by the worker: the daemon's allocation is already pinned, so the
+attach should not grow with the set's size the way cudaHostRegister of a
+shm mapping does (bench/cumem.py measures both on a GPU).
 
 A worker's import holds its own reference to the allocation: it stays
 mapped and readable when the daemon exits, until the worker closes it.
