@@ -27,12 +27,12 @@ torch tensor through the CUDA array interface, without a copy (cumem.cuda_view).
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from .cudadriver import bindings, check
 from .cumem import cuda_view
 from .errors import DeviceError
 
@@ -89,12 +89,12 @@ def register_flags(read_only: bool) -> int:
 
 def _runtime() -> Any:
     """cuda-bindings' runtime module; DeviceError naming the extra where it is missing."""
-    for name in ("cuda.bindings.runtime", "cuda.cudart"):
-        try:
-            return importlib.import_module(name)
-        except ImportError:
-            continue
-    raise DeviceError(f"CUDA views need NVIDIA's cuda-bindings, which is not installed; {FIX_CUDA}")
+    rt = bindings("runtime")
+    if rt is None:
+        raise DeviceError(
+            f"CUDA views need NVIDIA's cuda-bindings, which is not installed; {FIX_CUDA}"
+        )
+    return rt
 
 
 def check_device(index: int) -> None:
@@ -113,13 +113,6 @@ def check_device(index: int) -> None:
     _runtime()
 
 
-def _check(result: tuple[Any, ...], what: str) -> tuple[Any, ...]:
-    err, *values = result
-    if int(err) != 0:
-        raise DeviceError(f"{what} failed: CUDA error {int(err)} ({err!r})")
-    return tuple(values)
-
-
 @dataclass
 class Registration:
     """One tensor's mapping registered with CUDA, and its device view."""
@@ -132,12 +125,12 @@ class Registration:
         """Unregister the chunks; the device view must not be used after."""
         rt = _runtime()
         for start, _ in self.chunks:
-            _check(rt.cudaHostUnregister(start), "cudaHostUnregister")
+            check(rt.cudaHostUnregister(start), "cudaHostUnregister")
         self.chunks = []
 
 
 def _attribute(rt: Any, name: str, index: int) -> int:
-    (value,) = _check(
+    value = check(
         rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, name), index),
         f"cudaDeviceGetAttribute({name})",
     )
@@ -150,7 +143,7 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     length = tensor.numel() * tensor.element_size()
     if length == 0:
         return Registration([], cuda_view(0, 0, tensor.dtype, tuple(tensor.shape), index))
-    _check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
+    check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
     if read_only and not _attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index):
         raise DeviceError(
             f"cuda:{index} cannot register read-only host memory (a driver or device without "
@@ -168,14 +161,14 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     registration = Registration([], tensor)
     try:
         for start, size in planned:
-            _check(
+            check(
                 rt.cudaHostRegister(start, size, register_flags(read_only)),
                 f"cudaHostRegister of {size} bytes on cuda:{index}",
             )
             registration.chunks.append((start, size))
         pointer = tensor.data_ptr()
         if not uses_host_pointer:
-            (pointer,) = _check(
+            pointer = check(
                 rt.cudaHostGetDevicePointer(tensor.data_ptr(), 0), "cudaHostGetDevicePointer"
             )
     except BaseException:

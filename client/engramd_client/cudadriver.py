@@ -9,6 +9,7 @@ engramd[cuda]`), imported only when a CUDA backing or handle is used.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib
 import threading
 from dataclasses import dataclass, field
@@ -24,15 +25,28 @@ _lock = threading.Lock()
 _contexts: dict[int, Any] = {}
 
 
-def driver() -> Any:
-    """cuda-bindings' driver module, initialised; DeviceError saying what is missing."""
-    module = None
-    for name in ("cuda.bindings.driver", "cuda.cuda"):
+#: Where older cuda-python releases kept each module of cuda-bindings.
+_LEGACY_MODULES = {"driver": "cuda.cuda", "runtime": "cuda.cudart"}
+
+
+def bindings(part: str) -> Any | None:
+    """cuda-bindings' `part` module ("driver" or "runtime"), or None where it is not installed."""
+    for name in (f"cuda.bindings.{part}", _LEGACY_MODULES[part]):
         try:
-            module = importlib.import_module(name)
-            break
+            return importlib.import_module(name)
         except ImportError:
             continue
+    return None
+
+
+@functools.cache
+def driver() -> Any:
+    """cuda-bindings' driver module, initialised once; DeviceError saying what is missing.
+
+    Cached: make_current runs for every chunk a device load copies. A failure
+    is not cached, so a later call tries again.
+    """
+    module = bindings("driver")
     if module is None:
         raise DeviceError(f"cuMem handles need NVIDIA's cuda-bindings: {FIX_BINDINGS}")
     try:
