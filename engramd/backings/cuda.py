@@ -108,6 +108,15 @@ class _CudaBacking(Backing):
         self._copies: dict[str, _Copy] = {}
         self._lock = threading.Lock()
 
+    def host_node(self, node: int | None) -> int | None:
+        """The NUMA node of a copy's host memory: a per-node copy's node, else the backing's.
+
+        None for device memory (cuda-device).
+        """
+        if not self.host:
+            return None
+        return self.host_numa if node is None else node
+
     @classmethod
     def probe(cls, device: int, host_numa: int | None) -> tuple[bool, int]:
         """(fabric handles work, granularity) of allocations here; BackingUnavailable if none."""
@@ -226,9 +235,9 @@ class _CudaBacking(Backing):
                 handle.fabric = held.fabric
             else:
                 handle.file = TABLES
-            if self.host:
-                node = manifest.node if manifest.node is not None else self.host_numa
-                handle.host_numa = node or 0
+            host_node = self.host_node(manifest.node)
+            if host_node is not None:
+                handle.host_numa = host_node
             else:
                 handle.device_uuid = self.uuid
             out.append(
@@ -276,7 +285,7 @@ class CudaHostBacking(_CudaBacking):
         return cls(0, node, fabric, granule)
 
     def _where(self, node: int | None = None) -> str:
-        return f"host NUMA node {self.host_numa if node is None else node}"
+        return f"host NUMA node {self.host_node(node)}"
 
     def usage(self) -> Usage:
         """The daemon's memory bound, as for memfd sets (memlimit.py)."""
@@ -368,9 +377,10 @@ class _StagedCopy(StagedSet):
         sizes = [t.nbytes for t in plan.tensors]
         self._offsets, _ = packed_offsets(sizes)
         size = max(backing.footprint(sizes), backing.page_size)
-        host_numa = (node if node is not None else backing.host_numa) if backing.host else None
         cu = cudadriver.make_current(backing.device)
-        prop = cudadriver.allocation_prop(cu, host_numa, backing.device, backing.fabric)
+        prop = cudadriver.allocation_prop(
+            cu, backing.host_node(node), backing.device, backing.fabric
+        )
         where = backing._where(node)
         try:
             handle = cudadriver.check(cu.cuMemCreate(size, prop, 0), f"cuMemCreate of {gib(size)}")
