@@ -303,13 +303,13 @@ def _claim_socket(path: str, gid: int | None) -> None:
     except FileNotFoundError:
         return
     except OSError as e:
-        # EPROTOTYPE: a live socket of another type (the fd channel is SOCK_SEQPACKET).
-        if e.errno != errno.EPROTOTYPE:
-            if e.errno != errno.ECONNREFUSED:
-                raise
+        if e.errno == errno.ECONNREFUSED:
             log.info("removing stale socket %s", path)
             os.unlink(path)
             return
+        # EPROTOTYPE: a live socket of another type (the fd channel is SOCK_SEQPACKET).
+        if e.errno != errno.EPROTOTYPE:
+            raise
     finally:
         probe.close()
     raise RuntimeError(f"another engramd is serving on {path}; stop it first or choose --socket")
