@@ -14,7 +14,6 @@ cuda-host backing cannot work (its stand-in's reason is printed).
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from engramd_client import attach
 
 from .attach import wait_locked
 from .common import Figure, checkpoint, compare, daemon, shm_folder
-from .gpu import DEVICE, TOKENS, cuda_views, gather_rate
+from .gpu import DEVICE, TOKENS, attach_seconds, cuda_views, gather_rate
 
 #: The size at which the import must beat registration by IMPORT_GOAL.
 GOAL_GIB = 8
@@ -49,14 +48,14 @@ def cumem_figures(workdir: Path, sizes: list[float], reps: int) -> list[Figure]:
                 print(f"  skipped: cuda-host cannot be used here: {backing.reason}", flush=True)
                 return figures
             socket = str(d.socket)
-            imported = _attach_seconds(ckpt, socket, reps)
+            imported = attach_seconds(ckpt, reps, socket=socket, share=True)
             if gib == largest:
                 with attach(ckpt, socket=socket, share=True, device=DEVICE) as tables:
                     rates["cumem"] = [gather_rate(cuda_views(tables), rep) for rep in range(reps)]
         with shm_folder() as folder, daemon(folder, "--checkpoint", str(ckpt)) as d:
             wait_locked(d)
             socket = str(d.socket)
-            registered = _attach_seconds(ckpt, socket, reps)
+            registered = attach_seconds(ckpt, reps, socket=socket, share=True)
             if gib == largest:
                 with attach(ckpt, socket=socket, share=True, device=DEVICE) as tables:
                     rates["registered"] = [
@@ -92,14 +91,3 @@ def cumem_figures(workdir: Path, sizes: list[float], reps: int) -> list[Figure]:
             )
         )
     return figures
-
-
-def _attach_seconds(ckpt: Path, socket: str, reps: int) -> list[float]:
-    """Seconds from attach(device=) to CUDA views (the close not counted), `reps` times."""
-    seconds = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        tables = attach(ckpt, socket=socket, share=True, device=DEVICE)
-        seconds.append(time.perf_counter() - start)
-        tables.close()
-    return seconds
