@@ -22,7 +22,7 @@ import torch
 from engramd.demo.child import say
 from engramd_client import cudadriver
 from engramd_client.config import ClientConfig
-from engramd_client.cumem import cpu_view, map_allocation
+from engramd_client.cumem import map_allocation, tensor_at
 from engramd_client.fdchannel import collect
 from engramd_client.handles import channel_path
 from engramd_client.lease import Lease
@@ -62,7 +62,9 @@ def main() -> int:
         pointer = mapped.pointer + h.cumem.offset
         data: bytes | memoryview
         if mapped.cpu:
-            view = cpu_view(pointer, h.cumem.length, torch_dtype(h.dtype), tuple(h.shape))
+            view = tensor_at(
+                pointer, h.cumem.length, torch_dtype(h.dtype), tuple(h.shape), torch.device("cpu")
+            )
             data = view.view(torch.uint8).numpy().data
         else:
             data = _from_device(pointer, h.cumem.length)

@@ -6,6 +6,9 @@ device exists.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from engramd_client.cuda import (
     parse_device,
     register_flags,
 )
+from engramd_client.cumem import tensor_at
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error
@@ -65,6 +69,25 @@ def test_shared_mappings_are_registered_read_only() -> None:
         HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY
     )
     assert register_flags(read_only=False) == HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE
+
+
+def test_views_alias_the_mapping_at_the_address_they_are_given(tmp_path: Path) -> None:
+    # tensor_at makes every CUDA view; here it runs on the CPU, over a shared
+    # mapping of a file: a view must sit at the address and show later writes.
+    path = tmp_path / "table"
+    path.write_bytes(bytes(range(256)) * 64)
+    with path.open("r+b") as file, mmap.mmap(file.fileno(), 0) as mapping:
+        anchor = ctypes.c_char.from_buffer(mapping)
+        address = ctypes.addressof(anchor)
+        view = tensor_at(address + 4096, 2048, torch.bfloat16, (4, 256), torch.device("cpu"))
+        assert view.data_ptr() == address + 4096
+        assert (view.dtype, view.shape) == (torch.bfloat16, torch.Size([4, 256]))
+        assert view.view(torch.uint8).flatten().tolist() == list(range(256)) * 8
+        os.pwrite(file.fileno(), b"\xff\xff", 4096)
+        assert view.view(torch.uint8)[0, :4].tolist() == [255, 255, 2, 3]
+        empty = tensor_at(0, 0, torch.float32, (0, 8), torch.device("cpu"))
+        assert empty.shape == (0, 8)
+        del view, anchor
 
 
 @pytest.mark.parametrize("share", [None, True, False], ids=["auto", "strict", "private"])

@@ -21,8 +21,8 @@ A set of engramd's cuda-host or cuda-device backing needs none of this: it
 comes already pinned, by cuMem handle (cumem.py).
 
 The CUDA calls go through NVIDIA's cuda-bindings (`pip install
-engramd[cuda]`), imported only when a device is asked for. A view becomes a
-torch tensor through the CUDA array interface, without a copy (cumem.cuda_view).
+engramd[cuda]`), imported only when a device is asked for. A view is a torch
+tensor on cuda:N over the device pointer, without a copy (cumem.tensor_at).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from .cudadriver import bindings, check
-from .cumem import cuda_view
+from .cumem import tensor_at
 from .errors import DeviceError
 
 #: The most bytes one cudaHostRegister call is given (vLLM met a 512 GiB cap).
@@ -140,9 +140,10 @@ def _attribute(rt: Any, name: str, index: int) -> int:
 def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     """Register a CPU tensor's pages in place for device `index`; its view there, no copy."""
     rt = _runtime()
+    device = torch.device("cuda", index)
     length = tensor.numel() * tensor.element_size()
     if length == 0:
-        return Registration([], cuda_view(0, 0, tensor.dtype, tuple(tensor.shape), index))
+        return Registration([], tensor_at(0, 0, tensor.dtype, tuple(tensor.shape), device))
     check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
     if read_only and not _attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index):
         raise DeviceError(
@@ -174,9 +175,7 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     except BaseException:
         registration.release()
         raise
-    # The CUDA array interface's read-only flag is left clear: the host mapping
-    # (PROT_READ for shared tables) and the read-only registration protect the pages.
-    registration.view = cuda_view(int(pointer), length, tensor.dtype, tuple(tensor.shape), index)
+    registration.view = tensor_at(int(pointer), length, tensor.dtype, tuple(tensor.shape), device)
     return registration
 
 

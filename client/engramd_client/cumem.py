@@ -22,7 +22,6 @@ The driver calls are in cudadriver.py.
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -41,42 +40,24 @@ from .pb import engramd_pb2 as pb
 from .tables import Region, RowRanges, torch_dtype
 
 
-class CudaArray:
-    """The CUDA array interface of `length` bytes at a device pointer (torch.as_tensor reads it)."""
-
-    def __init__(self, pointer: int, length: int) -> None:
-        self.__cuda_array_interface__ = {
-            "shape": (length,),
-            "typestr": "|u1",
-            "data": (pointer, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
-def cuda_view(
-    pointer: int, length: int, dtype: torch.dtype, shape: tuple[int, ...], index: int
+def tensor_at(
+    pointer: int, length: int, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device
 ) -> torch.Tensor:
-    """A tensor on CUDA device `index` over `length` bytes at a UVA address (no copy)."""
-    device = torch.device("cuda", index)
+    """A tensor on `device` over `length` bytes at `pointer`, mapped by its owner (no copy).
+
+    The device is given, never inferred from the pointer. torch's CUDA array
+    interface asks the driver which device a pointer belongs to
+    (cudaPointerGetAttributes), an answer host memory need not give as the
+    worker's cuda:N, and it needs numpy to read the interface's typestr. A
+    storage over the address on the stated device is what torch builds for
+    memory it did not allocate itself (its CUDA graph trees do the same); it
+    owns nothing, so the caller unmaps only after the tensor's last use.
+    """
     if length == 0:
         return torch.empty(shape, dtype=dtype, device=device)
-    # No device= here: torch would copy a view it places on another device.
-    flat = torch.as_tensor(CudaArray(pointer, length))
-    if flat.device != device or flat.data_ptr() != pointer:
-        raise DeviceError(
-            f"torch {torch.__version__} placed the CUDA view of {length} bytes at {pointer:#x} "
-            f"on {flat.device} at {flat.data_ptr():#x}, not in place on {device}"
-        )
+    storage = torch._C._construct_storage_from_data_pointer(pointer, device, length)
+    flat = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
     return flat.view(dtype).view(shape)
-
-
-def cpu_view(pointer: int, length: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """A CPU tensor over `length` bytes at a CPU-readable mapped address (no copy)."""
-    if length == 0:
-        return torch.empty(shape, dtype=dtype)
-    buffer = (ctypes.c_ubyte * length).from_address(pointer)
-    return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)
 
 
 @dataclass
@@ -163,9 +144,10 @@ def import_set(
                 )
             dtype = torch_dtype(region.dtype)
             pointer = mapped.pointer + region.offset
-            imported.cuda[h.name] = cuda_view(pointer, region.length, dtype, region.shape, index)
+            at = (pointer, region.length, dtype, region.shape)
+            imported.cuda[h.name] = tensor_at(*at, torch.device("cuda", index))
             if mapped.cpu:
-                imported.cpu[h.name] = cpu_view(pointer, region.length, dtype, region.shape)
+                imported.cpu[h.name] = tensor_at(*at, torch.device("cpu"))
     except BaseException:
         imported.release()
         raise
