@@ -22,9 +22,13 @@ fi
 print(sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
       "grpcio", grpc.__version__, "protobuf", p.__version__)'
 } > "$OUT/machine.txt" 2>&1
-make test-gpu PY="$PY" ARGS="-rs" > "$OUT/test-gpu.log" 2>&1
+# Each part within its own time (TEST_S, BENCH_S), so a hung CUDA call in one
+# leaves the other its turn; a test past 120 s dumps every thread's stack.
+timeout "${TEST_S:-300}" make test-gpu PY="$PY" ARGS="-rs -o faulthandler_timeout=120" \
+  > "$OUT/test-gpu.log" 2>&1
 echo "make test-gpu: exit $?" | tee -a "$OUT/test-gpu.log"
-PYTHONPATH="$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m bench --only gpu,cumem \
+PYTHONPATH="$PWD/client:$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout "${BENCH_S:-240}" \
+  "$PY" -m bench --only gpu,cumem \
   --size-gib "${GIB:-8}" --cumem-gib "${CUMEM_GIB:-1,8}" --out "$OUT/gpu.json" \
   > "$OUT/bench-gpu.log" 2>&1
 echo "bench gpu: exit $?" | tee -a "$OUT/bench-gpu.log"
