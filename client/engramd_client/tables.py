@@ -190,7 +190,6 @@ class Tables(Mapping[str, torch.Tensor]):
         self._when_closed: list[Callable[[], None]] = []
         self._names = list(tensors)
         self._views: dict[str, torch.Tensor] = {}
-        self._release_views: Callable[[], None] | None = None
         #: The CUDA device of the tables' CUDA views (`cuda`), or None.
         self.device: torch.device | None = None
 
@@ -264,9 +263,10 @@ class Tables(Mapping[str, torch.Tensor]):
         """Give the tables CUDA views on device `index`; `close()` calls `release` for them."""
         if self.device is not None:
             raise ValueError(f"these tables have CUDA views on {self.device} already")
-        self._views, self._release_views = views, release
+        self._views = views
         self._names = self._names or list(views)
         self.device = torch.device("cuda", index)
+        self.when_closed(release)
 
     def cuda(self, name: str) -> torch.Tensor:
         """The tensor `name` on the CUDA device, read in place (no copy): host pages over UVA,
@@ -281,18 +281,19 @@ class Tables(Mapping[str, torch.Tensor]):
         return self._views[name]
 
     def when_closed(self, callback: Callable[[], None]) -> None:
-        """Call `callback` when these tables close (bind() undoes its bindings there)."""
+        """Call `callback` when these tables close, the latest first.
+
+        bind() undoes its bindings there, before the CUDA views they may hold are
+        released (set_views registered that first).
+        """
         self._when_closed.append(callback)
 
     def close(self) -> None:
-        """Undo bindings, end the lease (if shared), drop this object's references to the memory."""
+        """Undo bindings, release CUDA views, end the lease (if shared), drop the references."""
         callbacks, self._when_closed = self._when_closed, []
-        for callback in callbacks:
-            callback()
-        release, self._release_views = self._release_views, None
         self._views, self.device = {}, None
-        if release is not None:
-            release()
+        for callback in reversed(callbacks):
+            callback()
         if self._lease is not None:
             self._lease.close()
             self._lease = None
