@@ -77,6 +77,13 @@ class Backing(ABC):
     stands_in_for: str = ""
     #: Why the backing asked for cannot work here, or "".
     reason: str = ""
+    #: The NUMA node pages come from where the backing picks them by node (a hugetlb
+    #: pool, cuMem host memory): --numa node:N's, or its own choice; else None.
+    node: int | None = None
+
+    def memory_node(self, copy_node: int | None) -> int | None:
+        """The NUMA node of a copy's pages: a per-node copy's node, else the backing's."""
+        return self.node if copy_node is None else copy_node
 
     @classmethod
     @abstractmethod

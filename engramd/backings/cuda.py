@@ -96,7 +96,7 @@ class _CudaBacking(Backing):
         #: The device whose context the daemon uses (and, for cuda-device, that holds the sets).
         self.device = device
         #: cuda-host: the NUMA node of copies that are not per-node.
-        self.host_numa = host_numa
+        self.node = host_numa
         #: Allocations also export FABRIC handles.
         self.fabric = fabric
         self.handle_kinds = frozenset(
@@ -113,9 +113,7 @@ class _CudaBacking(Backing):
 
         None for device memory (cuda-device).
         """
-        if not self.host:
-            return None
-        return self.host_numa if node is None else node
+        return self.memory_node(node) if self.host else None
 
     @classmethod
     def probe(cls, device: int, host_numa: int | None) -> tuple[bool, int]:

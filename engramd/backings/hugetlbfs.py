@@ -88,7 +88,7 @@ class HugetlbfsBacking(TmpfsBacking):
 
         The pool of `node` (a copy kept per node), else of the --numa node:N, else of all.
         """
-        p = pool(self.page_size, self.node if node is None else node)
+        p = pool(self.page_size, self.memory_node(node))
         st = os.statvfs(self.shm_dir)
         total, free = p.total, p.free
         if st.f_blocks:  # mounted with size=
@@ -131,7 +131,7 @@ class HugetlbfsBacking(TmpfsBacking):
 
     def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """A `.loading-*` folder with the packed file's pages allocated and mapped."""
-        return _StagedPacked(self, plan, self.node if node is None else node)
+        return _StagedPacked(self, plan, self.memory_node(node))
 
 
 class _StagedPacked(StagedSet):

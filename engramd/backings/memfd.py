@@ -106,9 +106,6 @@ class MemfdBacking(Backing):
                 "are loaded again, and running workers keep the copy they map"
             )
 
-    def _pool_node(self, node: int | None) -> int | None:
-        return self.node if node is None else node
-
     def usage(self) -> Usage:
         """The daemon's memory bound, or the hugetlb pool; used: the sets held."""
         with self._lock:
@@ -126,7 +123,7 @@ class MemfdBacking(Backing):
     ) -> None:
         """Refuse a set larger than the daemon's memory bound (or huge page pool), or its room."""
         if self.huge_page_size:
-            p = pool(self.huge_page_size, self._pool_node(node))
+            p = pool(self.huge_page_size, self.memory_node(node))
             if needed > p.free + reclaimable:
                 raise ShmFull(
                     f"{what} needs {gib(needed)} of {gib(p.page_size)} huge pages but "
@@ -254,7 +251,7 @@ class _StagedMemfd(StagedSet):
                     self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()
         except OSError as e:
             os.close(self._fd)
-            fix = pool(huge, backing._pool_node(node)).fix(size) if huge else FIX_MEMORY
+            fix = pool(huge, backing.memory_node(node)).fix(size) if huge else FIX_MEMORY
             raise ShmFull(
                 f"could not allocate {gib(size)} of memory for set {plan.set_id} "
                 f"({e.strerror}); {fix}"
