@@ -148,6 +148,11 @@ class TableSet:
         return copy_name(self.set_id, self.node)
 
     @property
+    def key(self) -> SetKey:
+        """How the store knows this copy."""
+        return SetStore.key(self.set_id, self.backing, self.node)
+
+    @property
     def bytes_loaded(self) -> int:
         """Bytes copied so far (all of them once ready)."""
         if self.state is SetState.READY:
@@ -262,7 +267,7 @@ class SetStore:
             idle_after=time.monotonic() + self._adopt_grace_s,
         )
         ts.done.set()
-        self.sets[self.key(ts.set_id, backing, ts.node)] = ts
+        self.sets[ts.key] = ts
         self._spawn(self._pin(ts))
         log.info(
             "adopted set %s (%s, %s, %s) without reloading",
@@ -295,7 +300,7 @@ class SetStore:
 
     def holds(self, ts: TableSet) -> bool:
         """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
-        return self.sets.get(self.key(ts.set_id, ts.backing, ts.node)) is ts
+        return self.sets.get(ts.key) is ts
 
     def copy_node_for(self, worker_node: int | None) -> int | None:
         """The node of the copy a worker on `worker_node` maps (None: the one copy)."""
@@ -353,7 +358,7 @@ class SetStore:
             node=node,
             progress=LoadProgress(plan.nbytes),
         )
-        self.sets[self.key(plan.set_id, backing, node)] = ts
+        self.sets[ts.key] = ts
         self._spawn(self._load(ts, plan))
         return ts
 
@@ -440,7 +445,7 @@ class SetStore:
             for lease in ts.leases.values():
                 lease.ended.set()
             ts.leases.clear()
-            del self.sets[self.key(ts.set_id, ts.backing, ts.node)]
+            del self.sets[ts.key]
         for ts, leases in zip(copies, ended, strict=True):
             await self._files.run(_remove, ts.backing, ts.pins, ts.copy)
             log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
