@@ -209,6 +209,14 @@ def serve(
             envvar="ENGRAMD_SHM_DIR", help="tmpfs or hugetlbfs folder for the sets (detected)."
         ),
     ] = Path(DEFAULTS.shm_dir),
+    allow_disk_backed_tables: Annotated[
+        bool,
+        typer.Option(
+            envvar="ENGRAMD_ALLOW_DISK_BACKED_TABLES",
+            help="Accept a --shm-dir that is not tmpfs or hugetlbfs: the tables are written to "
+            "disk and served from the page cache, which the kernel may evict.",
+        ),
+    ] = DEFAULTS.allow_disk_backed_tables,
     allow_root: Annotated[
         list[Path] | None,
         typer.Option(
@@ -301,6 +309,7 @@ def serve(
         page_size=parse_size(str(values["page_size"])),
         numa=_numa(values["numa"]),
         shm_dir=str(values["shm_dir"]),
+        allow_disk_backed_tables=values["allow_disk_backed_tables"],
         allow_roots=[str(p) for p in values["allow_root"] or []],
         memory_budget=parse_size(str(values["memory_budget"])),
         evict_idle=values["evict_idle"],

@@ -33,6 +33,8 @@ class DaemonConfig:
     numa: str = ""
     #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = "/dev/shm"
+    #: Accept a shm folder on a disk filesystem: the tables then go to disk and the page cache.
+    allow_disk_backed_tables: bool = False
     #: Roots under which a worker's attach may start a load; none by default.
     allow_roots: list[str] = field(default_factory=list)
     #: Most bytes of sets the daemon holds at once; 0 for no limit but the tmpfs.

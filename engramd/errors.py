@@ -101,6 +101,10 @@ class UntrustedShm(RuntimeError):
     """The shm folder's `engramd/` is not the daemon's own and cannot be made so."""
 
 
+class ShmOnDisk(RuntimeError):
+    """The shm folder is on a disk filesystem, and the operator did not accept that."""
+
+
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status code, reason, message) for any exception raised while serving."""
     if isinstance(exc, ServiceError):

@@ -20,6 +20,7 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, wait_until
+from engramd.shmfs import mount_of
 from engramd_client import plan_tables
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
@@ -275,3 +276,27 @@ def test_drop_refuses_a_leased_set_unless_forced(
     # The worker keeps reading its mapping after the files are gone.
     assert w.ask("digest")["digests"] == w.hello["digests"]
     wait_until(lambda: list(d.status().sets) == [], 5, "the set to go")
+
+
+def test_a_shm_folder_on_disk_is_refused_unless_accepted(
+    checkpoint: Path, daemons: Any, workers: list[Worker], tmp_path: Path, sock_dir: Path
+) -> None:
+    on_disk = tmp_path / "shm"
+    on_disk.mkdir()
+    fstype = mount_of(on_disk)[0]
+    if fstype in ("tmpfs", "hugetlbfs"):
+        pytest.skip(f"pytest's temporary folder is on {fstype} here, not on a disk")
+    with pytest.raises(RuntimeError, match="exited with 1") as refused:
+        daemons("--checkpoint", str(checkpoint), shm=on_disk, wait="up")
+    message = str(refused.value)
+    assert f"is on {fstype}, not tmpfs or hugetlbfs" in message
+    assert "--backing memfd" in message and "--allow-disk-backed-tables" in message
+    assert not (on_disk / "engramd").exists(), "nothing is written before the refusal"
+
+    d = daemons("--checkpoint", str(checkpoint), "--allow-disk-backed-tables", shm=on_disk)
+    (backing,) = d.status().backings
+    assert backing.where == f"{on_disk} (on {fstype}, a disk: --allow-disk-backed-tables)"
+    w = Worker(checkpoint, d.socket)
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    assert "--allow-disk-backed-tables" in engramd("status", "--socket", str(d.socket)).stdout

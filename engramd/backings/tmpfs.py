@@ -34,10 +34,10 @@ from engramd_client.pb import engramd_pb2 as pb
 
 from ..checksum import digest_fd
 from ..config import DaemonConfig
-from ..errors import ShmFull
+from ..errors import ShmFull, ShmOnDisk
 from ..fdstore import FdStore
 from ..pinning import PinnedFiles
-from ..shmfs import huge_pages, usage
+from ..shmfs import huge_pages, mount_of, usage
 from ..shmroot import claim_root
 from ..units import gib
 from .base import Backing, StagedSet, Usage
@@ -51,6 +51,8 @@ FIX_SHM_SIZE = (
 )
 _SMALL_PAGE = 4096
 _HUGE_PAGE = 2 << 20
+#: Filesystems that keep a set's pages in memory, never on a disk.
+_MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
 
 
 class TmpfsBacking(Backing):
@@ -59,16 +61,19 @@ class TmpfsBacking(Backing):
     name: ClassVar[str] = "tmpfs"
     handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
 
-    def __init__(self, shm_dir: str, gid: int | None) -> None:
+    def __init__(self, shm_dir: str, gid: int | None, allow_disk: bool = False) -> None:
         self.shm_dir = shm_dir
         self._gid = gid
         self._owner = os.geteuid()
+        self._allow_disk = allow_disk
         self.page_size = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
+        #: The shm folder's filesystem where it is a disk's (accepted by the operator), else "".
+        self.disk_filesystem = ""
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> TmpfsBacking:
         """Files under `config.shm_dir`."""
-        return cls(config.shm_dir, gid)
+        return cls(config.shm_dir, gid, config.allow_disk_backed_tables)
 
     @property
     def survives_restart(self) -> bool:
@@ -76,14 +81,37 @@ class TmpfsBacking(Backing):
         return True
 
     def claim(self) -> None:
-        """Make the shm folder where missing; make or check `<shm_dir>/engramd` (shmroot)."""
+        """Make the shm folder where missing; refuse a disk's unless accepted; make or check
+        `<shm_dir>/engramd` (shmroot)."""
         Path(self.shm_dir).mkdir(parents=True, exist_ok=True)
+        fstype, _ = mount_of(self.shm_dir)
+        if fstype not in _MEMORY_FILESYSTEMS:
+            if not self._allow_disk:
+                # Tables there are written to the disk and read through the
+                # page cache, which the kernel may evict: slow loads, faults
+                # that wait on the disk, and no shared-memory guarantees.
+                raise ShmOnDisk(
+                    f"--shm-dir {self.shm_dir} is on {fstype or 'an unknown filesystem'}, not "
+                    "tmpfs or hugetlbfs: the tables would go to disk and the page cache; point "
+                    "--shm-dir at a tmpfs (/dev/shm, or mount -t tmpfs -o size=<bytes> tmpfs "
+                    "DIR), use --backing memfd, or accept it with --allow-disk-backed-tables"
+                )
+            self.disk_filesystem = fstype or "unknown"
+            log.warning(
+                "--shm-dir %s is on %s, a disk filesystem (--allow-disk-backed-tables): the "
+                "tables go to disk and are served from the page cache",
+                self.shm_dir,
+                self.disk_filesystem,
+            )
         claim_root(self.shm_dir, self._gid)
 
     def usage(self) -> Usage:
         """The tmpfs's sizes and the page size of its new files."""
         u = usage(self.shm_dir)
-        return Usage(u.dir, u.total, u.used, u.free, self.page_size)
+        where = u.dir
+        if self.disk_filesystem:
+            where += f" (on {self.disk_filesystem}, a disk: --allow-disk-backed-tables)"
+        return Usage(where, u.total, u.used, u.free, self.page_size)
 
     def check_capacity(
         self, needed: int, what: str, reclaimable: int = 0, node: int | None = None

@@ -75,20 +75,26 @@ class DaemonProcess:
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         with self.channel() as ch:
+            health = health_pb2_grpc.HealthStub(ch)
             while True:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"engramd exited with {self.proc.returncode}:\n{self.log}")
-                ready = grpc.channel_ready_future(ch)
+                # An RPC that waits for the socket, in short slices so that a
+                # daemon that exits is noticed (channel_ready_future's polling
+                # thread would outlive the channel).
                 try:
-                    ready.result(timeout=0.25)
+                    health.Check(
+                        health_pb2.HealthCheckRequest(service=""), timeout=0.25, wait_for_ready=True
+                    )
                     break
-                except grpc.FutureTimeoutError:
-                    ready.cancel()
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise RuntimeError(f"engramd answered {e.code()}:\n{self.log}") from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"engramd did not answer:\n{self.log}") from None
             if not serving:
                 return
-            stream = health_pb2_grpc.HealthStub(ch).Watch(
+            stream = health.Watch(
                 health_pb2.HealthCheckRequest(service=""),
                 timeout=max(deadline - time.monotonic(), 1),
             )
