@@ -52,6 +52,17 @@ def _from_device(pointer: int, length: int) -> bytes:
     return bytes(data)
 
 
+def _perms(address: int) -> str:
+    """The permissions /proc/self/maps shows for the mapping at `address` ("" if none)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high:
+                return perms
+    return ""
+
+
 def _attack(fds: dict[str, int], mapped: Mapped) -> dict[str, str]:
     """Try to write the daemon's allocation every way a worker holds it; what each met."""
     (fd,) = fds.values()
@@ -62,18 +73,20 @@ def _attack(fds: dict[str, int], mapped: Mapped) -> dict[str, str]:
         met["mmap_write"] = "mapped"
     except OSError as e:
         met["mmap_write"] = type(e).__name__
-    cu = cudadriver.make_current(0)
-    try:
-        cudadriver.set_access(cu, mapped.pointer, mapped.size, 0, True, writable=True)
-        met["set_access_read_write"] = "granted"
-    except DeviceError as e:
-        met["set_access_read_write"] = str(e)
+    met["perms"] = _perms(mapped.pointer)
+    # The store first: a read-write grant that follows must not let it through.
     pid = os.fork()
     if pid == 0:
         ctypes.memset(mapped.pointer, 0xFF, 1)
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     met["store"] = signal.Signals(os.WTERMSIG(status)).name if os.WIFSIGNALED(status) else "stored"
+    cu = cudadriver.make_current(0)
+    try:
+        cudadriver.set_access(cu, mapped.pointer, mapped.size, 0, True, writable=True)
+        met["set_access_read_write"] = "granted"
+    except DeviceError as e:
+        met["set_access_read_write"] = str(e)
     return met
 
 

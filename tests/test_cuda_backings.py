@@ -259,6 +259,7 @@ def test_cuda_host_hands_workers_read_only_access_only(checkpoint: Path, daemons
     attack = attacker.read()["attack"]
     assert attack["descriptor"] == "read-only"
     assert attack["mmap_write"] == "PermissionError"
+    assert attack["perms"].startswith("r-")
     assert attack["set_access_read_write"].startswith("cuMemSetAccess failed: CUDA error")
     assert attack["store"] == "SIGSEGV"  # the import's CPU view is PROT_READ
     # Every other worker still reads the checkpoint's bytes.
