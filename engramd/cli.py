@@ -288,6 +288,15 @@ def serve(
             envvar="ENGRAMD_MAX_LEASES", min=0, help="Most leases held at once (0: no limit)."
         ),
     ] = DEFAULTS.max_leases,
+    allow_writable_gpu_mappings: Annotated[
+        bool,
+        typer.Option(
+            envvar="ENGRAMD_ALLOW_WRITABLE_GPU_MAPPINGS",
+            help="Hand writable descriptors of tmpfs sets to workers whose GPU cannot "
+            "register read-only memory: any such worker could change the one copy every "
+            "worker reads (engramd verify finds it). Off: they load privately.",
+        ),
+    ] = DEFAULTS.allow_writable_gpu_mappings,
     log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
     log_json: Annotated[
         bool, typer.Option(envvar="ENGRAMD_LOG_JSON", help="One JSON object per log line.")
@@ -325,6 +334,7 @@ def serve(
         sweep_interval_s=values["sweep_interval"],
         adopt_grace_s=values["adopt_grace"],
         max_leases=values["max_leases"],
+        allow_writable_gpu_mappings=values["allow_writable_gpu_mappings"],
     )
     try:
         asyncio.run(run(daemon_config))

@@ -66,3 +66,7 @@ class DaemonConfig:
     adopt_grace_s: float = 30.0
     #: Most leases held at once, all sets together; 0 for no limit.
     max_leases: int = 4096
+    #: Workers whose GPU cannot register read-only memory get writable descriptors of
+    #: tmpfs/hugetlbfs sets (registered with flags 0): any of them could then change the
+    #: one copy every worker reads (`engramd verify` finds it). Off: they go private.
+    allow_writable_gpu_mappings: bool = False

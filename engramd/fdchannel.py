@@ -230,7 +230,8 @@ class FdChannel:
         if nspid:
             lease.pid, lease.pid_start = peer.pid, start_ticks(peer.pid)
         try:
-            return ts.backing.descriptors(ts.manifest)
+            writable = lease.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
+            return ts.backing.descriptors(ts.manifest, writable)
         except NotOwned as e:
             raise Refused(
                 f"set {ts.set_id} in the shm folder is not engramd's own ({e}): refusing to "

@@ -151,6 +151,12 @@ class EngramdServer:
             ", ".join(f"{b.name} {b.usage().where}" for b in self.store.backings),
             os.getpid(),
         )
+        if self.config.allow_writable_gpu_mappings:
+            log.warning(
+                "--allow-writable-gpu-mappings: workers whose GPU cannot register read-only "
+                "memory get writable descriptors of tmpfs/hugetlbfs sets, and any of them could "
+                "change the one copy every worker reads; `engramd verify` finds such writes"
+            )
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._watch_ready()), loop.create_task(self._sweep())]
 

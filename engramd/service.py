@@ -65,7 +65,8 @@ class TableService(pb_grpc.TableServiceServicer):
             if ts.error is not None:
                 raise ts.error
             kind = self._handle_kind(request, [ts.backing])
-            lease = self._store.add_lease(ts, request, kind)
+            route = self._gpu_route(request, ts.backing, kind)
+            lease = self._store.add_lease(ts, request, kind, route)
         except Exception as e:
             self._store.stats.attach(ok=False)
             await abort(context, e)
@@ -98,6 +99,32 @@ class TableService(pb_grpc.TableServiceServicer):
             f"this daemon's {'/'.join(b.name for b in backings)} sets are handed out as "
             f"{names}; the request accepts none of them (upgrade the worker's engramd_client)"
         )
+
+    def _gpu_route(self, request: pb.AttachRequest, backing: Backing, kind: int) -> int:
+        """How the worker will read the set on its device, as the daemon allows it."""
+        if not request.device:
+            return pb.GPU_ROUTE_UNSPECIFIED
+        if kind in CUDA_KINDS:
+            return pb.GPU_ROUTE_CUMEM_IMPORT
+        if request.gpu_route in (pb.GPU_ROUTE_REGISTER_READ_ONLY, pb.GPU_ROUTE_HOST_PAGE_TABLES):
+            return request.gpu_route
+        if (
+            request.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
+            and self._config.allow_writable_gpu_mappings
+            and kind == pb.HANDLE_KIND_FD
+            and backing.writable_descriptors
+        ):
+            log.warning(
+                "pid %d (%s) gets writable descriptors of set %s: its GPU cannot register "
+                "read-only memory (--allow-writable-gpu-mappings); `engramd verify %s` finds "
+                "any write",
+                request.pid,
+                request.device,
+                request.set_id,
+                request.set_id,
+            )
+            return pb.GPU_ROUTE_REGISTER_WRITABLE
+        return pb.GPU_ROUTE_UNSPECIFIED
 
     async def _resolve(self, request: pb.AttachRequest) -> TableSet:
         node = self._store.copy_node_for(
@@ -140,6 +167,7 @@ class TableService(pb_grpc.TableServiceServicer):
             lease_id=lease.lease_id,
             sources=source_files(ts.manifest),
             tensors=handles,
+            gpu_route=lease.gpu_route,  # type: ignore[arg-type]
         )
         if kind in (pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM):
             attachment.fd_channel.socket = self._config.fd_socket
@@ -185,7 +213,11 @@ class TableService(pb_grpc.TableServiceServicer):
     def status(self) -> pb.StatusReply:
         """The status reply, built from the store (on the event loop)."""
         return status_reply(
-            self._store, self._config.socket, time.monotonic() - self._started, self._ready()
+            self._store,
+            self._config.socket,
+            time.monotonic() - self._started,
+            self._ready(),
+            self._config.allow_writable_gpu_mappings,
         )
 
 
@@ -202,6 +234,8 @@ def _validate(request: pb.AttachRequest) -> None:
         raise InvalidRequest("nonce is not 32 hex digits")
     if not _DEVICE.match(request.device):
         raise InvalidRequest("device is not cuda:N (or empty)")
+    if request.gpu_route not in pb.GpuRoute.values():
+        raise InvalidRequest(f"gpu_route {request.gpu_route} is not an engramd.v1.GpuRoute")
     if len(request.labels) > _MAX_LABELS or not all(
         _LABEL_KEY.match(k) and _LABEL_VALUE.match(v) for k, v in request.labels.items()
     ):

@@ -101,6 +101,14 @@ _KIND = {
     pb.HANDLE_KIND_CUMEM: "cumem",
     pb.HANDLE_KIND_CUMEM_FABRIC: "fabric",
 }
+#: How a lease's worker reads the set on its device, after the device's name.
+_ROUTE = {
+    pb.GPU_ROUTE_UNSPECIFIED: "",
+    pb.GPU_ROUTE_CUMEM_IMPORT: " cumem import",
+    pb.GPU_ROUTE_REGISTER_READ_ONLY: " registered read-only",
+    pb.GPU_ROUTE_HOST_PAGE_TABLES: " host page tables",
+    pb.GPU_ROUTE_REGISTER_WRITABLE: " registered writable!",
+}
 
 
 def _sets(reply: pb.StatusReply) -> Table:
@@ -149,7 +157,7 @@ def _leases(reply: pb.StatusReply) -> Table:
                 lease.lease_id,
                 str(lease.pid),
                 _KIND.get(lease.kind, "?"),
-                lease.device or "cpu",
+                lease.device + _ROUTE[lease.gpu_route] if lease.device else "cpu",
                 Text(escape(labels)),
                 Text(marks, style="yellow"),
             )
@@ -179,6 +187,15 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
         ),
         _backings(reply),
     ]
+    if d.writable_gpu_mappings:
+        parts.append(
+            Text(
+                "--allow-writable-gpu-mappings: workers whose GPU cannot register read-only "
+                "memory map tmpfs sets writable (leases marked 'writable!'), and any of them "
+                "could change the one copy every worker reads; `engramd verify SET` finds it",
+                style="yellow",
+            )
+        )
     for asked, reason, instead in _stand_ins(reply):
         parts.append(
             Text(

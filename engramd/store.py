@@ -102,6 +102,8 @@ class Lease:
     kind: int = pb.HANDLE_KIND_SHM
     #: The CUDA device the worker registers the set for ("cuda:N"), or "".
     device: str = ""
+    #: How the worker reads the set on that device (engramd.v1.GpuRoute).
+    gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED
     #: One-time secret for the fd channel; "" once used.
     fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     started: float = field(default_factory=time.monotonic)
@@ -547,7 +549,13 @@ class SetStore:
 
     # -- leases ---------------------------------------------------------------
 
-    def add_lease(self, ts: TableSet, request: pb.AttachRequest, kind: int) -> Lease:
+    def add_lease(
+        self,
+        ts: TableSet,
+        request: pb.AttachRequest,
+        kind: int,
+        gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED,
+    ) -> Lease:
         """Record a worker attached to a ready set, mapping it by handles of `kind`."""
         if not self.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
@@ -572,6 +580,7 @@ class SetStore:
             ),
             kind=kind,
             device=request.device,
+            gpu_route=gpu_route,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()

@@ -68,6 +68,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 pid_verified=lease.pid_start is not None,
                 kind=lease.kind,  # type: ignore[arg-type]
                 device=lease.device,
+                gpu_route=lease.gpu_route,  # type: ignore[arg-type]
             )
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],
@@ -78,14 +79,21 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
     )
 
 
-def status_reply(store: SetStore, socket: str, uptime_s: float, ready: bool) -> pb.StatusReply:
+def status_reply(
+    store: SetStore, socket: str, uptime_s: float, ready: bool, writable_gpu_mappings: bool = False
+) -> pb.StatusReply:
     """What the node holds."""
     usages = [(b, b.usage()) for b in store.backings]
     u = usages[0][1]
     now = time.monotonic()
     return pb.StatusReply(
         daemon=pb.DaemonInfo(
-            version=__version__, pid=os.getpid(), uptime_s=uptime_s, socket=socket, ready=ready
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=uptime_s,
+            socket=socket,
+            ready=ready,
+            writable_gpu_mappings=writable_gpu_mappings,
         ),
         shm=pb.ShmInfo(
             dir=u.where,

@@ -49,8 +49,9 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
             "pid_verified": True,
             # It collected its descriptors on the fd channel.
             "kind": "HANDLE_KIND_FD",
-            # It asked for no CUDA device.
+            # It asked for no CUDA device, so it reads the set on none.
             "device": "",
+            "gpu_route": "GPU_ROUTE_UNSPECIFIED",
             "stale": False,
         }
     ]

@@ -55,9 +55,9 @@ FAKE_DRIVER = {
 PROBE = Path(__file__).parent / "cumem_probe.py"
 
 
-def _probe(d: Any, set_id: str) -> JsonLinesChild:
+def _probe(d: Any, set_id: str, *extra: str) -> JsonLinesChild:
     """tests/cumem_probe.py attaching to `set_id` by cuMem handle, over the simulated driver."""
-    command = [sys.executable, str(PROBE), str(d.socket), set_id]
+    command = [sys.executable, str(PROBE), str(d.socket), set_id, *extra]
     return JsonLinesChild(command, env={**os.environ, **FAKE_DRIVER})
 
 
@@ -248,3 +248,77 @@ def test_cuda_device_copies_its_set_to_the_device_and_back_over_a_simulated_driv
     probe.proc.stdin.close()
     assert probe.proc.wait(timeout=30) == 0
     assert "Traceback" not in d.log
+
+
+@needs_no_driver
+def test_cuda_host_hands_workers_read_only_access_only(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=FAKE_DRIVER)
+    [s] = d.status().sets
+    attacker = _probe(d, s.set_id, "attack")
+    assert attacker.read()["digests"] == reference_digests(checkpoint)
+    attack = attacker.read()["attack"]
+    assert attack["descriptor"] == "read-only"
+    assert attack["mmap_write"] == "PermissionError"
+    assert attack["perms"].startswith("r-")
+    assert attack["set_access_read_write"].startswith("cuMemSetAccess failed: CUDA error")
+    assert attack["store"] == "SIGSEGV"  # the import's CPU view is PROT_READ
+    # Every other worker still reads the checkpoint's bytes.
+    checked = engramd("verify", s.set_id, "--socket", str(d.socket))
+    assert checked.returncode == 0 and "all 4 tensors match" in checked.stdout
+    reader = _probe(d, s.set_id)
+    assert reader.read()["digests"] == reference_digests(checkpoint)
+    for p in (attacker, reader):
+        assert p.proc.stdin is not None
+        p.proc.stdin.close()
+        assert p.proc.wait(timeout=30) == 0
+
+
+@needs_no_driver
+def test_a_driver_that_crashes_in_cumemcreate_is_tried_in_a_child_and_tmpfs_stands_in(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    env = {**FAKE_DRIVER, "FAKE_CUDA_FAULTS": "crash-in-cumemcreate"}
+    d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=env)
+    status = d.status()
+    assert [b.name for b in status.backings] == ["tmpfs", "memfd"]
+    reason = status.backings[0].reason
+    assert reason.startswith("a trial cuMem allocation on host NUMA node 0 crashed the process")
+    assert "SIGSEGV" in reason and "r595" in reason
+    assert f"--backing cuda-host cannot be used here: {reason}" in render(status)
+    [s] = status.sets
+    assert (s.backing, s.state) == ("tmpfs", "ready")
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["digests"] == reference_digests(checkpoint)
+
+
+@needs_no_driver
+def test_read_only_cpu_access_refused_keeps_the_daemons_mapping_read_write_and_says_so(
+    checkpoint: Path, daemons: Any
+) -> None:
+    env = {**FAKE_DRIVER, "FAKE_CUDA_FAULTS": "no-read-only-cpu"}
+    d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=env)
+    [b] = d.status().backings
+    assert (b.name, b.stands_in_for) == ("cuda-host", "")
+    assert "the driver refuses read-only CPU access to host memory" in d.log
+    [s] = d.status().sets
+    assert s.state == "ready"
+    checked = engramd("verify", s.set_id, "--socket", str(d.socket))
+    assert checked.returncode == 0 and "all 4 tensors match" in checked.stdout
+
+
+def test_fabric_handles_go_to_the_real_bindings_as_an_address() -> None:
+    from cuda.bindings import driver as cu
+
+    fabric = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_FABRIC
+    # The structure itself is refused by cuda-bindings 13: mapped to DeviceError naming the call.
+    with pytest.raises(DeviceError, match=r"^import \(fabric\) failed: TypeError: .*Buffer"):
+        cudadriver.call(
+            "import (fabric)", cu.cuMemImportFromShareableHandle, cu.CUmemFabricHandle(), fabric
+        )
+    # Its address is taken: what is left to fail here is the missing driver, not the argument.
+    with pytest.raises(DeviceError, match=r"cuMemImportFromShareableHandle \(fabric\)") as e:
+        cudadriver.import_handle(cu, None, bytes(range(64)))
+    assert "Buffer Protocol" not in str(e.value)
+    if NO_DRIVER is not None:
+        assert "TypeError" not in str(e.value)

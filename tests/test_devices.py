@@ -9,13 +9,17 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
+from test_cli import engramd
 
+from engramd.demo.child import JsonLinesChild
 from engramd.status_view import render
 from engramd_client import ClientConfig, DeviceError, attach
 from engramd_client.cuda import (
@@ -28,9 +32,10 @@ from engramd_client.cuda import (
     register_flags,
 )
 from engramd_client.cumem import tensor_at
+from engramd_client.errors import NoGpuRoute
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from helpers import attach_error
+from helpers import attach_error, reference_digests
 
 GiB = 1 << 30
 
@@ -129,3 +134,135 @@ def test_status_shows_the_device_a_lease_registered_for(checkpoint: Path, daemon
             assert "cuda:1" in render(reply)
         finally:
             call.cancel()
+
+
+#: The simulated driver and runtime (tests/fake_cuda) first on a child's PYTHONPATH.
+FAKE_CUDA = Path(__file__).parent / "fake_cuda"
+ROUTE_PROBE = Path(__file__).parent / "route_probe.py"
+
+
+def _route(checkpoint: Path, d: Any, share: str, faults: str) -> JsonLinesChild:
+    """tests/route_probe.py: attach(device="cuda:0") over the simulated driver with `faults`."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(FAKE_CUDA), os.environ.get("PYTHONPATH", "")]),
+        "FAKE_CUDA_FAULTS": faults,
+    }
+    command = [sys.executable, str(ROUTE_PROBE), str(checkpoint), str(d.socket), share]
+    return JsonLinesChild(command, env=env, stderr=subprocess.PIPE)
+
+
+def _done(child: JsonLinesChild) -> str:
+    """Close the child's stdin, wait for it to exit 0; its stderr."""
+    assert child.proc.stdin is not None
+    child.proc.stdin.close()
+    assert child.proc.wait(timeout=60) == 0
+    assert child.proc.stderr is not None
+    return child.proc.stderr.read()
+
+
+def _lease_routes(d: Any) -> list[str]:
+    return [pb.GpuRoute.Name(lease.gpu_route) for s in d.status().sets for lease in s.leases]
+
+
+def test_a_device_that_registers_read_only_memory_registers_the_shared_mapping(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    child = _route(checkpoint, d, "on", "")
+    got = child.read()
+    assert (got["mode"], got["gpu_route"], got["aliases"]) == (
+        "shared",
+        "registered-read-only",
+        True,
+    )
+    flags = HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE | HOST_REGISTER_READ_ONLY
+    assert got["registered"] == [flags] * 4
+    assert got["digests"] == reference_digests(checkpoint)
+    assert _lease_routes(d) == ["GPU_ROUTE_REGISTER_READ_ONLY"]
+    assert "cuda:0 registered read-only" in render(d.status())
+    _done(child)
+
+
+def test_without_read_only_registration_auto_goes_private_and_strict_refuses(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    auto = _route(checkpoint, d, "auto", "no-read-only-register")
+    got = auto.read()
+    assert (got["mode"], got["gpu_route"]) == ("private", "private-registered")
+    # A private copy is this process's writable memory: registered without the read-only flag.
+    assert got["registered"] == [HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE] * 4
+    assert got["digests"] == reference_digests(checkpoint)
+    warned = _done(auto)
+    assert warned.count("cannot register read-only host memory") == 1
+    assert "--backing cuda-host" in warned and "--allow-writable-gpu-mappings" in warned
+
+    strict = _route(checkpoint, d, "on", "no-read-only-register")
+    refused = strict.read()
+    assert refused["error"] == "NoGpuRoute"
+    assert "cudaDevAttrHostRegisterReadOnlySupported is 0" in refused["message"]
+    assert issubclass(NoGpuRoute, DeviceError)
+    _done(strict)
+    assert _lease_routes(d) == []
+
+
+def test_a_device_on_host_page_tables_reads_the_mapping_unregistered(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    child = _route(checkpoint, d, "on", "no-read-only-register,host-page-tables")
+    got = child.read()
+    assert (got["mode"], got["gpu_route"], got["registered"]) == (
+        "shared",
+        "host-page-tables",
+        [],
+    )
+    assert got["aliases"] and got["digests"] == reference_digests(checkpoint)
+    assert _lease_routes(d) == ["GPU_ROUTE_HOST_PAGE_TABLES"]
+    _done(child)
+
+
+def test_the_opted_in_writable_mapping_is_registered_shown_and_caught_by_verify(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint), "--allow-writable-gpu-mappings")
+    assert "--allow-writable-gpu-mappings: workers whose GPU cannot register" in d.log
+    child = _route(checkpoint, d, "on", "no-read-only-register")
+    got = child.read()
+    assert "error" not in got, got
+    assert (got["mode"], got["gpu_route"], got["aliases"]) == (
+        "shared",
+        "registered-writable",
+        True,
+    )
+    assert got["registered"] == [HOST_REGISTER_MAPPED | HOST_REGISTER_PORTABLE] * 4
+    assert got["digests"] == reference_digests(checkpoint)
+    status = d.status()
+    assert status.daemon.writable_gpu_mappings
+    assert _lease_routes(d) == ["GPU_ROUTE_REGISTER_WRITABLE"]
+    text = render(status)
+    assert "cuda:0 registered writable!" in text and "could change the one copy" in text
+    assert "gets writable descriptors of set" in d.log
+
+    # The cost the flag names: the worker can change the one copy, and verify finds it.
+    child.send("write")
+    written = child.read()["wrote"]
+    set_id = status.sets[0].set_id
+    checked = engramd("verify", set_id, "--socket", str(d.socket))
+    assert checked.returncode != 0 and written in checked.stdout + checked.stderr
+    _done(child)
+
+
+def test_without_read_only_registration_a_cuda_host_set_is_imported(
+    checkpoint: Path, daemons: Any
+) -> None:
+    env = {"PYTHONPATH": str(FAKE_CUDA), "FAKE_CUDA_FAULTS": "no-read-only-register"}
+    d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=env)
+    child = _route(checkpoint, d, "on", "no-read-only-register")
+    got = child.read()
+    assert (got["mode"], got["gpu_route"], got["registered"]) == ("shared", "cumem-import", [])
+    assert got["digests"] == reference_digests(checkpoint)
+    assert _lease_routes(d) == ["GPU_ROUTE_CUMEM_IMPORT"]
+    assert "cuda:0 cumem import" in render(d.status())
+    _done(child)

@@ -11,6 +11,12 @@ exactly its size) is registered in place with cudaHostRegister:
   it), and read-only for a shared mapping (PROT_READ pages cannot be pinned
   for writing; the device attribute HostRegisterReadOnlySupported says
   whether the driver can);
+- the route is decided before the attach by what the device says
+  (device_caps): read-only registration where supported; else reads
+  through the host's page tables where the device uses them (nothing is
+  registered); else the daemon's cuMem set if it serves one, a writable
+  shared mapping registered with flags 0 where the daemon allows it
+  (--allow-writable-gpu-mappings), or a private copy (share.py decides);
 - in chunks of at most REGISTER_CHUNK bytes: drivers refuse very large
   single registrations;
 - the device view is made at the pointer the driver returns
@@ -32,9 +38,10 @@ from typing import Any
 
 import torch
 
-from .cudadriver import bindings, check
+from .cudadriver import bindings, call
 from .cumem import tensor_at
 from .errors import DeviceError
+from .pb import engramd_pb2 as pb
 
 #: The most bytes one cudaHostRegister call is given (vLLM met a 512 GiB cap).
 REGISTER_CHUNK = 64 << 30
@@ -45,6 +52,16 @@ PAGE = 4096
 HOST_REGISTER_PORTABLE = 0x01
 HOST_REGISTER_MAPPED = 0x02
 HOST_REGISTER_READ_ONLY = 0x08
+
+#: How a worker's device reads its tables (Tables.gpu_route), by the daemon's name for it.
+ROUTES: dict[int, str] = {
+    pb.GPU_ROUTE_CUMEM_IMPORT: "cumem-import",
+    pb.GPU_ROUTE_REGISTER_READ_ONLY: "registered-read-only",
+    pb.GPU_ROUTE_HOST_PAGE_TABLES: "host-page-tables",
+    pb.GPU_ROUTE_REGISTER_WRITABLE: "registered-writable",
+}
+#: A private copy of the tables, registered (writable: it is this process's memory).
+PRIVATE_ROUTE = "private-registered"
 
 FIX_CUDA = (
     "install a CUDA build of torch and engramd's CUDA extra (pip install 'engramd[cuda]'), "
@@ -125,26 +142,69 @@ class Registration:
         """Unregister the chunks; the device view must not be used after."""
         rt = _runtime()
         for start, _ in self.chunks:
-            check(rt.cudaHostUnregister(start), "cudaHostUnregister")
+            call("cudaHostUnregister", rt.cudaHostUnregister, start)
         self.chunks = []
 
 
 def _attribute(rt: Any, name: str, index: int) -> int:
-    value = check(
-        rt.cudaDeviceGetAttribute(getattr(rt.cudaDeviceAttr, name), index),
-        f"cudaDeviceGetAttribute({name})",
+    attr = getattr(rt.cudaDeviceAttr, name, None)
+    if attr is None:  # a runtime older than the attribute: the device cannot say yes
+        return 0
+    return int(call(f"cudaDeviceGetAttribute({name})", rt.cudaDeviceGetAttribute, attr, index))
+
+
+@dataclass(frozen=True)
+class DeviceCaps:
+    """What a device says about reading host memory it did not allocate."""
+
+    #: cudaDevAttrHostRegisterReadOnlySupported: read-only mappings can be registered.
+    read_only_register: bool
+    #: cudaDevAttrPageableMemoryAccessUsesHostPageTables: the device reads any host
+    #: memory through the CPU's page tables (ATS), read-only mappings included.
+    host_page_tables: bool
+
+    def route(self) -> int:
+        """The route (engramd.v1.GpuRoute) for a read-only shared mapping on this device.
+
+        GPU_ROUTE_REGISTER_WRITABLE: neither works, so the worker asks the daemon
+        for writable descriptors (granted only with --allow-writable-gpu-mappings).
+        """
+        if self.read_only_register:
+            return pb.GPU_ROUTE_REGISTER_READ_ONLY
+        if self.host_page_tables:
+            return pb.GPU_ROUTE_HOST_PAGE_TABLES
+        return pb.GPU_ROUTE_REGISTER_WRITABLE
+
+
+def device_caps(index: int) -> DeviceCaps:
+    """Read device `index`'s answers before anything is registered (DeviceError on failure)."""
+    rt = _runtime()
+    return DeviceCaps(
+        read_only_register=bool(_attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index)),
+        host_page_tables=bool(
+            _attribute(rt, "cudaDevAttrPageableMemoryAccessUsesHostPageTables", index)
+        ),
     )
-    return int(value)
 
 
-def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
-    """Register a CPU tensor's pages in place for device `index`; its view there, no copy."""
+def register(tensor: torch.Tensor, index: int, route: str) -> Registration:
+    """A CPU tensor's pages made readable by device `index` in place, by `route`; no copy.
+
+    registered-read-only: cudaHostRegister with the read-only flag (the
+    worker's read-only mapping); registered-writable and private-registered:
+    flags 0 beyond mapped and portable (a writable mapping); host-page-tables:
+    nothing is registered, the device reads the pages at their address.
+    """
     rt = _runtime()
     device = torch.device("cuda", index)
     length = tensor.numel() * tensor.element_size()
     if length == 0:
         return Registration([], tensor_at(0, 0, tensor.dtype, tuple(tensor.shape), device))
-    check(rt.cudaSetDevice(index), f"cudaSetDevice({index})")
+    call(f"cudaSetDevice({index})", rt.cudaSetDevice, index)
+    if route == ROUTES[pb.GPU_ROUTE_HOST_PAGE_TABLES]:
+        view = tensor_at(tensor.data_ptr(), length, tensor.dtype, tuple(tensor.shape), device)
+        return Registration([], view)
+    read_only = route == ROUTES[pb.GPU_ROUTE_REGISTER_READ_ONLY]
     if read_only and not _attribute(rt, "cudaDevAttrHostRegisterReadOnlySupported", index):
         raise DeviceError(
             f"cuda:{index} cannot register read-only host memory (a driver or device without "
@@ -162,15 +222,18 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
     registration = Registration([], tensor)
     try:
         for start, size in planned:
-            check(
-                rt.cudaHostRegister(start, size, register_flags(read_only)),
+            call(
                 f"cudaHostRegister of {size} bytes on cuda:{index}",
+                rt.cudaHostRegister,
+                start,
+                size,
+                register_flags(read_only),
             )
             registration.chunks.append((start, size))
         pointer = tensor.data_ptr()
         if not uses_host_pointer:
-            pointer = check(
-                rt.cudaHostGetDevicePointer(tensor.data_ptr(), 0), "cudaHostGetDevicePointer"
+            pointer = call(
+                "cudaHostGetDevicePointer", rt.cudaHostGetDevicePointer, tensor.data_ptr(), 0
             )
     except BaseException:
         registration.release()
@@ -180,13 +243,13 @@ def register(tensor: torch.Tensor, index: int, read_only: bool) -> Registration:
 
 
 def register_all(
-    tensors: dict[str, torch.Tensor], index: int, read_only: bool
+    tensors: dict[str, torch.Tensor], index: int, route: str
 ) -> dict[str, Registration]:
     """Every tensor registered for device `index`; nothing stays registered on failure."""
     done: dict[str, Registration] = {}
     try:
         for name, tensor in tensors.items():
-            done[name] = register(tensor, index, read_only)
+            done[name] = register(tensor, index, route)
     except BaseException:
         for registration in done.values():
             registration.release()

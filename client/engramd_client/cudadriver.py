@@ -8,10 +8,12 @@ engramd[cuda]`), imported only when a CUDA backing or handle is used.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import importlib
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,8 @@ def driver() -> Any:
         (err,) = module.cuInit(0)
     except RuntimeError as e:  # cuda-bindings' DynamicLibNotFoundError: no libcuda
         raise DeviceError(f"no CUDA driver on this machine ({e})") from None
+    except BINDING_ERRORS as e:
+        raise DeviceError(f"cuInit failed: {type(e).__name__}: {e}") from None
     if int(err):
         raise DeviceError(f"cuInit failed: CUDA error {int(err)} ({err!r}); no usable GPU")
     return module
@@ -66,17 +70,41 @@ def check(result: tuple[Any, ...], what: str) -> Any:
     return values[0] if len(values) == 1 else tuple(values)
 
 
+#: What cuda-bindings raises instead of returning an error: an argument of the wrong
+#: type or value (TypeError, ValueError, OverflowError: a binding that changed its
+#: signature), or RuntimeError (its DynamicLibNotFoundError: no libcuda).
+BINDING_ERRORS = (TypeError, ValueError, OverflowError, RuntimeError)
+
+
+def call(what: str, function: Callable[..., tuple[Any, ...]], *args: Any) -> Any:
+    """`function(*args)` checked: DeviceError naming `what` on a CUDA error or a binding's raise."""
+    try:
+        result = function(*args)
+    except BINDING_ERRORS as e:
+        raise DeviceError(f"{what} failed: {type(e).__name__}: {e}") from None
+    return check(result, what)
+
+
+@contextlib.contextmanager
+def building(what: str) -> Iterator[None]:
+    """Map a binding's raise while filling one of its structures to DeviceError naming it."""
+    try:
+        yield
+    except BINDING_ERRORS as e:
+        raise DeviceError(f"{what}: {type(e).__name__}: {e}") from None
+
+
 def make_current(index: int) -> Any:
     """Make device `index`'s primary context current on this thread; the driver module."""
     cu = driver()
     with _lock:
         ctx = _contexts.get(index)
         if ctx is None:
-            device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
-            ctx = _contexts[index] = check(
-                cu.cuDevicePrimaryCtxRetain(device), f"cuDevicePrimaryCtxRetain({index})"
+            device = call(f"cuDeviceGet({index})", cu.cuDeviceGet, index)
+            ctx = _contexts[index] = call(
+                f"cuDevicePrimaryCtxRetain({index})", cu.cuDevicePrimaryCtxRetain, device
             )
-    check(cu.cuCtxSetCurrent(ctx), f"cuCtxSetCurrent({index})")
+    call(f"cuCtxSetCurrent({index})", cu.cuCtxSetCurrent, ctx)
     return cu
 
 
@@ -85,20 +113,20 @@ def attribute(cu: Any, name: str, index: int) -> int:
     attr = getattr(cu.CUdevice_attribute, f"CU_DEVICE_ATTRIBUTE_{name}", None)
     if attr is None:
         return 0
-    device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
-    return int(check(cu.cuDeviceGetAttribute(attr, device), f"cuDeviceGetAttribute({name})"))
+    device = call(f"cuDeviceGet({index})", cu.cuDeviceGet, index)
+    return int(call(f"cuDeviceGetAttribute({name})", cu.cuDeviceGetAttribute, attr, device))
 
 
 def device_uuid(cu: Any, index: int) -> str:
     """Device `index`'s UUID as nvidia-smi prints it (GPU-xxxxxxxx-...)."""
-    device = check(cu.cuDeviceGet(index), f"cuDeviceGet({index})")
-    raw = bytes(check(cu.cuDeviceGetUuid(device), "cuDeviceGetUuid").bytes).hex()
+    device = call(f"cuDeviceGet({index})", cu.cuDeviceGet, index)
+    raw = bytes(call("cuDeviceGetUuid", cu.cuDeviceGetUuid, device).bytes).hex()
     return f"GPU-{raw[:8]}-{raw[8:12]}-{raw[12:16]}-{raw[16:20]}-{raw[20:32]}"
 
 
 def device_index(cu: Any, uuid: str) -> int | None:
     """The ordinal this process gives the GPU with `uuid`, or None where it does not see it."""
-    for index in range(int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))):
+    for index in range(int(call("cuDeviceGetCount", cu.cuDeviceGetCount))):
         if device_uuid(cu, index) == uuid:
             return index
     return None
@@ -106,53 +134,85 @@ def device_index(cu: Any, uuid: str) -> int | None:
 
 def location(cu: Any, host_numa: int | None, device: int | None) -> Any:
     """A CUmemLocation: host memory on NUMA node `host_numa`, or device `device`."""
-    where = cu.CUmemLocation()
-    if host_numa is not None:
-        where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
-        where.id = host_numa
-    else:
-        where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        where.id = device or 0
-    return where
+    with building("CUmemLocation"):
+        where = cu.CUmemLocation()
+        if host_numa is not None:
+            where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA
+            where.id = host_numa
+        else:
+            where.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            where.id = device or 0
+        return where
 
 
 def allocation_prop(cu: Any, host_numa: int | None, device: int | None, fabric: bool) -> Any:
-    """Pinned memory at the location, exportable as a POSIX fd (and a FABRIC handle)."""
-    prop = cu.CUmemAllocationProp()
-    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    prop.location = location(cu, host_numa, device)
-    types = cu.CUmemAllocationHandleType
-    prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-    if fabric:
-        # Both types at once: a mask the binding's enum field cannot hold.
-        mask = int(types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) | int(
-            types.CU_MEM_HANDLE_TYPE_FABRIC
-        )
-        ctypes.c_int.from_address(prop.getPtr() + _HANDLE_TYPES_OFFSET).value = mask
-    return prop
+    """Pinned memory at the location, exportable as a POSIX fd (and a FABRIC handle).
+
+    Never read `requestedHandleTypes` back: with both types set, cuda-bindings
+    raises ValueError (9 is no CUmemAllocationHandleType), so neither this
+    code nor a log line may touch it (a repr of the structure included).
+    """
+    where = location(cu, host_numa, device)
+    with building("CUmemAllocationProp"):
+        prop = cu.CUmemAllocationProp()
+        prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        prop.location = where
+        types = cu.CUmemAllocationHandleType
+        prop.requestedHandleTypes = types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        if fabric:
+            # Both types at once: a mask the binding's enum field cannot hold.
+            mask = int(types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) | int(
+                types.CU_MEM_HANDLE_TYPE_FABRIC
+            )
+            ctypes.c_int.from_address(prop.getPtr() + _HANDLE_TYPES_OFFSET).value = mask
+        return prop
 
 
 def granularity(cu: Any, prop: Any) -> int:
     """The recommended size and alignment of allocations with `prop`."""
     flag = cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
-    return int(check(cu.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
+    return int(call("cuMemGetAllocationGranularity", cu.cuMemGetAllocationGranularity, prop, flag))
 
 
 def access(cu: Any, device: int, cpu: bool, writable: bool = False) -> list[Any]:
     """Access descriptors: device `device` reads (writes), and the CPU too where `cpu`."""
-    flags = cu.CUmemAccess_flags
-    flag = (
-        flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        if writable
-        else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
-    )
-    descs = []
-    for where in [location(cu, None, device), *([location(cu, 0, None)] if cpu else [])]:
-        desc = cu.CUmemAccessDesc()
-        desc.location = where
-        desc.flags = flag
-        descs.append(desc)
-    return descs
+    places = [location(cu, None, device), *([location(cu, 0, None)] if cpu else [])]
+    with building("CUmemAccessDesc"):
+        flags = cu.CUmemAccess_flags
+        flag = (
+            flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+            if writable
+            else flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+        )
+        descs = []
+        for where in places:
+            desc = cu.CUmemAccessDesc()
+            desc.location = where
+            desc.flags = flag
+            descs.append(desc)
+        return descs
+
+
+def set_access(cu: Any, pointer: int, size: int, device: int, cpu: bool, writable: bool) -> bool:
+    """Grant device `device` (and the CPU, where `cpu`) read, or read and write, access.
+
+    Read-only CPU access to host memory has no public production use, and a
+    driver may refuse it: then read and write are granted instead, and the
+    answer is False (the caller says so). True: what was asked is granted.
+    """
+    descs = access(cu, device, cpu, writable)
+    try:
+        call("cuMemSetAccess", cu.cuMemSetAccess, pointer, size, descs, len(descs))
+        return True
+    except DeviceError as refused:
+        if writable or not cpu:
+            raise
+        descs = access(cu, device, cpu, writable=True)
+        try:
+            call("cuMemSetAccess", cu.cuMemSetAccess, pointer, size, descs, len(descs))
+        except DeviceError:
+            raise refused from None
+        return False
 
 
 @dataclass
@@ -166,6 +226,8 @@ class Mapped:
     device: int
     #: The mapping is readable by the CPU (host memory).
     cpu: bool
+    #: Only reads are granted (False: the driver refused read-only CPU access, see set_access).
+    read_only: bool = False
     _steps: list[str] = field(default_factory=list)
 
     def release(self) -> None:
@@ -175,11 +237,11 @@ class Mapped:
             return
         cu = make_current(self.device)
         if "mapped" in steps:
-            check(cu.cuMemUnmap(self.pointer, self.size), "cuMemUnmap")
+            call("cuMemUnmap", cu.cuMemUnmap, self.pointer, self.size)
         if "reserved" in steps:
-            check(cu.cuMemAddressFree(self.pointer, self.size), "cuMemAddressFree")
+            call("cuMemAddressFree", cu.cuMemAddressFree, self.pointer, self.size)
         if "handle" in steps:
-            check(cu.cuMemRelease(self.handle), "cuMemRelease")
+            call("cuMemRelease", cu.cuMemRelease, self.handle)
 
 
 def map_handle(
@@ -189,16 +251,14 @@ def map_handle(
 
     Takes ownership of `handle`: it is released on failure, and by `release`.
     """
-    mapped = Mapped(handle, 0, size, device, cpu, ["handle"])
+    mapped = Mapped(handle, 0, size, device, cpu, _steps=["handle"])
     try:
-        mapped.pointer = int(
-            check(cu.cuMemAddressReserve(size, align, 0, 0), "cuMemAddressReserve")
-        )
+        mapped.pointer = int(call("cuMemAddressReserve", cu.cuMemAddressReserve, size, align, 0, 0))
         mapped._steps.append("reserved")
-        check(cu.cuMemMap(mapped.pointer, size, 0, handle, 0), f"cuMemMap of {size} bytes")
+        call(f"cuMemMap of {size} bytes", cu.cuMemMap, mapped.pointer, size, 0, handle, 0)
         mapped._steps.append("mapped")
-        descs = access(cu, device, cpu, writable)
-        check(cu.cuMemSetAccess(mapped.pointer, size, descs, len(descs)), "cuMemSetAccess")
+        granted = set_access(cu, mapped.pointer, size, device, cpu, writable)
+        mapped.read_only = granted and not writable
     except BaseException:
         mapped.release()
         raise
@@ -209,13 +269,20 @@ def import_handle(cu: Any, fd: int | None, fabric: bytes) -> Any:
     """The allocation behind a POSIX fd (the caller keeps `fd`) or a FABRIC handle."""
     types = cu.CUmemAllocationHandleType
     if fd is not None:
-        return check(
-            cu.cuMemImportFromShareableHandle(fd, types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+        return call(
             "cuMemImportFromShareableHandle (fd)",
+            cu.cuMemImportFromShareableHandle,
+            fd,
+            types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
         )
-    shared = cu.CUmemFabricHandle()
-    shared.data = fabric
-    return check(
-        cu.cuMemImportFromShareableHandle(shared, types.CU_MEM_HANDLE_TYPE_FABRIC),
+    with building("CUmemFabricHandle"):
+        shared = cu.CUmemFabricHandle()
+        shared.data = fabric
+    # The driver reads the handle's 64 bytes at an address: cuda-bindings takes an int
+    # address or a buffer there, and raises TypeError for the structure itself.
+    return call(
         "cuMemImportFromShareableHandle (fabric)",
+        cu.cuMemImportFromShareableHandle,
+        shared.getPtr(),
+        types.CU_MEM_HANDLE_TYPE_FABRIC,
     )

@@ -22,13 +22,14 @@ The driver calls are in cudadriver.py.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from .cudadriver import (
     Mapped,
-    check,
+    call,
     device_index,
     granularity,
     import_handle,
@@ -38,6 +39,8 @@ from .cudadriver import (
 from .errors import DeviceError
 from .pb import engramd_pb2 as pb
 from .tables import Region, RowRanges, torch_dtype
+
+log = logging.getLogger("engramd_client")
 
 
 def tensor_at(
@@ -103,21 +106,29 @@ def map_allocation(
             raise DeviceError(f"engramd sent no descriptor for the allocation {file!r}")
     handle = import_handle(cu, fd, fabric)
     try:
-        prop = check(
-            cu.cuMemGetAllocationPropertiesFromHandle(handle),
+        prop = call(
             "cuMemGetAllocationPropertiesFromHandle",
+            cu.cuMemGetAllocationPropertiesFromHandle,
+            handle,
         )
         align = granularity(cu, prop)
     except BaseException:
-        check(cu.cuMemRelease(handle), "cuMemRelease")
+        call("cuMemRelease", cu.cuMemRelease, handle)
         raise
     try:
-        return map_handle(cu, handle, size, align, index, cpu)
+        mapped = map_handle(cu, handle, size, align, index, cpu)
     except DeviceError as e:
         raise DeviceError(
             f"{e}: cuda:{index} cannot map engramd's allocation"
             + ("" if cpu else f" on GPU {first.device_uuid} (no peer access to it?)")
         ) from None
+    if cpu and not mapped.read_only:
+        log.warning(
+            "the CUDA driver refuses read-only CPU access to engramd's host memory, so this "
+            "worker maps it read-write: a write through its tables would change what every "
+            "worker reads"
+        )
+    return mapped
 
 
 def import_set(

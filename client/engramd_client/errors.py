@@ -106,6 +106,16 @@ class UnknownSet(ShareError):
     cause = "unknown-set"
 
 
+class NoGpuRoute(DeviceError, ShareError):
+    """The device cannot read the daemon's read-only mapping, and no other route is offered.
+
+    A ShareError in auto mode (a private registered copy instead, one
+    warning), a DeviceError in strict mode.
+    """
+
+    cause = "gpu-route"
+
+
 class DaemonError(ShareError):
     """The daemon answered with an error that has no more specific class."""
 
@@ -137,6 +147,7 @@ CAUSES = frozenset(
         NotAllowed,
         SelectionRefused,
         UnknownSet,
+        NoGpuRoute,
         DaemonError,
     )
 )

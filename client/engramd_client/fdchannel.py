@@ -99,13 +99,18 @@ def _receive(sock: socket.socket, path: str, into: dict[str, int]) -> tuple[pb.F
     return reply, reply.more
 
 
-def check_descriptor(fd: int, owner: int, what: str) -> None:
-    """Raise SegmentNotVisible unless `fd` is a read-only regular file (or memfd) of `owner`'s."""
+def check_descriptor(fd: int, owner: int, what: str, writable: bool = False) -> None:
+    """Raise SegmentNotVisible unless `fd` is a read-only regular file (or memfd) of `owner`'s.
+
+    `writable`: read-write instead (a lease granted GPU_ROUTE_REGISTER_WRITABLE).
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != owner:
         raise SegmentNotVisible(
             f"the descriptor of {what} is not a file of engramd's own (uid {st.st_uid}, "
             f"engramd's is {owner}): refusing to map it"
         )
-    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY:
-        raise SegmentNotVisible(f"the descriptor of {what} is not read-only: refusing it")
+    expected = os.O_RDWR if writable else os.O_RDONLY
+    if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != expected:
+        said = "read-write" if writable else "read-only"
+        raise SegmentNotVisible(f"the descriptor of {what} is not {said}: refusing it")

@@ -157,8 +157,10 @@ class FdMapper:
                 attachment.fd_channel.secret,
                 self._config.reply_timeout_s,
             )
+            writable = attachment.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
             for name, received in self._fds.items():
-                check_descriptor(received, self._owner, f"{attachment.set_id}/{name}")
+                what = f"{attachment.set_id}/{name}"
+                check_descriptor(received, self._owner, what, writable)
         fd = self._fds.get(handle.fd.file)
         if fd is None:
             raise SegmentNotVisible(

@@ -17,12 +17,13 @@ import torch
 
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import CUDA_HANDLE_KINDS, ClientConfig
-from .cuda import check_device, parse_device
+from .cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
 from .cumem import import_set
 from .errors import (
     DaemonError,
     DaemonUnavailable,
     FingerprintMismatch,
+    NoGpuRoute,
     NotAllowed,
     SegmentNotVisible,
     ShareError,
@@ -71,8 +72,13 @@ def attach(
         labels: shown with this worker's lease in `engramd status` (dp_rank, tp_rank, ...).
         populate: fill the page tables of shared mappings at attach (MAP_POPULATE):
             the attach takes longer, the first lookups no longer fault page by page.
-        device: "cuda:N" (or ENGRAMD_DEVICE): the tables' pages are also registered
-            with CUDA device N in place, and `tables.cuda(name)` views them there.
+        device: "cuda:N" (or ENGRAMD_DEVICE): the tables' pages are also made readable
+            by CUDA device N in place, and `tables.cuda(name)` views them there;
+            `tables.gpu_route` says how (engramd_client.cuda.ROUTES): the daemon's
+            cuMem set imported, the shared mapping registered read-only (or read
+            through the host's page tables), a writable shared mapping where the
+            device cannot register read-only memory and the daemon allows it, else a
+            private registered copy (auto; strict raises DeviceError).
 
     Raises:
         CheckpointError: the checkpoint cannot be read at all.
@@ -83,12 +89,15 @@ def attach(
     config = ClientConfig.from_env(socket=socket, share=share, device=device)
     # A device this worker cannot use is its configuration's error, in every share mode.
     index = parse_device(config.device)
+    route: int = pb.GPU_ROUTE_UNSPECIFIED
     if index is not None:
         check_device(index)
-    tables = _attach(config, checkpoint, tensors, rows, labels, populate, index)
+        # What the device says decides the route before anything is attached or registered.
+        route = device_caps(index).route()
+    tables = _attach(config, checkpoint, tensors, rows, labels, populate, index, route)
     if index is not None and tables.device is None:
         try:
-            tables.register_on(index)
+            tables.register_on(index, tables.gpu_route or PRIVATE_ROUTE)
         except BaseException:
             tables.close()
             raise
@@ -103,6 +112,7 @@ def _attach(
     labels: Mapping[str, str] | None,
     populate: bool,
     index: int | None,
+    route: int,
 ) -> Tables:
     target = os.fspath(checkpoint)
     plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
@@ -114,7 +124,7 @@ def _attach(
         return Tables.private(plan, rows, reason=None, thp=config.private_thp)
     try:
         tables = _attach_shared(
-            config, target if plan is None else plan, rows, labels or {}, populate, index
+            config, target if plan is None else plan, rows, labels or {}, populate, index, route
         )
     except ShareError as e:
         if config.share or plan is None:
@@ -153,19 +163,20 @@ def _attach_shared(
     labels: Mapping[str, str],
     populate: bool,
     index: int | None,
+    route: int,
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
     # cuMem allocations are GPU memory, or host memory only the driver can map.
     handles = tuple(h for h in config.handles if index is not None or h not in CUDA_HANDLE_KINDS)
     try:
-        return _attach_as(config, target, rows, labels, populate, handles, index)
+        return _attach_as(config, target, rows, labels, populate, handles, index, route)
     except FdChannelUnreachable as unreachable:
         # FABRIC handles and paths need no fd channel (paths: the daemon's /dev/shm).
         paths = tuple(h for h in handles if h not in ON_FD_CHANNEL)
         if not paths:
             raise
         try:
-            return _attach_as(config, target, rows, labels, populate, paths, index)
+            return _attach_as(config, target, rows, labels, populate, paths, index, route)
         except SegmentNotVisible as e:
             raise SegmentNotVisible(f"{unreachable}; and by path: {e}") from None
         except ShareError:
@@ -180,6 +191,7 @@ def _attach_as(
     populate: bool,
     handles: tuple[str, ...],
     index: int | None,
+    route: int,
 ) -> Tables:
     plan = target if isinstance(target, TablePlan) else None
     request = pb.AttachRequest(
@@ -193,6 +205,7 @@ def _attach_as(
         pid_start=start_ticks(os.getpid()) or 0,
         numa_node=local_node(),
         device=_device_name(config.device),
+        gpu_route=route,  # type: ignore[arg-type]
     )
     lease = Lease(config, request)
     try:
@@ -203,11 +216,31 @@ def _attach_as(
             _check_sources(plan, attachment)
         if any(h.WhichOneof("handle") == "cumem" for h in attachment.tensors):
             return _imported_tables(attachment, rows, config, index, lease)
-        tensors = _map(attachment, rows, populate, config, os.stat(config.socket).st_uid)
+        writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
+        if writable and attachment.gpu_route != route:
+            raise NoGpuRoute(_no_gpu_route(index, attachment))
+        owner = os.stat(config.socket).st_uid
+        tensors = _map(attachment, rows, populate, config, owner, writable)
     except BaseException:
         lease.close()
         raise
-    return Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
+    tables = Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
+    # A daemon that records no route (engramd 0.2) left the worker's own choice standing.
+    tables.gpu_route = ROUTES.get(attachment.gpu_route) or ROUTES.get(route, "")
+    return tables
+
+
+def _no_gpu_route(index: int | None, attachment: pb.Attachment) -> str:
+    kinds = {pb.HandleKind.Name(h.kind) for h in attachment.tensors}
+    return (
+        f"cuda:{index} cannot register read-only host memory "
+        "(cudaDevAttrHostRegisterReadOnlySupported is 0, as on many x86 GPUs) and does not "
+        "read host memory through the CPU's page tables, while engramd's set "
+        f"{attachment.set_id} is mapped read-only ({', '.join(sorted(kinds))}); fixes: run the "
+        "daemon with --backing cuda-host (workers import its pinned cuMem allocation), or "
+        "start it with --allow-writable-gpu-mappings (workers then map tmpfs sets writable "
+        "and could change the one copy every worker reads)"
+    )
 
 
 def _imported_tables(
@@ -239,6 +272,7 @@ def _imported_tables(
             os.close(fd)
     tables = Tables(imported.cpu, mode="shared", set_id=attachment.set_id, lease=lease)
     tables.set_views(imported.cuda, index, imported.release)
+    tables.gpu_route = ROUTES[pb.GPU_ROUTE_CUMEM_IMPORT]
     return tables
 
 
@@ -271,6 +305,7 @@ def _map(
     populate: bool,
     config: ClientConfig,
     owner: int,
+    writable: bool = False,
 ) -> dict[str, torch.Tensor]:
     mappers: dict[str, HandleMapper] = {}
     tensors = {}
@@ -286,7 +321,8 @@ def _map(
                 mappers[which] = MAPPERS[which][1](config, owner)
             mapper = mappers[which]
             region = mapper.region(handle).cut(rows)
-            tensors[handle.name] = map_fd(mapper.open(attachment, handle), region, populate)
+            fd = mapper.open(attachment, handle)
+            tensors[handle.name] = map_fd(fd, region, populate, writable)
     finally:
         for mapper in mappers.values():
             mapper.close()

@@ -94,12 +94,14 @@ def _view(buffer: mmap.mmap, delta: int, region: Region) -> torch.Tensor:
     return flat.view(dtype).view(region.shape)
 
 
-def map_fd(fd: int, region: Region, populate: bool) -> torch.Tensor:
+def map_fd(fd: int, region: Region, populate: bool, writable: bool = False) -> torch.Tensor:
     """Map a region of a read-only descriptor PROT_READ and view it as a tensor; closes `fd`.
 
     Every handle kind ends here (engramd_client.handles). `populate` fills the
     page tables now (MAP_POPULATE), so the first lookups do not take a page
-    fault per page touched.
+    fault per page touched. `writable`: a writable descriptor mapped
+    PROT_READ | PROT_WRITE, for a GPU that registers only writable memory
+    (the daemon's --allow-writable-gpu-mappings).
     """
     try:
         if region.length == 0:
@@ -117,7 +119,7 @@ def map_fd(fd: int, region: Region, populate: bool) -> torch.Tensor:
             fd,
             region.offset + region.length - start,
             flags=mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0),
-            prot=mmap.PROT_READ,
+            prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0),
             offset=start,
         )
     finally:
@@ -192,6 +194,8 @@ class Tables(Mapping[str, torch.Tensor]):
         self._views: dict[str, torch.Tensor] = {}
         #: The CUDA device of the tables' CUDA views (`cuda`), or None.
         self.device: torch.device | None = None
+        #: How the device reads the tables (engramd_client.cuda.ROUTES), "" without one.
+        self.gpu_route = ""
 
     @classmethod
     def private(
@@ -245,11 +249,15 @@ class Tables(Mapping[str, torch.Tensor]):
     def __len__(self) -> int:
         return len(self._names)
 
-    def register_on(self, index: int) -> None:
-        """Register every tensor's pages in place for CUDA device `index` (attach(device=))."""
+    def register_on(self, index: int, route: str) -> None:
+        """Make every tensor readable on CUDA device `index` in place, by `route` (attach(device=)).
+
+        `route` is one of engramd_client.cuda.ROUTES other than cumem-import.
+        """
         from .cuda import register_all
 
-        registrations = register_all(self._tensors, index, read_only=self.mode == "shared")
+        registrations = register_all(self._tensors, index, route)
+        self.gpu_route = route
 
         def release() -> None:
             for registration in registrations.values():

@@ -71,6 +71,8 @@ class Backing(ABC):
     name: ClassVar[str]
     #: Handle kinds this backing can hand out (engramd.v1.HandleKind).
     handle_kinds: frozenset[int]
+    #: `descriptors` can open the set's files writable (--allow-writable-gpu-mappings).
+    writable_descriptors: ClassVar[bool] = False
     #: Bytes per page backing new sets (fixed for the backing's life).
     page_size: int
     #: The backing asked for that this one replaces (it cannot work here), or "".
@@ -154,8 +156,11 @@ class Backing(ABC):
         """What numa_maps shows for mappings of a copy's files; None where it shows nothing."""
 
     @abstractmethod
-    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
-        """(file, read-only descriptor) for each file of the set; the caller closes them."""
+    def descriptors(self, manifest: Manifest, writable: bool = False) -> list[tuple[str, int]]:
+        """(file, read-only descriptor) for each file of the set; the caller closes them.
+
+        `writable` (only where `writable_descriptors`): opened read-write instead.
+        """
 
     @staticmethod
     def fd_handles(manifest: Manifest) -> list[pb.TensorHandle]:

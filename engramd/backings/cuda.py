@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import logging
 import os
+import stat
 import threading
 from abc import abstractmethod
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from ..numa import Placement
 from ..pinning import PinnedFiles
 from ..units import gib
 from .base import Backing, BackingUnavailable, StagedSet, Usage
+from .cudaprobe import trial
 
 log = logging.getLogger("engramd")
 
@@ -76,7 +78,8 @@ class _Copy:
     """A copy's allocation: the daemon's mapping of it and its exported handles."""
 
     mapped: cudadriver.Mapped
-    #: The POSIX file descriptor exported from the allocation.
+    #: The POSIX file descriptor exported from the allocation, as workers get it
+    #: (read_only_handle).
     exported: int
     #: The FABRIC handle, or b"".
     fabric: bytes
@@ -92,7 +95,14 @@ class _CudaBacking(Backing):
     #: The CPU reads the allocation (host memory).
     host: ClassVar[bool]
 
-    def __init__(self, device: int, host_numa: int | None, fabric: bool, page_size: int) -> None:
+    def __init__(
+        self,
+        device: int,
+        host_numa: int | None,
+        fabric: bool,
+        page_size: int,
+        cpu_read_only: bool = True,
+    ) -> None:
         #: The device whose context the daemon uses (and, for cuda-device, that holds the sets).
         self.device = device
         #: cuda-host: the NUMA node of copies that are not per-node.
@@ -104,6 +114,9 @@ class _CudaBacking(Backing):
         )
         #: The allocation granularity: sets take whole multiples of it.
         self.page_size = page_size
+        #: The driver grants the daemon's mapping read-only CPU access once a copy is
+        #: published (cudaprobe's trial); False: it stays read-write.
+        self.cpu_read_only = cpu_read_only or not self.host
         self.uuid = cudadriver.device_uuid(cudadriver.make_current(device), device)
         self._copies: dict[str, _Copy] = {}
         self._lock = threading.Lock()
@@ -116,11 +129,15 @@ class _CudaBacking(Backing):
         return self.memory_node(node) if self.host else None
 
     @classmethod
-    def probe(cls, device: int, host_numa: int | None) -> tuple[bool, int]:
-        """(fabric handles work, granularity) of allocations here; BackingUnavailable if none."""
+    def probe(cls, device: int, host_numa: int | None) -> tuple[bool, int, bool]:
+        """(fabric handles work, granularity, read-only CPU access) of allocations here.
+
+        BackingUnavailable where the attributes say no, or where a trial
+        allocation in a child process (cudaprobe) crashes, hangs or fails.
+        """
         try:
             cu = cudadriver.driver()
-            count = int(cudadriver.check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+            count = int(cudadriver.call("cuDeviceGetCount", cu.cuDeviceGetCount))
             if device >= count:
                 raise DeviceError(f"this process sees {count} CUDA device(s), not cuda:{device}")
             cu = cudadriver.make_current(device)
@@ -136,8 +153,10 @@ class _CudaBacking(Backing):
             fabric = bool(cudadriver.attribute(cu, "HANDLE_TYPE_FABRIC_SUPPORTED", device)) and any(
                 IMEX_CHANNELS.glob("channel*")
             )
-            prop = cudadriver.allocation_prop(cu, host_numa if cls.host else None, device, fabric)
-            return fabric, cudadriver.granularity(cu, prop)
+            node = host_numa if cls.host else None
+            prop = cudadriver.allocation_prop(cu, node, device, fabric)
+            granule = cudadriver.granularity(cu, prop)
+            return fabric, granule, trial(device, node, fabric)
         except DeviceError as e:
             raise BackingUnavailable(cls.name, str(e)) from None
 
@@ -156,6 +175,13 @@ class _CudaBacking(Backing):
             self.uuid,
             "POSIX fd and FABRIC" if self.fabric else "POSIX fd",
         )
+        if not self.cpu_read_only:
+            log.warning(
+                "%s: the driver refuses read-only CPU access to host memory (cuMemSetAccess "
+                "PROT_READ), so the daemon's own mapping of each set stays read-write after "
+                "its load; workers' imports ask for read-only access",
+                self.name,
+            )
 
     def _where(self, node: int | None = None) -> str:
         return f"cuda:{self.device}"
@@ -253,8 +279,8 @@ class _CudaBacking(Backing):
         """None: driver mappings carry no name in numa_maps."""
         return None
 
-    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
-        """A duplicate of the allocation's exported POSIX descriptor."""
+    def descriptors(self, manifest: Manifest, writable: bool = False) -> list[tuple[str, int]]:
+        """A duplicate of the allocation's descriptor as workers get it (read_only_handle)."""
         with self._lock:
             held = self._copies.get(manifest.copy)
             if held is None:
@@ -279,8 +305,8 @@ class CudaHostBacking(_CudaBacking):
             except DeviceError as e:
                 raise BackingUnavailable(cls.name, str(e)) from None
             node = nearest if nearest >= 0 else 0
-        fabric, granule = cls.probe(0, node)
-        return cls(0, node, fabric, granule)
+        fabric, granule, cpu_read_only = cls.probe(0, node)
+        return cls(0, node, fabric, granule, cpu_read_only)
 
     def _where(self, node: int | None = None) -> str:
         return f"host NUMA node {self.host_node(node)}"
@@ -310,20 +336,20 @@ class CudaDeviceBacking(_CudaBacking):
     host: ClassVar[bool] = False
 
     def __init__(self, device: int, host_numa: int | None, fabric: bool, page_size: int) -> None:
-        super().__init__(device, host_numa, fabric, page_size)
+        super().__init__(device, host_numa, fabric, page_size, cpu_read_only=True)
         self._buffers = threading.local()
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
         """The GPU of `--backing cuda-device:N` (cuda-device alone: GPU 0)."""
         device = device_of(config.backing)
-        fabric, granule = cls.probe(device, None)
+        fabric, granule, _ = cls.probe(device, None)
         return cls(device, None, fabric, granule)
 
     def usage(self) -> Usage:
         """The GPU's memory (cuMemGetInfo): what every process on it leaves free."""
         cu = cudadriver.make_current(self.device)
-        free, total = cudadriver.check(cu.cuMemGetInfo(), "cuMemGetInfo")
+        free, total = cudadriver.call("cuMemGetInfo", cu.cuMemGetInfo)
         return Usage(
             f"cuda:{self.device} {self.uuid}", int(total), self._used(), int(free), self.page_size
         )
@@ -345,12 +371,12 @@ class CudaDeviceBacking(_CudaBacking):
         if buffer is None:
             buffer = self._buffers.buffer = bytearray(BUFFER_BYTES)
         cu = cudadriver.make_current(self.device)
-        cudadriver.check(cu.cuMemcpyDtoH(_address(buffer), pointer, nbytes), "cuMemcpyDtoH")
+        cudadriver.call("cuMemcpyDtoH", cu.cuMemcpyDtoH, _address(buffer), pointer, nbytes)
         return memoryview(buffer)[:nbytes]
 
     def _write(self, pointer: int, data: memoryview) -> None:
         cu = cudadriver.make_current(self.device)
-        cudadriver.check(cu.cuMemcpyHtoD(pointer, _address(data), len(data)), "cuMemcpyHtoD")
+        cudadriver.call("cuMemcpyHtoD", cu.cuMemcpyHtoD, pointer, _address(data), len(data))
 
 
 def _address(buffer: bytearray | memoryview) -> int:
@@ -381,7 +407,7 @@ class _StagedCopy(StagedSet):
         )
         where = backing._where(node)
         try:
-            handle = cudadriver.check(cu.cuMemCreate(size, prop, 0), f"cuMemCreate of {gib(size)}")
+            handle = cudadriver.call(f"cuMemCreate of {gib(size)}", cu.cuMemCreate, size, prop, 0)
         except DeviceError as e:
             raise ShmFull(
                 f"could not allocate {gib(size)} on {where} for set {plan.set_id} ({e}); "
@@ -392,19 +418,24 @@ class _StagedCopy(StagedSet):
         )
         try:
             types = cu.CUmemAllocationHandleType
-            self._exported = int(
-                cudadriver.check(
-                    cu.cuMemExportToShareableHandle(
-                        handle, types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
-                    ),
+            exported = int(
+                cudadriver.call(
                     "cuMemExportToShareableHandle (fd)",
+                    cu.cuMemExportToShareableHandle,
+                    handle,
+                    types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
                 )
             )
+            self._exported = read_only_handle(exported)
             self._fabric = b""
             if backing.fabric:
-                shared = cudadriver.check(
-                    cu.cuMemExportToShareableHandle(handle, types.CU_MEM_HANDLE_TYPE_FABRIC, 0),
+                shared = cudadriver.call(
                     "cuMemExportToShareableHandle (fabric)",
+                    cu.cuMemExportToShareableHandle,
+                    handle,
+                    types.CU_MEM_HANDLE_TYPE_FABRIC,
+                    0,
                 )
                 self._fabric = bytes(shared.data)
         except BaseException:
@@ -431,12 +462,13 @@ class _StagedCopy(StagedSet):
                     f"{backing.name} memory as {found}, not the {t.checksum} loaded; "
                     "the allocation is not served (a driver or hardware fault?)"
                 )
-        cu = cudadriver.make_current(backing.device)
-        descs = cudadriver.access(cu, backing.device, backing.host)
-        cudadriver.check(
-            cu.cuMemSetAccess(self._mapped.pointer, self._mapped.size, descs, len(descs)),
-            "cuMemSetAccess (read-only)",
-        )
+        if backing.cpu_read_only:
+            # Refused in the trial (the backing's claim said so): the load's read-write stays.
+            cu = cudadriver.make_current(backing.device)
+            mapped = self._mapped
+            cudadriver.set_access(
+                cu, mapped.pointer, mapped.size, backing.device, backing.host, writable=False
+            )
         with backing._lock:
             backing._copies[manifest.copy] = _Copy(
                 self._mapped, self._exported, self._fabric, manifest
@@ -445,6 +477,25 @@ class _StagedCopy(StagedSet):
     def discard(self) -> None:
         """Release the allocation: nothing was handed out."""
         _release(_Copy(self._mapped, self._exported, self._fabric))
+
+
+def read_only_handle(exported: int) -> int:
+    """What workers get of an exported allocation descriptor: read-only where it is a file.
+
+    A descriptor that is a file (a memfd: the simulated driver's allocations)
+    is opened again read-only, as memfd sets are, so a worker can neither map
+    it PROT_WRITE nor write through it; the read-write export is closed. A
+    real driver's handle is no such file (opening it again through /proc
+    would open the driver's device anew, not the allocation): it goes out as
+    it is, and each importer's own cuMemSetAccess decides what it may do
+    (README, "cuda-host and cuda-device").
+    """
+    if not stat.S_ISREG(os.fstat(exported).st_mode):
+        return exported
+    try:
+        return os.open(f"/proc/self/fd/{exported}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(exported)
 
 
 def _release(copy: _Copy) -> None:

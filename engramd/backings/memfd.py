@@ -215,7 +215,7 @@ class MemfdBacking(Backing):
         """The memfd's name as the kernel shows it."""
         return f"/memfd:engramd-{copy} "
 
-    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
+    def descriptors(self, manifest: Manifest, writable: bool = False) -> list[tuple[str, int]]:
         """A read-only descriptor of the set's memfd (a new open of it, O_RDONLY)."""
         with self._lock:
             held = self._held.get(manifest.copy)

@@ -60,6 +60,7 @@ class TmpfsBacking(Backing):
 
     name: ClassVar[str] = "tmpfs"
     handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+    writable_descriptors = True
 
     def __init__(self, shm_dir: str, gid: int | None, allow_disk: bool = False) -> None:
         self.shm_dir = shm_dir
@@ -215,13 +216,26 @@ class TmpfsBacking(Backing):
         """The copy's folder: every file of it is mapped by its path."""
         return f"{set_dir(self.shm_dir, copy)}/"
 
-    def descriptors(self, manifest: Manifest) -> list[tuple[str, int]]:
-        """Each tensor file, opened read-only once it proved to be the daemon's own."""
+    def descriptors(self, manifest: Manifest, writable: bool = False) -> list[tuple[str, int]]:
+        """Each tensor file, opened read-only once it proved to be the daemon's own.
+
+        `writable`: then opened again read-write through that descriptor (the
+        daemon owns the file), for --allow-writable-gpu-mappings.
+        """
         folder = set_dir(self.shm_dir, manifest.copy)
         opened: list[tuple[str, int]] = []
         try:
             for file in dict.fromkeys(t.file for t in manifest.tensors):
-                opened.append((file, open_owned(folder / file, self._owner)))
+                owned = open_owned(folder / file, self._owner)
+                if not writable:
+                    opened.append((file, owned))
+                    continue
+                try:
+                    opened.append(
+                        (file, os.open(f"/proc/self/fd/{owned}", os.O_RDWR | os.O_CLOEXEC))
+                    )
+                finally:
+                    os.close(owned)
         except BaseException:
             for _, fd in opened:
                 os.close(fd)

@@ -14,14 +14,27 @@ class HandleKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     HANDLE_KIND_FD: _ClassVar[HandleKind]
     HANDLE_KIND_CUMEM: _ClassVar[HandleKind]
     HANDLE_KIND_CUMEM_FABRIC: _ClassVar[HandleKind]
+
+class GpuRoute(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    GPU_ROUTE_UNSPECIFIED: _ClassVar[GpuRoute]
+    GPU_ROUTE_CUMEM_IMPORT: _ClassVar[GpuRoute]
+    GPU_ROUTE_REGISTER_READ_ONLY: _ClassVar[GpuRoute]
+    GPU_ROUTE_HOST_PAGE_TABLES: _ClassVar[GpuRoute]
+    GPU_ROUTE_REGISTER_WRITABLE: _ClassVar[GpuRoute]
 HANDLE_KIND_UNSPECIFIED: HandleKind
 HANDLE_KIND_SHM: HandleKind
 HANDLE_KIND_FD: HandleKind
 HANDLE_KIND_CUMEM: HandleKind
 HANDLE_KIND_CUMEM_FABRIC: HandleKind
+GPU_ROUTE_UNSPECIFIED: GpuRoute
+GPU_ROUTE_CUMEM_IMPORT: GpuRoute
+GPU_ROUTE_REGISTER_READ_ONLY: GpuRoute
+GPU_ROUTE_HOST_PAGE_TABLES: GpuRoute
+GPU_ROUTE_REGISTER_WRITABLE: GpuRoute
 
 class AttachRequest(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node", "device")
+    __slots__ = ("set_id", "checkpoint", "tensors", "pid", "labels", "accept", "reattach", "nonce", "pid_namespace", "pid_start", "numa_node", "device", "gpu_route")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +54,7 @@ class AttachRequest(_message.Message):
     PID_START_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_ROUTE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     tensors: str
@@ -53,7 +67,8 @@ class AttachRequest(_message.Message):
     pid_start: int
     numa_node: int
     device: str
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    gpu_route: GpuRoute
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ..., device: _Optional[str] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
     __slots__ = ("progress", "attached", "draining")
@@ -78,7 +93,7 @@ class Draining(_message.Message):
     def __init__(self) -> None: ...
 
 class Attachment(_message.Message):
-    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources", "fd_channel")
+    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources", "fd_channel", "gpu_route")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +103,7 @@ class Attachment(_message.Message):
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    GPU_ROUTE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     fingerprint: str
     nonce: str
@@ -97,7 +113,8 @@ class Attachment(_message.Message):
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
     sources: _containers.RepeatedCompositeFieldContainer[SourceFile]
     fd_channel: FdChannel
-    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ..., fd_channel: _Optional[_Union[FdChannel, _Mapping]] = ...) -> None: ...
+    gpu_route: GpuRoute
+    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ..., fd_channel: _Optional[_Union[FdChannel, _Mapping]] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
 
 class FdChannel(_message.Message):
     __slots__ = ("socket", "secret")
@@ -218,18 +235,20 @@ class StatusReply(_message.Message):
     def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ...) -> None: ...
 
 class DaemonInfo(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "socket", "ready")
+    __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_GPU_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
     socket: str
     ready: bool
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ...) -> None: ...
+    writable_gpu_mappings: bool
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ..., writable_gpu_mappings: _Optional[bool] = ...) -> None: ...
 
 class ShmInfo(_message.Message):
     __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages", "page_size")
@@ -315,7 +334,7 @@ class SetInfo(_message.Message):
     def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device")
+    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -331,6 +350,7 @@ class LeaseInfo(_message.Message):
     PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    GPU_ROUTE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     labels: _containers.ScalarMap[str, str]
@@ -339,7 +359,8 @@ class LeaseInfo(_message.Message):
     pid_verified: bool
     kind: HandleKind
     device: str
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ...) -> None: ...
+    gpu_route: GpuRoute
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
 
 class FallbackReport(_message.Message):
     __slots__ = ("cause", "set_id", "pid", "bytes")

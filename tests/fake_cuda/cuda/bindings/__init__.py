@@ -1,1 +1,1 @@
-"""A stand-in for cuda-bindings: only the driver module (driver.py)."""
+"""A stand-in for cuda-bindings: the driver (driver.py) and the runtime's registrations."""

@@ -14,6 +14,12 @@ reservation is a PROT_NONE mapping that cuMemMap replaces with the memfd
 descriptor says (never, for device memory: the CPU reaches it only by
 cuMemcpyHtoD / cuMemcpyDtoH). Results are (CUresult, value...) tuples, as
 cuda-bindings returns them.
+
+FAKE_CUDA_FAULTS (comma-separated) makes it behave as drivers that were
+reported to: "crash-in-cumemcreate" kills the process with SIGSEGV in
+cuMemCreate (host-NUMA cuMemCreate on r560-r580, NCCL #2106);
+"no-read-only-cpu" refuses read-only CPU access (cuMemSetAccess PROT_READ
+on HOST_NUMA). runtime.py reads the same variable.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ import enum
 import itertools
 import mmap
 import os
+import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 GRANULARITY = 2 << 20
+#: The driver faults to act out (see the module's docstring).
+FAULTS = frozenset(filter(None, os.environ.get("FAKE_CUDA_FAULTS", "").split(",")))
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -178,6 +187,8 @@ def cuMemCreate(size: int, prop: CUmemAllocationProp, flags: int) -> tuple[Any, 
         return CUresult.CUDA_ERROR_NOT_SUPPORTED, None
     if size % GRANULARITY:
         return CUresult.CUDA_ERROR_INVALID_VALUE, None
+    if "crash-in-cumemcreate" in FAULTS:
+        os.kill(os.getpid(), signal.SIGSEGV)
     fd = os.memfd_create("fake-cumem", os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, size)
@@ -303,6 +314,9 @@ def cuMemSetAccess(
     prot = _PROT_NONE
     for desc in descs[:count]:
         if desc.location.type == CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST_NUMA:
+            read_only = desc.flags == CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ
+            if read_only and "no-read-only-cpu" in FAULTS:
+                return (CUresult.CUDA_ERROR_NOT_SUPPORTED,)
             prot = {
                 CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READ: mmap.PROT_READ,
                 CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE: mmap.PROT_READ
