@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
 from google.protobuf.json_format import MessageToDict
@@ -26,8 +27,19 @@ STATUS_TIMEOUT_S = 2.0
 _UNBOUNDED = 10_000
 
 
-def fetch(socket: str) -> pb.StatusReply:
-    """The daemon's StatusReply; raises grpc.RpcError when it does not answer."""
+def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
+    """The daemon's StatusReply; raises grpc.RpcError when it does not answer.
+
+    Asked on `admin_socket` where this process may open it (its descriptors
+    are kept apart from the worker socket's, which idle peers may fill), else
+    on `socket`.
+    """
+    if admin_socket and os.access(admin_socket, os.R_OK | os.W_OK):
+        with open_channel(ClientConfig(socket=admin_socket)) as ch:
+            answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
+                pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+            )
+            return answer
     with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
             pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
@@ -137,7 +149,7 @@ def _sets(reply: pb.StatusReply) -> Table:
 
 
 def _leases(reply: pb.StatusReply) -> Table:
-    table = Table("SET", "LEASE", "PID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
+    table = Table("SET", "LEASE", "PID", "UID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
     for s in reply.sets:
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
@@ -148,6 +160,7 @@ def _leases(reply: pb.StatusReply) -> Table:
                 s.set_id,
                 lease.lease_id,
                 str(lease.pid),
+                str(lease.uid) if lease.HasField("uid") else "?",
                 _KIND.get(lease.kind, "?"),
                 lease.device or "cpu",
                 Text(escape(labels)),

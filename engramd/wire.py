@@ -65,9 +65,10 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 labels=lease.labels,
                 attached_s=now - lease.started,
                 stale=lease.stale,
-                pid_verified=lease.pid_start is not None,
+                pid_verified=lease.pid_verified,
                 kind=lease.kind,  # type: ignore[arg-type]
                 device=lease.device,
+                uid=lease.uid,
             )
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],

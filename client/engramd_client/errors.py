@@ -32,6 +32,8 @@ class Reason(enum.StrEnum):
     DRAINING = "draining"
     #: The fd channel: the daemon's own copy of the set cannot be handed out.
     NOT_VISIBLE = "not-visible"
+    #: The fd channel: too many connections (of this uid, or in all); paths may still work.
+    BUSY = "busy"
 
 
 class EngramdError(Exception):

@@ -114,12 +114,16 @@ class TmpfsBacking(Backing):
     def make_folder(self, folder: Path) -> None:
         """Create `folder` (not there before), 0750, group `gid`."""
         folder.mkdir(mode=0o750)
+        # mkdir's mode passes through the umask (077 would shut the group out).
+        os.chmod(folder, 0o750)
         if self._gid is not None:
             os.chown(folder, -1, self._gid)
 
     def make_file(self, path: Path) -> int:
         """Create `path` (not there before), 0640, group `gid`; a read-write descriptor."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        # open's mode passes through the umask (077 would shut the group out).
+        os.fchmod(fd, 0o640)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd
