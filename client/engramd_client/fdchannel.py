@@ -11,6 +11,7 @@ path, else loads privately. Nothing of the socket's own escapes as OSError.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import socket
@@ -19,7 +20,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from .errors import BY_REASON, DaemonError, NotAllowed, Reason, SegmentNotVisible
+from .errors import BY_REASON, DaemonError, NotAllowed, Reason, SegmentNotVisible, ShareError
 from .pb import engramd_pb2 as pb
 
 #: The largest FdReply (names of up to 250 files).
@@ -82,7 +83,14 @@ def _collect_once(path: str, lease_id: str, secret: str, timeout_s: float) -> di
         try:
             sock.send(pb.FdRequest(lease_id=lease_id, secret=secret).SerializeToString())
         except OSError as e:
-            # The daemon closed the connection before reading it (busy, or stopping).
+            # The daemon closed the connection before reading it: busy (its
+            # reply says so, already queued here), or stopping.
+            sock.settimeout(0)
+            queued = None
+            with contextlib.suppress(ShareError):
+                queued, _ = _receive(sock, path, fds)
+            if queued is not None and queued.reason == Reason.BUSY:
+                raise _Busy(queued.error) from None
             raise FdChannelUnreachable(
                 f"engramd's fd channel at {path} closed the connection ({e.strerror or e})"
             ) from None
