@@ -126,6 +126,8 @@ BY_REASON: dict[str, type[ShareError]] = {
     Reason.UNKNOWN_SET: UnknownSet,
     Reason.DRAINING: DaemonUnavailable,
     Reason.NOT_VISIBLE: SegmentNotVisible,
+    # Named for the fd channel, whose unnamed reasons mean NotAllowed.
+    Reason.LEASES: DaemonError,
 }
 
 #: Every cause a worker may report in ReportFallback; the daemon accepts no other.
