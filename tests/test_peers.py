@@ -82,10 +82,10 @@ def group_daemons(users: tuple[int, int], open_dirs: tuple[Path, Path, Path]) ->
     top, shm, ckpt = open_dirs
     started: list[Daemon] = []
 
-    def make(*args: str, python: list[str] | None = None) -> Daemon:
+    def make(*args: str, python: list[str] | None = None, shm_dir: Path = shm) -> Daemon:
         d = Daemon(
             top / "run" / "d.sock",
-            shm,
+            shm_dir,
             ["--checkpoint", str(ckpt), "--socket-group", GROUP, *args],
             top / "log",
             python=python,
@@ -416,8 +416,11 @@ def test_idle_connections_to_the_worker_socket_end_and_leave_the_admin_socket_ro
 def test_a_daemon_under_umask_077_serves_paths_to_its_group(
     group_daemons: Any, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
 ) -> None:
-    top, shm, ckpt = open_dirs
-    d = group_daemons(python=["sh", "-c", 'umask 077 && exec "$@"', "sh", sys.executable])
+    top, open_shm, ckpt = open_dirs
+    shm = open_shm / "made-by-engramd"
+    d = group_daemons(
+        python=["sh", "-c", 'umask 077 && exec "$@"', "sh", sys.executable], shm_dir=shm
+    )
     assert d.proc is not None
     assert "Umask:\t0077" in Path(f"/proc/{d.proc.pid}/status").read_text()
     [s] = d.status().sets
@@ -426,7 +429,8 @@ def test_a_daemon_under_umask_077_serves_paths_to_its_group(
     def mode(p: Path) -> int:
         return stat.S_IMODE(p.stat().st_mode)
 
-    assert [mode(p) for p in (top / "run", sets_root(shm), folder)] == [0o750] * 3
+    made = (top / "run", shm, sets_root(shm), folder)
+    assert [mode(p) for p in made] == [0o750] * 4
     assert all(mode(f) == 0o640 for f in folder.iterdir())
     assert mode(d.socket) == mode(d.socket.with_name("fds.sock")) == 0o660
     # A member of the group (not root: the kernel judges the modes) maps the files by path.

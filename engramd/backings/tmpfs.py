@@ -77,7 +77,11 @@ class TmpfsBacking(Backing):
 
     def claim(self) -> None:
         """Make the shm folder where missing; make or check `<shm_dir>/engramd` (shmroot)."""
-        Path(self.shm_dir).mkdir(parents=True, exist_ok=True)
+        folder = Path(self.shm_dir)
+        if not folder.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            # Its group must pass through it to the sets, whatever the umask.
+            self.secure_folder(folder)
         claim_root(self.shm_dir, self._gid)
 
     def usage(self) -> Usage:
@@ -114,6 +118,10 @@ class TmpfsBacking(Backing):
     def make_folder(self, folder: Path) -> None:
         """Create `folder` (not there before), 0750, group `gid`."""
         folder.mkdir(mode=0o750)
+        self.secure_folder(folder)
+
+    def secure_folder(self, folder: Path) -> None:
+        """Give a folder the daemon made 0750 and group `gid`."""
         # mkdir's mode passes through the umask (077 would shut the group out).
         os.chmod(folder, 0o750)
         if self._gid is not None:
