@@ -110,6 +110,10 @@ class Lease:
     uid: int | None = None
     #: `pid` is the fd channel's peer as the kernel gave it, not the request's claim.
     pid_verified: bool = False
+    #: A first attach for descriptors: it collects them within COLLECT_DEADLINE_S or
+    #: ends, and is charged to its uid then. Any other lease is charged to "uid
+    #: unknown" until its worker comes to the fd channel.
+    collects: bool = False
     started: float = field(default_factory=time.monotonic)
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -170,8 +174,9 @@ class TableSet:
 #: the id never depends on where the bytes are.
 SetKey = tuple[str, str, int | None]
 
-#: Seconds a lease of descriptors (HANDLE_KIND_FD) has to collect them on the fd
-#: channel, where its uid becomes known; until then it is charged to no uid.
+#: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
+#: collect them on the fd channel, where its uid becomes known; until then it is
+#: charged to no uid.
 COLLECT_DEADLINE_S = 10.0
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
@@ -569,10 +574,12 @@ class SetStore:
                 f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
                 "or raise the limit"
             )
-        # A lease of descriptors is charged to its uid once it collects them
-        # (COLLECT_DEADLINE_S); any other lease's uid stays unknown, and all
-        # of those together hold one uid's share.
-        if kind != pb.HANDLE_KIND_FD:
+        # A first lease of descriptors is charged to its uid once it collects
+        # them (COLLECT_DEADLINE_S); any other lease's uid is unknown until its
+        # worker comes to the fd channel, and all of those together hold one
+        # uid's share.
+        collects = kind == pb.HANDLE_KIND_FD and not request.reattach
+        if not collects:
             self._check_share(None)
         start = start_ticks(request.pid) if request.pid > 0 else None
         claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
@@ -589,6 +596,7 @@ class SetStore:
             ),
             kind=kind,
             device=request.device,
+            collects=collects,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
@@ -613,7 +621,7 @@ class SetStore:
             1
             for ts in self.sets.values()
             for lease in ts.leases.values()
-            if lease.uid == uid and (uid is not None or lease.kind != pb.HANDLE_KIND_FD)
+            if lease.uid == uid and (uid is not None or not lease.collects)
         )
         if held < self._leases_per_uid:
             return
@@ -652,9 +660,7 @@ class SetStore:
                         lease.pid,
                     )
                 elif (
-                    lease.kind == pb.HANDLE_KIND_FD
-                    and lease.fd_secret
-                    and now - lease.started > COLLECT_DEADLINE_S
+                    lease.collects and lease.fd_secret and now - lease.started > COLLECT_DEADLINE_S
                 ):
                     log.info(
                         "ending lease %s of set %s: pid %d did not collect its descriptors "

@@ -10,6 +10,7 @@ A daemon under umask 077 still makes its sets readable by the socket group.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import pwd
 import shutil
@@ -30,6 +31,7 @@ from engramd_client.errors import ShareError
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import RawLease, reference_digests
 
 GROUP = "engramd-pg"
@@ -333,6 +335,45 @@ def test_a_pid_is_verified_only_by_the_kernel(
         )
         assert "belongs to pid 1" in reply.stdout, reply.stdout + reply.stderr
         assert not _lease(d, raw.attachment.lease_id).pid_verified
+
+
+def test_a_descriptor_lease_that_never_collects_ends_and_a_reattached_one_shows_itself(
+    group_daemons: Any, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    _, _, ckpt = open_dirs
+    d = group_daemons("--leases-per-uid", "1")
+    bob = pwd.getpwnam(BOB).pw_uid
+    set_id = d.status().sets[0].set_id
+    # A first attach for descriptors that never comes for them: ended by the sweep.
+    with d.channel() as ch:
+        request = pb.AttachRequest(set_id=set_id, pid=os.getpid(), accept=[pb.HANDLE_KIND_FD])
+        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=60)
+        try:
+            [attached] = [e.attached for e in itertools.islice(call, 1)]
+            gone = attached.lease_id
+            wait_until(
+                lambda: all(x.lease_id != gone for x in _leases(d)),
+                30,
+                "the sweep to end the lease that never collected its descriptors",
+            )
+            assert "did not collect its descriptors" in d.log
+        finally:
+            call.cancel()
+    # Bob's worker keeps its lease across a restart; the re-established lease
+    # meets the fd channel again, so it is Bob's (his one lease) and verified.
+    w = Worker(ckpt, d.socket, share="on", user=BOB)
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    assert d.stop() == 0
+    d.start()
+
+    def mine() -> list[pb.LeaseInfo]:
+        return [x for x in _leases(d) if x.pid == w.proc.pid and x.pid_verified]
+
+    wait_until(lambda: mine(), 30, "the worker to re-establish its lease")
+    [lease] = mine()
+    assert lease.uid == bob and lease.lease_id != w.hello["lease_id"]
+    assert w.ask("lease")["lease_id"] == lease.lease_id
 
 
 # -- the worker socket (item 8) ------------------------------------------------------
