@@ -6,6 +6,7 @@ import io
 import os
 from typing import Any
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -31,15 +32,18 @@ def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
     """The daemon's StatusReply; raises grpc.RpcError when it does not answer.
 
     Asked on `admin_socket` where this process may open it (its descriptors
-    are kept apart from the worker socket's, which idle peers may fill), else
-    on `socket`.
+    are kept apart from the worker socket's, which idle peers may fill), else,
+    or where it does not answer (a daemon without it), on `socket`.
     """
     if admin_socket and os.access(admin_socket, os.R_OK | os.W_OK):
-        with open_channel(ClientConfig(socket=admin_socket)) as ch:
-            answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
-                pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
-            )
-            return answer
+        try:
+            with open_channel(ClientConfig(socket=admin_socket)) as ch:
+                answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
+                    pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+                )
+                return answer
+        except grpc.RpcError:
+            pass
     with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
             pb.StatusRequest(), timeout=STATUS_TIMEOUT_S

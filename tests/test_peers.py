@@ -27,9 +27,11 @@ from typing import Any
 import pytest
 
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
+from engramd_client.config import ClientConfig
 from engramd_client.errors import ShareError
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.layout import sets_root
+from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import RawLease, reference_digests
@@ -433,6 +435,10 @@ def test_idle_connections_to_the_worker_socket_end_and_leave_the_admin_socket_ro
         )
         assert status.returncode == 0, status.stderr
         assert str(checkpoint) in status.stdout
+        admin = ClientConfig(socket=str(d.socket.with_name("admin.sock")))
+        with open_channel(admin) as ch:
+            reply = pb_grpc.AdminServiceStub(ch).Status(pb.StatusRequest(), timeout=10)
+        assert [s.checkpoint for s in reply.sets] == [str(checkpoint)]
         # The flood never took more than the worker socket's share of descriptors.
         assert _open_files(pid) <= 512 - 256 + before
         # After the idle timeout the daemon closed every one of them, taken in late or not.
