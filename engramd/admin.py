@@ -1,8 +1,8 @@
-"""engramd.v1.AdminService: load, drop, verify. Served only on the admin socket (0600)."""
+"""engramd.v1.AdminService: load, drop, verify, status. Served only on the admin socket (0600)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
@@ -20,9 +20,12 @@ from .wire import load_progress, set_info
 class AdminService(pb_grpc.AdminServiceServicer):
     """What only the daemon's owner may ask for."""
 
-    def __init__(self, config: DaemonConfig, store: SetStore) -> None:
+    def __init__(
+        self, config: DaemonConfig, store: SetStore, status: Callable[[], pb.StatusReply]
+    ) -> None:
         self._config = config
         self._store = store
+        self._status = status
         self._readers = BlockingPool("admin-checkpoint", 2)
 
     async def Load(
@@ -67,3 +70,13 @@ class AdminService(pb_grpc.AdminServiceServicer):
             await abort(context, e)
             raise
         return pb.VerifyReply(tensors=ts.ntensors, bytes=ts.nbytes, corrupted=corrupted)
+
+    async def Status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """What the node holds, as the worker socket's Status says it."""
+        try:
+            return self._status()
+        except Exception as e:
+            await abort(context, e)
+            raise

@@ -297,6 +297,40 @@ def serve(
             "worker reads (engramd verify finds it). Off: they load privately.",
         ),
     ] = DEFAULTS.allow_writable_gpu_mappings,
+    leases_per_uid: Annotated[
+        int,
+        typer.Option(
+            envvar="ENGRAMD_LEASES_PER_UID",
+            min=0,
+            help="Most leases one uid holds (as the fd channel sees it); leases of unknown "
+            "uid (path handles) share one such share (0: no limit).",
+        ),
+    ] = DEFAULTS.leases_per_uid,
+    fd_connections_per_uid: Annotated[
+        int,
+        typer.Option(
+            envvar="ENGRAMD_FD_CONNECTIONS_PER_UID",
+            min=0,
+            help="fd channel connections one uid holds at once (0: only the channel's 64).",
+        ),
+    ] = DEFAULTS.fd_connections_per_uid,
+    idle_timeout: Annotated[
+        float,
+        typer.Option(
+            envvar="ENGRAMD_IDLE_TIMEOUT",
+            min=0.001,
+            help="Seconds a worker-socket connection may stay idle before it is closed.",
+        ),
+    ] = DEFAULTS.idle_timeout_s,
+    fd_reserve: Annotated[
+        int,
+        typer.Option(
+            envvar="ENGRAMD_FD_RESERVE",
+            min=0,
+            help="Open files the worker socket's connections never take (admin socket, "
+            "fd channel, sets).",
+        ),
+    ] = DEFAULTS.fd_reserve,
     log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
     log_json: Annotated[
         bool, typer.Option(envvar="ENGRAMD_LOG_JSON", help="One JSON object per log line.")
@@ -335,6 +369,10 @@ def serve(
         adopt_grace_s=values["adopt_grace"],
         max_leases=values["max_leases"],
         allow_writable_gpu_mappings=values["allow_writable_gpu_mappings"],
+        leases_per_uid=values["leases_per_uid"],
+        fd_connections_per_uid=values["fd_connections_per_uid"],
+        idle_timeout_s=values["idle_timeout"],
+        fd_reserve=values["fd_reserve"],
     )
     try:
         asyncio.run(run(daemon_config))
@@ -358,21 +396,23 @@ def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
 @app.command()
 def status(
     socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
     watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until Ctrl-C.")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
 ) -> None:
-    """Show what the node holds: shm folder, sets, leases, memory saved."""
-    from engramd_client.config import ClientConfig
-    from engramd_client.lease import open_channel
-    from engramd_client.pb import engramd_pb2 as pb
-    from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+    """Show what the node holds: shm folder, sets, leases, memory saved.
 
-    from .status_view import STATUS_TIMEOUT_S, as_dict, fetch, render
+    Asked on the admin socket where this user may open it (it answers while
+    idle connections fill the worker socket), else on the worker socket.
+    """
+    from .server import admin_socket_for
+    from .status_view import as_dict, fetch, render
 
+    admin = admin_socket or admin_socket_for(socket)
     if not watch:
         try:
-            reply = fetch(socket)
+            reply = fetch(socket, admin)
         except grpc.RpcError as e:
             raise _unanswered(socket, e) from None
         typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
@@ -382,20 +422,17 @@ def status(
     # the process. Blocked before the first channel, so gRPC's threads
     # inherit the mask and SIGINT stays pending until sigtimedwait takes it.
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    with open_channel(ClientConfig(socket=socket)) as channel:
-        stub = pb_grpc.TableServiceStub(channel)
-        while True:
-            try:
-                reply = stub.Status(pb.StatusRequest(), timeout=STATUS_TIMEOUT_S)
-                text = render(reply, _columns())
-            except grpc.RpcError as e:
-                text = f"engramd is not answering on {socket}: {e.details()}"
-            # Home the cursor and clear, so the table redraws in place (written
-            # directly: typer.echo strips escape codes when not on a terminal).
-            sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
-            sys.stdout.flush()
-            if signal.sigtimedwait({signal.SIGINT}, interval) is not None:
-                return
+    while True:
+        try:
+            text = render(fetch(socket, admin), _columns())
+        except grpc.RpcError as e:
+            text = f"engramd is not answering on {socket}: {e.details()}"
+        # Home the cursor and clear, so the table redraws in place (written
+        # directly: typer.echo strips escape codes when not on a terminal).
+        sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
+        sys.stdout.flush()
+        if signal.sigtimedwait({signal.SIGINT}, interval) is not None:
+            return
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:

@@ -70,3 +70,14 @@ class DaemonConfig:
     #: tmpfs/hugetlbfs sets (registered with flags 0): any of them could then change the
     #: one copy every worker reads (`engramd verify` finds it). Off: they go private.
     allow_writable_gpu_mappings: bool = False
+    #: Most leases one uid holds at once, as the kernel tells the uid (on the fd channel);
+    #: leases whose uid the daemon cannot know (path handles) share one such share. 0: none.
+    leases_per_uid: int = 1024
+    #: fd channel exchanges one uid holds at once (SO_PEERCRED); the channel's whole cap is 64.
+    fd_connections_per_uid: int = 8
+    #: Seconds a worker-socket connection may stay idle (no call in flight, or no
+    #: handshake) before the daemon closes it.
+    idle_timeout_s: float = 60.0
+    #: Descriptors the worker socket's connections never take: kept for the admin
+    #: socket, the fd channel and the sets' files.
+    fd_reserve: int = 256

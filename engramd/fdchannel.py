@@ -7,10 +7,15 @@ maps the daemon's memory whatever its own /dev/shm is.
 
 One exchange per connection, each message one engramd.v1 protobuf::
 
-    worker -> daemon   FdRequest{lease_id, secret}          within 5 s, at most 1 KiB
+    worker -> daemon   FdRequest{lease_id, secret}          within 1 s, at most 1 KiB
     daemon -> worker   FdReply{files, more} + descriptors    SCM_RIGHTS, at most 250 a message
                        ... until more is false
                   or   FdReply{error}                       no descriptor, then close
+
+Connections are capped: MAX_CONNECTIONS in all, and `per_uid` for each
+peer uid (SO_PEERCRED), so idle connections of one user cannot shut out
+another's workers. A connection over either cap gets FdReply{error,
+reason "busy"} and is closed at once; the worker then maps by path.
 
 Every check comes before any descriptor leaves the daemon:
 
@@ -23,15 +28,19 @@ Every check comes before any descriptor leaves the daemon:
   worker attached with. A peer in a pid namespace the daemon cannot see
   (pid 0) is bound by the secret alone.
 
-The lease's pid then counts as verified (the peer's pid as the daemon sees
-it): the sweep ends the lease when that process is gone.
+The lease then carries the peer's uid (charged against its share of
+leases, `leases_per_uid`) and, where the peer's pid is visible, its pid as
+the kernel gave it: the only "verified" pid status shows, and the sweep
+ends the lease when that process is gone.
 """
 
 from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import contextlib
+import functools
 import grp
 import logging
 import os
@@ -48,15 +57,19 @@ from engramd_client.layout import ManifestError, NotOwned
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.process import start_ticks
 
+from .errors import TooManyLeases
 from .store import SetState, SetStore
 
 log = logging.getLogger("engramd")
 
-#: How long a connected peer may take to send its request.
-REQUEST_TIMEOUT_S = 5.0
+#: How long a connected peer may take to send its request (a worker sends it
+#: right after connect()): an idle connection holds its slot no longer.
+REQUEST_TIMEOUT_S = 1.0
+#: How long a reply may wait for the worker to make room in its receive buffer.
+SEND_TIMEOUT_S = 5.0
 #: The largest request accepted.
 MAX_REQUEST_BYTES = 1024
-#: Exchanges served at once; further connections are closed at once.
+#: Exchanges served at once, all peers together; further connections are refused at once.
 MAX_CONNECTIONS = 64
 #: Descriptors per message (the kernel's SCM_MAX_FD is 253).
 FDS_PER_MESSAGE = 250
@@ -107,13 +120,19 @@ class Peer:
 class FdChannel:
     """Serves a store's read-only descriptors on a Unix socket."""
 
-    def __init__(self, path: str, gid: int | None, store: SetStore) -> None:
+    def __init__(self, path: str, gid: int | None, store: SetStore, per_uid: int) -> None:
         self.path = path
         self._gid = os.getegid() if gid is None else gid
         self._store = store
+        #: Exchanges one uid holds at once (0: only MAX_CONNECTIONS).
+        self._per_uid = per_uid
         self._sock: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._exchanges: set[asyncio.Task[None]] = set()
+        #: Exchanges in progress by peer uid.
+        self._by_uid: collections.Counter[int] = collections.Counter()
+        #: Uids told about in the log since their count was last below the cap.
+        self._warned: set[int] = set()
 
     def bind(self) -> None:
         """Create the listening socket (the caller sets its mode and group)."""
@@ -149,21 +168,51 @@ class FdChannel:
                 log.warning("fd channel: accept failed: %s", e)
                 await asyncio.sleep(0.1)
                 continue
-            if len(self._exchanges) >= MAX_CONNECTIONS:
-                log.warning(
-                    "fd channel: %d exchanges in progress; closing one more", MAX_CONNECTIONS
-                )
+            try:
+                peer = Peer.of(conn)
+            except OSError as e:
+                log.debug("fd channel: no peer credentials (%s)", e)
                 conn.close()
                 continue
-            task = loop.create_task(self._exchange(conn))
+            busy = self._busy(peer)
+            if busy:
+                # Said in one non-blocking message, so a worker knows to map by path.
+                with contextlib.suppress(OSError):
+                    conn.send(pb.FdReply(error=busy, reason=Reason.BUSY).SerializeToString())
+                conn.close()
+                continue
+            self._by_uid[peer.uid] += 1
+            task = loop.create_task(self._exchange(conn, peer))
             self._exchanges.add(task)
-            task.add_done_callback(self._exchanges.discard)
+            task.add_done_callback(functools.partial(self._done, peer.uid))
 
-    async def _exchange(self, conn: socket.socket) -> None:
+    def _busy(self, peer: Peer) -> str:
+        """Why a new connection of `peer` is refused now; "" when it is served."""
+        if len(self._exchanges) >= MAX_CONNECTIONS:
+            why = f"{MAX_CONNECTIONS} exchanges in progress, the channel's limit"
+        elif self._per_uid and self._by_uid[peer.uid] >= self._per_uid:
+            why = (
+                f"uid {peer.uid} holds {self._by_uid[peer.uid]} connections, its limit "
+                "(--fd-connections-per-uid)"
+            )
+        else:
+            return ""
+        if peer.uid not in self._warned:
+            self._warned.add(peer.uid)
+            log.warning("fd channel: refusing pid %d (uid %d): %s", peer.pid, peer.uid, why)
+        return f"engramd's fd channel is busy: {why}"
+
+    def _done(self, uid: int, task: asyncio.Task[None]) -> None:
+        self._exchanges.discard(task)
+        self._by_uid[uid] -= 1
+        if self._by_uid[uid] <= 0:
+            del self._by_uid[uid]
+            self._warned.discard(uid)
+
+    async def _exchange(self, conn: socket.socket, peer: Peer) -> None:
         loop = asyncio.get_running_loop()
         with conn:
             try:
-                peer = Peer.of(conn)
                 request = await asyncio.wait_for(
                     loop.sock_recv(conn, MAX_REQUEST_BYTES + 1), REQUEST_TIMEOUT_S
                 )
@@ -215,10 +264,9 @@ class FdChannel:
                 "descriptors were collected already); attach again"
             )
         ts, lease = found
-        # A lease verified in the daemon's pid namespace names the peer's pid
-        # directly; otherwise the peer's own pid is the last of its NSpid.
-        verified = lease.pid_start is not None and peer.pid == lease.pid
-        nspid = [] if verified else peer.status_field("NSpid")
+        # The peer's own pid is the last of its NSpid (its pid in the pid
+        # namespace the worker attached from); the daemon's view of it is peer.pid.
+        nspid = peer.status_field("NSpid")
         if nspid and nspid[-1] != lease.pid:
             raise Refused(
                 f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
@@ -227,8 +275,14 @@ class FdChannel:
         lease.fd_secret = ""
         if ts.state is not SetState.READY or ts.manifest is None:
             raise Refused(f"set {ts.set_id} is no longer held; attach again", Reason.NOT_VISIBLE)
+        try:
+            self._store.own_lease(lease, peer.uid)
+        except TooManyLeases as e:
+            # Its secret is spent: the lease could serve nothing but the count.
+            lease.ended.set()
+            raise Refused(str(e), Reason.LEASES) from None
         if nspid:
-            lease.pid, lease.pid_start = peer.pid, start_ticks(peer.pid)
+            lease.pid, lease.pid_start, lease.pid_verified = peer.pid, start_ticks(peer.pid), True
         try:
             writable = lease.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
             return ts.backing.descriptors(ts.manifest, writable)
@@ -255,7 +309,7 @@ class FdChannel:
 
 
 async def _send(conn: socket.socket, reply: pb.FdReply, fds: list[int]) -> None:
-    """One message with `fds` attached; waits at most REQUEST_TIMEOUT_S for buffer space."""
+    """One message with `fds` attached; waits at most SEND_TIMEOUT_S for buffer space."""
     loop = asyncio.get_running_loop()
     rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
     data = reply.SerializeToString()
@@ -267,7 +321,7 @@ async def _send(conn: socket.socket, reply: pb.FdReply, fds: list[int]) -> None:
             writable: asyncio.Future[None] = loop.create_future()
             loop.add_writer(conn, _resolve, writable)
             try:
-                await asyncio.wait_for(writable, REQUEST_TIMEOUT_S)
+                await asyncio.wait_for(writable, SEND_TIMEOUT_S)
             finally:
                 loop.remove_writer(conn)
 

@@ -56,6 +56,8 @@ SERVICE_NAME = "engramd.v1.TableService"
 _MAX_UNIX_PATH = 107
 #: How often systemd hears about load progress (STATUS=, EXTEND_TIMEOUT_USEC=).
 NOTIFY_INTERVAL_S = 1.0
+#: Fewest connections the worker socket is given when --fd-reserve leaves fewer.
+MIN_WORKER_CONNECTIONS = 64
 #: Start-up time each adopted set buys while it is verified (30 minutes).
 VERIFY_EXTEND_USEC = 30 * 60 * 1_000_000
 
@@ -76,17 +78,24 @@ class EngramdServer:
             adopt_grace_s=config.adopt_grace_s,
             max_leases=config.max_leases,
             placement=Placement.parse(config.numa),
+            leases_per_uid=config.leases_per_uid,
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
         self.service = TableService(config, self.store, lambda: self.ready)
         self.health = health_aio.HealthServicer()
-        self.fd_channel = FdChannel(config.fd_socket, self.gid, self.store)
-        self.grpc = grpc.aio.server(interceptors=[DecodeGuard()])
+        self.fd_channel = FdChannel(
+            config.fd_socket, self.gid, self.store, config.fd_connections_per_uid
+        )
+        self.grpc = grpc.aio.server(
+            interceptors=[DecodeGuard()], options=worker_socket_options(config)
+        )
         pb_grpc.add_TableServiceServicer_to_server(self.service, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
-        pb_grpc.add_AdminServiceServicer_to_server(AdminService(config, self.store), self.admin)
+        pb_grpc.add_AdminServiceServicer_to_server(
+            AdminService(config, self.store, self.service.status), self.admin
+        )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
             self.probes = grpc.aio.server(interceptors=[DecodeGuard()])
@@ -319,6 +328,35 @@ def _claim_socket(path: str, gid: int | None) -> None:
     finally:
         probe.close()
     raise RuntimeError(f"another engramd is serving on {path}; stop it first or choose --socket")
+
+
+def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
+    """gRPC options of the worker socket: idle connections end, and leave descriptors over.
+
+    grpcio shows no peer credentials, so no cap per peer is possible there:
+    a connection that never finishes its handshake, or has no call in flight,
+    is closed after `idle_timeout_s` (a lease's open stream is a call, so
+    attached workers are never idle), and all the socket's connections
+    together stay `fd_reserve` below the soft limit on open files: the admin
+    socket, the fd channel and the sets' files keep theirs.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    connections = soft - config.fd_reserve
+    if connections < MIN_WORKER_CONNECTIONS:
+        connections = max(soft // 2, 1)
+        log.warning(
+            "the open files limit (%d) leaves no room for --fd-reserve %d; the worker socket "
+            "takes at most %d connections (raise LimitNOFILE=)",
+            soft,
+            config.fd_reserve,
+            connections,
+        )
+    idle_ms = max(int(config.idle_timeout_s * 1000), 1)
+    return [
+        ("grpc.max_connection_idle_ms", idle_ms),
+        ("grpc.server_handshake_timeout_ms", idle_ms),
+        ("grpc.max_allowed_incoming_connections", connections),
+    ]
 
 
 def raise_fd_limit() -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 from typing import Any
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 from rich import box
 from rich.console import Console, Group, RenderableType
@@ -26,8 +28,22 @@ STATUS_TIMEOUT_S = 2.0
 _UNBOUNDED = 10_000
 
 
-def fetch(socket: str) -> pb.StatusReply:
-    """The daemon's StatusReply; raises grpc.RpcError when it does not answer."""
+def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
+    """The daemon's StatusReply; raises grpc.RpcError when it does not answer.
+
+    Asked on `admin_socket` where this process may open it (its descriptors
+    are kept apart from the worker socket's, which idle peers may fill), else,
+    or where it does not answer (a daemon without it), on `socket`.
+    """
+    if admin_socket and os.access(admin_socket, os.R_OK | os.W_OK):
+        try:
+            with open_channel(ClientConfig(socket=admin_socket)) as ch:
+                answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
+                    pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+                )
+                return answer
+        except grpc.RpcError:
+            pass
     with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
             pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
@@ -145,7 +161,7 @@ def _sets(reply: pb.StatusReply) -> Table:
 
 
 def _leases(reply: pb.StatusReply) -> Table:
-    table = Table("SET", "LEASE", "PID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
+    table = Table("SET", "LEASE", "PID", "UID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
     for s in reply.sets:
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
@@ -156,6 +172,7 @@ def _leases(reply: pb.StatusReply) -> Table:
                 s.set_id,
                 lease.lease_id,
                 str(lease.pid),
+                str(lease.uid) if lease.HasField("uid") else "?",
                 _KIND.get(lease.kind, "?"),
                 lease.device + _ROUTE[lease.gpu_route] if lease.device else "cpu",
                 Text(escape(labels)),

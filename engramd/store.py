@@ -92,9 +92,10 @@ class Lease:
     node: int | None
     pid: int
     labels: dict[str, str]
-    #: When the worker's process started (clock ticks after boot), where the daemon
-    #: matched its pid to a process in its own pid namespace; None: not verified,
-    #: so the sweep never judges this lease by its pid (the stream still ends it).
+    #: When the process `pid` started (clock ticks after boot), where the worker's
+    #: claim (its pid namespace and start time) matched a process here, or the fd
+    #: channel saw it; None: the sweep never judges this lease by its pid (the
+    #: stream still ends it). A matching claim ends, at worst, the claimer's lease.
     pid_start: int | None
     #: The worker maps an earlier copy of the set than the one the daemon holds.
     stale: bool = False
@@ -106,6 +107,15 @@ class Lease:
     gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED
     #: One-time secret for the fd channel; "" once used.
     fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    #: The worker's uid, once the kernel told it (SO_PEERCRED on the fd channel); None:
+    #: unknown (the gRPC socket has no peer credentials).
+    uid: int | None = None
+    #: `pid` is the fd channel's peer as the kernel gave it, not the request's claim.
+    pid_verified: bool = False
+    #: A first attach for descriptors: it collects them within COLLECT_DEADLINE_S or
+    #: ends, and is charged to its uid then. Any other lease is charged to "uid
+    #: unknown" until its worker comes to the fd channel.
+    collects: bool = False
     started: float = field(default_factory=time.monotonic)
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
@@ -166,6 +176,11 @@ class TableSet:
 #: the id never depends on where the bytes are.
 SetKey = tuple[str, str, int | None]
 
+#: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
+#: collect them on the fd channel, where its uid becomes known; until then it is
+#: charged to no uid.
+COLLECT_DEADLINE_S = 10.0
+
 #: Leases listed per set in a status reply (all are counted): a reply stays far
 #: below gRPC's 4 MiB limit whatever the workers send.
 STATUS_LEASES = 64
@@ -186,6 +201,7 @@ class SetStore:
         adopt_grace_s: float = 0.0,
         max_leases: int = 0,
         placement: Placement = DEFAULT_PLACEMENT,
+        leases_per_uid: int = 0,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
         self.backings = backings
@@ -195,6 +211,7 @@ class SetStore:
         self._evict_idle = evict_idle
         self._adopt_grace_s = adopt_grace_s
         self._max_leases = max_leases
+        self._leases_per_uid = leases_per_uid
         self._placement = placement
         # Loads, and the daemon's own file work (pin, verify, unlink), each on
         # bounded daemon threads that never hold up shutdown.
@@ -565,8 +582,15 @@ class SetStore:
                 f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
                 "or raise the limit"
             )
+        # A first lease of descriptors is charged to its uid once it collects
+        # them (COLLECT_DEADLINE_S); any other lease's uid is unknown until its
+        # worker comes to the fd channel, and all of those together hold one
+        # uid's share.
+        collects = kind == pb.HANDLE_KIND_FD and not request.reattach
+        if not collects:
+            self._check_share(None)
         start = start_ticks(request.pid) if request.pid > 0 else None
-        verified = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
+        claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
         lease = Lease(
             lease_id=secrets.token_hex(6),
             set_id=ts.set_id,
@@ -574,13 +598,14 @@ class SetStore:
             node=ts.node,
             pid=request.pid,
             labels=dict(request.labels),
-            pid_start=start if verified else None,
+            pid_start=start if claimed else None,
             stale=bool(
                 request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
             ),
             kind=kind,
             device=request.device,
             gpu_route=gpu_route,
+            collects=collects,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
@@ -590,6 +615,35 @@ class SetStore:
         """Leases held on every set."""
         return sum(len(ts.leases) for ts in self.sets.values())
 
+    def own_lease(self, lease: Lease, uid: int) -> None:
+        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases."""
+        if lease.uid == uid:
+            return
+        self._check_share(uid)
+        lease.uid = uid
+
+    def _check_share(self, uid: int | None) -> None:
+        """Raise TooManyLeases when `uid` (None: leases of unknown uid) holds its share."""
+        if not self._leases_per_uid:
+            return
+        held = sum(
+            1
+            for ts in self.sets.values()
+            for lease in ts.leases.values()
+            if lease.uid == uid and (uid is not None or not lease.collects)
+        )
+        if held < self._leases_per_uid:
+            return
+        who = (
+            f"uid {uid}"
+            if uid is not None
+            else "workers whose uid engramd cannot know (path handles, no fd channel)"
+        )
+        raise TooManyLeases(
+            f"{who} hold {held} leases, one user's share of engramd's leases "
+            "(--leases-per-uid); stop idle workers or raise the share"
+        )
+
     def end_lease(self, lease: Lease) -> None:
         """Forget a lease (its stream closed)."""
         ts = self.sets.get((lease.set_id, lease.backing, lease.node))
@@ -597,12 +651,14 @@ class SetStore:
             ts.last_used = time.monotonic()
 
     def sweep_dead(self) -> int:
-        """End the leases of verified workers whose process is gone; returns how many.
+        """End leases whose process is gone, or that never collected their descriptors.
 
-        A pid the daemon could not verify is never judged: it may name
+        A pid that matched no process here is never judged: it may name
         another process here than the worker's (another pid namespace).
+        Returns how many ended.
         """
         ended = 0
+        now = time.monotonic()
         for ts in self.sets.values():
             for lease in list(ts.leases.values()):
                 if lease.pid_start is not None and start_ticks(lease.pid) != lease.pid_start:
@@ -612,9 +668,22 @@ class SetStore:
                         ts.set_id,
                         lease.pid,
                     )
-                    lease.ended.set()
-                    ts.leases.pop(lease.lease_id, None)
-                    ended += 1
+                elif (
+                    lease.collects and lease.fd_secret and now - lease.started > COLLECT_DEADLINE_S
+                ):
+                    log.info(
+                        "ending lease %s of set %s: pid %d did not collect its descriptors "
+                        "within %.0f s",
+                        lease.lease_id,
+                        ts.set_id,
+                        lease.pid,
+                        COLLECT_DEADLINE_S,
+                    )
+                else:
+                    continue
+                lease.ended.set()
+                ts.leases.pop(lease.lease_id, None)
+                ended += 1
         return ended
 
     def drain(self) -> None:

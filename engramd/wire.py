@@ -65,10 +65,11 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 labels=lease.labels,
                 attached_s=now - lease.started,
                 stale=lease.stale,
-                pid_verified=lease.pid_start is not None,
+                pid_verified=lease.pid_verified,
                 kind=lease.kind,  # type: ignore[arg-type]
                 device=lease.device,
                 gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+                uid=lease.uid,
             )
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -45,9 +46,10 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
             "pid": w.proc.pid,
             "labels": {"dp_rank": "3", "tp_rank": "0"},
             "attached_s": s["leases"][0]["attached_s"],
-            # The worker's pid namespace and start time matched its process.
+            # It collected its descriptors on the fd channel: the kernel named
+            # its pid and uid there (SO_PEERCRED).
             "pid_verified": True,
-            # It collected its descriptors on the fd channel.
+            "uid": os.getuid(),
             "kind": "HANDLE_KIND_FD",
             # It asked for no CUDA device, so it reads the set on none.
             "device": "",

@@ -501,21 +501,22 @@ def test_refused_load_evicts_nothing(
             d.stop()
 
 
-def test_pids_are_judged_only_where_verified(checkpoint: Path, daemons: Any) -> None:
+def test_pids_are_judged_only_where_they_match_and_never_shown_verified(
+    checkpoint: Path, daemons: Any
+) -> None:
     d = daemons("--checkpoint", str(checkpoint), "--sweep-interval", "0.05")
     set_id = d.status().sets[0].set_id
     claimed = subprocess.Popen(["sleep", "600"])  # stands for a pid in another namespace
-    verified = subprocess.Popen(["sleep", "600"])
+    matched = subprocess.Popen(["sleep", "600"])
+
+    def claim(pid: int) -> dict[str, Any]:
+        return {"pid": pid, "pid_namespace": pid_namespace(), "pid_start": start_ticks(pid) or 0}
+
     requests = [
         pb.AttachRequest(set_id=set_id, pid=claimed.pid, labels={"who": "claimed"}),
-        pb.AttachRequest(set_id=set_id, pid=1, labels={"who": "init"}),
-        pb.AttachRequest(
-            set_id=set_id,
-            pid=verified.pid,
-            pid_namespace=pid_namespace(),
-            pid_start=start_ticks(verified.pid) or 0,
-            labels={"who": "verified"},
-        ),
+        # pid 1's namespace and start time: a claim anyone can make.
+        pb.AttachRequest(set_id=set_id, labels={"who": "init"}, **claim(1)),
+        pb.AttachRequest(set_id=set_id, labels={"who": "matched"}, **claim(matched.pid)),
     ]
     with d.channel() as ch:
         stub = pb_grpc.TableServiceStub(ch)
@@ -527,14 +528,14 @@ def test_pids_are_judged_only_where_verified(checkpoint: Path, daemons: Any) -> 
             def leases() -> dict[str, bool]:
                 return {x.labels["who"]: x.pid_verified for x in d.status().sets[0].leases}
 
-            assert leases() == {"claimed": False, "init": False, "verified": True}
-            for p in (claimed, verified):
+            # Only the kernel verifies a pid (the fd channel); a request only claims one.
+            assert leases() == {"claimed": False, "init": False, "matched": False}
+            for p in (claimed, matched):
                 p.kill()
                 p.wait()
-            wait_until(
-                lambda: "verified" not in leases(), 10, "the sweep to end the verified lease"
-            )
-            # That sweep ran after both processes were gone: the unverified pid was not judged.
+            # A claim that matched a process here ends with it (at worst, the claimer's lease).
+            wait_until(lambda: "matched" not in leases(), 10, "the sweep to end the lease")
+            # That sweep ran after both processes were gone: the unmatched pid was not judged.
             assert leases() == {"claimed": False, "init": False}
         finally:
             for call in calls:

@@ -32,6 +32,8 @@ class Reason(enum.StrEnum):
     DRAINING = "draining"
     #: The fd channel: the daemon's own copy of the set cannot be handed out.
     NOT_VISIBLE = "not-visible"
+    #: The fd channel: too many connections (of this uid, or in all); paths may still work.
+    BUSY = "busy"
 
 
 class EngramdError(Exception):
@@ -134,6 +136,8 @@ BY_REASON: dict[str, type[ShareError]] = {
     Reason.UNKNOWN_SET: UnknownSet,
     Reason.DRAINING: DaemonUnavailable,
     Reason.NOT_VISIBLE: SegmentNotVisible,
+    # Named for the fd channel, whose unnamed reasons mean NotAllowed.
+    Reason.LEASES: DaemonError,
 }
 
 #: Every cause a worker may report in ReportFallback; the daemon accepts no other.

@@ -31,6 +31,8 @@ from .errors import (
     NotAllowed,
     ShareError,
 )
+from .fdchannel import collect
+from .handles import channel_path
 from .pb import engramd_pb2 as pb
 from .pb import engramd_pb2_grpc as pb_grpc
 
@@ -232,6 +234,8 @@ class Lease:
 
     def _adopt(self, attachment: pb.Attachment) -> None:
         self.lease_id = attachment.lease_id
+        if attachment.fd_channel.secret:
+            self._show_self(attachment)
         if attachment.nonce == self._nonce:
             log.info("engramd lease for set %s re-established", attachment.set_id)
         elif not self.stale:
@@ -246,6 +250,28 @@ class Lease:
                 "Tables.refresh() and bind the tables it returns",
                 attachment.set_id,
             )
+
+    def _show_self(self, attachment: pb.Attachment) -> None:
+        """Meet the daemon on the fd channel, where the kernel names this process.
+
+        A re-established lease is charged to this worker's uid and shows its
+        pid verified only once the daemon's fd channel saw it (SO_PEERCRED);
+        the descriptors themselves are not needed, the mappings stay.
+        """
+        try:
+            fds = collect(
+                channel_path(self._config, attachment),
+                attachment.lease_id,
+                attachment.fd_channel.secret,
+                self._config.reply_timeout_s,
+            )
+        except ShareError as e:
+            log.debug(
+                "engramd lease %s: the fd channel did not see this worker: %s", self.lease_id, e
+            )
+            return
+        for fd in fds.values():
+            os.close(fd)
 
     def close(self) -> None:
         """End the lease now."""

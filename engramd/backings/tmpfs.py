@@ -84,7 +84,11 @@ class TmpfsBacking(Backing):
     def claim(self) -> None:
         """Make the shm folder where missing; refuse a disk's unless accepted; make or check
         `<shm_dir>/engramd` (shmroot)."""
-        Path(self.shm_dir).mkdir(parents=True, exist_ok=True)
+        folder = Path(self.shm_dir)
+        if not folder.exists():
+            folder.mkdir(parents=True, exist_ok=True)
+            # Its group must pass through it to the sets, whatever the umask.
+            self.secure_folder(folder)
         fstype, _ = mount_of(self.shm_dir)
         if fstype not in _MEMORY_FILESYSTEMS:
             if not self._allow_disk:
@@ -143,12 +147,20 @@ class TmpfsBacking(Backing):
     def make_folder(self, folder: Path) -> None:
         """Create `folder` (not there before), 0750, group `gid`."""
         folder.mkdir(mode=0o750)
+        self.secure_folder(folder)
+
+    def secure_folder(self, folder: Path) -> None:
+        """Give a folder the daemon made 0750 and group `gid`."""
+        # mkdir's mode passes through the umask (077 would shut the group out).
+        os.chmod(folder, 0o750)
         if self._gid is not None:
             os.chown(folder, -1, self._gid)
 
     def make_file(self, path: Path) -> int:
         """Create `path` (not there before), 0640, group `gid`; a read-write descriptor."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+        # open's mode passes through the umask (077 would shut the group out).
+        os.fchmod(fd, 0o640)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd

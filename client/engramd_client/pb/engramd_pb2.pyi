@@ -334,7 +334,7 @@ class SetInfo(_message.Message):
     def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
-    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route")
+    __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +351,7 @@ class LeaseInfo(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     GPU_ROUTE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     pid: int
     labels: _containers.ScalarMap[str, str]
@@ -360,7 +361,8 @@ class LeaseInfo(_message.Message):
     kind: HandleKind
     device: str
     gpu_route: GpuRoute
-    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
+    uid: int
+    def __init__(self, lease_id: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., attached_s: _Optional[float] = ..., stale: _Optional[bool] = ..., pid_verified: _Optional[bool] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., device: _Optional[str] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ..., uid: _Optional[int] = ...) -> None: ...
 
 class FallbackReport(_message.Message):
     __slots__ = ("cause", "set_id", "pid", "bytes")

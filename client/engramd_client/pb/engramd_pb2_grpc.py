@@ -214,6 +214,11 @@ class AdminServiceStub:
                 request_serializer=engramd_dot_v1_dot_engramd__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=engramd_dot_v1_dot_engramd__pb2.VerifyReply.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/engramd.v1.AdminService/Status',
+                request_serializer=engramd_dot_v1_dot_engramd__pb2.StatusRequest.SerializeToString,
+                response_deserializer=engramd_dot_v1_dot_engramd__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -242,6 +247,14 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """TableService.Status, also here: the admin socket keeps descriptors of its
+        own, so the operator can look while the worker socket is flooded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -259,6 +272,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=engramd_dot_v1_dot_engramd__pb2.VerifyRequest.FromString,
                     response_serializer=engramd_dot_v1_dot_engramd__pb2.VerifyReply.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=engramd_dot_v1_dot_engramd__pb2.StatusRequest.FromString,
+                    response_serializer=engramd_dot_v1_dot_engramd__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -343,6 +361,33 @@ class AdminService:
             '/engramd.v1.AdminService/Verify',
             engramd_dot_v1_dot_engramd__pb2.VerifyRequest.SerializeToString,
             engramd_dot_v1_dot_engramd__pb2.VerifyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/engramd.v1.AdminService/Status',
+            engramd_dot_v1_dot_engramd__pb2.StatusRequest.SerializeToString,
+            engramd_dot_v1_dot_engramd__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,
