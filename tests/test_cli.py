@@ -92,8 +92,13 @@ def test_synth_writes_what_the_reference_reader_reads(tmp_path: Path) -> None:
     assert any(".engram." not in name for name in tensors)
 
 
+def demo_folders() -> set[Path]:
+    """The demo's shm folders (others' runs may come and go in /dev/shm meanwhile)."""
+    return set(Path("/dev/shm").glob("engramd-demo-*"))
+
+
 def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
-    before = set(Path("/dev/shm").iterdir())
+    before = demo_folders()
     result = engramd(
         "demo",
         "--rows",
@@ -110,11 +115,11 @@ def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "lookups/s" in result.stdout and "all checks passed" in result.stdout
-    assert set(Path("/dev/shm").iterdir()) == before
+    assert demo_folders() == before
 
 
 def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
-    before = set(Path("/dev/shm").iterdir())
+    before = demo_folders()
     demo = subprocess.Popen(
         [sys.executable, "-m", "engramd", "demo", "--rows", "20000", "--steps", "50"],
         stdout=subprocess.PIPE,
@@ -131,6 +136,6 @@ def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
     demo.send_signal(signal.SIGINT)
     assert demo.wait(timeout=60) == 130
     assert "interrupted" in demo.stdout.read()
-    assert set(Path("/dev/shm").iterdir()) == before
+    assert demo_folders() == before
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [c.cmdline() for c in alive]
