@@ -37,6 +37,8 @@ class AdminService(pb_grpc.AdminServiceServicer):
             )
             copies = await self._store.ensure_everywhere(plan)
             for ts in copies:
+                ts.published = True
+            for ts in copies:
                 async for progress in load_progress(ts):
                     yield pb.LoadEvent(progress=progress)
                 if ts.error is not None:

@@ -62,6 +62,22 @@ class LoadPolicy:
             )
         return path
 
+    def check_read(self, checkpoint: str) -> Path:
+        """The resolved checkpoint, if the daemon may read it for a worker (as for a load).
+
+        Proving a worker's copy reads its files in full, as a load would: the
+        same roots apply, and `check_plan` judges each file.
+        """
+        path = resolve(checkpoint)
+        if str(path) not in self._configured and not self._under_root(path):
+            roots = ", ".join(map(str, self._allowed)) or "none"
+            raise NotAllowed(
+                f"engramd holds this set from other files than {path}, and may not read {path} "
+                f"to compare it (allowed roots: {roots}); attach with the checkpoint the "
+                "operator loaded, or start the daemon with --allow-root <dir>"
+            )
+        return path
+
     def check_plan(self, path: Path, plan: TablePlan, set_id: str) -> None:
         """Refuse a plan whose files leave the root, or whose set is not the worker's."""
         if str(path) not in self._configured:

@@ -111,7 +111,10 @@ class EngramdServer:
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
-                self._configured += await self.store.ensure_everywhere(plan)
+                copies = await self.store.ensure_everywhere(plan)
+                for ts in copies:
+                    ts.published = True
+                self._configured += copies
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays
                 # NOT_SERVING so the operator sees that this one is missing.
