@@ -1,0 +1,236 @@
+"""A set is served for a checkpoint only for files proven to hold its bytes.
+
+Two unprivileged users share one daemon (socket group, --allow-root): one
+plants altered bytes under a public checkpoint's set id, the other attaches
+its own clean copy. And a checkpoint on tmpfs written in place through a
+shared mapping, which changes neither its mtime nor its ctime.
+"""
+
+from __future__ import annotations
+
+import grp
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import Daemon, Worker, mounted_tmpfs
+from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
+from engramd_client.pb import engramd_pb2 as pb
+from helpers import attach_error, reason, reference_digests
+
+GROUP = "engramd-tp"
+ALICE = 60151
+BOB = 60152
+SHARD = "model-00002-of-00002.safetensors"
+
+
+def _edit_between_samples(shard: Path) -> None:
+    """Change 4 KiB of data that no fingerprint sample reads (the set id stays)."""
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        span = size - start - SAMPLE_BYTES
+        # Halfway between the 4th and 5th samples: far from every sampled block.
+        offset = start + span * (2 * (SAMPLES // 2) - 1) // (2 * (SAMPLES - 1))
+        with mmap.mmap(f.fileno(), 0) as m:
+            m[offset : offset + 4096] = bytes(b ^ 0x5A for b in m[offset : offset + 4096])
+
+
+def _own(path: Path, uid: int, gid: int, mode: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, uid, gid)
+        p.chmod(mode if p.is_dir() else mode & 0o666)
+
+
+@dataclass
+class Node:
+    """A daemon serving a socket group, with a folder per user under its allowed root."""
+
+    daemon: Daemon
+    gid: int
+    root: Path
+
+    def user(self, uid: int) -> str:
+        """run_as.py's spec for `uid` in the socket group only."""
+        return f"{uid}:{self.gid}"
+
+    def copy_for(self, uid: int, name: str, checkpoint: Path) -> Path:
+        """A private copy of `checkpoint` owned by `uid` (mode 0700: no one else may read it)."""
+        folder = self.root / f"{uid}" / name
+        shutil.copytree(checkpoint, folder)
+        _own(self.root / f"{uid}", uid, self.gid, 0o700)
+        return folder
+
+
+@pytest.fixture
+def node(checkpoint: Path) -> Iterator[Node]:
+    if os.geteuid() != 0:
+        pytest.skip("creating a group and dropping to other users needs root")
+    subprocess.run(["groupdel", GROUP], capture_output=True)  # left by an interrupted run
+    subprocess.run(["groupadd", "--system", GROUP], check=True, capture_output=True)
+    top = Path(tempfile.mkdtemp(prefix="edp", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-test-proof", dir="/dev/shm"))
+    root = top / "root"
+    root.mkdir()
+    for p in (top, shm, root):
+        p.chmod(0o755)
+    d = Daemon(
+        top / "run" / "d.sock",
+        shm,
+        ["--allow-root", str(root), "--socket-group", GROUP],
+        top / "log",
+    ).start()
+    try:
+        yield Node(d, grp.getgrnam(GROUP).gr_gid, root)
+    finally:
+        d.stop()
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+        subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def test_planted_bytes_reach_no_other_copy(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    poisoned = node.copy_for(ALICE, "poisoned", checkpoint)
+    _edit_between_samples(poisoned / SHARD)
+    assert plan_tables(poisoned).set_id == plan_tables(checkpoint).set_id
+    clean = reference_digests(checkpoint)
+    planted = reference_digests(poisoned)
+    assert planted != clean
+
+    alice = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    assert alice.hello["digests"] == planted
+
+    # Bob's own clean copy, same set id: never served Alice's bytes.
+    mine = node.copy_for(BOB, "clean", checkpoint)
+    strict = Worker(mine, d.socket, share="on", user=node.user(BOB))
+    workers.append(strict)
+    assert strict.hello["error"] == "FingerprintMismatch", strict.hello
+    assert "does not hold the bytes" in strict.hello["message"]
+    auto = Worker(mine, d.socket, user=node.user(BOB))
+    workers.append(auto)
+    assert auto.hello["mode"] == "private"
+    assert auto.hello["digests"] == clean
+    # Nor by the bare set id: Alice's attach loaded it, the operator did not.
+    by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
+    workers.append(by_id)
+    assert by_id.hello["error"] == "UnknownSet", by_id.hello
+
+    # A copy holding the very same bytes is proven by its digest and shared.
+    same = node.copy_for(BOB, "same", poisoned)
+    twin = Worker(same, d.socket, share="on", user=node.user(BOB))
+    workers.append(twin)
+    assert twin.hello["mode"] == "shared", twin.hello
+    assert twin.hello["digests"] == planted
+    # Meanwhile the daemon served everyone else: one set, Alice's and the twin's leases.
+    [s] = d.status().sets
+    assert s.lease_count == 2
+    again = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
+    workers.append(again)
+    assert again.hello["mode"] == "shared"
+
+
+def test_proof_refuses_files_outside_the_roots_and_answers_progress(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoint, root / "a")
+    d = daemons("--allow-root", str(root))
+    set_id = plan_tables(checkpoint).set_id
+    assert attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(root / "a"))) is None
+    # The same bytes outside the allowed root: the daemon may not read them to compare.
+    err = attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(checkpoint)))
+    assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert reason(err) == "not-allowed"
+    # Inside it, a second copy is digested once, with progress, then served.
+    shutil.copytree(checkpoint, root / "b")
+    request = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "b"))
+    assert attach_error(d, request) is None
+    assert [s.set_id for s in d.status().sets] == [set_id]
+
+
+def test_tmpfs_checkpoint_written_through_a_mapping_is_not_served(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    with mounted_tmpfs("64m") as mount:
+        ckpt = mount / "engram"
+        shutil.copytree(checkpoint, ckpt)
+        d = daemons("--checkpoint", str(ckpt))
+        first = Worker(ckpt, d.socket, share="on")
+        workers.append(first)
+        assert first.hello["mode"] == "shared"
+        assert first.hello["digests"] == reference_digests(checkpoint)
+
+        shard = ckpt / SHARD
+        before = shard.stat()
+        _edit_between_samples(shard)
+        after = shard.stat()
+        # What makes tmpfs different: the kernel stamps no time on such a write.
+        assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)
+        assert plan_tables(ckpt).set_id == plan_tables(checkpoint).set_id
+
+        strict = Worker(ckpt, d.socket, share="on")
+        workers.append(strict)
+        assert strict.hello["error"] == "FingerprintMismatch", strict.hello
+        auto = Worker(ckpt, d.socket)
+        workers.append(auto)
+        assert auto.hello["mode"] == "private"
+        assert auto.hello["digests"] == reference_digests(ckpt)
+        # The first worker keeps its mapping; the daemon keeps serving the set.
+        assert first.ask("digest") == {"digests": reference_digests(checkpoint)}
+        [s] = d.status().sets
+        assert s.state == "ready" and s.lease_count == 1
+        for w in workers:
+            w.kill()
+
+
+def _bytes_read(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def _read_by_attach(d: Daemon, ckpt: Path, workers: list[Worker]) -> int:
+    assert d.proc is not None
+    before = _bytes_read(d.proc.pid)
+    w = Worker(ckpt, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    return _bytes_read(d.proc.pid) - before
+
+
+def test_tmpfs_checkpoints_are_digested_at_each_attach(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    with mounted_tmpfs("64m") as mount:
+        ckpt = mount / "engram"
+        shutil.copytree(checkpoint, ckpt)
+        d = daemons("--checkpoint", str(ckpt))
+        [s] = d.status().sets
+        for _ in range(2):
+            assert _read_by_attach(d, ckpt, workers) >= s.bytes
+        for w in workers:
+            w.kill()
+
+
+def test_disk_checkpoints_are_proven_by_identity(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    disk = daemons("--checkpoint", str(checkpoint))
+    [s] = disk.status().sets
+    # The set's own files on a filesystem that stamps every write: headers and samples only.
+    assert _read_by_attach(disk, checkpoint, workers) < s.bytes // 10
