@@ -79,7 +79,7 @@ class EngramdServer:
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
-        self.service = TableService(config, self.store, lambda: self.ready)
+        self.service = TableService(config, self.store, lambda: self.ready, self.gid)
         self.health = health_aio.HealthServicer()
         self.fd_channel = FdChannel(config.fd_socket, self.gid, self.store)
         self.grpc = grpc.aio.server(interceptors=[DecodeGuard()])
@@ -87,6 +87,11 @@ class EngramdServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_AdminServiceServicer_to_server(AdminService(config, self.store), self.admin)
+        # The owner's socket shows every set's id and checkpoint (the worker socket cannot).
+        pb_grpc.add_TableServiceServicer_to_server(
+            TableService(config, self.store, lambda: self.ready, self.gid, full_status=True),
+            self.admin,
+        )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
             self.probes = grpc.aio.server(interceptors=[DecodeGuard()])

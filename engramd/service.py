@@ -21,7 +21,7 @@ from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, abort
 from .loader import LoadProgress
-from .policy import LoadPolicy, resolve
+from .policy import LoadPolicy, open_to_group, resolve
 from .proof import Prover
 from .store import Lease, SetState, SetStore, TableSet
 from .units import gib
@@ -47,8 +47,23 @@ CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
 class TableService(pb_grpc.TableServiceServicer):
     """Serves attaches and status from a SetStore."""
 
-    def __init__(self, config: DaemonConfig, store: SetStore, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        store: SetStore,
+        ready: Callable[[], bool],
+        group: int | None = None,
+        full_status: bool = False,
+    ) -> None:
+        """Serve `store`; `group` is the socket's group, `full_status` shows every set to all.
+
+        Only the owner's admin socket has `full_status`: on the worker socket
+        a caller may be any member of the socket group, and the daemon cannot
+        tell which (grpcio gives no peer credentials).
+        """
         self._config = config
+        self._group = group
+        self._full_status = full_status
         self._store = store
         self._ready = ready
         self._started = time.monotonic()
@@ -246,10 +261,25 @@ class TableService(pb_grpc.TableServiceServicer):
         return pb.FallbackAck()
 
     def status(self) -> pb.StatusReply:
-        """The status reply, built from the store (on the event loop)."""
+        """The status reply, built from the store (on the event loop).
+
+        On the worker socket, a set is shown in full when the operator loaded
+        it or every member of the socket group may read its files; others
+        appear with their size and state only (no id, path or leases).
+        """
         return status_reply(
-            self._store, self._config.socket, time.monotonic() - self._started, self._ready()
+            self._store,
+            self._config.socket,
+            time.monotonic() - self._started,
+            self._ready(),
+            None if self._full_status else self._shown,
         )
+
+    def _shown(self, ts: TableSet) -> bool:
+        if ts.published:
+            return True
+        files = [s.path for s in ts.manifest.sources] if ts.manifest else [ts.checkpoint]
+        return open_to_group(files, self._group)
 
 
 def _validate(request: pb.AttachRequest) -> None:

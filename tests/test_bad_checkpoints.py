@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Worker
 from engramd_client import CheckpointError, attach
-from engramd_client.checkpoint import _HeaderCache, read_header
+from engramd_client.checkpoint import SafetensorsFile, TensorEntry, _HeaderCache, read_header
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason
@@ -241,22 +241,24 @@ def test_headers_are_parsed_once_per_file_identity(checkpoint: Path, tmp_path: P
 
 
 def test_header_cache_stays_within_its_bound(checkpoint: Path) -> None:
-    shards = sorted(checkpoint.glob("*.safetensors"))
-    sizes = [len(read_header(p).header) for p in shards]
-    cache = _HeaderCache(limit=max(sizes))
-    parses = []
-    for _ in range(2):
-        for p in shards:
-            h = read_header(p)
-            cache.parsed(h.source, h.header, lambda h=h: parses.append(h.path) or h.tensors)
-    # Room for one header only: each shard pushes the other out, so each is parsed again.
-    assert len(parses) == 2 * len(shards)
-    big = _HeaderCache(limit=sum(sizes))
-    for _ in range(2):
-        for p in shards:
-            h = read_header(p)
-            big.parsed(h.source, h.header, lambda h=h: parses.append(h.path) or h.tensors)
-    assert len(parses) == 3 * len(shards)
+    headers = [read_header(p) for p in sorted(checkpoint.glob("*.safetensors"))]
+    parses: list[Path] = []
+
+    def fill(cache: _HeaderCache) -> None:
+        for _ in range(2):
+            for h in headers:
+
+                def parse(h: SafetensorsFile = h) -> dict[str, TensorEntry]:
+                    parses.append(h.path)
+                    return h.tensors
+
+                cache.parsed(h.source, h.header, parse)
+
+    # Room for the largest header only: each shard pushes the other out, and is parsed again.
+    fill(_HeaderCache(limit=max(len(h.header) for h in headers)))
+    assert len(parses) == 2 * len(headers)
+    fill(_HeaderCache(limit=sum(len(h.header) for h in headers)))
+    assert len(parses) == 3 * len(headers)
 
 
 def test_requests_the_daemon_must_refuse(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:

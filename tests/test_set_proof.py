@@ -9,6 +9,7 @@ shared mapping, which changes neither its mtime nor its ctime.
 from __future__ import annotations
 
 import grp
+import json
 import mmap
 import os
 import shutil
@@ -22,7 +23,8 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import Daemon, Worker, mounted_tmpfs
+from conftest import Daemon, Worker, as_user, mounted_tmpfs
+from engramd.demo.synth import SynthSpec, synthesize
 from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests
@@ -234,3 +236,37 @@ def test_disk_checkpoints_are_proven_by_identity(
     [s] = disk.status().sets
     # The set's own files on a filesystem that stamps every write: headers and samples only.
     assert _read_by_attach(disk, checkpoint, workers) < s.bytes // 10
+
+
+def test_status_shows_the_group_only_what_all_of_it_may_read(
+    node: Node, checkpoint: Path, workers: list[Worker], tmp_path: Path
+) -> None:
+    d = node.daemon
+    private = node.copy_for(ALICE, "private", checkpoint)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared"
+    public = node.root / "public"
+    synthesize(public, SynthSpec(rows=4000))
+    for p in (public, *public.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    bob = Worker(public, d.socket, share="on", user=node.user(BOB))
+    workers.append(bob)
+    assert bob.hello["mode"] == "shared"
+
+    seen = subprocess.run(
+        [*as_user(node.user(BOB)), "-m", "engramd", "status", "--json", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seen.returncode == 0, seen.stderr
+    sets = {s["set_id"]: s for s in json.loads(seen.stdout)["sets"]}
+    # Bob sees that a set of Alice's size exists, not its id, path or leases.
+    assert set(sets) == {"", bob.hello["set_id"]}
+    assert sets[""]["checkpoint"] == "" and sets[""]["leases"] == []
+    assert sets[""]["bytes"] > 0 and str(private) not in seen.stdout
+    assert alice.hello["set_id"] not in seen.stdout
+    assert sets[bob.hello["set_id"]]["checkpoint"] == str(public)
+    # The owner's admin socket shows both.
+    assert {s.set_id for s in d.status().sets} == {alice.hello["set_id"], bob.hello["set_id"]}
