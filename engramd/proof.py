@@ -94,6 +94,7 @@ class Prover:
         """
         checksums = {t.name: t.checksum for t in manifest.tensors}
         sources = {s.path: s for s in proof.plan.sources}
+        loaded = {s.path for s in manifest.sources}
         for entry in proof.unproven:
             source = sources[str(entry.file)]
             key = _key(source, entry.offset, entry.nbytes)
@@ -104,6 +105,12 @@ class Prover:
                 if source in proof.stamped:
                     self._keep(key, digest)
             progress.add(entry.nbytes)
+            if digest != checksums.get(entry.name) and source.path in loaded:
+                raise FingerprintDiffers(
+                    f"{source.path} changed on disk after engramd loaded it (tensor "
+                    f"{entry.name!r} no longer holds the set's bytes): its copy holds the earlier "
+                    f"bytes; `engramd load {proof.plan.checkpoint}` loads the new version"
+                )
             if digest != checksums.get(entry.name):
                 # No set id here: the caller learns only that its bytes differ.
                 raise FingerprintDiffers(
