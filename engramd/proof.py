@@ -60,11 +60,8 @@ class Proof:
     unproven: tuple[TensorEntry, ...]
     #: The worker's files whose identity changes on every write: their digests are kept.
     stamped: frozenset[SourceFile]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes to digest at most (0: proven by identity)."""
-        return sum(t.nbytes for t in self.unproven)
+    #: Bytes to read: the unproven tensors whose digests are not kept (0: nothing to read).
+    nbytes: int
 
 
 class Prover:
@@ -75,16 +72,25 @@ class Prover:
         self._digests: OrderedDict[_DigestKey, str] = OrderedDict()
         self._lock = threading.Lock()
 
-    @staticmethod
-    def judge(plan: TablePlan, manifest: Manifest) -> Proof:
+    def judge(self, plan: TablePlan, manifest: Manifest) -> Proof:
         """Which of the plan's tensors the set's own, unchanged files already prove."""
         loaded = set(manifest.sources)
         stamped = frozenset(s for s in plan.sources if stamps_writes(s.path))
         trusted = {s.path for s in plan.sources if s in loaded and s in stamped}
+        unproven = tuple(t for t in plan.tensors if str(t.file) not in trusted)
+        sources = {s.path: s for s in plan.sources}
+        with self._lock:
+            kept = {
+                t.name
+                for t in unproven
+                if sources[str(t.file)] in stamped
+                and _key(sources[str(t.file)], t.offset, t.nbytes) in self._digests
+            }
         return Proof(
             plan=plan,
-            unproven=tuple(t for t in plan.tensors if str(t.file) not in trusted),
+            unproven=unproven,
             stamped=stamped,
+            nbytes=sum(t.nbytes for t in unproven if t.name not in kept),
         )
 
     def prove(self, proof: Proof, manifest: Manifest, progress: LoadProgress) -> None:
@@ -104,7 +110,7 @@ class Prover:
                 digest = _digest(source, entry.offset, entry.nbytes)
                 if source in proof.stamped:
                     self._keep(key, digest)
-            progress.add(entry.nbytes)
+                progress.add(entry.nbytes)
             if digest != checksums.get(entry.name) and source.path in loaded:
                 raise FingerprintDiffers(
                     f"{source.path} changed on disk after engramd loaded it (tensor "

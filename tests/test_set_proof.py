@@ -27,6 +27,7 @@ from conftest import Daemon, Worker, as_user, mounted_tmpfs
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
 from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason, reference_digests
 
 GROUP = "engramd-tp"
@@ -145,7 +146,20 @@ def test_planted_bytes_reach_no_other_copy(
     assert again.hello["mode"] == "shared"
 
 
-def test_proof_refuses_files_outside_the_roots_and_answers_progress(
+def _attach_events(d: Daemon, request: pb.AttachRequest) -> list[pb.AttachEvent]:
+    """The attach's events up to the attachment (the lease ends with the stream)."""
+    events = []
+    with d.channel() as ch:
+        stream = pb_grpc.TableServiceStub(ch).Attach(request, timeout=60)
+        for event in stream:
+            events.append(event)
+            if event.HasField("attached"):
+                break
+        stream.cancel()
+    return events
+
+
+def test_a_copy_is_digested_once_with_progress_inside_the_roots_only(
     checkpoint: Path, daemons: Any, tmp_path: Path
 ) -> None:
     root = tmp_path / "root"
@@ -153,15 +167,26 @@ def test_proof_refuses_files_outside_the_roots_and_answers_progress(
     d = daemons("--allow-root", str(root))
     set_id = plan_tables(checkpoint).set_id
     assert attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(root / "a"))) is None
+    [s] = d.status().sets
     # The same bytes outside the allowed root: the daemon may not read them to compare.
     err = attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(checkpoint)))
     assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED
     assert reason(err) == "not-allowed"
-    # Inside it, a second copy is digested once, with progress, then served.
+    # Inside it, a second copy is digested, with progress, then served...
     shutil.copytree(checkpoint, root / "b")
     request = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "b"))
-    assert attach_error(d, request) is None
-    assert [s.set_id for s in d.status().sets] == [set_id]
+    assert d.proc is not None
+    before = _bytes_read(d.proc.pid)
+    events = _attach_events(d, request)
+    assert events[-1].attached.set_id == set_id
+    assert [e.progress.bytes_total for e in events[:-1]] == [s.bytes] * (len(events) - 1) != []
+    assert _bytes_read(d.proc.pid) - before >= s.bytes
+    # ... once: its digests are kept for its files' identity.
+    before = _bytes_read(d.proc.pid)
+    events = _attach_events(d, request)
+    assert len(events) == 1 and events[0].attached.set_id == set_id
+    assert _bytes_read(d.proc.pid) - before < s.bytes // 10
+    assert [x.set_id for x in d.status().sets] == [set_id]
 
 
 def test_tmpfs_checkpoint_written_through_a_mapping_is_not_served(
