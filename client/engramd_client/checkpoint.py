@@ -44,7 +44,7 @@ SAMPLE_BYTES = 4096
 MAX_HEADER_BYTES = 100_000_000
 
 #: Parsed headers kept per file identity, at most this many header bytes in all
-#: (an entry costs about 8x its header in memory: ~512 MiB at the bound). A
+#: (an entry, its text included, costs about 5x its header: ~320 MiB at the bound). A
 #: header larger than the bound is parsed every time and never kept.
 HEADER_CACHE_BYTES = 64 << 20
 
@@ -224,7 +224,7 @@ class _HeaderCache:
     A hit needs the identity and the header's bytes to be equal: a header
     rewritten in place where the filesystem keeps mtime and ctime (tmpfs,
     through a shared mapping) is parsed again. One parse at a time bounds
-    the memory of many requests for one huge header to one parse (about 14x
+    the memory of many requests for one huge header to one parse (about 10x
     the header), and the later requests find it parsed.
     """
 
