@@ -43,8 +43,10 @@ from .config import DaemonConfig
 from .errors import DecodeGuard, ServiceError
 from .fdchannel import FdChannel
 from .fdstore import FdStore
+from .loader import LoadProgress
 from .metrics import serve_metrics
 from .numa import Placement
+from .proof import Prover
 from .sdnotify import Notifier
 from .service import TableService
 from .store import SetState, SetStore, TableSet
@@ -98,6 +100,7 @@ class EngramdServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
         self._readers = BlockingPool("config-checkpoint", 2)
+        self._prover = Prover()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: WSGIServer | None = None
 
@@ -117,6 +120,12 @@ class EngramdServer:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
                 copies = await self.store.ensure_everywhere(plan)
+                for ts in copies:
+                    if ts.manifest is not None:
+                        # Adopted: perhaps loaded from a worker's copy under this id.
+                        proof = await self._readers.run(self._prover.judge, plan, ts.manifest)
+                        progress = LoadProgress(proof.nbytes)
+                        await self._readers.run(self._prover.prove, proof, ts.manifest, progress)
                 for ts in copies:
                     ts.published = True
                 self._configured += copies

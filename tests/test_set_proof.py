@@ -144,6 +144,14 @@ def test_planted_bytes_reach_no_other_copy(
     again = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
     workers.append(again)
     assert again.hello["mode"] == "shared"
+    # The operator loading the clean checkpoint does not publish Alice's set under its id.
+    admin = f"unix:{d.socket.with_name('admin.sock')}"
+    with grpc.insecure_channel(admin) as channel, pytest.raises(grpc.RpcError) as info:
+        list(pb_grpc.AdminServiceStub(channel).Load(pb.LoadRequest(checkpoint=str(mine))))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    late = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
+    workers.append(late)
+    assert late.hello["error"] == "UnknownSet", late.hello
 
 
 def _attach_events(d: Daemon, request: pb.AttachRequest) -> list[pb.AttachEvent]:
@@ -295,3 +303,30 @@ def test_status_shows_the_group_only_what_all_of_it_may_read(
     assert sets[bob.hello["set_id"]]["checkpoint"] == str(public)
     # The owner's admin socket shows both.
     assert {s.set_id for s in d.status().sets} == {alice.hello["set_id"], bob.hello["set_id"]}
+
+
+def test_a_restart_configured_for_the_clean_copy_does_not_publish_planted_bytes(
+    checkpoint: Path, daemons: Any, workers: list[Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoint, root / "planted")
+    _edit_between_samples(root / "planted" / SHARD)
+    d = daemons("--allow-root", str(root))
+    w = Worker(root / "planted", d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    w.kill()
+    d.stop()
+    # The next daemon adopts the planted set, and is configured for the clean checkpoint.
+    d.args = ["--checkpoint", str(checkpoint)]
+    d.start(wait="up")
+    assert f"cannot load configured checkpoint {checkpoint}" in d.log
+    assert "does not hold the bytes" in d.log
+    assert not d.status().daemon.ready
+    by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on")
+    workers.append(by_id)
+    assert by_id.hello["error"] == "UnknownSet", by_id.hello
+    clean = Worker(checkpoint, d.socket)
+    workers.append(clean)
+    assert clean.hello["mode"] == "private"
+    assert clean.hello["digests"] == reference_digests(checkpoint)
