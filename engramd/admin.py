@@ -6,14 +6,16 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engramd_client.checkpoint import plan_tables
+from engramd_client.checkpoint import TablePlan, plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 from .blocking import BlockingPool
 from .config import DaemonConfig
 from .errors import InvalidRequest, abort
-from .store import SetStore
+from .loader import LoadProgress
+from .proof import Prover
+from .store import SetStore, TableSet
 from .wire import load_progress, set_info
 
 
@@ -27,6 +29,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         self._store = store
         self._status = status
         self._readers = BlockingPool("admin-checkpoint", 2)
+        self._prover = Prover()
 
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
@@ -44,10 +47,20 @@ class AdminService(pb_grpc.AdminServiceServicer):
                     yield pb.LoadEvent(progress=progress)
                 if ts.error is not None:
                     raise ts.error
+                # A set held under this id may come from other files (a worker's
+                # copy): it is published for all only for bytes proven equal.
+                await self._readers.run(self._prove, plan, ts)
+            for ts in copies:
+                ts.published = True
         except Exception as e:
             await abort(context, e)
             return
         yield pb.LoadEvent(ready=set_info(copies[0]))
+
+    def _prove(self, plan: TablePlan, ts: TableSet) -> None:
+        assert ts.manifest is not None
+        proof = self._prover.judge(plan, ts.manifest)
+        self._prover.prove(proof, ts.manifest, LoadProgress(proof.nbytes))
 
     async def Drop(
         self, request: pb.DropRequest, context: grpc.aio.ServicerContext
@@ -74,7 +87,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
-        """What the node holds, as the worker socket's Status says it."""
+        """What the node holds, every set in full (the owner may see what workers may not)."""
         try:
             return self._status()
         except Exception as e:

@@ -7,6 +7,8 @@ and judges the files the daemon would really read.
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 from engramd_client.checkpoint import TablePlan
@@ -62,6 +64,22 @@ class LoadPolicy:
             )
         return path
 
+    def check_read(self, checkpoint: str) -> Path:
+        """The resolved checkpoint, if the daemon may read it for a worker (as for a load).
+
+        Proving a worker's copy reads its files in full, as a load would: the
+        same roots apply, and `check_plan` judges each file.
+        """
+        path = resolve(checkpoint)
+        if str(path) not in self._configured and not self._under_root(path):
+            roots = ", ".join(map(str, self._allowed)) or "none"
+            raise NotAllowed(
+                f"engramd holds this set from other files than {path}, and may not read {path} "
+                f"to compare it (allowed roots: {roots}); attach with the checkpoint the "
+                "operator loaded, or start the daemon with --allow-root <dir>"
+            )
+        return path
+
     def check_plan(self, path: Path, plan: TablePlan, set_id: str) -> None:
         """Refuse a plan whose files leave the root, or whose set is not the worker's."""
         if str(path) not in self._configured:
@@ -91,3 +109,30 @@ class LoadPolicy:
 
     def _under_root(self, path: Path) -> bool:
         return any(path.is_relative_to(r) for r in self._allowed)
+
+
+def open_to_group(files: list[str], gid: int | None) -> bool:
+    """True when every member of group `gid` (any user in it) may read all of `files`.
+
+    Judged from mode bits along each path: "other" bits, or group bits where
+    the group is `gid`; owner bits and ACL entries for named users are left
+    out, since the daemon cannot tell which member asks. Unreadable paths count
+    as closed.
+    """
+
+    def grants(st: os.stat_result, other: int, group: int) -> bool:
+        return bool(st.st_mode & other) or (
+            gid is not None and st.st_gid == gid and bool(st.st_mode & group)
+        )
+
+    try:
+        for name in files:
+            path = Path(name)
+            if not grants(os.stat(path), stat.S_IROTH, stat.S_IRGRP):
+                return False
+            for folder in path.parents:
+                if not grants(os.stat(folder), stat.S_IXOTH, stat.S_IXGRP):
+                    return False
+    except OSError:
+        return False
+    return bool(files)

@@ -43,8 +43,10 @@ from .config import DaemonConfig
 from .errors import DecodeGuard, ServiceError
 from .fdchannel import FdChannel
 from .fdstore import FdStore
+from .loader import LoadProgress
 from .metrics import serve_metrics
 from .numa import Placement
+from .proof import Prover
 from .sdnotify import Notifier
 from .service import TableService
 from .store import SetState, SetStore, TableSet
@@ -82,7 +84,7 @@ class EngramdServer:
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
-        self.service = TableService(config, self.store, lambda: self.ready)
+        self.service = TableService(config, self.store, lambda: self.ready, self.gid)
         self.health = health_aio.HealthServicer()
         self.fd_channel = FdChannel(
             config.fd_socket, self.gid, self.store, config.fd_connections_per_uid
@@ -94,7 +96,7 @@ class EngramdServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_AdminServiceServicer_to_server(
-            AdminService(config, self.store, self.service.status), self.admin
+            AdminService(config, self.store, lambda: self.service.status(full=True)), self.admin
         )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
@@ -102,6 +104,7 @@ class EngramdServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
         self._readers = BlockingPool("config-checkpoint", 2)
+        self._prover = Prover()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: WSGIServer | None = None
 
@@ -120,7 +123,16 @@ class EngramdServer:
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
-                self._configured += await self.store.ensure_everywhere(plan)
+                copies = await self.store.ensure_everywhere(plan)
+                for ts in copies:
+                    if ts.manifest is not None:
+                        # Adopted: perhaps loaded from a worker's copy under this id.
+                        proof = await self._readers.run(self._prover.judge, plan, ts.manifest)
+                        progress = LoadProgress(proof.nbytes)
+                        await self._readers.run(self._prover.prove, proof, ts.manifest, progress)
+                for ts in copies:
+                    ts.published = True
+                self._configured += copies
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays
                 # NOT_SERVING so the operator sees that this one is missing.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import grpc
 
-from engramd_client.checkpoint import is_set_id, plan_tables
+from engramd_client.checkpoint import TablePlan, is_set_id, plan_tables
 from engramd_client.errors import CAUSES
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -18,11 +19,13 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from .backings import Backing
 from .blocking import BlockingPool
 from .config import DaemonConfig
-from .errors import InvalidRequest, LoadFailed, UnknownSet, abort
-from .policy import LoadPolicy
+from .errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, abort
+from .loader import LoadProgress
+from .policy import LoadPolicy, open_to_group, resolve
+from .proof import Prover
 from .store import Lease, SetState, SetStore, TableSet
 from .units import gib
-from .wire import load_progress, source_files, status_reply
+from .wire import PROGRESS_INTERVAL_S, load_progress, source_files, status_reply
 
 log = logging.getLogger("engramd")
 
@@ -36,6 +39,7 @@ _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 # Reads of workers' checkpoints (headers, samples) at once; they may hang on a
 # network mount, so they never share threads with the daemon's own work.
 _CHECKPOINT_READERS = 8
+_PROVERS = 2
 #: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
 CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
 
@@ -43,13 +47,25 @@ CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
 class TableService(pb_grpc.TableServiceServicer):
     """Serves attaches and status from a SetStore."""
 
-    def __init__(self, config: DaemonConfig, store: SetStore, ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        config: DaemonConfig,
+        store: SetStore,
+        ready: Callable[[], bool],
+        group: int | None = None,
+    ) -> None:
+        """Serve `store`; `group` is the socket's group (it judges what status shows)."""
         self._config = config
+        self._group = group
         self._store = store
         self._ready = ready
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
+        # Digests of workers' copies read every selected byte, as loads do: as
+        # few at once as the daemon's own loads.
+        self._provers = BlockingPool("prove", _PROVERS)
+        self._prover = Prover()
 
     async def Attach(
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
@@ -59,11 +75,14 @@ class TableService(pb_grpc.TableServiceServicer):
             _validate(request)
             # Refused before any load when no backing could serve the worker.
             self._handle_kind(request, self._store.backings)
-            ts = await self._resolve(request)
+            ts, plan = await self._resolve(request)
             async for progress in load_progress(ts):
                 yield pb.AttachEvent(progress=progress)
             if ts.error is not None:
                 raise ts.error
+            if plan is not None:
+                async for progress in self._prove(ts, plan):
+                    yield pb.AttachEvent(progress=progress)
             kind = self._handle_kind(request, [ts.backing])
             route = self._gpu_route(request, ts.backing, kind)
             lease = self._store.add_lease(ts, request, kind, route)
@@ -126,36 +145,92 @@ class TableService(pb_grpc.TableServiceServicer):
             return pb.GPU_ROUTE_REGISTER_WRITABLE
         return pb.GPU_ROUTE_UNSPECIFIED
 
-    async def _resolve(self, request: pb.AttachRequest) -> TableSet:
+    async def _resolve(self, request: pb.AttachRequest) -> tuple[TableSet, TablePlan | None]:
+        """The set a request attaches, and the worker's plan of its checkpoint (if it named one).
+
+        A bare set id attaches only a set the operator loaded: this socket
+        cannot tell who asks (grpcio gives no peer credentials), so a set a
+        worker's attach loaded is attached with its checkpoint, and proven.
+        """
         node = self._store.copy_node_for(
             request.numa_node if request.HasField("numa_node") else None
         )
         ts = self._store.get(request.set_id, node)
-        if ts is not None and ts.state is not SetState.FAILED:
-            return ts
         held = self._store.get(request.set_id)
+        if not request.checkpoint and not self._store.published(request.set_id):
+            # The same answer as for an id the daemon does not hold at all.
+            held = ts = None
+        plan = None
+        if request.checkpoint and held is not None and held.state is not SetState.FAILED:
+            plan = await self._plan_for_held(request, held)
+        if ts is not None and ts.state is not SetState.FAILED:
+            return ts, plan
         if held is not None and held.manifest is not None:
             # A copy on another node (--numa per-node): this node's comes from the
             # checkpoint and selection that one was loaded from.
-            plan = await self._readers.run(plan_tables, held.checkpoint, held.manifest.selection)
-            if plan.set_id != held.set_id:
+            source = await self._readers.run(plan_tables, held.checkpoint, held.manifest.selection)
+            if source.set_id != held.set_id:
                 raise LoadFailed(
                     f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "
                     f"copy for NUMA node {node} can be made; load the checkpoint again"
                 )
-            return await self._store.ensure(plan, node)
+            return await self._store.ensure(source, node), plan
         if request.reattach or not request.checkpoint:
             if ts is not None and ts.error is not None:
                 raise ts.error
             raise UnknownSet(
-                f"engramd holds no set {request.set_id}; attach with the checkpoint folder, "
-                "or have the daemon load it at start (--checkpoint)"
+                f"engramd holds no set {request.set_id} it may attach by id; attach with the "
+                "checkpoint folder, or have the operator load it (--checkpoint, engramd load)"
             )
         loaded = [s.checkpoint for s in self._store.sets.values() if s.state is not SetState.FAILED]
         path = self._policy.check_request(request, loaded)
         plan = await self._readers.run(plan_tables, path, self._config.tensors)
         self._policy.check_plan(path, plan, request.set_id)
-        return await self._store.ensure(plan, node)
+        return await self._store.ensure(plan, node), plan
+
+    async def _plan_for_held(self, request: pb.AttachRequest, held: TableSet) -> TablePlan:
+        """The worker's plan of its checkpoint, for a set the daemon holds under its id.
+
+        The daemon reads the worker's files as a load would: its own
+        checkpoint's path, a configured one, or one under an allowed root.
+        """
+        path = resolve(request.checkpoint)
+        if str(path) != held.checkpoint:
+            path = self._policy.check_read(request.checkpoint)
+        plan = await self._readers.run(plan_tables, path, held.selection)
+        if str(path) != held.checkpoint:
+            self._policy.check_plan(path, plan, request.set_id)
+        elif plan.set_id != request.set_id:
+            raise FingerprintDiffers(
+                f"the daemon's view of {path} differs from the worker's: the files' names, "
+                "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
+            )
+        return plan
+
+    async def _prove(self, ts: TableSet, plan: TablePlan) -> AsyncIterator[pb.LoadProgress]:
+        """Progress of proving the worker's files hold the set's bytes; raises when they do not."""
+        assert ts.manifest is not None
+        proof = await self._readers.run(self._prover.judge, plan, ts.manifest)
+        if not proof.unproven:
+            return
+        progress = LoadProgress(proof.nbytes)
+        if not proof.nbytes:
+            # Every digest is kept: a comparison, no reads, no wait behind digests.
+            await self._readers.run(self._prover.prove, proof, ts.manifest, progress)
+            return
+        task = asyncio.ensure_future(
+            self._provers.run(self._prover.prove, proof, ts.manifest, progress)
+        )
+        # Its outcome is read below, or lost with a worker that hung up.
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            while not task.done():
+                yield pb.LoadProgress(bytes_done=progress.done, bytes_total=progress.total)
+                await asyncio.wait({task}, timeout=PROGRESS_INTERVAL_S)
+        finally:
+            # A worker that hangs up stops the digest at its next progress step.
+            progress.cancel.set()
+        task.result()
 
     def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
         assert ts.manifest is not None
@@ -210,15 +285,30 @@ class TableService(pb_grpc.TableServiceServicer):
         )
         return pb.FallbackAck()
 
-    def status(self) -> pb.StatusReply:
-        """The status reply, built from the store (on the event loop)."""
+    def status(self, full: bool = False) -> pb.StatusReply:
+        """The status reply, built from the store (on the event loop).
+
+        On the worker socket, a set is shown in full when the operator loaded
+        it or every member of the socket group may read its files; others
+        appear with their size and state only (no id, path or leases): a
+        caller there may be any member of the group, and the daemon cannot
+        tell which (grpcio gives no peer credentials). `full`, for the
+        owner's admin socket, shows every set.
+        """
         return status_reply(
             self._store,
             self._config.socket,
             time.monotonic() - self._started,
             self._ready(),
             self._config.allow_writable_gpu_mappings,
+            None if full else self._shown,
         )
+
+    def _shown(self, ts: TableSet) -> bool:
+        if ts.published:
+            return True
+        files = [s.path for s in ts.manifest.sources] if ts.manifest else [ts.checkpoint]
+        return open_to_group(files, self._group)
 
 
 def _validate(request: pb.AttachRequest) -> None:

@@ -129,6 +129,8 @@ class TableSet:
 
     set_id: str
     checkpoint: str
+    #: The fnmatch selection of tensors the set holds.
+    selection: str
     fingerprint: str
     nbytes: int
     ntensors: int
@@ -137,6 +139,10 @@ class TableSet:
     node: int | None = None
     state: SetState = SetState.LOADING
     adopted: bool = False
+    #: The operator loaded it (--checkpoint, engramd load): any caller may see and
+    #: attach it by its id. Sets that workers' attaches loaded are attached with
+    #: their checkpoint only, and proven for it.
+    published: bool = False
     manifest: Manifest | None = None
     progress: LoadProgress | None = None
     error: BaseException | None = None
@@ -275,6 +281,7 @@ class SetStore:
         ts = TableSet(
             set_id=manifest.set_id,
             checkpoint=manifest.checkpoint,
+            selection=manifest.selection,
             fingerprint=manifest.fingerprint,
             nbytes=manifest.nbytes,
             ntensors=len(manifest.tensors),
@@ -316,6 +323,10 @@ class SetStore:
         return next((ts for ts in held if ts.state is not SetState.FAILED), None) or next(
             iter(held), None
         )
+
+    def published(self, set_id: str) -> bool:
+        """True when the operator loaded the set with this id (any copy of it)."""
+        return any(ts.published for ts in self.copies(set_id))
 
     def holds(self, ts: TableSet) -> bool:
         """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
@@ -370,12 +381,15 @@ class SetStore:
         ts = TableSet(
             set_id=plan.set_id,
             checkpoint=str(plan.checkpoint),
+            selection=plan.selection,
             fingerprint=plan.fingerprint,
             nbytes=plan.nbytes,
             ntensors=len(plan.tensors),
             backing=backing,
             node=node,
             progress=LoadProgress(plan.nbytes),
+            # A copy for another node of a set the operator loaded is the operator's too.
+            published=self.published(plan.set_id),
         )
         self.sets[ts.key] = ts
         self._spawn(self._load(ts, plan))

@@ -7,7 +7,7 @@ import contextlib
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from engramd_client.layout import Manifest
 from engramd_client.pb import engramd_pb2 as pb
@@ -80,10 +80,28 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
     )
 
 
+def _withheld(ts: TableSet) -> pb.SetInfo:
+    """A set as a caller that may not learn its id or checkpoint sees it: size and state."""
+    return pb.SetInfo(
+        bytes=ts.nbytes,
+        backing=ts.backing.name,
+        state=ts.state.value,
+        bytes_loaded=ts.bytes_loaded,
+        tensors=ts.ntensors,
+        lease_count=len(ts.leases),
+        page_size=ts.backing.page_size,
+    )
+
+
 def status_reply(
-    store: SetStore, socket: str, uptime_s: float, ready: bool, writable_gpu_mappings: bool = False
+    store: SetStore,
+    socket: str,
+    uptime_s: float,
+    ready: bool,
+    writable_gpu_mappings: bool = False,
+    shown: Callable[[TableSet], bool] | None = None,
 ) -> pb.StatusReply:
-    """What the node holds."""
+    """What the node holds; sets that `shown` refuses are listed without id, path or leases."""
     usages = [(b, b.usage()) for b in store.backings]
     u = usages[0][1]
     now = time.monotonic()
@@ -104,7 +122,10 @@ def status_reply(
             huge_pages=u.page_size > 4096,
             page_size=u.page_size,
         ),
-        sets=[set_info(ts, now) for ts in store.sets.values()],
+        sets=[
+            set_info(ts, now) if shown is None or shown(ts) else _withheld(ts)
+            for ts in store.sets.values()
+        ],
         backings=[
             pb.BackingInfo(
                 name=b.name,

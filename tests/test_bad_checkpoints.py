@@ -15,7 +15,9 @@ import pytest
 
 from conftest import Worker
 from engramd_client import CheckpointError, attach
+from engramd_client.checkpoint import SafetensorsFile, TensorEntry, _HeaderCache, read_header
 from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason
 
 SHARD = "model-00001-of-00002.safetensors"
@@ -87,6 +89,54 @@ def header_past_file(folder: Path) -> None:
     (folder / SHARD).write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
 
 
+def _entry_header(shape: bytes, offsets: bytes = b"[0, 1024]") -> bytes:
+    return (
+        b'{"layers.1.engram.embed.weight": {"dtype": "F8_E4M3", "shape": '
+        + shape
+        + b', "data_offsets": '
+        + offsets
+        + b"}}"
+    )
+
+
+def huge_integer(folder: Path) -> None:
+    # Python refuses to convert integers of more than 4300 digits with ValueError.
+    _raw_file(folder / SHARD, _entry_header(b"[" + b"9" * 5000 + b"]"), b"\0" * 1024)
+
+
+def deep_nesting(folder: Path) -> None:
+    _raw_file(folder / SHARD, _entry_header(b"[" * 100_000 + b"]" * 100_000), b"\0" * 1024)
+
+
+def not_utf8(folder: Path) -> None:
+    _raw_file(folder / SHARD, _entry_header(b"[4, 256]").replace(b"layers", b"l\xffyers"))
+
+
+def overlapping(folder: Path) -> None:
+    _raw_file(
+        folder / SHARD,
+        {
+            "layers.1.engram.embed.weight": {
+                "dtype": "F8_E4M3",
+                "shape": [4, 256],
+                "data_offsets": [0, 1024],
+            },
+            "layers.1.engram.embed.scale": {
+                "dtype": "F8_E4M3",
+                "shape": [4, 256],
+                "data_offsets": [512, 1536],
+            },
+        },
+        b"\0" * 1536,
+    )
+
+
+def duplicate_name(folder: Path) -> None:
+    entry = b'{"dtype": "F8_E4M3", "shape": [4], "data_offsets": [0, 4]}'
+    name = b'"layers.1.engram.embed.weight"'
+    _raw_file(folder / SHARD, b"{" + name + b": " + entry + b", " + name + b": " + entry + b"}")
+
+
 Breakage = Callable[[Path], None]
 
 #: Each breakage and the words its error must contain.
@@ -98,6 +148,11 @@ BREAKAGES: list[tuple[Breakage, str]] = [
     (unknown_dtype, "unknown dtype"),
     (missing_tensor, "missing from that file"),
     (header_past_file, "runs past the file"),
+    (huge_integer, "an integer of 5000 digits"),
+    (deep_nesting, "nested too deeply"),
+    (not_utf8, "not UTF-8"),
+    (overlapping, "overlap"),
+    (duplicate_name, "appears twice"),
 ]
 
 
@@ -138,12 +193,72 @@ def test_daemon_answers_invalid_argument_and_keeps_serving(
     assert [s.state for s in d.status().sets] == ["ready"]
 
 
-def test_bad_configured_checkpoint_does_not_stop_the_daemon(broken: Any, daemons: Any) -> None:
-    folder = broken(malformed_header)
-    d = daemons("--checkpoint", str(folder), wait="up")
+def test_bad_configured_checkpoint_does_not_stop_the_daemon(
+    checkpoint: Path, broken: Any, daemons: Any, workers: list[Worker]
+) -> None:
+    bad = [broken(b) for b in (malformed_header, huge_integer, deep_nesting, not_utf8, overlapping)]
+    args = [a for folder in bad for a in ("--checkpoint", str(folder))]
+    d = daemons(*args, "--checkpoint", str(checkpoint), wait="up")
     status = d.status()
     assert not status.daemon.ready
-    assert "malformed safetensors header" in d.log
+    for folder in bad:
+        assert f"cannot load configured checkpoint {folder}" in d.log
+    assert "Traceback" not in d.log
+    # The good checkpoint among them is served.
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    assert [str(s.checkpoint) for s in d.status().sets] == [str(checkpoint)]
+
+
+def test_engramd_load_of_a_bad_checkpoint_is_invalid_argument(
+    checkpoint: Path, broken: Any, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    admin = f"unix:{d.socket.with_name('admin.sock')}"
+    with grpc.insecure_channel(admin) as channel:
+        stub = pb_grpc.AdminServiceStub(channel)
+        for breakage in (huge_integer, deep_nesting, not_utf8, overlapping):
+            folder = broken(breakage)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Load(pb.LoadRequest(checkpoint=str(folder)), timeout=60))
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, breakage
+            assert str(folder) in str(info.value.details())
+    assert "Traceback" not in d.log
+    assert [s.state for s in d.status().sets] == ["ready"]
+
+
+def test_headers_are_parsed_once_per_file_identity(checkpoint: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(checkpoint, copy)
+    shard = copy / "model-00002-of-00002.safetensors"
+    first, again = read_header(shard), read_header(shard)
+    assert again.tensors is first.tensors
+    # Another identity (a new mtime): parsed again, and the same tensors found.
+    os.utime(shard, ns=(0, 0))
+    changed = read_header(shard)
+    assert changed.tensors is not first.tensors and changed.tensors == first.tensors
+
+
+def test_header_cache_stays_within_its_bound(checkpoint: Path) -> None:
+    headers = [read_header(p) for p in sorted(checkpoint.glob("*.safetensors"))]
+    parses: list[Path] = []
+
+    def fill(cache: _HeaderCache) -> None:
+        for _ in range(2):
+            for h in headers:
+
+                def parse(h: SafetensorsFile = h) -> dict[str, TensorEntry]:
+                    parses.append(h.path)
+                    return h.tensors
+
+                cache.parsed(h.source, h.header, parse)
+
+    # Room for the largest header only: each shard pushes the other out, and is parsed again.
+    fill(_HeaderCache(limit=max(len(h.header) for h in headers)))
+    assert len(parses) == 2 * len(headers)
+    fill(_HeaderCache(limit=sum(len(h.header) for h in headers)))
+    assert len(parses) == 3 * len(headers)
 
 
 def test_requests_the_daemon_must_refuse(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:

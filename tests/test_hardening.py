@@ -380,6 +380,8 @@ def test_paths_and_causes_from_workers_print_on_one_line(
         attach_error(d, pb.AttachRequest(set_id=plan_tables(evil).set_id, checkpoint=str(evil)))
         is None
     )
+    # As the owner sees it (the admin socket): the worker socket withholds a
+    # worker-loaded set's path.
     text = _engramd("status", "--socket", str(d.socket)).stdout
     assert "\\x0a    lease forged" in text
     assert not any(line.startswith("    lease forged") for line in text.splitlines())

@@ -115,6 +115,7 @@ def test_status_is_bounded_and_prints_safely() -> None:
     ts = TableSet(
         set_id="ab" * 10,
         checkpoint="/models/evil\n    lease forged",
+        selection="*",
         fingerprint="f",
         nbytes=1 << 30,
         ntensors=2,

@@ -19,6 +19,9 @@ import math
 import os
 import stat
 import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +42,15 @@ SAMPLE_BYTES = 4096
 # The reference implementation refuses headers above 100 MB; so do we, before
 # allocating anything for a header length read from an untrusted file.
 MAX_HEADER_BYTES = 100_000_000
+
+#: Parsed headers kept per file identity, at most this many header bytes in all
+#: (an entry, its text included, costs about 5x its header: ~320 MiB at the bound). A
+#: header larger than the bound is parsed every time and never kept.
+HEADER_CACHE_BYTES = 64 << 20
+
+# Integers in a header are offsets and dimensions: 20 digits hold any uint64.
+# Longer ones are refused before Python converts them (quadratic in digits).
+_MAX_INT_DIGITS = 20
 
 #: safetensors dtype name -> (bytes per element, torch dtype name). Torch itself is
 #: imported only on the worker side (tables.py): the daemon never needs it.
@@ -163,7 +175,12 @@ class TablePlan:
 
 
 def read_header(path: Path) -> SafetensorsFile:
-    """Parse and validate the header of one safetensors file."""
+    """Parse and validate the header of one safetensors file.
+
+    Any malformed header raises `CheckpointError` naming the file and the
+    problem. Parsed headers are kept per file identity (HEADER_CACHE_BYTES);
+    the data samples are read again on every call.
+    """
     try:
         real = path.resolve(strict=True)
     except (OSError, RuntimeError) as e:  # missing, or a symlink loop
@@ -185,32 +202,132 @@ def read_header(path: Path) -> SafetensorsFile:
                     "(truncated or not a safetensors file); fetch the file again"
                 )
             header = f.read(length)
+            if len(header) < length:
+                raise CheckpointError(f"{path}: the file ended inside its header (truncated)")
             samples = _sample(f.fileno(), 8 + length, size)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
-    try:
-        doc = json.loads(header)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(
-            f"{path}: malformed safetensors header ({e}); fetch the file again"
-        ) from None
-    if not isinstance(doc, dict):
-        raise CheckpointError(f"{path}: malformed safetensors header (not a JSON object)")
-    data_start = 8 + length
-    data_size = size - data_start
-    tensors = {}
-    for name, info in doc.items():
-        if name == "__metadata__":
-            continue
-        tensors[name] = _entry(real, name, info, data_start, data_size)
+    source = SourceFile.of(real, st)
     return SafetensorsFile(
         path=path,
         size=size,
         header=header,
-        tensors=tensors,
+        tensors=_HEADERS.parsed(source, header, lambda: _parse(path, real, header, size)),
         samples=samples,
-        source=SourceFile.of(real, st),
+        source=source,
     )
+
+
+class _HeaderCache:
+    """Parsed headers by file identity, bounded by their header bytes; one parse at a time.
+
+    A hit needs the identity and the header's bytes to be equal: a header
+    rewritten in place where the filesystem keeps mtime and ctime (tmpfs,
+    through a shared mapping) is parsed again. One parse at a time bounds
+    the memory of many requests for one huge header to one parse (about 10x
+    the header), and the later requests find it parsed.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._held = 0
+        self._entries: OrderedDict[SourceFile, tuple[bytes, dict[str, TensorEntry]]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._parsing = threading.Lock()
+
+    def parsed(
+        self, source: SourceFile, header: bytes, parse: Callable[[], dict[str, TensorEntry]]
+    ) -> dict[str, TensorEntry]:
+        """The tensors of `header` read from `source`: kept, or parsed now by `parse`."""
+        with self._parsing:
+            with self._lock:
+                hit = self._entries.get(source)
+                if hit is not None and hit[0] == header:
+                    self._entries.move_to_end(source)
+                    return hit[1]
+            tensors = parse()
+        if len(header) <= self._limit:
+            with self._lock:
+                old = self._entries.pop(source, None)
+                self._held -= len(old[0]) if old else 0
+                self._entries[source] = (header, tensors)
+                self._held += len(header)
+                while self._held > self._limit:
+                    _, (dropped, _) = self._entries.popitem(last=False)
+                    self._held -= len(dropped)
+        return tensors
+
+
+_HEADERS = _HeaderCache(HEADER_CACHE_BYTES)
+
+
+def _parse(path: Path, real: Path, header: bytes, size: int) -> dict[str, TensorEntry]:
+    def bad(problem: str) -> CheckpointError:
+        return CheckpointError(
+            f"{path}: malformed safetensors header ({problem}); fetch the file again"
+        )
+
+    try:
+        text = header.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise bad(f"not UTF-8 at byte {e.start}") from None
+    try:
+        doc = json.loads(
+            text,
+            parse_int=_parse_int,
+            parse_constant=_refuse_constant,
+            object_pairs_hook=_unique_keys,
+        )
+    except RecursionError:
+        raise bad("nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, and the hooks' refusals
+        raise bad(str(e)) from None
+    if not isinstance(doc, dict):
+        raise bad("not a JSON object")
+    metadata = doc.get("__metadata__", {})
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise bad("__metadata__ is not an object of strings")
+    data_start = 8 + len(header)
+    data_size = size - data_start
+    tensors = {
+        name: _entry(real, name, info, data_start, data_size)
+        for name, info in doc.items()
+        if name != "__metadata__"
+    }
+    _check_disjoint(real, tensors.values())
+    return tensors
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > _MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(text)} digits (at most {_MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _refuse_constant(text: str) -> object:
+    raise ValueError(f"{text} is not a number in a header")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    # Two entries of one name: readers would disagree on which one is the tensor.
+    doc: dict[str, object] = {}
+    for key, value in pairs:
+        if key in doc:
+            raise ValueError(f"key {key[:200]!r} appears twice")
+        doc[key] = value
+    return doc
+
+
+def _check_disjoint(path: Path, tensors: Iterable[TensorEntry]) -> None:
+    # Overlapping tensors would alias bytes that two names claim as their own.
+    previous: TensorEntry | None = None
+    for t in sorted((t for t in tensors if t.nbytes), key=lambda t: t.offset):
+        if previous is not None and t.offset < previous.offset + previous.nbytes:
+            raise CheckpointError(
+                f"{path}: tensors {previous.name!r} and {t.name!r} overlap (data_offsets); "
+                "fetch the file again"
+            )
+        previous = t
 
 
 def _sample(fd: int, start: int, end: int) -> str:
@@ -276,12 +393,15 @@ def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | Non
     if index_path.exists():
         try:
             with open(open_regular(index_path), "rb") as f:
-                weight_map = json.loads(f.read())["weight_map"]
+                text = f.read(MAX_HEADER_BYTES + 1)
+            if len(text) > MAX_HEADER_BYTES:
+                raise ValueError(f"larger than {MAX_HEADER_BYTES} bytes")
+            weight_map = json.loads(text, parse_int=_parse_int)["weight_map"]
             if not isinstance(weight_map, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
             ):
                 raise TypeError("weight_map is not an object of strings")
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
             raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
         names = sorted(set(weight_map.values()))
         for name in names:

@@ -64,7 +64,8 @@ def attach(
 
     Args:
         checkpoint: the checkpoint folder (or one .safetensors file) as this
-            worker sees it, or a set id (then no private fallback is possible).
+            worker sees it, or the id of a set the operator loaded (then no private
+            fallback is possible).
         tensors: fnmatch selection of tensor names, the daemon's default.
         rows: {name: (start, stop)} maps only those rows of a tensor (a TP shard).
         share: None for auto (or ENGRAMD_SHARE), True strict, False private.

@@ -123,9 +123,14 @@ class DaemonProcess:
         )
 
     def status(self) -> pb.StatusReply:
-        """The daemon's status."""
-        with self.channel() as ch:
-            reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
+        """The daemon's status, as its owner sees it (on the admin socket: every set)."""
+        admin = ClientConfig(
+            socket=str(self.socket.with_name("admin.sock")),
+            reconnect_min_s=0.01,
+            reconnect_max_s=0.1,
+        )
+        with open_channel(admin) as ch:
+            reply: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
                 pb.StatusRequest(), timeout=5
             )
             return reply

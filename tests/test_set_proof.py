@@ -1,0 +1,332 @@
+"""A set is served for a checkpoint only for files proven to hold its bytes.
+
+Two unprivileged users share one daemon (socket group, --allow-root): one
+plants altered bytes under a public checkpoint's set id, the other attaches
+its own clean copy. And a checkpoint on tmpfs written in place through a
+shared mapping, which changes neither its mtime nor its ctime.
+"""
+
+from __future__ import annotations
+
+import grp
+import json
+import mmap
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from conftest import Daemon, Worker, as_user, mounted_tmpfs
+from engramd.demo.synth import SynthSpec, synthesize
+from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
+from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from helpers import attach_error, reason, reference_digests
+
+GROUP = "engramd-tp"
+ALICE = 60151
+BOB = 60152
+SHARD = "model-00002-of-00002.safetensors"
+
+
+def _edit_between_samples(shard: Path) -> None:
+    """Change 4 KiB of data that no fingerprint sample reads (the set id stays)."""
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        span = size - start - SAMPLE_BYTES
+        # Halfway between the 4th and 5th samples: far from every sampled block.
+        offset = start + span * (2 * (SAMPLES // 2) - 1) // (2 * (SAMPLES - 1))
+        with mmap.mmap(f.fileno(), 0) as m:
+            m[offset : offset + 4096] = bytes(b ^ 0x5A for b in m[offset : offset + 4096])
+
+
+def _own(path: Path, uid: int, gid: int, mode: int) -> None:
+    for p in [path, *path.rglob("*")]:
+        os.chown(p, uid, gid)
+        p.chmod(mode if p.is_dir() else mode & 0o666)
+
+
+@dataclass
+class Node:
+    """A daemon serving a socket group, with a folder per user under its allowed root."""
+
+    daemon: Daemon
+    gid: int
+    root: Path
+
+    def user(self, uid: int) -> str:
+        """run_as.py's spec for `uid` in the socket group only."""
+        return f"{uid}:{self.gid}"
+
+    def copy_for(self, uid: int, name: str, checkpoint: Path) -> Path:
+        """A private copy of `checkpoint` owned by `uid` (mode 0700: no one else may read it)."""
+        folder = self.root / f"{uid}" / name
+        shutil.copytree(checkpoint, folder)
+        _own(self.root / f"{uid}", uid, self.gid, 0o700)
+        return folder
+
+
+@pytest.fixture
+def node(checkpoint: Path) -> Iterator[Node]:
+    if os.geteuid() != 0:
+        pytest.skip("creating a group and dropping to other users needs root")
+    subprocess.run(["groupdel", GROUP], capture_output=True)  # left by an interrupted run
+    subprocess.run(["groupadd", "--system", GROUP], check=True, capture_output=True)
+    top = Path(tempfile.mkdtemp(prefix="edp", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-test-proof", dir="/dev/shm"))
+    root = top / "root"
+    root.mkdir()
+    for p in (top, shm, root):
+        p.chmod(0o755)
+    d = Daemon(
+        top / "run" / "d.sock",
+        shm,
+        ["--allow-root", str(root), "--socket-group", GROUP],
+        top / "log",
+    ).start()
+    try:
+        yield Node(d, grp.getgrnam(GROUP).gr_gid, root)
+    finally:
+        d.stop()
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(shm, ignore_errors=True)
+        subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def test_planted_bytes_reach_no_other_copy(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    poisoned = node.copy_for(ALICE, "poisoned", checkpoint)
+    _edit_between_samples(poisoned / SHARD)
+    assert plan_tables(poisoned).set_id == plan_tables(checkpoint).set_id
+    clean = reference_digests(checkpoint)
+    planted = reference_digests(poisoned)
+    assert planted != clean
+
+    alice = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    assert alice.hello["digests"] == planted
+
+    # Bob's own clean copy, same set id: never served Alice's bytes.
+    mine = node.copy_for(BOB, "clean", checkpoint)
+    strict = Worker(mine, d.socket, share="on", user=node.user(BOB))
+    workers.append(strict)
+    assert strict.hello["error"] == "FingerprintMismatch", strict.hello
+    assert "does not hold the bytes" in strict.hello["message"]
+    auto = Worker(mine, d.socket, user=node.user(BOB))
+    workers.append(auto)
+    assert auto.hello["mode"] == "private"
+    assert auto.hello["digests"] == clean
+    # Nor by the bare set id: Alice's attach loaded it, the operator did not.
+    by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
+    workers.append(by_id)
+    assert by_id.hello["error"] == "UnknownSet", by_id.hello
+
+    # A copy holding the very same bytes is proven by its digest and shared.
+    same = node.copy_for(BOB, "same", poisoned)
+    twin = Worker(same, d.socket, share="on", user=node.user(BOB))
+    workers.append(twin)
+    assert twin.hello["mode"] == "shared", twin.hello
+    assert twin.hello["digests"] == planted
+    # Meanwhile the daemon served everyone else: one set, Alice's and the twin's leases.
+    [s] = d.status().sets
+    assert s.lease_count == 2
+    again = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
+    workers.append(again)
+    assert again.hello["mode"] == "shared"
+    # The operator loading the clean checkpoint does not publish Alice's set under its id.
+    admin = f"unix:{d.socket.with_name('admin.sock')}"
+    with grpc.insecure_channel(admin) as channel, pytest.raises(grpc.RpcError) as info:
+        list(pb_grpc.AdminServiceStub(channel).Load(pb.LoadRequest(checkpoint=str(mine))))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    late = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
+    workers.append(late)
+    assert late.hello["error"] == "UnknownSet", late.hello
+
+
+def _attach_events(d: Daemon, request: pb.AttachRequest) -> list[pb.AttachEvent]:
+    """The attach's events up to the attachment (the lease ends with the stream)."""
+    events = []
+    with d.channel() as ch:
+        stream = pb_grpc.TableServiceStub(ch).Attach(request, timeout=60)
+        for event in stream:
+            events.append(event)
+            if event.HasField("attached"):
+                break
+        stream.cancel()
+    return events
+
+
+def test_a_copy_is_digested_once_with_progress_inside_the_roots_only(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoint, root / "a")
+    d = daemons("--allow-root", str(root))
+    set_id = plan_tables(checkpoint).set_id
+    assert attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(root / "a"))) is None
+    [s] = d.status().sets
+    # The same bytes outside the allowed root: the daemon may not read them to compare.
+    err = attach_error(d, pb.AttachRequest(set_id=set_id, checkpoint=str(checkpoint)))
+    assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert reason(err) == "not-allowed"
+    # Inside it, a second copy is digested, with progress, then served...
+    shutil.copytree(checkpoint, root / "b")
+    request = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "b"))
+    assert d.proc is not None
+    before = _bytes_read(d.proc.pid)
+    events = _attach_events(d, request)
+    assert events[-1].attached.set_id == set_id
+    assert [e.progress.bytes_total for e in events[:-1]] == [s.bytes] * (len(events) - 1) != []
+    assert _bytes_read(d.proc.pid) - before >= s.bytes
+    # ... once: its digests are kept for its files' identity.
+    before = _bytes_read(d.proc.pid)
+    events = _attach_events(d, request)
+    assert len(events) == 1 and events[0].attached.set_id == set_id
+    assert _bytes_read(d.proc.pid) - before < s.bytes // 10
+    assert [x.set_id for x in d.status().sets] == [set_id]
+
+
+def test_tmpfs_checkpoint_written_through_a_mapping_is_not_served(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    with mounted_tmpfs("64m") as mount:
+        ckpt = mount / "engram"
+        shutil.copytree(checkpoint, ckpt)
+        d = daemons("--checkpoint", str(ckpt))
+        first = Worker(ckpt, d.socket, share="on")
+        workers.append(first)
+        assert first.hello["mode"] == "shared"
+        assert first.hello["digests"] == reference_digests(checkpoint)
+
+        shard = ckpt / SHARD
+        before = shard.stat()
+        _edit_between_samples(shard)
+        after = shard.stat()
+        # What makes tmpfs different: the kernel stamps no time on such a write.
+        assert (after.st_mtime_ns, after.st_ctime_ns) == (before.st_mtime_ns, before.st_ctime_ns)
+        assert plan_tables(ckpt).set_id == plan_tables(checkpoint).set_id
+
+        strict = Worker(ckpt, d.socket, share="on")
+        workers.append(strict)
+        assert strict.hello["error"] == "FingerprintMismatch", strict.hello
+        auto = Worker(ckpt, d.socket)
+        workers.append(auto)
+        assert auto.hello["mode"] == "private"
+        assert auto.hello["digests"] == reference_digests(ckpt)
+        # The first worker keeps its mapping; the daemon keeps serving the set.
+        assert first.ask("digest") == {"digests": reference_digests(checkpoint)}
+        [s] = d.status().sets
+        assert s.state == "ready" and s.lease_count == 1
+        for w in workers:
+            w.kill()
+
+
+def _bytes_read(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def _read_by_attach(d: Daemon, ckpt: Path, workers: list[Worker]) -> int:
+    assert d.proc is not None
+    before = _bytes_read(d.proc.pid)
+    w = Worker(ckpt, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    return _bytes_read(d.proc.pid) - before
+
+
+def test_tmpfs_checkpoints_are_digested_at_each_attach(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    with mounted_tmpfs("64m") as mount:
+        ckpt = mount / "engram"
+        shutil.copytree(checkpoint, ckpt)
+        d = daemons("--checkpoint", str(ckpt))
+        [s] = d.status().sets
+        for _ in range(2):
+            assert _read_by_attach(d, ckpt, workers) >= s.bytes
+        for w in workers:
+            w.kill()
+
+
+def test_disk_checkpoints_are_proven_by_identity(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    disk = daemons("--checkpoint", str(checkpoint))
+    [s] = disk.status().sets
+    # The set's own files on a filesystem that stamps every write: headers and samples only.
+    assert _read_by_attach(disk, checkpoint, workers) < s.bytes // 10
+
+
+def test_status_shows_the_group_only_what_all_of_it_may_read(
+    node: Node, checkpoint: Path, workers: list[Worker], tmp_path: Path
+) -> None:
+    d = node.daemon
+    private = node.copy_for(ALICE, "private", checkpoint)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared"
+    public = node.root / "public"
+    synthesize(public, SynthSpec(rows=4000))
+    for p in (public, *public.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    bob = Worker(public, d.socket, share="on", user=node.user(BOB))
+    workers.append(bob)
+    assert bob.hello["mode"] == "shared"
+
+    seen = subprocess.run(
+        [*as_user(node.user(BOB)), "-m", "engramd", "status", "--json", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert seen.returncode == 0, seen.stderr
+    sets = {s["set_id"]: s for s in json.loads(seen.stdout)["sets"]}
+    # Bob sees that a set of Alice's size exists, not its id, path or leases.
+    assert set(sets) == {"", bob.hello["set_id"]}
+    assert sets[""]["checkpoint"] == "" and sets[""]["leases"] == []
+    assert sets[""]["bytes"] > 0 and str(private) not in seen.stdout
+    assert alice.hello["set_id"] not in seen.stdout
+    assert sets[bob.hello["set_id"]]["checkpoint"] == str(public)
+    # The owner's admin socket shows both.
+    assert {s.set_id for s in d.status().sets} == {alice.hello["set_id"], bob.hello["set_id"]}
+
+
+def test_a_restart_configured_for_the_clean_copy_does_not_publish_planted_bytes(
+    checkpoint: Path, daemons: Any, workers: list[Worker], tmp_path: Path
+) -> None:
+    root = tmp_path / "root"
+    shutil.copytree(checkpoint, root / "planted")
+    _edit_between_samples(root / "planted" / SHARD)
+    d = daemons("--allow-root", str(root))
+    w = Worker(root / "planted", d.socket, share="on")
+    workers.append(w)
+    assert w.hello["mode"] == "shared"
+    w.kill()
+    d.stop()
+    # The next daemon adopts the planted set, and is configured for the clean checkpoint.
+    d.args = ["--checkpoint", str(checkpoint)]
+    d.start(wait="up")
+    assert f"cannot load configured checkpoint {checkpoint}" in d.log
+    assert "does not hold the bytes" in d.log
+    assert not d.status().daemon.ready
+    by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on")
+    workers.append(by_id)
+    assert by_id.hello["error"] == "UnknownSet", by_id.hello
+    clean = Worker(checkpoint, d.socket)
+    workers.append(clean)
+    assert clean.hello["mode"] == "private"
+    assert clean.hello["digests"] == reference_digests(checkpoint)
