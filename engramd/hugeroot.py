@@ -82,14 +82,17 @@ def _why_not(shm_dir: str, root: Path, enabled: bool) -> str:
         return f"the shm folder is on {mount.fstype or 'an unknown filesystem'}, not tmpfs"
     if mount.point == root:
         return f"{root} is a tmpfs mounted without huge= (remount it with huge=within_size)"
+    if not _has_sys_admin():
+        return "engramd may not mount (it lacks CAP_SYS_ADMIN)"
+    outside = _outside_host_namespace()
+    if outside:
+        return outside
     if any(root.iterdir()):
         return (
             f"{root} already holds sets of an earlier daemon on 4 KiB pages, and a mount would "
             "hide them (drop them with engramd drop, then restart engramd)"
         )
-    if not _has_sys_admin():
-        return "engramd may not mount (it lacks CAP_SYS_ADMIN)"
-    return _outside_host_namespace()
+    return ""
 
 
 def _has_sys_admin() -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,10 @@ import grpc
 import pytest
 
 from conftest import Worker, mounted_tmpfs, wait_until
+from engramd.backings import TmpfsBacking
+from engramd.errors import ShmFull
 from engramd.hugeroot import claim_huge_root, unmount_below
+from engramd.loader import LoadProgress, load_set
 from engramd.pagesize import census
 from engramd.shmfs import find_mount, mounts_below, shmem_enabled
 from engramd_client import plan_tables
@@ -212,3 +216,52 @@ def test_census_counts_huge_and_small_pages(shm_dir: Path) -> None:
         assert (c.nbytes, c.huge_bytes, c.page_size) == (size, 2 * HUGE, HUGE)
     finally:
         unmount_below(root)
+
+
+def test_an_operators_huge_mount_over_the_root_is_used_with_its_own_size(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    with mounted_tmpfs("8m") as shm:
+        _needs_mount(shm)
+        root = sets_root(shm)
+        root.mkdir(mode=0o750)
+        # Bigger than the shm folder under it: the operator's budget for the tables.
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "huge=within_size,size=64m,mode=0750", "tmpfs", root],
+            check=True,
+        )
+        d = daemons("--checkpoint", str(checkpoint), shm=shm)
+        s = _ready(d)
+        assert s.huge_page_bytes == _expected_huge_bytes(checkpoint) > 0
+        [backing] = d.status().backings
+        assert backing.total_bytes == 64 * MiB and backing.small_pages_reason == ""
+        assert mounts_below(shm) == [root, shm], "mounted over the operator's mount"
+        w = Worker(checkpoint, d.socket, share="on")
+        workers.append(w)
+        assert w.hello["mode"] == "shared" and w.ask("lookups 0.2")["bad"] == 0
+        assert w.exit() == 0
+
+
+def test_a_writer_that_fills_the_shm_folder_after_the_check_fails_the_reservation(
+    checkpoint: Path,
+) -> None:
+    plan = plan_tables(checkpoint)
+    with mounted_tmpfs(f"{plan.nbytes // MiB + 4}m") as shm:
+        _needs_mount(shm)
+        backing = TmpfsBacking(str(shm), None, huge_tmpfs=True)
+        backing.claim()
+        try:
+            assert backing.page_size == HUGE and backing.small_pages_reason == ""
+            backing.check_capacity(backing.footprint([t.nbytes for t in plan.tensors]), "set")
+            # Another writer takes the shm folder's space after the check: engramd's mount
+            # would still hold the set, the shm folder it counts against no longer does.
+            (shm / "other-writer").write_bytes(b"\1" * (8 * MiB))
+            with pytest.raises(ShmFull, match="ran out of space while reserving"):
+                load_set(plan, backing, 2, LoadProgress(plan.nbytes))
+            assert list(sets_root(shm).iterdir()) == []
+            (shm / "other-writer").unlink()
+            manifest = load_set(plan, backing, 2, LoadProgress(plan.nbytes))
+            pages = backing.page_census(manifest)
+            assert pages is not None and pages.huge_bytes == _expected_huge_bytes(checkpoint)
+        finally:
+            unmount_below(sets_root(shm))

@@ -74,8 +74,10 @@ class TmpfsBacking(Backing):
         self._set_page_size(Path(shm_dir))
         #: The shm folder's filesystem where it is a disk's (accepted by the operator), else "".
         self.disk_filesystem = ""
-        #: The huge-page tmpfs over the sets root that holds the sets, or None (the shm folder).
+        #: The tmpfs mounted over the sets root that holds the sets, or None (the shm folder).
         self._root_mount: Path | None = None
+        #: Its sets also count against the shm folder's free space.
+        self._counted_in_shm = False
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> TmpfsBacking:
@@ -123,24 +125,33 @@ class TmpfsBacking(Backing):
             log.warning("%s", self.small_pages_reason)
         if find_mount(root).point == root:
             self._root_mount = root
+            # engramd sizes its mount to the shm folder's total and counts its sets
+            # against that folder; a mount of another size is the operator's own budget.
+            self._counted_in_shm = usage(root).total == usage(self.shm_dir).total
         self._set_page_size(root)
 
     def usage(self) -> Usage:
         """The tmpfs's sizes and the page size of its new files.
 
-        With a tmpfs mounted over the sets root, its sets still count against
-        the shm folder: free is what both have left (the root was sized to the
-        shm folder's total when it was mounted).
+        With a tmpfs mounted over the sets root, the sizes are that mount's; the
+        one engramd mounts (sized to the shm folder's total) also counts its
+        sets against the shm folder: free is what both have left.
         """
         u = usage(self.shm_dir)
         if self._root_mount is not None:
             r = usage(self._root_mount)
-            free = min(r.free, max(u.free - r.used, 0))
+            free = min(r.free, max(u.free - r.used, 0)) if self._counted_in_shm else r.free
             return Usage(u.dir, r.total, r.used, free, self.page_size)
         where = u.dir
         if self.disk_filesystem:
             where += f" (on {self.disk_filesystem}, a disk: --allow-disk-backed-tables)"
         return Usage(where, u.total, u.used, u.free, self.page_size)
+
+    def over_shm_budget(self) -> bool:
+        """engramd's mount holds more than the shm folder has left beside it (usage)."""
+        if self._root_mount is None or not self._counted_in_shm:
+            return False
+        return usage(self._root_mount).used > usage(self.shm_dir).free
 
     def reserved(self, nbytes: int) -> int:
         """Bytes of `nbytes` as tmpfs charges them: 4 KiB pages, or whole huge pages (huge=always).
@@ -278,6 +289,9 @@ class _StagedFolder(StagedSet):
                 fd = backing.make_file(self._folder / tensor_file_name(i))
                 self._fds.append(fd)
                 self._reserve(fd, entry)
+            if backing.over_shm_budget():
+                # engramd's own mount did not run out, but the shm folder it counts against did.
+                raise self._ran_out()
         except BaseException:
             self.discard()
             raise
@@ -290,11 +304,14 @@ class _StagedFolder(StagedSet):
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            raise ShmFull(
-                f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
-                f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
-                f"space after the capacity check?); {FIX_SHM_SIZE}"
-            ) from None
+            raise self._ran_out() from None
+
+    def _ran_out(self) -> ShmFull:
+        return ShmFull(
+            f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
+            f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
+            f"space after the capacity check?); {FIX_SHM_SIZE}"
+        )
 
     def placement(self, index: int) -> tuple[str, int]:
         """Each tensor in a file of its own, at offset 0."""
