@@ -110,7 +110,8 @@ def _pages_of_set(d: DaemonProcess) -> str:
             break
         time.sleep(0.1)  # the daemon measures right after the set is ready
     huge = s.huge_page_bytes / max(s.bytes, 1)
-    return f"{s.page_size >> 10} KiB pages ({huge:.0%} of the set on huge pages)"
+    size = f"{s.page_size >> 20} MiB" if s.page_size >= 1 << 20 else f"{s.page_size >> 10} KiB"
+    return f"{size} pages ({huge:.0%} of the set on huge pages)"
 
 
 def gather_throughput(ckpt: Path, reps: int) -> list[Figure]:
@@ -153,7 +154,7 @@ def gather_throughput(ckpt: Path, reps: int) -> list[Figure]:
                             higher_is_better=True,
                             target=">= 0.95x the best private" if name == best else "reported",
                             at_least=0.95 if name == best else None,
-                            note=f"shared default: {pages}",
+                            note=f"shared default: {pages}" if not figures else "",
                         )
                     )
                 print(

@@ -29,7 +29,7 @@ from engramd.shmfs import find_mount, mounts_below, shmem_enabled
 from engramd_client import plan_tables
 from engramd_client.layout import sets_root
 from engramd_client.pb import engramd_pb2 as pb
-from helpers import attach_error, reason
+from helpers import attach_error, reason, reference_digests
 
 MiB = 1 << 20
 HUGE = 2 * MiB
@@ -265,3 +265,26 @@ def test_a_writer_that_fills_the_shm_folder_after_the_check_fails_the_reservatio
             assert pages is not None and pages.huge_bytes == _expected_huge_bytes(checkpoint)
         finally:
             unmount_below(sets_root(shm))
+
+
+def test_a_mount_over_the_root_that_is_not_engramds_is_detached(
+    checkpoint: Path, shm_dir: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    _needs_mount(shm_dir)
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    assert d.stop() == 0
+    root = sets_root(shm_dir)
+    # Someone else's now, with altered bytes under the set's id.
+    with open(root / s.set_id / "0000.bin", "r+b") as f:
+        f.write(b"\xff" * 4096)
+    os.chown(root, 65534, 65534)
+    d.start()
+    assert "a mount that is not engramd's; detached it" in d.log
+    [s] = d.status().sets
+    assert not s.adopted, "a set of the foreign mount was adopted"
+    assert mounts_below(shm_dir) == [root] and root.stat().st_uid == os.geteuid()
+    w = Worker(checkpoint, d.socket, share="on")
+    workers.append(w)
+    assert w.hello["digests"] == reference_digests(checkpoint)
+    assert w.exit() == 0
