@@ -116,7 +116,7 @@ def _pages_of_set(d: DaemonProcess) -> str:
 
 def gather_throughput(ckpt: Path, reps: int) -> list[Figure]:
     """Rows/s of the shared default over each private side, T = 1, 64, 4096 on 1 and 2 threads."""
-    figures = []
+    figures: list[Figure] = []
     plan = plan_tables(ckpt)
     private = attach(ckpt, share=False)
     small = Tables.private(plan, None, reason=None, thp=False)

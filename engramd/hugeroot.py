@@ -24,7 +24,7 @@ import logging
 import os
 from pathlib import Path
 
-from .shmfs import find_mount, huge_pages, mounts_below, shmem_enabled, usage
+from .shmfs import find_mount, huge_pages, is_mount_point, mounts_below, shmem_enabled, usage
 from .units import gib
 
 log = logging.getLogger("engramd")
@@ -57,7 +57,7 @@ def claim_huge_root(shm_dir: str, root: Path, gid: int | None, enabled: bool) ->
     Otherwise: why they get 4 KiB pages, and the fix (for one log line and status).
     """
     if huge_pages(root):
-        if find_mount(root).point == root:
+        if is_mount_point(root):
             log.info("reusing the huge-page tmpfs over %s and the sets in it", root)
         return ""
     why = _why_not(shm_dir, root, enabled)
@@ -77,10 +77,10 @@ def _why_not(shm_dir: str, root: Path, enabled: bool) -> str:
     knob = shmem_enabled()
     if knob == "deny":
         return "shmem_enabled is deny, which keeps every tmpfs on 4 KiB pages"
-    mount = find_mount(root)
-    if mount.fstype != "tmpfs":
-        return f"the shm folder is on {mount.fstype or 'an unknown filesystem'}, not tmpfs"
-    if mount.point == root:
+    fstype = find_mount(root).fstype
+    if fstype != "tmpfs":
+        return f"the shm folder is on {fstype or 'an unknown filesystem'}, not tmpfs"
+    if is_mount_point(root):
         return f"{root} is a tmpfs mounted without huge= (remount it with huge=within_size)"
     if not _has_sys_admin():
         return "engramd may not mount (it lacks CAP_SYS_ADMIN)"

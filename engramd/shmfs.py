@@ -60,6 +60,11 @@ def find_mount(folder: str | os.PathLike[str]) -> Mount:
     return best
 
 
+def is_mount_point(folder: str | os.PathLike[str]) -> bool:
+    """True when a mount sits right at `folder` (not only somewhere above it)."""
+    return find_mount(folder).point == Path(folder).resolve()
+
+
 def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:
     """(filesystem type, mount options) of the mount that holds `folder`."""
     m = find_mount(folder)

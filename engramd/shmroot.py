@@ -21,7 +21,7 @@ from engramd_client.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_roo
 
 from .errors import UntrustedShm
 from .hugeroot import unmount_below
-from .shmfs import find_mount
+from .shmfs import is_mount_point
 
 log = logging.getLogger("engramd")
 
@@ -48,7 +48,7 @@ def claim_root(shm_dir: str, gid: int | None) -> Path:
     except FileNotFoundError:
         pass
     except NotOwned as e:
-        if find_mount(root).point == root:
+        if is_mount_point(root):
             return _detach(shm_dir, root, gid, e)
         aside = root.with_name(f"{ROOT_NAME}.untrusted-{time.strftime('%Y%m%dT%H%M%S')}")
         try:

@@ -39,7 +39,7 @@ from ..errors import ShmFull, ShmOnDisk
 from ..fdstore import FdStore
 from ..hugeroot import claim_huge_root
 from ..pinning import PinnedFiles
-from ..shmfs import find_mount, huge_pages, mount_of, usage, whole_huge_pages
+from ..shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from ..shmroot import claim_root
 from ..units import gib
 from .base import Backing, StagedSet, Usage
@@ -123,7 +123,7 @@ class TmpfsBacking(Backing):
         self.small_pages_reason = claim_huge_root(self.shm_dir, root, self._gid, self._huge_tmpfs)
         if self.small_pages_reason:
             log.warning("%s", self.small_pages_reason)
-        if find_mount(root).point == root:
+        if is_mount_point(root):
             self._root_mount = root
             # engramd sizes its mount to the shm folder's total and counts its sets
             # against that folder; a mount of another size is the operator's own budget.
