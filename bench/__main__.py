@@ -110,7 +110,7 @@ def main() -> int:
         figures += load_throughput(main_ckpt, args.reps)
     if "gather" in only:
         print("gather throughput and the first gather after attach")
-        figures += gather_throughput(main_ckpt, args.reps, args.size_gib)
+        figures += gather_throughput(main_ckpt, args.reps)
     if "storm" in only:
         print(f"{args.storm} workers attaching at once")
         figures += attach_storm(checkpoint(args.workdir, 0.25), args.storm, args.reps)

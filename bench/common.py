@@ -17,6 +17,7 @@ from typing import Any
 
 from engramd.demo.daemon_process import DaemonProcess
 from engramd.demo.synth import SCALE_GROUP, SynthSpec, synthesize
+from engramd.hugeroot import unmount_below
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -176,11 +177,17 @@ def daemon(shm_dir: Path, *args: str, wait: str = "serving") -> Iterator[DaemonP
 
 @contextlib.contextmanager
 def shm_folder() -> Iterator[Path]:
-    """A fresh folder under /dev/shm; removed afterwards."""
+    """A fresh folder under /dev/shm; removed afterwards.
+
+    A daemon with its default flags puts its sets there on 2 MiB pages where it
+    may (a tmpfs of its own over <folder>/engramd); pass --no-huge-tmpfs to
+    measure /dev/shm's own 4 KiB pages.
+    """
     path = Path(tempfile.mkdtemp(prefix="engramd-bench-", dir="/dev/shm"))
     try:
         yield path
     finally:
+        unmount_below(path)  # the huge-page tmpfs a daemon run as root mounts there
         shutil.rmtree(path, ignore_errors=True)
 
 

@@ -149,7 +149,8 @@ def _measure(ckpt: Path, sides: list[str], reps: int, note: str = "") -> list[Fi
             if folder is None:
                 continue
             _warm(ckpt)
-            with daemon(folder, "--checkpoint", str(ckpt)) as d:
+            small = ["--no-huge-tmpfs"] if side == "tmpfs, 4 KiB pages" else []
+            with daemon(folder, "--checkpoint", str(ckpt), *small) as d:
                 [s] = d.status().sets
                 load = s.bytes / s.load_seconds / 1e9
                 figures.append(

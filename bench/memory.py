@@ -74,7 +74,7 @@ def page_tables(ckpt: Path, n: int, size_gib: float) -> list[Figure]:
                 print("  huge-page tmpfs: cannot mount here (needs root); not measured")
                 continue
             with (
-                daemon(shm, "--checkpoint", str(ckpt)) as d,
+                daemon(shm, "--checkpoint", str(ckpt), *_pages_flag(huge)) as d,
                 replicas(ckpt, str(d.socket), "shared", n) as group,
             ):
                 before = meminfo()["PageTables"]
@@ -115,3 +115,8 @@ def page_tables(ckpt: Path, n: int, size_gib: float) -> list[Figure]:
             )
         )
     return figures
+
+
+def _pages_flag(huge: bool) -> list[str]:
+    """The 4 KiB side keeps the daemon off its own huge-page tmpfs."""
+    return [] if huge else ["--no-huge-tmpfs"]

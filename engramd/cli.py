@@ -217,6 +217,14 @@ def serve(
             "disk and served from the page cache, which the kernel may evict.",
         ),
     ] = DEFAULTS.allow_disk_backed_tables,
+    huge_tmpfs: Annotated[
+        bool,
+        typer.Option(
+            envvar="ENGRAMD_HUGE_TMPFS",
+            help="Mount a tmpfs with 2 MiB pages (huge=within_size) over <shm-dir>/engramd where "
+            "engramd may (CAP_SYS_ADMIN, the host's mount namespace) and the folder holds no sets.",
+        ),
+    ] = DEFAULTS.huge_tmpfs,
     allow_root: Annotated[
         list[Path] | None,
         typer.Option(
@@ -353,6 +361,7 @@ def serve(
         numa=_numa(values["numa"]),
         shm_dir=str(values["shm_dir"]),
         allow_disk_backed_tables=values["allow_disk_backed_tables"],
+        huge_tmpfs=values["huge_tmpfs"],
         allow_roots=[str(p) for p in values["allow_root"] or []],
         memory_budget=parse_size(str(values["memory_budget"])),
         evict_idle=values["evict_idle"],

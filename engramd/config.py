@@ -35,6 +35,8 @@ class DaemonConfig:
     shm_dir: str = "/dev/shm"
     #: Accept a shm folder on a disk filesystem: the tables then go to disk and the page cache.
     allow_disk_backed_tables: bool = False
+    #: Mount a huge=within_size tmpfs over <shm_dir>/engramd where the daemon may (2 MiB pages).
+    huge_tmpfs: bool = True
     #: Roots under which a worker's attach may start a load; none by default.
     allow_roots: list[str] = field(default_factory=list)
     #: Most bytes of sets the daemon holds at once; 0 for no limit but the tmpfs.

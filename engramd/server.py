@@ -113,13 +113,6 @@ class EngramdServer:
         for path in self._sockets():
             _claim_socket(path, self.gid)
         await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
-        if any(b.page_size <= 4096 and b.name == "tmpfs" for b in self.store.backings):
-            log.info(
-                "hint: %s is backed by 4 KiB pages; a tmpfs mounted with "
-                "huge=within_size gives faster gathers and ~500x smaller page tables "
-                "(deploy/systemd/srv-engramd-shm.mount)",
-                self.config.shm_dir,
-            )
         for checkpoint in self.config.checkpoints:
             try:
                 plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)

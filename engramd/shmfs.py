@@ -27,21 +27,64 @@ def usage(folder: str | os.PathLike[str]) -> ShmUsage:
     return ShmUsage(dir=str(folder), total=total, used=total - st.f_bfree * st.f_frsize, free=free)
 
 
-def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:
-    """(filesystem type, mount options) of the mount that holds `folder`."""
-    path = Path(folder).resolve()
-    best: tuple[int, str, set[str]] = (-1, "", set())
+@dataclass(frozen=True)
+class Mount:
+    """One line of /proc/self/mountinfo: where, what filesystem, with which options."""
+
+    point: Path
+    fstype: str
+    options: frozenset[str]
+
+
+def mounts() -> list[Mount]:
+    """Every mount this process sees, in mountinfo's order (parents before children)."""
+    found = []
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, _, right = line.partition(" - ")
         fields, tail = left.split(), right.split()
         # Mount points escape blanks as octal (\040).
-        mount_point = Path(fields[4].encode().decode("unicode_escape"))
-        if (path == mount_point or mount_point in path.parents) and len(str(mount_point)) >= best[
-            0
-        ]:
-            options = set(fields[5].split(",")) | set(tail[2].split(",") if len(tail) > 2 else [])
-            best = (len(str(mount_point)), tail[0], options)
-    return best[1], best[2]
+        point = Path(fields[4].encode().decode("unicode_escape"))
+        options = set(fields[5].split(",")) | set(tail[2].split(",") if len(tail) > 2 else [])
+        found.append(Mount(point, tail[0], frozenset(options)))
+    return found
+
+
+def find_mount(folder: str | os.PathLike[str]) -> Mount:
+    """The mount that holds `folder` (the last of the deepest, as the kernel resolves it)."""
+    path = Path(folder).resolve()
+    best = Mount(Path("/"), "", frozenset())
+    depth = -1
+    for m in mounts():
+        if (path == m.point or m.point in path.parents) and len(m.point.parts) >= depth:
+            best, depth = m, len(m.point.parts)
+    return best
+
+
+def is_mount_point(folder: str | os.PathLike[str]) -> bool:
+    """True when a mount sits right at `folder` (not only somewhere above it)."""
+    return find_mount(folder).point == Path(folder).resolve()
+
+
+def mount_of(folder: str | os.PathLike[str]) -> tuple[str, set[str]]:
+    """(filesystem type, mount options) of the mount that holds `folder`."""
+    m = find_mount(folder)
+    return m.fstype, set(m.options)
+
+
+def mounts_below(folder: str | os.PathLike[str]) -> list[Path]:
+    """Mount points at or under `folder`, deepest first (the order to unmount them in)."""
+    path = Path(folder).resolve()
+    below = {m.point for m in mounts() if m.point == path or path in m.point.parents}
+    return sorted(below, key=lambda p: len(p.parts), reverse=True)
+
+
+def shmem_enabled() -> str:
+    """The kernel's transparent_hugepage/shmem_enabled choice ("never", "within_size", ...)."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
+    except OSError:
+        return "unavailable"
+    return next((w.strip("[]") for w in text.split() if w.startswith("[")), "unavailable")
 
 
 def huge_pages(folder: str | os.PathLike[str]) -> bool:
@@ -49,13 +92,22 @@ def huge_pages(folder: str | os.PathLike[str]) -> bool:
     fstype, options = mount_of(folder)
     if fstype != "tmpfs":
         return False
-    try:
-        forced = "[force]" in Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text()
-    except OSError:
-        forced = False
-    return forced or any(
-        o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge=")
-    )
+    knob = shmem_enabled()
+    if knob in ("force", "deny"):
+        return knob == "force"
+    return any(o.split("=", 1)[-1] in _HUGE_TMPFS for o in options if o.startswith("huge="))
+
+
+def whole_huge_pages(folder: str | os.PathLike[str]) -> bool:
+    """True when a tmpfs gives even a file's tail a whole 2 MiB page (huge=always, or forced).
+
+    huge=within_size gives the part of a file past its last whole 2 MiB small
+    pages, so there a file takes its size in 4 KiB pages.
+    """
+    fstype, options = mount_of(folder)
+    if fstype != "tmpfs" or shmem_enabled() == "deny":
+        return False
+    return shmem_enabled() == "force" or "huge=always" in options
 
 
 def mount_id(path: str | os.PathLike[str]) -> int:

@@ -4,8 +4,9 @@ In /dev/shm every user may create `engramd/` before the daemon does (after a
 reboot, say) and then rename or replace what the daemon puts inside. So the
 daemon uses `<shm_dir>/engramd` only when it is a real folder that the
 daemon's user owns and nobody else may write. Anything else there is moved
-aside with a log line when the daemon may do so (as root), or the start
-fails, naming the fix. Workers check the same ownership before they map.
+aside with a log line when the daemon may do so (as root), a mount that is
+not the daemon's is detached, or the start fails, naming the fix. Workers
+check the same ownership before they map.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from pathlib import Path
 from engramd_client.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
 
 from .errors import UntrustedShm
+from .hugeroot import unmount_below
+from .shmfs import is_mount_point
 
 log = logging.getLogger("engramd")
 
@@ -45,6 +48,8 @@ def claim_root(shm_dir: str, gid: int | None) -> Path:
     except FileNotFoundError:
         pass
     except NotOwned as e:
+        if is_mount_point(root):
+            return _detach(shm_dir, root, gid, e)
         aside = root.with_name(f"{ROOT_NAME}.untrusted-{time.strftime('%Y%m%dT%H%M%S')}")
         try:
             os.rename(root, aside)
@@ -67,6 +72,19 @@ def claim_root(shm_dir: str, gid: int | None) -> Path:
     # mkdir failed had someone made it again meanwhile; check what was made.
     check_owned_dir(root, uid)
     return root
+
+
+def _detach(shm_dir: str, root: Path, gid: int | None, e: NotOwned) -> Path:
+    """A mount over the root that is not the daemon's (a mount point cannot be moved aside)."""
+    try:
+        unmount_below(root)
+    except OSError:
+        raise UntrustedShm(
+            f"{e}: a mount that is not engramd's, and engramd may not unmount it; "
+            f"unmount it as root (umount {root}) and let only engramd make it"
+        ) from None
+    log.error("%s: a mount that is not engramd's; detached it; nothing in it is served", e)
+    return claim_root(shm_dir, gid)
 
 
 def _secure(root: Path, gid: int | None) -> None:

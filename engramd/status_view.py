@@ -82,6 +82,14 @@ def _pages(size: int) -> str:
     return f"{size >> 10} KiB"
 
 
+def _set_pages(s: pb.SetInfo) -> str:
+    """The page size backing most of the set, and the share on huge pages where measured."""
+    if not s.HasField("huge_page_bytes") or not s.huge_page_bytes:
+        return _pages(s.page_size)
+    share = 100 * s.huge_page_bytes // max(s.bytes, 1)
+    return f"{_pages(s.page_size)} ({min(share, 100)}% huge)"
+
+
 def _backings(reply: pb.StatusReply) -> Table:
     table = Table("BACKING", "WHERE", "USED", "FREE", "TOTAL", "PAGES", "SETS", box=box.SIMPLE)
     if not reply.backings:  # a daemon older than the backings field
@@ -148,7 +156,7 @@ def _sets(reply: pb.StatusReply) -> Table:
             copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None),
             s.state + ("*" if s.adopted else ""),
             s.backing,
-            _pages(s.page_size),
+            _set_pages(s),
             gib(s.bytes),
             f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
             "yes" if s.locked else "no",
@@ -222,6 +230,9 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
                 style="yellow",
             )
         )
+    for b in reply.backings:
+        if b.small_pages_reason:
+            parts.append(Text(escape(b.small_pages_reason), style="yellow"))
     parts.append(_sets(reply) if reply.sets else Text("no sets"))
     if any(s.leases for s in reply.sets):
         parts.append(_leases(reply))

@@ -39,6 +39,7 @@ from .errors import (
 )
 from .loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
 from .numa import Placement, bytes_per_node
+from .pagesize import PageCensus
 from .pinning import FIX_MEMLOCK, PinnedFiles
 from .units import gib
 
@@ -152,6 +153,8 @@ class TableSet:
     locked: bool = False
     #: Bytes of the set on each NUMA node, as the daemon's pinned mappings show (numa_maps).
     nodes: dict[int, int] = field(default_factory=dict)
+    #: The pages backing the set, as the kernel maps them (measured once ready), or None.
+    pages: PageCensus | None = None
     leases: dict[str, Lease] = field(default_factory=dict)
     #: When a worker last attached or detached (or the set became ready).
     last_used: float = field(default_factory=time.monotonic)
@@ -557,7 +560,10 @@ class SetStore:
     async def _pin(self, ts: TableSet) -> None:
         # After the set is served: locking walks every page (~0.4 s per GiB
         # on 4 KiB pages), which must not delay readiness or adoption.
-        if not self._mlock or ts.manifest is None:
+        if ts.manifest is None:
+            return
+        ts.pages = await self._files.run(_census, ts.backing, ts.manifest)
+        if not self._mlock:
             return
         for index in range(len(ts.manifest.tensors)):
             if not self.holds(ts):
@@ -739,6 +745,15 @@ def _release_all(sets: list[TableSet], drop: bool) -> None:
             _remove(ts.backing, ts.pins, ts.copy)
         else:
             ts.pins.release()
+
+
+def _census(backing: Backing, manifest: Manifest) -> PageCensus | None:
+    try:
+        return backing.page_census(manifest)
+    except (OSError, ManifestError) as e:
+        # Dropped meanwhile, or a mapping the kernel refused: status shows the backing's pages.
+        log.info("cannot tell the pages backing set %s (%s)", manifest.copy, e)
+        return None
 
 
 def _nodes_of(mapped_as: str) -> dict[int, int]:

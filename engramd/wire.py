@@ -74,9 +74,10 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
             for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
         ],
         lease_count=len(ts.leases),
-        page_size=ts.backing.page_size,
+        page_size=ts.backing.page_size if ts.pages is None else ts.pages.page_size,
         bytes_per_node=ts.nodes,
         numa_node=ts.node,
+        huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
     )
 
 
@@ -137,6 +138,7 @@ def status_reply(
                 survives_restart=b.survives_restart,
                 stands_in_for=b.stands_in_for,
                 reason=b.reason,
+                small_pages_reason=b.small_pages_reason,
             )
             for b, bu in usages
         ],

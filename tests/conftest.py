@@ -1,7 +1,9 @@
 """Fixtures that start the real daemon and real worker processes.
 
 Sockets live in short folders under /tmp (AF_UNIX paths stop at 107 bytes);
-sets live in a fresh folder under /dev/shm that is removed afterwards.
+sets live in a fresh folder under /dev/shm that is removed afterwards, after
+the huge-page tmpfs a daemon run as root mounts over its `engramd/` inside is
+unmounted (the daemon leaves it for the next daemon to adopt).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import pytest
 from engramd.demo.child import JsonLinesChild
 from engramd.demo.daemon_process import DaemonProcess as Daemon
 from engramd.demo.synth import SynthSpec, synthesize
+from engramd.hugeroot import unmount_below
+from engramd_client.layout import sets_root
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"
@@ -143,6 +147,7 @@ def shm_dir() -> Iterator[Path]:
     """A fresh folder under /dev/shm for the daemon's sets; removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="engramd-test-", dir="/dev/shm"))
     yield path
+    unmount_below(path)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -181,6 +186,9 @@ def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
     for d in started:
         if d.proc is not None and d.proc.poll() is None:
             d.stop(signal.SIGKILL)
+    for d in started:
+        # Also in a shm folder of the test's own (the huge-page root stays after the daemon).
+        unmount_below(sets_root(d.shm_dir))
 
 
 @pytest.fixture

@@ -109,11 +109,14 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
 
         # The daemon, racing a writer that fills the tmpfs while it loads:
         # every attempt ends loaded or refused, never a SIGBUS or a leftover.
+        # One tmpfs for the sets and the writer, so the kernel's ENOSPC takes
+        # part in the race (a huge-page mount of the daemon's own is another
+        # tmpfs, judged against this one at the check: test_huge_default).
         tiny = synthesize(tmp_path / "tiny", SynthSpec(rows=2_000))
         d = Daemon(
             sock_dir / "d.sock",
             shm,
-            ["--checkpoint", str(tiny), "--allow-root", str(checkpoint.parent)],
+            ["--checkpoint", str(tiny), "--allow-root", str(checkpoint.parent), "--no-huge-tmpfs"],
             sock_dir / "daemon.log",
         ).start()
         try:

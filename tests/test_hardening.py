@@ -59,7 +59,8 @@ def test_planted_shm_folder_is_moved_aside_and_never_served(
     checkpoint: Path, daemons: Any, workers: list[Worker], shm_dir: Path
 ) -> None:
     shm_dir.chmod(0o1777)  # like /dev/shm: anyone may create engramd/ first
-    d = daemons("--checkpoint", str(checkpoint))
+    # A folder, as any user can plant one (a planted mount needs root: test_huge_default).
+    d = daemons("--checkpoint", str(checkpoint), "--no-huge-tmpfs")
     [s] = d.status().sets
     d.stop()
     # Another user owns the folder and a set of altered bytes under the real id.

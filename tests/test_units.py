@@ -167,7 +167,9 @@ def test_tmpfs_backing_bookkeeping(checkpoint: Path) -> None:
 
 def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
     assert BACKINGS["tmpfs"] is TmpfsBacking
-    backing = TmpfsBacking.from_config(DaemonConfig(shm_dir=str(shm_dir)), None, _NO_FD_STORE)
+    # The shm folder's own pages; a huge-page root's bookkeeping: test_huge_default.
+    config = DaemonConfig(shm_dir=str(shm_dir), huge_tmpfs=False)
+    backing = TmpfsBacking.from_config(config, None, _NO_FD_STORE)
     backing.claim()
     (shm_dir / "other-writer").write_bytes(b"\1" * (8 << 20))
     usage = backing.usage()

@@ -9,6 +9,7 @@ the fd channel its read-only descriptors.
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -19,6 +20,7 @@ from engramd_client.pb import engramd_pb2 as pb
 
 from ..config import DaemonConfig
 from ..fdstore import FdStore
+from ..pagesize import PageCensus, census
 from ..pinning import PinnedFiles
 
 
@@ -79,6 +81,8 @@ class Backing(ABC):
     stands_in_for: str = ""
     #: Why the backing asked for cannot work here, or "".
     reason: str = ""
+    #: Why new sets get 4 KiB pages here where huge pages could back them, with the fix; or "".
+    small_pages_reason: str = ""
     #: The NUMA node pages come from where the backing picks them by node (a hugetlb
     #: pool, cuMem host memory): --numa node:N's, or its own choice; else None.
     node: int | None = None
@@ -161,6 +165,17 @@ class Backing(ABC):
 
         `writable` (only where `writable_descriptors`): opened read-write instead.
         """
+
+    def page_census(self, manifest: Manifest) -> PageCensus | None:
+        """The pages the kernel backs the set's files with; None for sets that are not files."""
+        if pb.HANDLE_KIND_FD not in self.handle_kinds:
+            return None
+        opened = self.descriptors(manifest)
+        try:
+            return census([fd for _, fd in opened])
+        finally:
+            for _, fd in opened:
+                os.close(fd)
 
     @staticmethod
     def fd_handles(manifest: Manifest) -> list[pb.TensorHandle]:

@@ -37,6 +37,7 @@ from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from ..memlimit import check_memory, memory_limit, page_size_of_memfd
 from ..numa import Placement
 from ..pinning import PinnedFiles
+from ..shmfs import shmem_enabled
 from ..units import gib
 from .base import Backing, StagedSet, Usage
 
@@ -75,6 +76,12 @@ class MemfdBacking(Backing):
         #: hugetlb pages of this size (MFD_HUGETLB), or 0 for the kernel's own pages.
         self.huge_page_size = huge_page_size
         self.page_size = huge_page_size or page_size_of_memfd()
+        if self.page_size <= 4096:
+            self.small_pages_reason = (
+                f"memfd sets get 4 KiB pages: shmem_enabled is {shmem_enabled()}; for 2 MiB pages "
+                "set /sys/kernel/mm/transparent_hugepage/shmem_enabled to within_size, or use "
+                "--page-size 2M (a hugetlb pool)"
+            )
         #: hugetlb pages come from this NUMA node's pool (--numa node:N), else from any.
         self.node = node
 

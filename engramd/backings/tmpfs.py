@@ -1,6 +1,7 @@
 """Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.layout.
 
-A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages.
+A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages: the
+daemon mounts one over its sets root where it may (engramd.hugeroot).
 Sets survive a daemon restart; workers get read-only descriptors over the
 fd channel, or open the files by path (checked by owner, mode and the
 manifest's nonce) where they share the daemon's /dev/shm.
@@ -36,8 +37,9 @@ from ..checksum import digest_fd
 from ..config import DaemonConfig
 from ..errors import ShmFull, ShmOnDisk
 from ..fdstore import FdStore
+from ..hugeroot import claim_huge_root
 from ..pinning import PinnedFiles
-from ..shmfs import huge_pages, mount_of, usage
+from ..shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from ..shmroot import claim_root
 from ..units import gib
 from .base import Backing, StagedSet, Usage
@@ -62,19 +64,31 @@ class TmpfsBacking(Backing):
     handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
     writable_descriptors = True
 
-    def __init__(self, shm_dir: str, gid: int | None, allow_disk: bool = False) -> None:
+    def __init__(
+        self, shm_dir: str, gid: int | None, allow_disk: bool = False, huge_tmpfs: bool = False
+    ) -> None:
         self.shm_dir = shm_dir
         self._gid = gid
         self._owner = os.geteuid()
         self._allow_disk = allow_disk
-        self.page_size = _HUGE_PAGE if huge_pages(shm_dir) else _SMALL_PAGE
+        self._huge_tmpfs = huge_tmpfs
+        self._set_page_size(Path(shm_dir))
         #: The shm folder's filesystem where it is a disk's (accepted by the operator), else "".
         self.disk_filesystem = ""
+        #: The tmpfs mounted over the sets root that holds the sets, or None (the shm folder).
+        self._root_mount: Path | None = None
+        #: Its sets also count against the shm folder's free space.
+        self._counted_in_shm = False
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> TmpfsBacking:
-        """Files under `config.shm_dir`."""
-        return cls(config.shm_dir, gid, config.allow_disk_backed_tables)
+        """Files under `config.shm_dir`, on a huge-page tmpfs of the daemon's where it may."""
+        return cls(config.shm_dir, gid, config.allow_disk_backed_tables, config.huge_tmpfs)
+
+    def _set_page_size(self, folder: Path) -> None:
+        self.page_size = _HUGE_PAGE if huge_pages(folder) else _SMALL_PAGE
+        # tmpfs charges whole huge pages only where even a file's tail gets one.
+        self._unit = _HUGE_PAGE if whole_huge_pages(folder) else _SMALL_PAGE
 
     @property
     def survives_restart(self) -> bool:
@@ -83,7 +97,7 @@ class TmpfsBacking(Backing):
 
     def claim(self) -> None:
         """Make the shm folder where missing; refuse a disk's unless accepted; make or check
-        `<shm_dir>/engramd` (shmroot)."""
+        `<shm_dir>/engramd` (shmroot); put it on 2 MiB pages where the daemon may (hugeroot)."""
         folder = Path(self.shm_dir)
         if not folder.exists():
             folder.mkdir(parents=True, exist_ok=True)
@@ -108,15 +122,49 @@ class TmpfsBacking(Backing):
                 self.shm_dir,
                 self.disk_filesystem,
             )
-        claim_root(self.shm_dir, self._gid)
+        root = claim_root(self.shm_dir, self._gid)
+        if self.disk_filesystem or self.name != TmpfsBacking.name:
+            return
+        self.small_pages_reason = claim_huge_root(self.shm_dir, root, self._gid, self._huge_tmpfs)
+        if self.small_pages_reason:
+            log.warning("%s", self.small_pages_reason)
+        if is_mount_point(root):
+            self._root_mount = root
+            # engramd sizes its mount to the shm folder's total and counts its sets
+            # against that folder; a mount of another size is the operator's own budget.
+            self._counted_in_shm = usage(root).total == usage(self.shm_dir).total
+        self._set_page_size(root)
 
     def usage(self) -> Usage:
-        """The tmpfs's sizes and the page size of its new files."""
+        """The tmpfs's sizes and the page size of its new files.
+
+        With a tmpfs mounted over the sets root, the sizes are that mount's; the
+        one engramd mounts (sized to the shm folder's total) also counts its
+        sets against the shm folder: free is what both have left.
+        """
         u = usage(self.shm_dir)
+        if self._root_mount is not None:
+            r = usage(self._root_mount)
+            free = min(r.free, max(u.free - r.used, 0)) if self._counted_in_shm else r.free
+            return Usage(u.dir, r.total, r.used, free, self.page_size)
         where = u.dir
         if self.disk_filesystem:
             where += f" (on {self.disk_filesystem}, a disk: --allow-disk-backed-tables)"
         return Usage(where, u.total, u.used, u.free, self.page_size)
+
+    def over_shm_budget(self) -> bool:
+        """engramd's mount holds more than the shm folder has left beside it (usage)."""
+        if self._root_mount is None or not self._counted_in_shm:
+            return False
+        return usage(self._root_mount).used > usage(self.shm_dir).free
+
+    def reserved(self, nbytes: int) -> int:
+        """Bytes of `nbytes` as tmpfs charges them: 4 KiB pages, or whole huge pages (huge=always).
+
+        hugetlbfs (a subclass) charges whole pages of its own size.
+        """
+        unit = self._unit if self.name == TmpfsBacking.name else self.page_size
+        return -(-nbytes // unit) * unit
 
     def check_capacity(
         self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
@@ -267,6 +315,9 @@ class _StagedFolder(StagedSet):
                 fd = backing.make_file(self._folder / tensor_file_name(i))
                 self._fds.append(fd)
                 self._reserve(fd, entry)
+            if backing.over_shm_budget():
+                # engramd's own mount did not run out, but the shm folder it counts against did.
+                raise self._ran_out()
         except BaseException:
             self.discard()
             raise
@@ -279,11 +330,14 @@ class _StagedFolder(StagedSet):
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            raise ShmFull(
-                f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
-                f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
-                f"space after the capacity check?); {FIX_SHM_SIZE}"
-            ) from None
+            raise self._ran_out() from None
+
+    def _ran_out(self) -> ShmFull:
+        return ShmFull(
+            f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
+            f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
+            f"space after the capacity check?); {FIX_SHM_SIZE}"
+        )
 
     def placement(self, index: int) -> tuple[str, int]:
         """Each tensor in a file of its own, at offset 0."""

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from ..shmfs import usage
+from ..hugeroot import unmount_below
 from ..units import gib
 from .child import JsonLinesChild
 from .daemon_process import DaemonProcess
@@ -124,8 +124,10 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
         shared_runs = _run(shared)
         shared_mem = [r.memory() for r in shared]
         daemon_uss = psutil.Process(daemon.pid).memory_full_info().uss
-        shm_used = usage(shm).used
-        leases = len(daemon.status().sets[0].leases)
+        status = daemon.status()
+        # The shm folder's, or the huge-page tmpfs the daemon mounted over its sets root.
+        shm_used = status.shm.used_bytes
+        leases = len(status.sets[0].leases)
         for r in shared:
             r.close()
 
@@ -161,6 +163,7 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
                 child.wait()
         if daemon is not None and daemon.proc is not None:
             daemon.stop()
+        unmount_below(shm)
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(sock_dir, ignore_errors=True)
         if own_workdir:
