@@ -32,26 +32,26 @@ demo: setup
 test: setup test-tools
 	$(PY) -m pytest $(ARGS)
 
-# The vLLM plugin's tests against the real vLLM 0.33.0 (tests/vllm), in a venv of
+# The vLLM plugin's tests against the real vLLM 0.33.0 (tests/vllm_plugin), in a venv of
 # their own: vLLM and its import chain without its CUDA dependencies, beside CPU
 # torch. The venv is made again only when its requirements (or pyproject's entry
 # points) change. VLLM_FIND_LINKS: a folder holding the vllm wheel, to skip the
 # 336 MB download.
 VLLM_VENV ?= .venv-vllm
 VLLM_FIND_LINKS ?=
-VLLM_REQS := tests/vllm/requirements.txt tests/vllm/requirements-nodeps.txt pyproject.toml
+VLLM_REQS := tests/vllm_plugin/requirements.txt tests/vllm_plugin/requirements-nodeps.txt pyproject.toml
 VLLM_STAMP = $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQS) | sha256sum | cut -c1-16)
 VLLM_PIP = $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 	$(if $(VLLM_FIND_LINKS),--find-links $(VLLM_FIND_LINKS))
 
 test-vllm: $(VLLM_STAMP) test-tools
-	$(VLLM_VENV)/bin/python -m pytest tests/vllm $(ARGS)
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_plugin $(ARGS)
 
 $(VLLM_VENV)/.installed-%:
 	rm -rf $(VLLM_VENV)
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PIP) -r tests/vllm/requirements.txt
-	$(VLLM_PIP) --no-deps -r tests/vllm/requirements-nodeps.txt
+	$(VLLM_PIP) -r tests/vllm_plugin/requirements.txt
+	$(VLLM_PIP) --no-deps -r tests/vllm_plugin/requirements-nodeps.txt
 	$(VLLM_PIP) -e .
 	touch $@
 

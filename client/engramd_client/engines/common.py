@@ -16,11 +16,10 @@ from __future__ import annotations
 import fnmatch
 import logging
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from .. import errors
 from ..checkpoint import DEFAULT_TENSORS, checkpoint_files, read_header
@@ -32,6 +31,13 @@ from ..tables import RowRanges, Tables
 SELECTION = DEFAULT_TENSORS
 
 _said: set[str] = set()
+
+
+class Pattern(Protocol):
+    """An engine's compiled pattern of Engram table names (`re` or the `regex` package)."""
+
+    def search(self, string: str, /) -> object:
+        """A match anywhere in `string`, or None."""
 
 
 def say_once(log: logging.Logger, level: int, key: str, message: str, *args: object) -> None:
@@ -54,7 +60,7 @@ def checkpoint_names(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def check_selection(
-    folder: str | os.PathLike[str], engine_tables: re.Pattern[str], selection: str = SELECTION
+    folder: str | os.PathLike[str], engine_tables: Pattern, selection: str = SELECTION
 ) -> list[str]:
     """The tensors engramd would serve, when they are exactly the engine's Engram tables.
 
@@ -98,7 +104,7 @@ class Refusal:
         raise kind(self.message)
 
 
-def probe(folder: str | os.PathLike[str], engine_tables: re.Pattern[str]) -> None:
+def probe(folder: str | os.PathLike[str], engine_tables: Pattern) -> None:
     """Ask the daemon for the checkpoint's tables once (they load if they must), then let go.
 
     Raises the EngramdError that says why engramd cannot serve them here.

@@ -44,7 +44,6 @@ import importlib.util
 import inspect
 import logging
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,7 +55,7 @@ import torch
 from ..errors import CheckpointError, ShareError
 from ..sharding import ceil_head_rows
 from ..tables import Tables
-from .common import Refusal, attach_rows, decide, probe, say_once, settle, share_mode
+from .common import Pattern, Refusal, attach_rows, decide, probe, say_once, settle, share_mode
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")
@@ -99,7 +98,7 @@ class _Process:
     #: Functions replaced, by "module:qualname", to call through.
     original: dict[str, Callable[..., Any]] = field(default_factory=dict)
     #: vLLM's own pattern of Engram tables (`_ENGRAM_WEIGHT_RE`).
-    pattern: re.Pattern[str] | None = None
+    pattern: Pattern | None = None
 
 
 _state = _Process()
@@ -233,7 +232,8 @@ def check_seams(engram: ModuleType, weight_utils: ModuleType, default_loader: Mo
     )
     _expect(
         _params(weight_utils.should_skip_weight) == ["weight_name", "local_expert_ids"]
-        and isinstance(getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None), re.Pattern),
+        # Compiled with the `regex` package: anything with search() will do.
+        and callable(getattr(getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None), "search", None)),
         "weight_utils",
     )
     loader = getattr(default_loader, "DefaultModelLoader", None)

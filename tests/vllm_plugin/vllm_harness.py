@@ -1,4 +1,5 @@
-"""Fixtures of the vLLM plugin's tests: a DeepSeek-V4.1-shaped checkpoint and vLLM's config of it.
+"""The vLLM plugin's tests' harness: a DeepSeek-V4.1-shaped checkpoint, vLLM's config
+of it, and ranks of vLLM run as processes (vllm_rank.py).
 
 These tests run in their own venv (`make test-vllm`: vLLM 0.33.0 without its
 CUDA dependencies, CPU torch); the main suite does not collect this folder.
@@ -6,6 +7,7 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -97,16 +99,14 @@ def _extra_tensors(folder: Path, spec: SynthSpec) -> None:
     index_path.write_text(json.dumps(index, indent=2))
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
-    """A DeepSeek-V4.1-shaped checkpoint on disk (about 32 MB of Engram tables)."""
+def make_model(folder: Path) -> Model:
+    """Write the checkpoint into `folder` (on disk: the tests count reads) and vLLM's config."""
     from vllm.config import DeviceConfig, EngramConfig, LoadConfig, ModelConfig, VllmConfig
 
     heads = head_sizes()
     rows = max(sum(h) for h in heads)
     spec = SynthSpec(layers=LAYERS, rows=rows, dim=HEAD_DIM, shards=2)
-    # On disk, not tmpfs: the tests count the bytes read from it.
-    folder = synthesize(tmp_path_factory.mktemp("dsv41", numbered=True) / "ckpt", spec)
+    synthesize(folder, spec)
     _extra_tensors(folder, spec)
     config = {
         "model_type": "deepseek_v41",
@@ -125,6 +125,57 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     return Model(folder, pickled, spec, heads)
 
 
+def readahead(folder: Path) -> int:
+    """Bytes the kernel reads ahead on the block device that holds `folder`."""
+    dev = os.stat(folder).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):
+        if (queue / "read_ahead_kb").exists():
+            return int((queue / "read_ahead_kb").read_text()) << 10
+    return 0
+
+
+@contextlib.contextmanager
+def small_readahead_disk(where: Path) -> Iterator[Path | None]:
+    """An ext4 on a loop device that reads ahead 8 KiB, mounted in `where`; None without root.
+
+    The machine's disk may read ahead megabytes around every touch, which would
+    hide whether the tables were read: on this device a read counts what it reads.
+    """
+    image = where / "disk.img"
+    mount = where / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(128 << 20)
+
+    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    made = run("mkfs.ext4", "-q", "-F", str(image))
+    device = run("losetup", "-f", "--show", str(image)) if made.returncode == 0 else made
+    if device.returncode != 0:
+        yield None
+        return
+    loop = device.stdout.strip()
+    try:
+        run("blockdev", "--setra", "16", loop).check_returncode()
+        run("mount", loop, str(mount)).check_returncode()
+        try:
+            yield mount
+        finally:
+            run("umount", str(mount))
+    finally:
+        run("losetup", "-d", loop)
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    """A DeepSeek-V4.1-shaped checkpoint on disk (about 32 MB of Engram tables)."""
+    base = tmp_path_factory.mktemp("dsv41")
+    with small_readahead_disk(base) as disk:
+        yield make_model((disk or base) / "ckpt")
+
+
 def run_ranks(
     model: Model,
     world: int,
@@ -133,7 +184,7 @@ def run_ranks(
     extra: tuple[str, ...] = (),
     timeout: float = 600,
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `world` vLLM ranks (tests/vllm/vllm_rank.py) as one TP group; their results."""
+    """Run `world` vLLM ranks (tests/vllm_plugin/vllm_rank.py) as one TP group; their results."""
     init = tmp / "dist-init"
     full_env = {**os.environ, **env}
     procs = [

@@ -139,11 +139,17 @@ def mapping_of(address: int) -> str:
     return ""
 
 
-def status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
+def anonymous_kib(address: int) -> int:
+    """Anonymous (private, copied-on-write) KiB of the mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Anonymous:":
             return int(line.split()[1])
-    raise AssertionError(field)
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def main() -> None:
@@ -195,10 +201,8 @@ def main() -> None:
         out["model_sees_patch"] = (
             nvidia_model.can_share_engram_tables is engram.can_share_engram_tables
         )
-        anon_before = status_kib("RssAnon")
         hf = config.model_config.hf_text_config
         net = Net(hf, 1024, 64)
-        out["rss_anon_kib"] = status_kib("RssAnon") - anon_before
         layers = {}
         for name, module in net.named_modules():
             if isinstance(module, engram.ParallelEngramEmbedding):
@@ -251,6 +255,9 @@ def main() -> None:
                     rows = f.get_slice(key)[info["start"] : info["end"]]
                 same.append(bool(torch.equal(rows.view(torch.uint8), param.data.view(torch.uint8))))
             info["same_bytes"] = same
+            info["anonymous_kib"] = anonymous_kib(table.weight.data_ptr()) + anonymous_kib(
+                table.weight_scale_inv.data_ptr()
+            )
     print(json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)
