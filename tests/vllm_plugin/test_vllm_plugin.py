@@ -148,3 +148,17 @@ def test_dummy_load_format_stands_aside(model: Model, served: Any, tmp_path: Pat
     assert out["patched"]
     assert not any(info["served"] for info in out["layers"].values())
     assert _output(done).count("--load-format dummy: engramd's vLLM plugin stands aside") == 1
+
+
+def test_a_group_follows_its_leaders_answer(model: Model, served: Any, tmp_path: Path) -> None:
+    # Rank 1 sees no daemon, rank 0 does: both serve (rank 1 would have fallen back alone).
+    nowhere = f"ENGRAMD_SOCKET={tmp_path / 'none.sock'}"
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    ranks = run_ranks(model, 2, env, tmp_path, ("--decide-only", "--follower-env", nowhere))
+    assert [result(d)["serve"] for d in ranks] == [True, True]
+    # The leader sees no daemon, rank 1 does: neither serves.
+    (tmp_path / "again").mkdir()
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
+    there = f"ENGRAMD_SOCKET={served.socket}"
+    ranks = run_ranks(model, 2, env, tmp_path / "again", ("--decide-only", "--follower-env", there))
+    assert [result(d)["serve"] for d in ranks] == [False, False]

@@ -152,6 +152,23 @@ def anonymous_kib(address: int) -> int:
     raise AssertionError(f"no mapping holds {address:#x}")
 
 
+def lookups(net: nn.Module, table_class: type) -> dict[str, torch.Tensor]:
+    """Each Engram table's lookup (vLLM's Triton kernel, on the GPU) of random valid hash ids."""
+    found: dict[str, torch.Tensor] = {}
+    for name, module in net.named_modules():
+        if not isinstance(module, table_class):
+            continue
+        table: Any = module
+        g = torch.Generator().manual_seed(len(found))
+        start, end = table.vocab_start_idx, table.vocab_end_idx
+        ids = torch.randint(start, end, (257, table.n_hash_cols), generator=g)
+        shape = (257, table.part_n_hash_cols, table.dim)
+        out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        table.lookup(ids.cuda(), out)
+        found[name] = out.cpu()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -162,8 +179,19 @@ def main() -> None:
     parser.add_argument("--version", default="")
     parser.add_argument("--no-load", action="store_true")
     parser.add_argument("--load-format", default="")
+    parser.add_argument("--follower-env", default="", help="KEY=VALUE for every rank but 0")
+    parser.add_argument("--decide-only", action="store_true")
+    parser.add_argument("--lookup", default="", help="on a GPU: save vLLM's lookups here")
     args = parser.parse_args()
 
+    if args.follower_env and args.rank:
+        key, _, value = args.follower_env.partition("=")
+        os.environ[key] = value
+    # As vLLM's command line does first: its log handlers, which the plugin's lines use.
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())
     if args.version:
         # The one way to meet a vLLM this plugin does not know, on this machine.
         import vllm.version
@@ -177,7 +205,8 @@ def main() -> None:
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    cpu_only(args.private_pin)
+    if not args.lookup:
+        cpu_only(args.private_pin)
     with open(args.config, "rb") as f:
         config = pickle.load(f)
     if args.load_format:
@@ -192,6 +221,19 @@ def main() -> None:
     out: dict[str, Any] = {"rank": args.rank}
     with set_current_vllm_config(config):
         initialize_model_parallel(tensor_model_parallel_size=args.world)
+        if args.decide_only:
+            # The plugin's group decision, over vLLM's own GroupCoordinator (here the
+            # TP group; in a served model, the Engram DP group).
+            from vllm.distributed import get_tp_group
+
+            import engramd_client.engines.vllm as plugin
+
+            group = get_tp_group()
+            out["serve"] = plugin._decide(
+                leader=group.rank_in_group == 0, broadcast=group.broadcast_object
+            )
+            print(json.dumps(out), flush=True)
+            os._exit(0)
         import vllm.models.deepseek_v41.common.engram as engram
         import vllm.models.deepseek_v41.nvidia.model as nvidia_model
 
@@ -202,7 +244,8 @@ def main() -> None:
             nvidia_model.can_share_engram_tables is engram.can_share_engram_tables
         )
         hf = config.model_config.hf_text_config
-        net = Net(hf, 1024, 64)
+        with torch.device("cuda" if args.lookup else "cpu"):
+            net = Net(hf, 1024, 64)
         layers = {}
         for name, module in net.named_modules():
             if isinstance(module, engram.ParallelEngramEmbedding):
@@ -239,6 +282,8 @@ def main() -> None:
                 loader.load_weights(net, config.model_config)
                 out["read_bytes"] = io_read_bytes() - before
             torch.distributed.barrier(group)
+        if args.lookup:
+            torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
         from safetensors import safe_open
 
         index = json.loads(
