@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-vllm test-gpu bench proto lint format clean
+.PHONY: setup test-tools demo test test-vllm test-gpu bench bench-vllm proto lint format clean
 
 setup: $(VENV)/.installed
 
@@ -46,6 +46,10 @@ VLLM_PIP = $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-
 
 test-vllm: $(VLLM_STAMP) test-tools
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm_plugin $(ARGS)
+
+# Replicas starting with the plugin against vLLM's own tables (bench/vllm_plugin.py).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m bench.vllm_plugin $(ARGS)
 
 $(VLLM_VENV)/.installed-%:
 	rm -rf $(VLLM_VENV)

@@ -17,6 +17,7 @@ import json
 import os
 import pickle
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -244,8 +245,10 @@ def main() -> None:
             nvidia_model.can_share_engram_tables is engram.can_share_engram_tables
         )
         hf = config.model_config.hf_text_config
+        started = time.monotonic()
         with torch.device("cuda" if args.lookup else "cpu"):
             net = Net(hf, 1024, 64)
+        out["build_s"] = time.monotonic() - started
         layers = {}
         for name, module in net.named_modules():
             if isinstance(module, engram.ParallelEngramEmbedding):
@@ -278,9 +281,10 @@ def main() -> None:
                 if turn != args.rank:
                     continue
                 drop_cache(folder)
-                before = io_read_bytes()
+                before, started = io_read_bytes(), time.monotonic()
                 loader.load_weights(net, config.model_config)
                 out["read_bytes"] = io_read_bytes() - before
+                out["load_s"] = time.monotonic() - started
             torch.distributed.barrier(group)
         if args.lookup:
             torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
