@@ -134,6 +134,9 @@ def decide(
             ask()
         except EngramdError as e:
             refusal = Refusal.of(e)
+        except Exception as e:
+            # The leader must reach the broadcast whatever happened, or the others wait.
+            refusal = Refusal("ShareError", f"{type(e).__name__}: {e}")
     return broadcast(refusal) if broadcast is not None else refusal
 
 

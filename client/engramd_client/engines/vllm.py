@@ -95,7 +95,7 @@ class _Process:
     tables: Tables | None = None
     #: Checkpoint names of the tensors engramd serves here: vLLM skips reading them.
     served: frozenset[str] = frozenset()
-    #: Functions replaced, by "module:qualname", to call through.
+    #: vLLM's functions the plugin replaced, by name, to call through.
     original: dict[str, Callable[..., Any]] = field(default_factory=dict)
     #: vLLM's own pattern of Engram tables (`_ENGRAM_WEIGHT_RE`).
     pattern: Pattern | None = None
