@@ -4,15 +4,16 @@
 
 Four single-replica vLLM 0.33.0 ranks (as N separate `vllm serve`) build
 DeepSeek-V4.1-shaped Engram layers and load the synthetic checkpoint of
-tests/vllm_plugin at once, on CPU (tests/vllm_plugin/vllm_rank.py; only the
+tests/vllm_plugin one after another, on CPU (tests/vllm_plugin/vllm_rank.py; only the
 calls that need a GPU are replaced). Side by side, alternating: the plugin
 with the daemon serving, and ENGRAMD_SHARE=off, where vLLM allocates its own
 tables (pinned memory replaced by exact-size pageable memory: real pinned
 memory rounds each table up to a power of two, so vLLM's side is understated).
 
 Figures: host memory of the Engram tables for all replicas (the daemon's
-copy plus each replica's private table pages), bytes each replica read from
-the checkpoint, seconds until the layers were built and the weights loaded.
+copy plus the tables each replica holds itself), bytes each replica read
+from the checkpoint (its page cache dropped first), seconds until the layers
+were built and the weights loaded (median over replicas).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
 from vllm_plugin.vllm_harness import (  # noqa: E402
+    HEAD_DIM,
     RANK,
     Model,
     make_model,
@@ -42,32 +44,34 @@ from vllm_plugin.vllm_harness import (  # noqa: E402
 
 
 def replicas(model: Model, count: int, env: dict[str, str], work: Path) -> list[dict[str, Any]]:
-    """`count` single-rank vLLM replicas at once; each one's result."""
-    procs = []
+    """`count` single-rank vLLM replicas, one after another; each one's result.
+
+    One after another: each drops the checkpoint's page cache and counts its
+    own reads, which replicas loading at once would share through the cache.
+    """
+    done = []
     for i in range(count):
         folder = work / f"replica{i}"
         folder.mkdir()
         cmd = [sys.executable, str(RANK), "0", "1", str(folder / "init"), str(model.config)]
         if env.get("ENGRAMD_SHARE") == "off":
             cmd.append("--private-pin")
-        procs.append(
-            subprocess.Popen(
-                cmd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env={**os.environ, **env},
-            )
+        ran = subprocess.run(
+            cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=900
         )
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=900)
-        done.append(result(subprocess.CompletedProcess(p.args, p.returncode, out, err)))
+        done.append(result(ran))
     return done
 
 
 def summary(runs: list[dict[str, Any]], set_bytes: int) -> dict[str, float]:
-    private = sum(info["anonymous_kib"] * 1024 for run in runs for info in run["layers"].values())
+    """Host memory of the tables (the daemon's copy, plus every table a replica holds
+    itself: vLLM's loader wrote all of it), reads and start time per replica."""
+    private = sum(
+        (info["end"] - info["start"]) * (HEAD_DIM + HEAD_DIM // 32)
+        for run in runs
+        for info in run["layers"].values()
+        if not info["served"]
+    )
     return {
         "host_table_bytes": set_bytes + private,
         "read_bytes_per_replica": statistics.mean(r["read_bytes"] for r in runs),
