@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -120,8 +121,8 @@ def main() -> None:
         print(f"{key:28} {ours:14.3f} {theirs:14.3f} {ratio:8.3f}")
     out = Path(__file__).parent / "results" / "vllm_plugin.json"
     out.write_text(json.dumps({"replicas": args.replicas, "table_bytes": table_bytes, **figures}))
-    for folder in (shm, sock):
-        subprocess.run(["rm", "-rf", str(folder)], check=False)
+    for folder in (shm, sock, base):
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":
