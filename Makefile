@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-gpu bench proto lint format clean
+.PHONY: setup test-tools demo test test-vllm test-gpu bench bench-vllm proto lint format clean
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,33 @@ demo: setup
 
 test: setup test-tools
 	$(PY) -m pytest $(ARGS)
+
+# The vLLM plugin's tests against the real vLLM 0.33.0 (tests/vllm_plugin), in a venv of
+# their own: vLLM and its import chain without its CUDA dependencies, beside CPU
+# torch. The venv is made again only when its requirements (or pyproject's entry
+# points) change. VLLM_FIND_LINKS: a folder holding the vllm wheel, to skip the
+# 336 MB download.
+VLLM_VENV ?= .venv-vllm
+VLLM_FIND_LINKS ?=
+VLLM_REQS := tests/vllm_plugin/requirements.txt tests/vllm_plugin/requirements-nodeps.txt pyproject.toml
+VLLM_STAMP = $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQS) | sha256sum | cut -c1-16)
+VLLM_PIP = $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	$(if $(VLLM_FIND_LINKS),--find-links $(VLLM_FIND_LINKS))
+
+test-vllm: $(VLLM_STAMP) test-tools
+	$(VLLM_VENV)/bin/python -m pytest tests/vllm_plugin $(ARGS)
+
+# Replicas starting with the plugin against vLLM's own tables (bench/vllm_plugin.py).
+bench-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m bench.vllm_plugin $(ARGS)
+
+$(VLLM_VENV)/.installed-%:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) -r tests/vllm_plugin/requirements.txt
+	$(VLLM_PIP) --no-deps -r tests/vllm_plugin/requirements-nodeps.txt
+	$(VLLM_PIP) -e .
+	touch $@
 
 # The GPU tests (tests/gpu, skipped where no CUDA device is seen) with the
 # venv, or on a GPU machine whose interpreter already has CUDA torch with
@@ -57,4 +84,4 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -31,7 +31,7 @@ from .errors import (
     ShmCapacityError,
     UnknownSet,
 )
-from .sharding import head_rows, head_rows_by_table
+from .sharding import ceil_head_rows, head_rows, head_rows_by_table
 
 if TYPE_CHECKING:
     from .binding import BindError, bind, layer_names
@@ -58,6 +58,7 @@ __all__ = [
     "UnknownSet",
     "attach",
     "bind",
+    "ceil_head_rows",
     "head_rows",
     "head_rows_by_table",
     "layer_names",

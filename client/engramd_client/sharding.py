@@ -7,6 +7,10 @@ one rank. `head_rows` gives the row range a rank maps, for `attach(rows=)`:
 
     rows = head_rows_by_table({name: head_sizes for name in tables}, rank, world)
     tables = attach("/models/ckpt", rows=rows)
+
+Engines split heads their own way, and a rank must map exactly the rows its
+engine computed: `ceil_head_rows` is vLLM's split (every shard but the last
+`ceil(H / shards)` heads), `head_rows` the even one.
 """
 
 from __future__ import annotations
@@ -34,6 +38,28 @@ def head_rows(head_sizes: Sequence[int], rank: int, world: int) -> tuple[int, in
     first = rank * per + min(rank, extra)
     last = first + per + (1 if rank < extra else 0)
     return sum(head_sizes[:first]), sum(head_sizes[:last])
+
+
+def ceil_head_rows(head_sizes: Sequence[int], rank: int, shards: int) -> tuple[int, int]:
+    """Rows [start, stop) of shard `rank` of `shards` when heads split by ceiling division.
+
+    vLLM's `ParallelEngramEmbedding`: each shard takes `ceil(H / shards)`
+    heads in order and the last one what is left (10 heads over 4: 3, 3, 3,
+    1). Like vLLM, refuses a split that leaves a shard without heads.
+    """
+    if not 0 <= rank < shards:
+        raise ValueError(f"rank {rank} is not a shard of {shards}")
+    if any(size <= 0 for size in head_sizes):
+        raise ValueError(f"head sizes must be positive rows: {list(head_sizes)}")
+    heads = len(head_sizes)
+    per = -(-heads // shards)
+    if (shards - 1) * per >= heads:
+        raise ValueError(
+            f"{heads} heads over {shards} shards by ceiling division ({per} each) leave "
+            "the last shard without heads; use fewer shards"
+        )
+    first = rank * per
+    return sum(head_sizes[:first]), sum(head_sizes[: first + per])
 
 
 def head_rows_by_table(

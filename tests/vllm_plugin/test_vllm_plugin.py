@@ -1,0 +1,164 @@
+"""engramd's vLLM plugin against the real vLLM 0.33.0, on CPU.
+
+Each test runs real vLLM ranks (tests/vllm_plugin/vllm_rank.py): vLLM's own
+`load_general_plugins()` loads the plugin through its entry point, a real
+gloo TP group and vLLM's Engram layers are built over a DeepSeek-V4.1-shaped
+checkpoint, and vLLM's DefaultModelLoader loads it with weight tracking on.
+Only the calls that need a GPU are replaced (see `cpu_only` there).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_plugin.vllm_harness import Model, readahead, result, run_ranks
+
+from engramd_client.sharding import ceil_head_rows
+
+
+def _table_bytes(model: Model) -> int:
+    return model.spec.table_bytes
+
+
+def _may_read(model: Model) -> int:
+    """What a rank may read while loading: every tensor but the tables, the tables'
+    fingerprint samples (8 x 4 KiB a file), and one readahead window around each
+    touch (two a file: its header and the tensors beside the tables)."""
+    files = list(model.folder.glob("*.safetensors"))
+    other = sum(p.stat().st_size for p in files) - _table_bytes(model)
+    return other + len(files) * (8 * 4096 + 2 * max(readahead(model.folder), 4096))
+
+
+def _output(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout + done.stderr
+
+
+def test_entry_point_is_engramds_and_imports_no_engine() -> None:
+    points = importlib.metadata.entry_points(group="vllm.general_plugins")
+    assert {p.name: p.value for p in points}["engramd"] == "engramd_client.engines.vllm:register"
+    # The plugin module itself imports vLLM only when vLLM calls it.
+    code = "import sys, engramd_client.engines.vllm; print('vllm' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False"
+
+
+def test_ceil_head_rows_splits_heads_as_vllm() -> None:
+    heads = [11, 13, 17, 19, 23, 29, 31, 37, 41, 43]
+    spans = [ceil_head_rows(heads, rank, 4) for rank in range(4)]
+    # 10 heads over 4 shards: 3, 3, 3, 1.
+    assert spans == [(0, 41), (41, 112), (112, 221), (221, 264)]
+    assert ceil_head_rows(heads, 0, 1) == (0, sum(heads))
+
+
+def test_tp4_ranks_hold_vllms_rows_of_the_daemons_copy(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    ranks = [result(d) for d in run_ranks(model, 4, env, tmp_path)]
+    layers = model.spec.engram_layers
+    for rank, out in enumerate(ranks):
+        assert out["patched"] and out["model_sees_patch"]
+        for index, layer_id in enumerate(layers):
+            info = out["layers"][str(layer_id)]
+            # vLLM's own rows for the rank, equal to engramd's vLLM split.
+            assert (info["start"], info["end"]) == ceil_head_rows(model.heads[index], rank, 4)
+            assert info["shards"] == 4 and info["heads"] == 3
+            assert info["served"], info
+            assert info["weight_dtype"] == "torch.float8_e4m3fn"
+            assert info["scale_dtype"] == "torch.uint8"
+            # Byte for byte the checkpoint's rows, in the daemon's mapping.
+            assert info["same_bytes"] == [True, True]
+            assert str(served.shm_dir) in info["weight_map"], info["weight_map"]
+            assert str(served.shm_dir) in info["scale_map"], info["scale_map"]
+            # Shared, read-only file pages, and none copied into the rank (after loading).
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+            assert info["anonymous_kib"] == 0
+        # Loading read the other weights, none of the tables (fingerprint samples aside).
+        assert out["read_bytes"] <= _may_read(model) < _table_bytes(model) / 2, out["read_bytes"]
+    # Heads 3/3/3/1: the last rank holds one head, and together the ranks hold every row.
+    for index, layer_id in enumerate(layers):
+        spans = [
+            (o["layers"][str(layer_id)]["start"], o["layers"][str(layer_id)]["end"]) for o in ranks
+        ]
+        assert spans[0][0] == 0 and spans[-1][1] == sum(model.heads[index])
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        assert [o["layers"][str(layer_id)]["head_start"] for o in ranks] == [0, 3, 6, 9]
+    status = served.status()
+    assert len(status.sets) == 1
+
+
+def test_daemon_down_runs_vllms_own_path_with_one_warning(model: Model, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
+    (done,) = run_ranks(model, 1, env, tmp_path, ("--private-pin",))
+    out = result(done)
+    assert out["patched"]
+    for info in out["layers"].values():
+        assert not info["served"]
+        assert info["same_bytes"] == [True, True]  # vLLM's loader filled its own tables
+        assert "engramd" not in info["weight_map"]
+    # vLLM read the tables itself: the measurement sees reads where they happen.
+    assert out["read_bytes"] >= _table_bytes(model), out["read_bytes"]
+    log = _output(done)
+    assert log.count("engramd does not serve the Engram tables here") == 1, log[-3000:]
+    assert "vLLM allocates its own Engram tables" in log
+
+
+def test_share_off_stands_aside(model: Model, served: Any, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(served.socket), "ENGRAMD_SHARE": "off"}
+    (done,) = run_ranks(model, 1, env, tmp_path, ("--private-pin", "--no-load"))
+    out = result(done)
+    assert not out["patched"]
+    assert not any(info["served"] for info in out["layers"].values())
+    assert _output(done).count("ENGRAMD_SHARE=off: engramd's vLLM plugin stands aside") == 1
+    assert len(served.status().sets[0].leases) == 0
+
+
+def test_strict_with_daemon_down_fails_start_up(model: Model, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock"), "ENGRAMD_SHARE": "on"}
+    (done,) = run_ranks(model, 1, env, tmp_path, ("--no-load",))
+    assert done.returncode != 0
+    assert "DaemonUnavailable" in done.stderr, done.stderr[-3000:]
+    assert str(tmp_path / "none.sock") in done.stderr
+
+
+def test_unknown_vllm_version_disables_the_plugin(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    (done,) = run_ranks(
+        model, 1, env, tmp_path, ("--private-pin", "--no-load", "--version", "0.34.0")
+    )
+    out = result(done)
+    assert not out["patched"]
+    assert not any(info["served"] for info in out["layers"].values())
+    log = _output(done)
+    assert log.count("knows vLLM 0.33.0, not 0.34.0") == 1, log[-3000:]
+
+
+def test_dummy_load_format_stands_aside(model: Model, served: Any, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    extra = ("--private-pin", "--no-load", "--load-format", "dummy")
+    (done,) = run_ranks(model, 1, env, tmp_path, extra)
+    out = result(done)
+    assert out["patched"]
+    assert not any(info["served"] for info in out["layers"].values())
+    assert _output(done).count("--load-format dummy: engramd's vLLM plugin stands aside") == 1
+
+
+def test_a_group_follows_its_leaders_answer(model: Model, served: Any, tmp_path: Path) -> None:
+    # Rank 1 sees no daemon, rank 0 does: both serve (rank 1 would have fallen back alone).
+    nowhere = f"ENGRAMD_SOCKET={tmp_path / 'none.sock'}"
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    ranks = run_ranks(model, 2, env, tmp_path, ("--decide-only", "--follower-env", nowhere))
+    assert [result(d)["serve"] for d in ranks] == [True, True]
+    # The leader sees no daemon, rank 1 does: neither serves.
+    (tmp_path / "again").mkdir()
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
+    there = f"ENGRAMD_SOCKET={served.socket}"
+    ranks = run_ranks(model, 2, env, tmp_path / "again", ("--decide-only", "--follower-env", there))
+    assert [result(d)["serve"] for d in ranks] == [False, False]

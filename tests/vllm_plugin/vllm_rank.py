@@ -1,0 +1,316 @@
+"""One vLLM rank on CPU: loads the plugins, builds real Engram layers, loads the checkpoint.
+
+    python vllm_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--version V]
+        [--no-load] [--load-format F]
+
+Everything is vLLM's own code (its plugin loader, distributed groups, Engram
+layers, ColumnParallelLinear, DefaultModelLoader, DeepSeek-V4.1's weight
+mapper) except the few calls that need a GPU, replaced in `cpu_only` with
+the reason beside each. Prints one JSON line with what the rank holds and
+what its weight loading read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def cpu_only(private_pin: bool) -> None:
+    """Replace the calls that need a GPU; nothing else of vLLM's."""
+    import vllm.models.deepseek_v41.common.engram as engram
+
+    # ParallelEngramEmbedding refuses CPU offload without UVA, which needs a GPU.
+    engram.is_uva_available = lambda: True
+
+    # The layer sizes its lookup grid from the GPU's SM count (never used on CPU).
+    def properties(device: Any = None) -> Any:
+        return type("Props", (), {"multi_processor_count": 8})()
+
+    torch.cuda.get_device_properties = properties
+    # No accelerator: the layer asks for the current device's index.
+    torch.accelerator.current_device_index = lambda: 0
+
+    class Stream:
+        # Engram's prefetch stream and event are CUDA objects.
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    torch.cuda.Stream = Stream  # type: ignore[misc, assignment]
+    torch.cuda.Event = Stream  # type: ignore[misc, assignment]
+    if private_pin:
+        # vLLM's own private tables are pinned, which needs an accelerator:
+        # exact-size pageable memory here (real pinned memory rounds up to a
+        # power of two).
+        empty = torch.empty
+
+        def unpinned(*args: Any, pin_memory: bool = False, **kwargs: Any) -> torch.Tensor:
+            return empty(*args, **kwargs)
+
+        torch.empty = unpinned  # type: ignore[assignment]
+
+
+class Block(nn.Module):
+    """A decoder layer's place for the synthetic checkpoint's tensors beside the Engram."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.attn = nn.Module()
+        self.attn.wq = nn.Module()
+        self.attn.wq.weight = nn.Parameter(torch.empty(hidden, hidden, dtype=torch.bfloat16))
+        self.ffn = nn.Module()
+        self.ffn.norm = nn.Module()
+        self.ffn.norm.weight = nn.Parameter(torch.empty(hidden, dtype=torch.float32))
+
+
+class Net(nn.Module):
+    """The checkpoint's modules under DeepSeek-V4.1's names, its Engram layers vLLM's own."""
+
+    def __init__(self, hf_config: Any, embed_rows: int, hidden: int) -> None:
+        super().__init__()
+        from vllm.model_executor.models.utils import PPMissingLayer
+        from vllm.models.deepseek_v41.common.engram import Engram, EngramLayout
+        from vllm.models.deepseek_v41.nvidia.model import _make_deepseek_v4_weights_mapper
+
+        self.hf_to_vllm_mapper = _make_deepseek_v4_weights_mapper("fp8")
+        self.embed_tokens = nn.Module()
+        self.embed_tokens.weight = nn.Parameter(
+            torch.empty(embed_rows, hidden, dtype=torch.bfloat16)
+        )
+        layout = EngramLayout.from_config(hf_config)
+        assert layout is not None
+        self.model = nn.Module()
+        layers: list[nn.Module] = []
+        for layer_id in range(hf_config.num_hidden_layers):
+            if layer_id not in layout.layer_ids:
+                layers.append(PPMissingLayer())
+                continue
+            block = Block(hidden)
+            block.engram = Engram(
+                hf_config,
+                None,
+                layout,
+                layout.layer_ids.index(layer_id),
+                use_sequence_parallel=False,
+                prefix=f"model.layers.{layer_id}.engram",
+            )
+            layers.append(block)
+        self.model.layers = nn.ModuleList(layers)
+
+    def load_weights(self, weights: Any) -> set[str]:
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+
+def io_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def drop_cache(folder: Path) -> None:
+    """Evict the checkpoint's pages, so every byte read is counted as read from disk."""
+    for path in folder.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def mapping_of(address: int) -> str:
+    """The /proc/self/maps line whose range holds `address`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span = line.split()[0]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return line
+    return ""
+
+
+def anonymous_kib(address: int) -> int:
+    """Anonymous (private, copied-on-write) KiB of the mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Anonymous:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def lookups(net: nn.Module, table_class: type) -> dict[str, torch.Tensor]:
+    """Each Engram table's lookup (vLLM's Triton kernel, on the GPU) of random valid hash ids."""
+    found: dict[str, torch.Tensor] = {}
+    for name, module in net.named_modules():
+        if not isinstance(module, table_class):
+            continue
+        table: Any = module
+        g = torch.Generator().manual_seed(len(found))
+        start, end = table.vocab_start_idx, table.vocab_end_idx
+        ids = torch.randint(start, end, (257, table.n_hash_cols), generator=g)
+        shape = (257, table.part_n_hash_cols, table.dim)
+        out = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+        table.lookup(ids.cuda(), out)
+        found[name] = out.cpu()
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("rank", type=int)
+    parser.add_argument("world", type=int)
+    parser.add_argument("init_file")
+    parser.add_argument("config")
+    parser.add_argument("--private-pin", action="store_true")
+    parser.add_argument("--version", default="")
+    parser.add_argument("--no-load", action="store_true")
+    parser.add_argument("--load-format", default="")
+    parser.add_argument("--follower-env", default="", help="KEY=VALUE for every rank but 0")
+    parser.add_argument("--decide-only", action="store_true")
+    parser.add_argument("--lookup", default="", help="on a GPU: save vLLM's lookups here")
+    args = parser.parse_args()
+
+    if args.follower_env and args.rank:
+        key, _, value = args.follower_env.partition("=")
+        os.environ[key] = value
+    # As vLLM's command line does first: its log handlers, which the plugin's lines use.
+    from vllm.config.logging import LoggingConfig
+    from vllm.logger import configure_logging
+
+    configure_logging(LoggingConfig())
+    if args.version:
+        # The one way to meet a vLLM this plugin does not know, on this machine.
+        import vllm.version
+
+        vllm.version.__version__ = args.version
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+    load_general_plugins()  # vLLM may load plugins again: harmless
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+    if not args.lookup:
+        cpu_only(args.private_pin)
+    with open(args.config, "rb") as f:
+        config = pickle.load(f)
+    if args.load_format:
+        config.load_config.load_format = args.load_format
+    init_distributed_environment(
+        world_size=args.world,
+        rank=args.rank,
+        distributed_init_method=f"file://{args.init_file}",
+        local_rank=args.rank,
+        backend="gloo",
+    )
+    out: dict[str, Any] = {"rank": args.rank}
+    with set_current_vllm_config(config):
+        initialize_model_parallel(tensor_model_parallel_size=args.world)
+        if args.decide_only:
+            # The plugin's group decision, over vLLM's own GroupCoordinator (here the
+            # TP group; in a served model, the Engram DP group).
+            from vllm.distributed import get_tp_group
+
+            import engramd_client.engines.vllm as plugin
+
+            group = get_tp_group()
+            out["serve"] = plugin._decide(
+                leader=group.rank_in_group == 0, broadcast=group.broadcast_object
+            )
+            print(json.dumps(out), flush=True)
+            os._exit(0)
+        import vllm.models.deepseek_v41.common.engram as engram
+        import vllm.models.deepseek_v41.nvidia.model as nvidia_model
+
+        out["patched"] = bool(
+            getattr(engram.ParallelEngramEmbedding._allocate_weights, "__engramd__", False)
+        )
+        out["model_sees_patch"] = (
+            nvidia_model.can_share_engram_tables is engram.can_share_engram_tables
+        )
+        hf = config.model_config.hf_text_config
+        started = time.monotonic()
+        with torch.device("cuda" if args.lookup else "cpu"):
+            net = Net(hf, 1024, 64)
+        out["build_s"] = time.monotonic() - started
+        layers = {}
+        for name, module in net.named_modules():
+            if isinstance(module, engram.ParallelEngramEmbedding):
+                layer_id = int(name.split(".")[2])
+                layers[layer_id] = {
+                    "name": name,
+                    "start": module.vocab_start_idx,
+                    "end": module.vocab_end_idx,
+                    "head_start": module.head_start,
+                    "heads": module.part_n_hash_cols,
+                    "shards": module._get_shard_info()[0],
+                    "weight_dtype": str(module.weight.dtype),
+                    "scale_dtype": str(module.weight_scale_inv.dtype),
+                    "weight_map": mapping_of(module.weight.data_ptr()),
+                    "scale_map": mapping_of(module.weight_scale_inv.data_ptr()),
+                    "served": bool(getattr(module, "_engramd_served", False)),
+                }
+        out["layers"] = layers
+        if not args.no_load:
+            from vllm.config import LoadConfig
+
+            folder = Path(config.model_config.model)
+            loader = DefaultModelLoader(
+                LoadConfig(model_loader_extra_config={"enable_weights_track": True})
+            )
+            group = torch.distributed.group.WORLD
+            # One rank at a time: each measures its own reads with a cold cache.
+            for turn in range(args.world):
+                torch.distributed.barrier(group)
+                if turn != args.rank:
+                    continue
+                drop_cache(folder)
+                before, started = io_read_bytes(), time.monotonic()
+                loader.load_weights(net, config.model_config)
+                out["read_bytes"] = io_read_bytes() - before
+                out["load_s"] = time.monotonic() - started
+            torch.distributed.barrier(group)
+        if args.lookup:
+            torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
+        from safetensors import safe_open
+
+        index = json.loads(
+            (Path(config.model_config.model) / "model.safetensors.index.json").read_text()
+        )
+        for layer_id, info in layers.items():
+            table: Any = net.get_submodule(info["name"])
+            same = []
+            for suffix, param in (("weight", table.weight), ("scale", table.weight_scale_inv)):
+                key = f"layers.{layer_id}.engram.embed.{suffix}"
+                with safe_open(
+                    Path(config.model_config.model) / index["weight_map"][key], "pt"
+                ) as f:
+                    rows = f.get_slice(key)[info["start"] : info["end"]]
+                same.append(bool(torch.equal(rows.view(torch.uint8), param.data.view(torch.uint8))))
+            info["same_bytes"] = same
+            info["anonymous_kib"] = anonymous_kib(table.weight.data_ptr()) + anonymous_kib(
+                table.weight_scale_inv.data_ptr()
+            )
+    print(json.dumps(out), flush=True)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
