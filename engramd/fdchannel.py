@@ -131,7 +131,7 @@ class FdChannel:
         self._exchanges: set[asyncio.Task[None]] = set()
         #: Exchanges in progress by peer uid.
         self._by_uid: collections.Counter[int] = collections.Counter()
-        #: Uids told about in the log since their count was last below the cap.
+        #: Uids told about in the log since they last held no exchange.
         self._warned: set[int] = set()
 
     def bind(self) -> None:

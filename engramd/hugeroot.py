@@ -19,19 +19,16 @@ memory stays bounded by what the operator gave /dev/shm.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 from pathlib import Path
 
+from .libc import libc
 from .shmfs import find_mount, huge_pages, is_mount_point, mounts_below, shmem_enabled, usage
 from .units import gib
 
 log = logging.getLogger("engramd")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p] * 3 + [ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 2, 4, 8
 _MNT_DETACH = 2
 _CAP_SYS_ADMIN = 21
@@ -133,7 +130,7 @@ def _mount(shm_dir: str, root: Path, gid: int | None) -> str:
     owner = f"mode=0750,uid={os.geteuid()},gid={os.getegid() if gid is None else gid}"
     options = f"{HUGE_OPTIONS},size={size},{owner}"
     flags = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    if _libc.mount(b"tmpfs", os.fsencode(root), b"tmpfs", flags, options.encode()) != 0:
+    if libc.mount(b"tmpfs", os.fsencode(root), b"tmpfs", flags, options.encode()) != 0:
         return f"mounting a huge tmpfs over it failed ({os.strerror(ctypes.get_errno())})"
     log.info(
         "mounted a tmpfs with 2 MiB pages over %s (%s, %s, the shm folder's total); it stays "
@@ -152,6 +149,6 @@ def unmount_below(folder: str | os.PathLike[str]) -> None:
     benchmark): lazily, so a worker that still maps a set keeps its pages.
     """
     for point in mounts_below(folder):
-        if _libc.umount2(os.fsencode(point), _MNT_DETACH) != 0:
+        if libc.umount2(os.fsencode(point), _MNT_DETACH) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"umount {point}: {os.strerror(err)}")

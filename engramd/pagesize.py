@@ -10,24 +10,12 @@ about 0.1 s per 100 GiB, and the mapping goes away at once.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
+from .libc import libc, map_read_only
+
 _SMALL = 4096
 
 
@@ -63,17 +51,17 @@ def census(fds: list[int]) -> PageCensus:
             size = os.fstat(fd).st_size
             if size == 0:
                 continue
-            addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, _MAP_FAILED):
-                err = ctypes.get_errno()
-                raise OSError(err, f"mmap for the page census: {os.strerror(err)}")
+            try:
+                addr = map_read_only(fd, size)
+            except OSError as e:
+                raise OSError(e.errno, f"mmap for the page census: {e.strerror}") from None
             mapped.append((addr, size))
             for offset in range(0, size, PMD_SIZE):
                 ctypes.c_char.from_address(addr + offset).value  # noqa: B018 (the fault is the point)
         return _from_smaps(Path("/proc/self/smaps").read_text(), mapped)
     finally:
         for addr, size in mapped:
-            _libc.munmap(addr, size)
+            libc.munmap(addr, size)
 
 
 def _from_smaps(smaps: str, mapped: list[tuple[int, int]]) -> PageCensus:

@@ -8,28 +8,16 @@ its buffer needs a writable mapping, so the mapping is made through libc.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import mmap
 import os
 import threading
 from pathlib import Path
 
+from .libc import libc, map_read_only
+
 log = logging.getLogger("engramd")
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mlock.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 FIX_MEMLOCK = (
     "raise the daemon's locked-memory limit (systemd LimitMEMLOCK=infinity, "
@@ -78,19 +66,20 @@ class PinnedFiles:
         size = offset + length - start
         if length == 0 or self._released:
             return
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
-        if addr in (None, _MAP_FAILED):
-            self._fail(f"mmap {what}: {os.strerror(ctypes.get_errno())}")
+        try:
+            addr = map_read_only(fd, size, start)
+        except OSError as e:
+            self._fail(f"mmap {what}: {e.strerror}")
             return
-        if _libc.mlock(addr, size) != 0:
+        if libc.mlock(addr, size) != 0:
             self._fail(f"mlock {what} ({size} bytes): {os.strerror(ctypes.get_errno())}")
-            _libc.munmap(addr, size)
+            libc.munmap(addr, size)
             return
         with self._lock:
             if not self._released:
                 self._maps.append((addr, size))
                 return
-        _libc.munmap(addr, size)
+        libc.munmap(addr, size)
 
     def _fail(self, error: str) -> None:
         if self.error is None:
@@ -102,4 +91,4 @@ class PinnedFiles:
             self._released = True
             maps, self._maps = self._maps, []
         for addr, size in maps:
-            _libc.munmap(addr, size)
+            libc.munmap(addr, size)

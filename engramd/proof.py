@@ -34,11 +34,12 @@ from engramd_client.layout import Manifest
 
 from .checksum import digest_fd
 from .errors import FingerprintDiffers
+from .libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from .loader import LoadProgress
-from .shmfs import mount_of
 
-#: Filesystems whose files change in place without a new mtime or ctime.
-UNSTAMPED_FILESYSTEMS = frozenset({"tmpfs", "ramfs", "hugetlbfs"})
+#: Filesystems whose files change in place without a new mtime or ctime
+#: (a write through a shared mapping of a tmpfs file stamps nothing).
+UNSTAMPED_FILESYSTEMS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC, HUGETLBFS_MAGIC})
 
 #: Digests kept (a tensor range of a file identity each, ~200 bytes apiece).
 DIGESTS_KEPT = 65536
@@ -48,7 +49,7 @@ _DigestKey = tuple[int, int, int, int, int, int, int]
 
 def stamps_writes(path: str) -> bool:
     """True when every write to the file at `path` gives it a new mtime or ctime."""
-    return mount_of(path)[0] not in UNSTAMPED_FILESYSTEMS
+    return filesystem_type(path) not in UNSTAMPED_FILESYSTEMS
 
 
 @dataclass(frozen=True)

@@ -96,7 +96,7 @@ class EngramdServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_AdminServiceServicer_to_server(
-            AdminService(config, self.store, lambda: self.service.status(full=True)), self.admin
+            AdminService(config, self.store, self.service.status), self.admin
         )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:

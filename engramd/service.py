@@ -23,7 +23,7 @@ from .errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, 
 from .loader import LoadProgress
 from .policy import LoadPolicy, open_to_group, resolve
 from .proof import Prover
-from .store import Lease, SetState, SetStore, TableSet
+from .store import ON_FD_CHANNEL, Lease, SetState, SetStore, TableSet
 from .units import gib
 from .wire import PROGRESS_INTERVAL_S, load_progress, source_files, status_reply
 
@@ -244,7 +244,7 @@ class TableService(pb_grpc.TableServiceServicer):
             tensors=handles,
             gpu_route=lease.gpu_route,  # type: ignore[arg-type]
         )
-        if kind in (pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM):
+        if kind in ON_FD_CHANNEL:
             attachment.fd_channel.socket = self._config.fd_socket
             attachment.fd_channel.secret = lease.fd_secret
         if kind == pb.HANDLE_KIND_SHM and handles:
@@ -257,9 +257,9 @@ class TableService(pb_grpc.TableServiceServicer):
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
-        """What the node holds."""
+        """What the node holds, as any member of the socket group may see it."""
         try:
-            return self.status()
+            return self.status(await self._group_readable())
         except Exception as e:
             await abort(context, e)
             raise AssertionError("unreachable") from e
@@ -285,15 +285,15 @@ class TableService(pb_grpc.TableServiceServicer):
         )
         return pb.FallbackAck()
 
-    def status(self, full: bool = False) -> pb.StatusReply:
+    def status(self, shown: Callable[[TableSet], bool] | None = None) -> pb.StatusReply:
         """The status reply, built from the store (on the event loop).
 
-        On the worker socket, a set is shown in full when the operator loaded
-        it or every member of the socket group may read its files; others
-        appear with their size and state only (no id, path or leases): a
-        caller there may be any member of the group, and the daemon cannot
-        tell which (grpcio gives no peer credentials). `full`, for the
-        owner's admin socket, shows every set.
+        `shown` says which sets appear in full: on the worker socket, sets the
+        operator loaded and sets whose files every member of the socket group
+        may read; others appear with their size and state only (no id, path or
+        leases), since a caller there may be any member of the group and the
+        daemon cannot tell which (grpcio gives no peer credentials). None, for
+        the owner's admin socket, shows every set.
         """
         return status_reply(
             self._store,
@@ -301,14 +301,25 @@ class TableService(pb_grpc.TableServiceServicer):
             time.monotonic() - self._started,
             self._ready(),
             self._config.allow_writable_gpu_mappings,
-            None if full else self._shown,
+            shown,
         )
 
-    def _shown(self, ts: TableSet) -> bool:
-        if ts.published:
-            return True
-        files = [s.path for s in ts.manifest.sources] if ts.manifest else [ts.checkpoint]
-        return open_to_group(files, self._group)
+    async def _group_readable(self) -> Callable[[TableSet], bool]:
+        """Which sets the worker socket shows in full.
+
+        The modes are read on the checkpoint readers' threads: a checkpoint's
+        folder may sit on a network mount that hangs, and the event loop
+        serves every other call.
+        """
+        pending = {
+            ts.key: [s.path for s in ts.manifest.sources] if ts.manifest else [ts.checkpoint]
+            for ts in self._store.sets.values()
+            if not ts.published
+        }
+        readable = await self._readers.run(
+            lambda: {key for key, files in pending.items() if open_to_group(files, self._group)}
+        )
+        return lambda ts: ts.published or ts.key in readable
 
 
 def _validate(request: pb.AttachRequest) -> None:

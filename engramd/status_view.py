@@ -182,7 +182,7 @@ def _leases(reply: pb.StatusReply) -> Table:
                 str(lease.pid),
                 str(lease.uid) if lease.HasField("uid") else "?",
                 _KIND.get(lease.kind, "?"),
-                lease.device + _ROUTE[lease.gpu_route] if lease.device else "cpu",
+                lease.device + _ROUTE.get(lease.gpu_route, " ?") if lease.device else "cpu",
                 Text(escape(labels)),
                 Text(marks, style="yellow"),
             )

@@ -189,6 +189,8 @@ SetKey = tuple[str, str, int | None]
 #: collect them on the fd channel, where its uid becomes known; until then it is
 #: charged to no uid.
 COLLECT_DEADLINE_S = 10.0
+#: Handle kinds whose workers collect descriptors on the fd channel.
+ON_FD_CHANNEL = frozenset({pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM})
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
 #: below gRPC's 4 MiB limit whatever the workers send.
@@ -606,7 +608,7 @@ class SetStore:
         # them (COLLECT_DEADLINE_S); any other lease's uid is unknown until its
         # worker comes to the fd channel, and all of those together hold one
         # uid's share.
-        collects = kind == pb.HANDLE_KIND_FD and not request.reattach
+        collects = kind in ON_FD_CHANNEL and not request.reattach
         if not collects:
             self._check_share(None)
         start = start_ticks(request.pid) if request.pid > 0 else None

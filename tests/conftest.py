@@ -12,6 +12,7 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -149,6 +150,24 @@ def shm_dir() -> Iterator[Path]:
     yield path
     unmount_below(path)
     shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """(a short folder for sockets, shm folder, checkpoint) that anyone may traverse and read.
+
+    For daemons whose socket group holds real unprivileged users (as_user).
+    """
+    top = Path(tempfile.mkdtemp(prefix="edo", dir="/tmp"))
+    shm = Path(tempfile.mkdtemp(prefix="engramd-test-open-", dir="/dev/shm"))
+    ckpt = top / "ckpt"
+    shutil.copytree(checkpoint, ckpt)
+    for p in (top, shm, ckpt, *ckpt.iterdir()):
+        p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP | stat.S_IXGRP)
+    yield top, shm, ckpt
+    shutil.rmtree(top, ignore_errors=True)
+    unmount_below(shm)
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -144,10 +144,17 @@ def test_a_worker_s_node_is_where_most_of_its_cpus_are(tmp_path: Path) -> None:
     assert local_node() == nodes()[0], "this machine's one node"
 
 
-def _attach(sock: Path, set_id: str, numa_node: int | None) -> tuple[Any, pb.Attachment]:
-    """A raw Attach stream (reattach: the daemon may not load for it) and its Attachment."""
+def _attach(
+    sock: Path, set_id: str, numa_node: int | None, checkpoint: Path | None = None
+) -> tuple[Any, pb.Attachment]:
+    """A raw Attach stream (reattach: the daemon may not load for it) and its Attachment.
+
+    A set a worker's attach loaded is attached with its `checkpoint` (a bare id
+    attaches only sets the operator loaded).
+    """
     request = pb.AttachRequest(
         set_id=set_id,
+        checkpoint=str(checkpoint or ""),
         pid=os.getpid(),
         accept=[pb.HANDLE_KIND_SHM],
         reattach=True,
@@ -256,7 +263,7 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             first = next(e for e in call if e.WhichOneof("event") == "attached").attached
             assert _read_back(first, checkpoint).name == f"{set_id}-node1"
             assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
-            other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0)
+            other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0, checkpoint=checkpoint)
             assert _read_back(second, checkpoint).name == f"{set_id}-node0"
             other[1].cancel()
             other[0].close()
@@ -299,10 +306,11 @@ def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
             synthesize(ckpt, SynthSpec(rows=4_000, seed=6))
             err = attach_error(
                 sock_dir / "d.sock",
-                pb.AttachRequest(set_id=set_id, reattach=True, numa_node=0),
+                pb.AttachRequest(set_id=set_id, checkpoint=str(ckpt), reattach=True, numa_node=0),
             )
             call.cancel()
-        assert err is not None and "changed since set" in (err.details() or "")
+        assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "differs from the worker's" in (err.details() or "")
         assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
 
 

@@ -13,12 +13,10 @@ import contextlib
 import itertools
 import os
 import pwd
-import shutil
 import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -64,20 +62,6 @@ def users() -> Iterator[tuple[int, int]]:
         yield pwd.getpwnam(ALICE).pw_uid, pwd.getpwnam(BOB).pw_uid
     finally:
         _remove_users()
-
-
-@pytest.fixture
-def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
-    """(folder for the sockets, shm folder, checkpoint) that anyone may traverse and read."""
-    top = Path(tempfile.mkdtemp(prefix="edp", dir="/tmp"))
-    shm = Path(tempfile.mkdtemp(prefix="engramd-test-peers", dir="/dev/shm"))
-    ckpt = top / "ckpt"
-    shutil.copytree(checkpoint, ckpt)
-    for p in (top, shm, ckpt, *ckpt.iterdir()):
-        p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP | stat.S_IXGRP)
-    yield top, shm, ckpt
-    shutil.rmtree(top, ignore_errors=True)
-    shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture

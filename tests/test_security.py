@@ -8,7 +8,6 @@ import pwd
 import shutil
 import stat
 import subprocess
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,20 +52,6 @@ def _remove_users() -> None:
     for user in (MEMBER, OUTSIDER):
         subprocess.run(["userdel", "--force", user], capture_output=True)
     subprocess.run(["groupdel", GROUP], capture_output=True)
-
-
-@pytest.fixture
-def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
-    """(socket folder's parent, shm folder, checkpoint) that anyone may traverse and read."""
-    top = Path(tempfile.mkdtemp(prefix="eds", dir="/tmp"))
-    shm = Path(tempfile.mkdtemp(prefix="engramd-test-sec", dir="/dev/shm"))
-    ckpt = top / "ckpt"
-    shutil.copytree(checkpoint, ckpt)
-    for p in (top, shm, ckpt, *ckpt.iterdir()):
-        p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP | stat.S_IXGRP)
-    yield top, shm, ckpt
-    shutil.rmtree(top, ignore_errors=True)
-    shutil.rmtree(shm, ignore_errors=True)
 
 
 @pytest.fixture

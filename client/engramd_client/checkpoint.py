@@ -235,16 +235,27 @@ class _HeaderCache:
         self._lock = threading.Lock()
         self._parsing = threading.Lock()
 
+    def _kept(self, source: SourceFile, header: bytes) -> dict[str, TensorEntry] | None:
+        with self._lock:
+            hit = self._entries.get(source)
+            if hit is None or hit[0] != header:
+                return None
+            self._entries.move_to_end(source)
+            return hit[1]
+
     def parsed(
         self, source: SourceFile, header: bytes, parse: Callable[[], dict[str, TensorEntry]]
     ) -> dict[str, TensorEntry]:
         """The tensors of `header` read from `source`: kept, or parsed now by `parse`."""
+        hit = self._kept(source, header)
+        if hit is not None:
+            return hit
+        # One parse at a time (a huge header costs ~10x its size at its peak);
+        # hits never wait behind it.
         with self._parsing:
-            with self._lock:
-                hit = self._entries.get(source)
-                if hit is not None and hit[0] == header:
-                    self._entries.move_to_end(source)
-                    return hit[1]
+            hit = self._kept(source, header)
+            if hit is not None:
+                return hit
             tensors = parse()
         if len(header) <= self._limit:
             with self._lock:

@@ -416,6 +416,7 @@ class _StagedCopy(StagedSet):
         self._mapped = cudadriver.map_handle(
             cu, handle, size, backing.page_size, backing.device, backing.host, writable=True
         )
+        self._exported = -1
         try:
             types = cu.CUmemAllocationHandleType
             exported = int(
@@ -439,6 +440,8 @@ class _StagedCopy(StagedSet):
                 )
                 self._fabric = bytes(shared.data)
         except BaseException:
+            if self._exported >= 0:
+                os.close(self._exported)
             self._mapped.release()
             raise
         log.debug("set %s: %s allocated on %s", copy_name(plan.set_id, node), gib(size), where)

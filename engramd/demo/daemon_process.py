@@ -17,6 +17,8 @@ from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
+from ..server import admin_socket_for
+
 START_TIMEOUT_S = 60.0
 
 
@@ -125,7 +127,7 @@ class DaemonProcess:
     def status(self) -> pb.StatusReply:
         """The daemon's status, as its owner sees it (on the admin socket: every set)."""
         admin = ClientConfig(
-            socket=str(self.socket.with_name("admin.sock")),
+            socket=admin_socket_for(str(self.socket)),
             reconnect_min_s=0.01,
             reconnect_max_s=0.1,
         )

@@ -112,7 +112,8 @@ def probe(folder: str | os.PathLike[str], engine_tables: Pattern) -> None:
     from ..share import attach
 
     check_selection(folder, engine_tables)
-    tables = attach(folder, tensors=SELECTION, share=True)
+    # No device: an answer needs no CUDA views (ENGRAMD_DEVICE would register every row).
+    tables = attach(folder, tensors=SELECTION, share=True, device="")
     tables.close()
 
 

@@ -249,8 +249,6 @@ def install(engram: ModuleType) -> None:
     """Put the plugin's functions in vLLM's place, all of them or (on a surprise) none."""
     if getattr(engram.ParallelEngramEmbedding._allocate_weights, _MARK, False):
         return
-    import importlib
-
     weight_utils, default_loader = (importlib.import_module(m) for m in LOADER_MODULES)
     try:
         check_seams(engram, weight_utils, default_loader)
