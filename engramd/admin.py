@@ -23,13 +23,18 @@ class AdminService(pb_grpc.AdminServiceServicer):
     """What only the daemon's owner may ask for."""
 
     def __init__(
-        self, config: DaemonConfig, store: SetStore, status: Callable[[], pb.StatusReply]
+        self,
+        config: DaemonConfig,
+        store: SetStore,
+        status: Callable[[], pb.StatusReply],
+        prover: Prover,
     ) -> None:
+        """Serve `store`; `prover` is the daemon's one (its kept digests serve every caller)."""
         self._config = config
         self._store = store
         self._status = status
         self._readers = BlockingPool("admin-checkpoint", 2)
-        self._prover = Prover()
+        self._prover = prover
 
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext

@@ -46,7 +46,6 @@ from .fdstore import FdStore
 from .loader import LoadProgress
 from .metrics import serve_metrics
 from .numa import Placement
-from .proof import Prover
 from .sdnotify import Notifier
 from .service import TableService
 from .store import SetState, SetStore, TableSet
@@ -96,7 +95,7 @@ class EngramdServer:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
         pb_grpc.add_AdminServiceServicer_to_server(
-            AdminService(config, self.store, self.service.status), self.admin
+            AdminService(config, self.store, self.service.status, self.service.prover), self.admin
         )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
@@ -104,7 +103,6 @@ class EngramdServer:
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
         self._configured: list[TableSet] = []
         self._readers = BlockingPool("config-checkpoint", 2)
-        self._prover = Prover()
         self._tasks: list[asyncio.Task[None]] = []
         self._metrics: WSGIServer | None = None
 
@@ -120,9 +118,12 @@ class EngramdServer:
                 for ts in copies:
                     if ts.manifest is not None:
                         # Adopted: perhaps loaded from a worker's copy under this id.
-                        proof = await self._readers.run(self._prover.judge, plan, ts.manifest)
+                        prover = self.service.prover
+                        proof = await self._readers.run(prover.judge, plan, ts.manifest)
+                        if proof.nbytes:
+                            self._notify_verify(ts.set_id)
                         progress = LoadProgress(proof.nbytes)
-                        await self._readers.run(self._prover.prove, proof, ts.manifest, progress)
+                        await self._readers.run(prover.prove, proof, ts.manifest, progress)
                 for ts in copies:
                     ts.published = True
                 self._configured += copies

@@ -65,7 +65,8 @@ class TableService(pb_grpc.TableServiceServicer):
         # Digests of workers' copies read every selected byte, as loads do: as
         # few at once as the daemon's own loads.
         self._provers = BlockingPool("prove", _PROVERS)
-        self._prover = Prover()
+        #: The daemon's one prover: digests it keeps serve attaches, loads and start-up.
+        self.prover = Prover()
 
     async def Attach(
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
@@ -210,16 +211,16 @@ class TableService(pb_grpc.TableServiceServicer):
     async def _prove(self, ts: TableSet, plan: TablePlan) -> AsyncIterator[pb.LoadProgress]:
         """Progress of proving the worker's files hold the set's bytes; raises when they do not."""
         assert ts.manifest is not None
-        proof = await self._readers.run(self._prover.judge, plan, ts.manifest)
+        proof = await self._readers.run(self.prover.judge, plan, ts.manifest)
         if not proof.unproven:
             return
         progress = LoadProgress(proof.nbytes)
         if not proof.nbytes:
             # Every digest is kept: a comparison, no reads, no wait behind digests.
-            await self._readers.run(self._prover.prove, proof, ts.manifest, progress)
+            await self._readers.run(self.prover.prove, proof, ts.manifest, progress)
             return
         task = asyncio.ensure_future(
-            self._provers.run(self._prover.prove, proof, ts.manifest, progress)
+            self._provers.run(self.prover.prove, proof, ts.manifest, progress)
         )
         # Its outcome is read below, or lost with a worker that hung up.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
