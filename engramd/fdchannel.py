@@ -48,6 +48,7 @@ import pwd
 import secrets
 import socket
 import struct
+import time
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
@@ -73,6 +74,9 @@ MAX_REQUEST_BYTES = 1024
 MAX_CONNECTIONS = 64
 #: Descriptors per message (the kernel's SCM_MAX_FD is 253).
 FDS_PER_MESSAGE = 250
+#: Seconds between two log lines about one uid's refused requests: a peer that
+#: sends bad requests in a loop must not flood the log (the rest are counted).
+REFUSAL_LOG_INTERVAL_S = 60.0
 
 
 class Refused(Exception):
@@ -133,6 +137,8 @@ class FdChannel:
         self._by_uid: collections.Counter[int] = collections.Counter()
         #: Uids told about in the log since they last held no exchange.
         self._warned: set[int] = set()
+        #: Per uid: when its last refused request was logged, and how many since were not.
+        self._refusals: dict[int, tuple[float | None, int]] = {}
 
     def bind(self) -> None:
         """Create the listening socket (the caller sets its mode and group)."""
@@ -202,6 +208,23 @@ class FdChannel:
             log.warning("fd channel: refusing pid %d (uid %d): %s", peer.pid, peer.uid, why)
         return f"engramd's fd channel is busy: {why}"
 
+    def _log_refusal(self, peer: Peer, why: Refused) -> None:
+        now = time.monotonic()
+        last, unlogged = self._refusals.get(peer.uid, (None, 0))
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL_S:
+            self._refusals[peer.uid] = (last, unlogged + 1)
+            return
+        self._refusals[peer.uid] = (now, 0)
+        log.warning(
+            "fd channel: refused pid %d (uid %d): %s%s",
+            peer.pid,
+            peer.uid,
+            why,
+            f" ({unlogged} more of this uid's requests refused since the last line)"
+            if unlogged
+            else "",
+        )
+
     def _done(self, uid: int, task: asyncio.Task[None]) -> None:
         self._exchanges.discard(task)
         self._by_uid[uid] -= 1
@@ -222,7 +245,7 @@ class FdChannel:
             try:
                 files = self._grant(request, peer)
             except Refused as e:
-                log.warning("fd channel: refused pid %d (uid %d): %s", peer.pid, peer.uid, e)
+                self._log_refusal(peer, e)
                 with contextlib.suppress(OSError, TimeoutError):
                     await _send(conn, pb.FdReply(error=str(e), reason=e.reason), [])
                 return

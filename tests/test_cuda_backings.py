@@ -11,6 +11,7 @@ CUDA views, cuda-device, gathers) is in tests/gpu/test_cuda_handles.py.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -24,7 +25,7 @@ from test_cli import engramd
 
 from conftest import Worker, wait_until
 from engramd.backings import CudaHostBacking
-from engramd.backings.cuda import device_of
+from engramd.backings.cuda import device_of, read_only_handle
 from engramd.demo.child import JsonLinesChild
 from engramd.errors import InvalidRequest
 from engramd.service import TableService
@@ -322,3 +323,31 @@ def test_fabric_handles_go_to_the_real_bindings_as_an_address() -> None:
     assert "Buffer Protocol" not in str(e.value)
     if NO_DRIVER is not None:
         assert "TypeError" not in str(e.value)
+
+
+def test_a_worker_cannot_open_its_cuda_host_descriptor_again_for_writing() -> None:
+    """The read-only descriptor of a file export stays read-only through /proc/self/fd."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping to another user needs root")
+    exported = os.memfd_create("allocation")
+    os.ftruncate(exported, 4096)
+    handed_out = read_only_handle(exported)
+    pid = os.fork()
+    if pid == 0:  # a worker of another uid holding the descriptor it was sent
+        code = 3
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            # A changed uid makes a process undumpable, which alone would close
+            # /proc/self/fd to it: made dumpable again, only the file's mode judges.
+            ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE
+            try:
+                os.open(f"/proc/self/fd/{handed_out}", os.O_RDWR)
+                code = 1
+            except PermissionError:
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    os.close(handed_out)
+    assert os.waitstatus_to_exitcode(status) == 0, "the descriptor opened again read-write"

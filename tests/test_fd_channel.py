@@ -168,3 +168,19 @@ def test_a_second_daemon_does_not_take_a_live_fd_channel(
         other.start()
     assert f"another engramd is serving on {fd_socket(d)}" in other.log
     assert os.path.exists(fd_socket(d))  # the first daemon's channel is still there
+
+
+def test_refused_requests_of_one_uid_log_one_line_not_one_each(
+    checkpoint: Path, daemons: Any
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [s] = d.status().sets
+    bogus = pb.FdRequest(lease_id="a" * 12, secret="b" * 32).SerializeToString()
+    for _ in range(200):
+        assert exchange(d, bogus).error
+    refusals = [line for line in d.log.splitlines() if "fd channel: refused" in line]
+    assert len(refusals) == 1, refusals
+    # The channel still serves a real worker.
+    with RawLease(d, s.set_id) as lease:
+        for fd in take(d, lease).values():
+            os.close(fd)

@@ -496,6 +496,9 @@ def read_only_handle(exported: int) -> int:
     if not stat.S_ISREG(os.fstat(exported).st_mode):
         return exported
     try:
+        # A worker could open its descriptor again through /proc/self/fd: the
+        # file's own mode (a memfd's is 0777) must refuse it writing too.
+        os.fchmod(exported, 0o400)
         return os.open(f"/proc/self/fd/{exported}", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(exported)
