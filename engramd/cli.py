@@ -300,9 +300,10 @@ def serve(
         bool,
         typer.Option(
             envvar="ENGRAMD_ALLOW_WRITABLE_GPU_MAPPINGS",
-            help="Hand writable descriptors of tmpfs sets to workers whose GPU cannot "
-            "register read-only memory: any such worker could change the one copy every "
-            "worker reads (engramd verify finds it). Off: they load privately.",
+            help="Hand writable descriptors of tmpfs sets to workers that say their GPU "
+            "cannot register read-only memory: any member of the socket group may say so, "
+            "and could then change the one copy every worker reads (engramd verify finds "
+            "it). Off: such workers load privately.",
         ),
     ] = DEFAULTS.allow_writable_gpu_mappings,
     leases_per_uid: Annotated[

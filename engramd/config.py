@@ -68,9 +68,10 @@ class DaemonConfig:
     adopt_grace_s: float = 30.0
     #: Most leases held at once, all sets together; 0 for no limit.
     max_leases: int = 4096
-    #: Workers whose GPU cannot register read-only memory get writable descriptors of
-    #: tmpfs/hugetlbfs sets (registered with flags 0): any of them could then change the
-    #: one copy every worker reads (`engramd verify` finds it). Off: they go private.
+    #: Workers that say their GPU cannot register read-only memory get writable descriptors
+    #: of tmpfs/hugetlbfs sets (registered with flags 0): any member of the socket group may
+    #: say so, and could then change the one copy every worker reads (`engramd verify` finds
+    #: it). Off: such workers go private.
     allow_writable_gpu_mappings: bool = False
     #: Most leases one uid holds at once, as the kernel tells the uid (on the fd channel);
     #: leases whose uid the daemon cannot know (path handles) share one such share. 0: none.

@@ -135,9 +135,9 @@ class TableService(pb_grpc.TableServiceServicer):
             and backing.writable_descriptors
         ):
             log.warning(
-                "pid %d (%s) gets writable descriptors of set %s: its GPU cannot register "
-                "read-only memory (--allow-writable-gpu-mappings); `engramd verify %s` finds "
-                "any write",
+                "pid %d (as claimed; %s) gets writable descriptors of set %s: it says its GPU "
+                "cannot register read-only memory (--allow-writable-gpu-mappings); "
+                "`engramd verify %s` finds any write",
                 request.pid,
                 request.device,
                 request.set_id,
