@@ -17,7 +17,7 @@ from typing import Any
 
 from engramd.demo.daemon_process import DaemonProcess
 from engramd.demo.synth import SCALE_GROUP, SynthSpec, synthesize
-from engramd.hugeroot import unmount_below
+from engramd.hugeroot import remove_shm_folder
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -187,8 +187,7 @@ def shm_folder() -> Iterator[Path]:
     try:
         yield path
     finally:
-        unmount_below(path)  # the huge-page tmpfs a daemon run as root mounts there
-        shutil.rmtree(path, ignore_errors=True)
+        remove_shm_folder(path)  # and the huge-page tmpfs a daemon run as root mounts there
 
 
 @contextlib.contextmanager

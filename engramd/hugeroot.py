@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 from pathlib import Path
 
 from .libc import libc
@@ -152,3 +153,9 @@ def unmount_below(folder: str | os.PathLike[str]) -> None:
         if libc.umount2(os.fsencode(point), _MNT_DETACH) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"umount {point}: {os.strerror(err)}")
+
+
+def remove_shm_folder(folder: str | os.PathLike[str]) -> None:
+    """Remove a shm folder a daemon used: its huge root unmounted first, then every file."""
+    unmount_below(folder)
+    shutil.rmtree(folder, ignore_errors=True)

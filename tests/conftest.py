@@ -26,7 +26,7 @@ import pytest
 from engramd.demo.child import JsonLinesChild
 from engramd.demo.daemon_process import DaemonProcess as Daemon
 from engramd.demo.synth import SynthSpec, synthesize
-from engramd.hugeroot import unmount_below
+from engramd.hugeroot import remove_shm_folder, unmount_below
 from engramd_client.layout import sets_root
 
 TESTS = Path(__file__).resolve().parent
@@ -148,8 +148,7 @@ def shm_dir() -> Iterator[Path]:
     """A fresh folder under /dev/shm for the daemon's sets; removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="engramd-test-", dir="/dev/shm"))
     yield path
-    unmount_below(path)
-    shutil.rmtree(path, ignore_errors=True)
+    remove_shm_folder(path)
 
 
 @pytest.fixture
@@ -166,8 +165,7 @@ def open_dirs(checkpoint: Path) -> Iterator[tuple[Path, Path, Path]]:
         p.chmod(p.stat().st_mode | stat.S_IROTH | stat.S_IXOTH | stat.S_IRGRP | stat.S_IXGRP)
     yield top, shm, ckpt
     shutil.rmtree(top, ignore_errors=True)
-    unmount_below(shm)
-    shutil.rmtree(shm, ignore_errors=True)
+    remove_shm_folder(shm)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import Daemon
-from engramd.hugeroot import unmount_below
+from engramd.hugeroot import remove_shm_folder
 from engramd_client import CheckpointError
 from engramd_client.checkpoint import read_header
 from engramd_client.pb import engramd_pb2 as pb
@@ -52,8 +52,7 @@ def live(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Iterator
     d.start()
     yield d
     d.stop()
-    unmount_below(shm)
-    shutil.rmtree(shm, ignore_errors=True)
+    remove_shm_folder(shm)
     shutil.rmtree(sock, ignore_errors=True)
 
 

@@ -25,6 +25,7 @@ import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs
 from engramd.demo.synth import SynthSpec, synthesize
+from engramd.hugeroot import remove_shm_folder
 from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
@@ -97,7 +98,7 @@ def node(checkpoint: Path) -> Iterator[Node]:
     finally:
         d.stop()
         shutil.rmtree(top, ignore_errors=True)
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_shm_folder(shm)
         subprocess.run(["groupdel", GROUP], capture_output=True)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 
-from ..hugeroot import unmount_below
+from ..hugeroot import remove_shm_folder
 from ..units import gib
 from .child import JsonLinesChild
 from .daemon_process import DaemonProcess
@@ -163,8 +163,7 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
                 child.wait()
         if daemon is not None and daemon.proc is not None:
             daemon.stop()
-        unmount_below(shm)
-        shutil.rmtree(shm, ignore_errors=True)
+        remove_shm_folder(shm)
         shutil.rmtree(sock_dir, ignore_errors=True)
         if own_workdir:
             shutil.rmtree(work, ignore_errors=True)
