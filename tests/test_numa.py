@@ -113,9 +113,9 @@ def test_a_daemon_bound_to_a_node_reports_where_its_set_is(
     checkpoint: Path, daemons: Any, sock_dir: Path
 ) -> None:
     d = daemons("--checkpoint", str(checkpoint), "--numa", "node:0", "--backing", "memfd")
-    d_status = d.status()
-    [s] = d_status.sets
-    assert s.locked, "numa_maps is read from the daemon's pinned mappings"
+    # numa_maps is read from the daemon's pinned mappings, which come after the set is served.
+    wait_until(lambda: d.status().sets[0].locked, 30, "the set to be locked")
+    [s] = d.status().sets
     pages = sum(-(-t.nbytes // s.page_size) * s.page_size for t in plan_tables(checkpoint).tensors)
     assert dict(s.bytes_per_node) == {0: pages}
     bad = Daemon(sock_dir / "b.sock", d.shm_dir, ["--numa", "node:7"], sock_dir / "b.log")
