@@ -416,6 +416,13 @@ def status(
     Asked on the admin socket where this user may open it (it answers while
     idle connections fill the worker socket), else on the worker socket.
     """
+    if watch:
+        # Ctrl-C is taken between frames only: a signal that lands inside
+        # gRPC's channel machinery (even one a Python handler merely records)
+        # can hang the process. Blocked before any import or channel, so every
+        # thread inherits the mask and SIGINT stays pending until sigtimedwait
+        # takes it; a thread started earlier would take it as KeyboardInterrupt.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     from .server import admin_socket_for
     from .status_view import as_dict, fetch, render
 
@@ -427,11 +434,6 @@ def status(
             raise _unanswered(socket, e) from None
         typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
         return
-    # Ctrl-C is taken between frames only: a signal that lands inside gRPC's
-    # channel machinery (even one a Python handler merely records) can hang
-    # the process. Blocked before the first channel, so gRPC's threads
-    # inherit the mask and SIGINT stays pending until sigtimedwait takes it.
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     while True:
         try:
             text = render(fetch(socket, admin), _columns())
@@ -446,8 +448,8 @@ def status(
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
+    from engramd_client.channel import open_channel
     from engramd_client.config import ClientConfig
-    from engramd_client.lease import open_channel
     from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
     from .server import admin_socket_for

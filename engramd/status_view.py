@@ -13,9 +13,9 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from engramd_client.channel import open_channel
 from engramd_client.config import ClientConfig
 from engramd_client.layout import copy_name
-from engramd_client.lease import open_channel
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 

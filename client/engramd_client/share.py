@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .channel import probe_socket
 from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
 from .config import CUDA_HANDLE_KINDS, ClientConfig
 from .cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
@@ -30,7 +31,7 @@ from .errors import (
 )
 from .fdchannel import FdChannelUnreachable, collect
 from .handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
-from .lease import Lease, probe_socket, report_fallback
+from .lease import Lease, report_fallback
 from .pb import engramd_pb2 as pb
 from .process import pid_namespace, start_ticks
 from .tables import RowRanges, Tables, check_row_names, map_fd
