@@ -8,7 +8,6 @@ where the daemon reads its environment.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import signal
@@ -16,19 +15,23 @@ import sys
 import time
 import tomllib
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import grpc
 import typer
 
 from engramd_client.checkpoint import DEFAULT_TENSORS
 from engramd_client.config import DEFAULT_SOCKET
 
 from . import __version__, units
-from .backings import BACKINGS, COMBINED, CudaDeviceBacking
-from .backings.cuda import device_of
-from .config import DaemonConfig
+from .config import BACKING_NAMES, CUDA_DEVICE_PREFIX, DaemonConfig, admin_socket_for
 from .text import escape
+
+if TYPE_CHECKING:
+    import grpc
+
+# Each command imports what it needs inside it: the daemon's modules (asyncio,
+# gRPC's server, the backings) cost `serve` nothing it does not use, and cost
+# `status`, `--help` and a daemon restart's argument parsing nothing at all.
 
 #: The daemon's defaults: the one place they are written is DaemonConfig.
 DEFAULTS = DaemonConfig()
@@ -60,19 +63,18 @@ def parse_size(text: str) -> int:
         raise typer.BadParameter(str(e)) from None
 
 
-_BACKING_NAMES = (*BACKINGS, *COMBINED)
-
-
 def _backing(name: str) -> str:
-    if name.startswith(f"{CudaDeviceBacking.name}:"):
+    if name.startswith(CUDA_DEVICE_PREFIX):
+        from .backings.cuda import device_of
+
         try:
             device_of(name)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--backing") from None
         return name
-    if name not in _BACKING_NAMES:
+    if name not in BACKING_NAMES:
         raise typer.BadParameter(
-            f"{name!r} is not a backing (known: {', '.join(_BACKING_NAMES)})",
+            f"{name!r} is not a backing (known: {', '.join(BACKING_NAMES)})",
             param_hint="--backing",
         )
     return name
@@ -184,7 +186,7 @@ def serve(
         str,
         typer.Option(
             envvar="ENGRAMD_BACKING",
-            help=f"Where sets live: {', '.join(_BACKING_NAMES)} (auto: tmpfs when the shm "
+            help=f"Where sets live: {', '.join(BACKING_NAMES)} (auto: tmpfs when the shm "
             "folder can hold the set, else memfd; cuda-device:N: GPU N's memory).",
         ),
     ] = DEFAULTS.backing,
@@ -346,6 +348,8 @@ def serve(
     ] = False,
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
+    import asyncio
+
     from .server import serve as run
 
     values = _apply_config_file(ctx, config) if config else dict(ctx.params)
@@ -423,7 +427,8 @@ def status(
         # thread inherits the mask and SIGINT stays pending until sigtimedwait
         # takes it; a thread started earlier would take it as KeyboardInterrupt.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    from .server import admin_socket_for
+    import grpc
+
     from .status_view import as_dict, fetch, render
 
     admin = admin_socket or admin_socket_for(socket)
@@ -452,8 +457,6 @@ def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
     from engramd_client.config import ClientConfig
     from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
-    from .server import admin_socket_for
-
     path = admin_socket or admin_socket_for(socket)
     channel = open_channel(ClientConfig(socket=path))
     return pb_grpc.AdminServiceStub(channel), path
@@ -467,6 +470,8 @@ def load(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Load a checkpoint's tables into the daemon, with a progress bar."""
+    import grpc
+
     from engramd_client.pb import engramd_pb2 as pb
 
     from .load_view import load_bar
@@ -501,6 +506,8 @@ def drop(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Remove a set from shared memory (workers that map it keep their mapping)."""
+    import grpc
+
     from engramd_client.pb import engramd_pb2 as pb
 
     from .units import gib
@@ -521,6 +528,8 @@ def verify(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    import grpc
+
     from engramd_client.pb import engramd_pb2 as pb
 
     from .units import gib

@@ -39,7 +39,7 @@ from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from .admin import AdminService
 from .backings import backings_for
 from .blocking import BlockingPool
-from .config import DaemonConfig
+from .config import DaemonConfig, admin_socket_for
 from .errors import DecodeGuard, ServiceError
 from .fdchannel import FdChannel
 from .fdstore import FdStore
@@ -281,11 +281,6 @@ def create_server(config: DaemonConfig) -> EngramdServer:
             fd_socket=sockets[2],
         )
     )
-
-
-def admin_socket_for(socket_path: str) -> str:
-    """The admin socket beside a worker socket (the default)."""
-    return str(Path(socket_path).with_name("admin.sock"))
 
 
 def _group_id(name: str) -> int | None:

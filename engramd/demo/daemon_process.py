@@ -17,7 +17,7 @@ from engramd_client.config import ClientConfig
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
-from ..server import admin_socket_for
+from ..config import admin_socket_for
 
 START_TIMEOUT_S = 60.0
 
