@@ -27,7 +27,7 @@ import socket
 import time
 from dataclasses import replace
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -44,12 +44,14 @@ from .errors import DecodeGuard, ServiceError
 from .fdchannel import FdChannel
 from .fdstore import FdStore
 from .loader import LoadProgress
-from .metrics import serve_metrics
 from .numa import Placement
 from .sdnotify import Notifier
 from .service import TableService
 from .store import SetState, SetStore, TableSet
 from .units import gib
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("engramd")
 
@@ -147,6 +149,10 @@ class EngramdServer:
             await self.probes.start()
             log.info("health checks on %s", address)
         if self.config.metrics_port:
+            # Imported only when asked for: prometheus_client and its HTTP server
+            # are a tenth of the daemon's imports, paid on every restart.
+            from .metrics import serve_metrics
+
             self._metrics = serve_metrics(
                 self.store,
                 lambda: self.ready,
