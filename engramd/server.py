@@ -124,8 +124,7 @@ class EngramdServer:
                             self._notify_verify(ts.set_id)
                         progress = LoadProgress(proof.nbytes)
                         await self._readers.run(prover.prove, proof, ts.manifest, progress)
-                for ts in copies:
-                    ts.published = True
+                self.store.publish(copies)
                 self._configured += copies
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays

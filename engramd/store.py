@@ -118,6 +118,9 @@ class Lease:
     #: unknown" until its worker comes to the fd channel.
     collects: bool = False
     started: float = field(default_factory=time.monotonic)
+    #: The checkpoint files the worker attached with (the set's own, or proven to hold
+    #: its bytes): a set no operator published goes to a uid that may read them.
+    readers: tuple[str, ...] = ()
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.
@@ -333,6 +336,14 @@ class SetStore:
         """True when the operator loaded the set with this id (any copy of it)."""
         return any(ts.published for ts in self.copies(set_id))
 
+    def publish(self, copies: list[TableSet]) -> None:
+        """Publish sets the operator loaded: any caller may attach them by id, and map them
+        by path (their files become readable by the socket group)."""
+        for ts in copies:
+            if ts.manifest is not None:
+                ts.backing.share_with_group(ts.manifest)
+            ts.published = True
+
     def holds(self, ts: TableSet) -> bool:
         """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
         return self.sets.get(ts.key) is ts
@@ -546,6 +557,9 @@ class SetStore:
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        if ts.published:
+            # A copy for another node of a set the operator published.
+            self.publish([ts])
         ts.load_seconds = time.monotonic() - ts.progress.started
         ts.state = SetState.READY
         ts.last_used = time.monotonic()

@@ -58,7 +58,13 @@ _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
 
 
 class TmpfsBacking(Backing):
-    """Files under `<shm_dir>/engramd/`, one per tensor, 0640, group `gid`."""
+    """Files under `<shm_dir>/engramd/`, one per tensor, group `gid`.
+
+    A set's data files are owner-only (0600) until the operator publishes
+    it (share_with_group makes them 0640): the socket group reads by path
+    only what any member may attach; other sets go out as descriptors over
+    the fd channel, which knows the peer's uid.
+    """
 
     name: ClassVar[str] = "tmpfs"
     handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
@@ -204,11 +210,15 @@ class TmpfsBacking(Backing):
         if self._gid is not None:
             os.chown(folder, -1, self._gid)
 
-    def make_file(self, path: Path) -> int:
-        """Create `path` (not there before), 0640, group `gid`; a read-write descriptor."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
+    def make_file(self, path: Path, shared: bool = False) -> int:
+        """Create `path` (not there before), group `gid`; a read-write descriptor.
+
+        Its mode is 0640 where `shared` (a manifest), else 0600 (set data, until published).
+        """
+        mode = 0o640 if shared else 0o600
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         # open's mode passes through the umask (077 would shut the group out).
-        os.fchmod(fd, 0o640)
+        os.fchmod(fd, mode)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd
@@ -226,12 +236,27 @@ class TmpfsBacking(Backing):
                     raise ManifestError("not a set folder")
                 manifest = read_manifest(folder, self._owner)
                 check_complete(folder, manifest, self._owner)
+                # Published again only by the operator: an earlier daemon's modes do not stand.
+                self._set_mode(manifest, 0o600)
             except (OSError, ManifestError) as e:
                 log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
                 shutil.rmtree(folder, ignore_errors=True)
                 continue
             found.append(manifest)
         return found
+
+    def share_with_group(self, manifest: Manifest) -> None:
+        """Make the set's data files 0640: the socket group may map them by path."""
+        self._set_mode(manifest, 0o640)
+
+    def _set_mode(self, manifest: Manifest, mode: int) -> None:
+        folder = set_dir(self.shm_dir, manifest.copy)
+        for file in dict.fromkeys(t.file for t in manifest.tensors):
+            fd = open_owned(folder / file, self._owner)
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
 
     def _path(self, manifest: Manifest, index: int) -> Path:
         return set_dir(self.shm_dir, manifest.copy) / manifest.tensors[index].file
@@ -352,7 +377,9 @@ class _StagedFolder(StagedSet):
     def publish(self, manifest: Manifest) -> None:
         """Write the manifest last, then rename the folder to the copy's name."""
         try:
-            with os.fdopen(self._backing.make_file(self._folder / MANIFEST_NAME), "w") as f:
+            with os.fdopen(
+                self._backing.make_file(self._folder / MANIFEST_NAME, shared=True), "w"
+            ) as f:
                 f.write(manifest.to_json())
             os.rename(self._folder, self._folder.with_name(manifest.copy))
         except OSError as e:
