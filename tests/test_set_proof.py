@@ -185,7 +185,9 @@ def test_a_copy_is_digested_once_with_progress_inside_the_roots_only(
     assert reason(err) == "not-allowed"
     # Inside it, a second copy is digested, with progress, then served...
     shutil.copytree(checkpoint, root / "b")
-    request = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "b"))
+    request = pb.AttachRequest(
+        set_id=set_id, checkpoint=str(root / "b"), accept=[pb.HANDLE_KIND_FD]
+    )
     assert d.proc is not None
     before = _bytes_read(d.proc.pid)
     events = _attach_events(d, request)
