@@ -512,3 +512,36 @@ def test_no_call_holds_a_worker_socket_connection_past_its_request_deadline(
             health_pb2.HealthCheckResponse.SERVING
         )
     assert alice.ask("lookups 0.2")["bad"] == 0
+
+
+def test_uncollected_attaches_of_one_user_shut_no_one_out(
+    group_daemons: Any, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    _, _, ckpt = open_dirs
+    d = group_daemons("--max-leases", "4", "--leases-per-uid", "2")
+    alice = pwd.getpwnam(ALICE).pw_uid
+    # Bob attaches for descriptors 6 times and never collects: nothing is granted yet.
+    holder = subprocess.Popen(
+        [*as_user(BOB), str(TESTS / "hold_leases.py"), str(d.socket), "6"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert json.loads(holder.stdout.readline()) == {"attached": 6, "refused": []}
+        # Alice's workers collect theirs meanwhile: granted, charged to her uid.
+        for _ in range(2):
+            workers.append(Worker(ckpt, d.socket, share="on", user=ALICE))
+            assert workers[-1].hello["mode"] == "shared", workers[-1].hello
+        granted = [lease for lease in _leases(d) if lease.HasField("uid")]
+        assert [lease.uid for lease in granted] == [alice, alice]
+        # Bob's share and the node's limit still hold where leases are granted.
+        third = Worker(ckpt, d.socket, share="on", user=ALICE)
+        workers.append(third)
+        assert third.hello["error"] == "DaemonError", third.hello
+        assert "--leases-per-uid" in third.hello["message"]
+    finally:
+        holder.stdin.write("stop\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)

@@ -359,8 +359,9 @@ def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
 
     # Its files are the daemon's alone: a member can list the folder (names), not read bytes.
     folder = next(p for p in sets_root(d.shm_dir).iterdir() if p.name.startswith(set_id))
-    data = [f for f in folder.iterdir() if f.name != MANIFEST_NAME]
-    assert data and all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in data)
+    data = sorted(folder.iterdir())
+    assert MANIFEST_NAME in [f.name for f in data]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in data)
     seen = _as(node, BOB, str(TESTS / "shm_peek.py"), str(sets_root(d.shm_dir)), str(data[0]))
     assert folder.name in seen["names"] and seen["read"] is False
 

@@ -60,8 +60,8 @@ _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
 class TmpfsBacking(Backing):
     """Files under `<shm_dir>/engramd/`, one per tensor, group `gid`.
 
-    A set's data files are owner-only (0600) until the operator publishes
-    it (share_with_group makes them 0640): the socket group reads by path
+    A set's files are owner-only (0600) until the operator publishes it
+    (share_with_group makes them 0640): the socket group reads by path
     only what any member may attach; other sets go out as descriptors over
     the fd channel, which knows the peer's uid.
     """
@@ -210,15 +210,14 @@ class TmpfsBacking(Backing):
         if self._gid is not None:
             os.chown(folder, -1, self._gid)
 
-    def make_file(self, path: Path, shared: bool = False) -> int:
-        """Create `path` (not there before), group `gid`; a read-write descriptor.
+    def make_file(self, path: Path) -> int:
+        """Create `path` (not there before), 0600, group `gid`; a read-write descriptor.
 
-        Its mode is 0640 where `shared` (a manifest), else 0600 (set data, until published).
+        The group may read it once the operator publishes its set (share_with_group).
         """
-        mode = 0o640 if shared else 0o600
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
-        # open's mode passes through the umask (077 would shut the group out).
-        os.fchmod(fd, mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Explicitly: open's mode passes through the umask.
+        os.fchmod(fd, 0o600)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd
@@ -246,12 +245,17 @@ class TmpfsBacking(Backing):
         return found
 
     def share_with_group(self, manifest: Manifest) -> None:
-        """Make the set's data files 0640: the socket group may map them by path."""
+        """Make the set's files 0640: the socket group may map them by path."""
         self._set_mode(manifest, 0o640)
 
     def _set_mode(self, manifest: Manifest, mode: int) -> None:
         folder = set_dir(self.shm_dir, manifest.copy)
-        for file in dict.fromkeys(t.file for t in manifest.tensors):
+        files = dict.fromkeys(t.file for t in manifest.tensors)
+        if (folder / MANIFEST_NAME).exists():
+            # Its own file here (hugetlbfs packs it into the set's file): it names
+            # the checkpoint, which status shows only to those who may read it.
+            files[MANIFEST_NAME] = None
+        for file in files:
             fd = open_owned(folder / file, self._owner)
             try:
                 os.fchmod(fd, mode)
@@ -377,9 +381,7 @@ class _StagedFolder(StagedSet):
     def publish(self, manifest: Manifest) -> None:
         """Write the manifest last, then rename the folder to the copy's name."""
         try:
-            with os.fdopen(
-                self._backing.make_file(self._folder / MANIFEST_NAME, shared=True), "w"
-            ) as f:
+            with os.fdopen(self._backing.make_file(self._folder / MANIFEST_NAME), "w") as f:
                 f.write(manifest.to_json())
             os.rename(self._folder, self._folder.with_name(manifest.copy))
         except OSError as e:
