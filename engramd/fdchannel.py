@@ -26,10 +26,14 @@ Every check comes before any descriptor leaves the daemon:
 - where the peer's pid is visible to the daemon, the peer is the lease's
   process: its pid in its own namespace (the last NSpid) is the pid the
   worker attached with. A peer in a pid namespace the daemon cannot see
-  (pid 0) is bound by the secret alone.
+  (pid 0) is bound by the secret alone;
+- for a set no operator published (a worker's attach loaded it), the
+  peer's uid may read the checkpoint files the lease attached with (mode
+  bits along each path, with the peer's groups: policy.may_read).
 
-The lease then carries the peer's uid (charged against its share of
-leases, `leases_per_uid`) and, where the peer's pid is visible, its pid as
+The lease then carries the peer's uid (a first lease of descriptors is
+granted now: charged against --max-leases and its uid's share,
+`leases_per_uid`) and, where the peer's pid is visible, its pid as
 the kernel gave it: the only "verified" pid status shows, and the sweep
 ends the lease when that process is gone.
 """
