@@ -114,10 +114,14 @@ class Lease:
     #: `pid` is the fd channel's peer as the kernel gave it, not the request's claim.
     pid_verified: bool = False
     #: A first attach for descriptors: it collects them within COLLECT_DEADLINE_S or
-    #: ends, and is charged to its uid then. Any other lease is charged to "uid
-    #: unknown" until its worker comes to the fd channel.
+    #: ends, and is granted (counted against --max-leases) and charged to its uid
+    #: then. Any other lease is charged to "uid unknown" until its worker comes to
+    #: the fd channel.
     collects: bool = False
     started: float = field(default_factory=time.monotonic)
+    #: The checkpoint files the worker attached with (the set's own, or proven to hold
+    #: its bytes): a set no operator published goes to a uid that may read them.
+    readers: tuple[str, ...] = ()
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.
@@ -187,7 +191,7 @@ SetKey = tuple[str, str, int | None]
 
 #: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
 #: collect them on the fd channel, where its uid becomes known; until then it is
-#: charged to no uid.
+#: charged to no uid and counts against no limit.
 COLLECT_DEADLINE_S = 10.0
 #: Handle kinds whose workers collect descriptors on the fd channel.
 ON_FD_CHANNEL = frozenset({pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM})
@@ -332,6 +336,14 @@ class SetStore:
     def published(self, set_id: str) -> bool:
         """True when the operator loaded the set with this id (any copy of it)."""
         return any(ts.published for ts in self.copies(set_id))
+
+    def publish(self, copies: list[TableSet]) -> None:
+        """Publish sets the operator loaded: any caller may attach them by id, and map them
+        by path (their files become readable by the socket group)."""
+        for ts in copies:
+            if ts.manifest is not None:
+                ts.backing.share_with_group(ts.manifest)
+            ts.published = True
 
     def holds(self, ts: TableSet) -> bool:
         """True while `ts` itself is in the store (not dropped, not replaced by a reload)."""
@@ -546,6 +558,9 @@ class SetStore:
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        if ts.published:
+            # A copy for another node of a set the operator published.
+            self.publish([ts])
         ts.load_seconds = time.monotonic() - ts.progress.started
         ts.state = SetState.READY
         ts.last_used = time.monotonic()
@@ -598,18 +613,15 @@ class SetStore:
         """Record a worker attached to a ready set, mapping it by handles of `kind`."""
         if not self.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
-        held = self.lease_count()
-        if self._max_leases and held >= self._max_leases:
-            raise TooManyLeases(
-                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
-                "or raise the limit"
-            )
-        # A first lease of descriptors is charged to its uid once it collects
-        # them (COLLECT_DEADLINE_S); any other lease's uid is unknown until its
+        # A first lease of descriptors is granted, and charged to its uid, when
+        # it collects them (COLLECT_DEADLINE_S): only then does the kernel say
+        # who holds it, so uncollected ones count against no limit and cannot
+        # shut out other users. Any other lease's uid is unknown until its
         # worker comes to the fd channel, and all of those together hold one
         # uid's share.
         collects = kind in ON_FD_CHANNEL and not request.reattach
         if not collects:
+            self._check_total()
             self._check_share(None)
         start = start_ticks(request.pid) if request.pid > 0 else None
         claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
@@ -633,16 +645,32 @@ class SetStore:
         ts.last_used = time.monotonic()
         return lease
 
-    def lease_count(self) -> int:
-        """Leases held on every set."""
-        return sum(len(ts.leases) for ts in self.sets.values())
-
     def own_lease(self, lease: Lease, uid: int) -> None:
-        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases."""
+        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases.
+
+        A first lease of descriptors is granted here: it counts against
+        --max-leases from now on.
+        """
         if lease.uid == uid:
             return
+        if lease.collects and lease.uid is None:
+            self._check_total()
         self._check_share(uid)
         lease.uid = uid
+
+    def _check_total(self) -> None:
+        """Raise TooManyLeases when the granted leases reach --max-leases."""
+        held = sum(
+            1
+            for ts in self.sets.values()
+            for lease in ts.leases.values()
+            if not (lease.collects and lease.uid is None)
+        )
+        if self._max_leases and held >= self._max_leases:
+            raise TooManyLeases(
+                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
+                "or raise the limit"
+            )
 
     def _check_share(self, uid: int | None) -> None:
         """Raise TooManyLeases when `uid` (None: leases of unknown uid) holds its share."""
