@@ -160,15 +160,42 @@ def settle(
     return False
 
 
+def table_names(layer_id: int) -> tuple[str, str]:
+    """Checkpoint names of layer `layer_id`'s Engram weight and scale."""
+    return f"layers.{layer_id}.engram.embed.weight", f"layers.{layer_id}.engram.embed.scale"
+
+
+def local_folder(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """The checkpoint folder of an engine's model argument: a folder, or a Hub id already cached.
+
+    Raises ShareError with the fix when the model is neither (engramd serves
+    files on this node; it never downloads).
+    """
+    if os.path.isdir(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(
+            snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        )
+    except Exception as e:
+        raise ShareError(
+            f"the model {name} is neither a folder nor in the Hugging Face cache yet ({e}); "
+            "download it first (hf download) or serve its folder"
+        ) from None
+
+
 def attach_rows(
     folder: str | os.PathLike[str],
-    rows: RowRanges,
+    rows: RowRanges | None,
     *,
     strict: bool | None,
     device: str | None,
     labels: Mapping[str, str],
 ) -> Tables:
-    """The selection's tables, each mapped only over its `rows`, with CUDA views on `device`.
+    """The selection's tables, each mapped only over its `rows` (None: whole), with CUDA
+    views on `device`.
 
     `strict` None: engramd's own private fallback (exact rows, one warning)
     where this one process cannot attach after its group chose engramd.

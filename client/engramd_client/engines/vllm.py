@@ -52,10 +52,21 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ShareError
+from ..errors import CheckpointError
 from ..sharding import ceil_head_rows
 from ..tables import Tables
-from .common import Pattern, Refusal, attach_rows, decide, probe, say_once, settle, share_mode
+from .common import (
+    Pattern,
+    Refusal,
+    attach_rows,
+    decide,
+    local_folder,
+    probe,
+    say_once,
+    settle,
+    share_mode,
+    table_names,
+)
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")
@@ -305,24 +316,7 @@ def _can_share_engram_tables(layout: Any, block_size: int = 32) -> bool:
 def _checkpoint_folder(config: Any) -> str:
     model_config = config.model_config
     name = str(getattr(model_config, "model_weights", None) or model_config.model)
-    if os.path.isdir(name):
-        return name
-    try:
-        from huggingface_hub import snapshot_download
-
-        return str(
-            snapshot_download(
-                name,
-                revision=model_config.revision,
-                cache_dir=config.load_config.download_dir,
-                local_files_only=True,
-            )
-        )
-    except Exception as e:
-        raise ShareError(
-            f"the model {name} is neither a folder nor in the Hugging Face cache yet ({e}); "
-            "download it first (hf download) or serve its folder"
-        ) from None
+    return local_folder(name, model_config.revision, config.load_config.download_dir)
 
 
 def _decide(
@@ -357,11 +351,6 @@ def _decide(
     if _state.serve:
         _state.folder = _checkpoint_folder(config)
     return _state.serve
-
-
-def table_names(layer_id: int) -> tuple[str, str]:
-    """Checkpoint names of layer `layer_id`'s Engram weight and scale."""
-    return f"layers.{layer_id}.engram.embed.weight", f"layers.{layer_id}.engram.embed.scale"
 
 
 def layout_rows(layout: Any, head_rank: int, shards: int) -> dict[str, tuple[int, int]]:
