@@ -138,8 +138,15 @@ def run_ranks(
     full_env = {**os.environ, "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", **env}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(RANK), str(rank), str(world), str(init), str(model.folder)]
-            + list(extra),
+            [
+                sys.executable,
+                str(RANK),
+                str(rank),
+                str(world),
+                str(init),
+                str(model.folder),
+                *extra,
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

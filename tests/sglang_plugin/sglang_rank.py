@@ -66,9 +66,10 @@ class Net(nn.Module):
         super().__init__()
         from sglang.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 
-        self.model = nn.Module()
-        self.model.layers = nn.ModuleList(layers)
-        self.model.start_layer, self.model.end_layer = 0, len(layers)
+        inner: Any = nn.Module()
+        inner.layers = nn.ModuleList(layers)
+        inner.start_layer, inner.end_layer = 0, len(layers)
+        self.model = inner
         self.config = type(
             "Config",
             (),
@@ -97,6 +98,17 @@ class Net(nn.Module):
         """MHC kernels' JIT warm-up: needs a GPU, no MHC here."""
 
 
+def lookups(net: nn.Module, layer_ids: tuple[int, ...]) -> dict[int, torch.Tensor]:
+    """Each Engram table's lookup of random valid ids (SGLang's Triton gather, on the GPU)."""
+    found = {}
+    for layer_id in layer_ids:
+        embed: Any = net.get_submodule(f"model.layers.{layer_id}.engram.embed")
+        g = torch.Generator().manual_seed(layer_id)
+        ids = torch.randint(embed.row_start, embed.row_start + embed.rows, (257, 6), generator=g)
+        found[layer_id] = embed._owned_rows(ids.cuda()).cpu()
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -109,6 +121,7 @@ def main() -> None:
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--follower-env", default="", help="KEY=VALUE for every rank but 0")
     parser.add_argument("--decide-only", action="store_true")
+    parser.add_argument("--lookup", default="", help="on a GPU: save SGLang's lookups here")
     args = parser.parse_args()
 
     if args.follower_env and args.rank:
@@ -133,7 +146,8 @@ def main() -> None:
     from sglang.srt.runtime_context import get_parallel, publish
     from sglang.srt.server_args import ServerArgs
 
-    cpu_only()
+    if not args.lookup:
+        cpu_only()
     publish(
         ServerArgs(
             model_path=args.checkpoint,
@@ -206,12 +220,14 @@ def main() -> None:
             out["read_bytes"] = io_read_bytes() - before
             out["load_s"] = time.monotonic() - started
         group.barrier()
+    if args.lookup:
+        torch.save(lookups(net, layout.layer_ids), args.lookup)
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())
     found = {}
     for layer_id in layout.layer_ids:
-        embed: Any = net.model.layers[layer_id].engram.embed
+        embed: Any = net.get_submodule(f"model.layers.{layer_id}.engram.embed")
         start, end = embed.row_start, embed.row_start + embed.rows
         weight, scale = embed.weight.data, embed.scale.data
         info: dict[str, Any] = {

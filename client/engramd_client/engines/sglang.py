@@ -121,7 +121,9 @@ def register() -> None:
         return
     _registered = True
     if share_mode() is False:
-        say_once(log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside")
+        say_once(
+            log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside"
+        )
         return
     from sglang.srt.environ import envs
 
@@ -206,13 +208,11 @@ def check_seams(
         and {"layer_ids", "num_embeddings"} <= set(engram.EngramLayout.__struct_fields__),
         "shard_range / EngramLayout",
     )
+    options = ["disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load"]
     _expect(
-        _params(weight_utils.safetensors_weights_iterator)
-        == ["hf_weights_files", "disable_mmap", "prefetch", "prefetch_num_threads"]
-        + ["drop_cache_after_load"]
+        _params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
         and _params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
-        == ["hf_weights_files", "max_workers", "disable_mmap", "prefetch"]
-        + ["prefetch_num_threads", "drop_cache_after_load"]
+        == ["hf_weights_files", "max_workers", *options]
         and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
         "safetensors weight iterators",
     )
@@ -458,9 +458,7 @@ def _skipping(
             }
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: collections.deque[tuple[str, concurrent.futures.Future[Any]]] = (
-            collections.deque()
-        )
+        pending: collections.deque[tuple[str, concurrent.futures.Future[Any]]] = collections.deque()
         queue = iter(files)
         for path in queue:
             pending.append((path, pool.submit(load, path)))
@@ -504,7 +502,7 @@ def _safetensors_iterator(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     original = _state.original[ITERATORS[0]]
     if _reads_served(disable_mmap, prefetch):
-        return original(  # type: ignore[no-any-return]
+        return original(
             hf_weights_files, disable_mmap, prefetch, prefetch_num_threads, drop_cache_after_load
         )
     return _skipping(list(hf_weights_files), 1, drop_cache_after_load)
@@ -520,7 +518,7 @@ def _buffered_iterator(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     original = _state.original[ITERATORS[1]]
     if _reads_served(disable_mmap, prefetch):
-        return original(  # type: ignore[no-any-return]
+        return original(
             hf_weights_files,
             max_workers,
             disable_mmap,

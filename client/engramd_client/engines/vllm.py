@@ -43,7 +43,6 @@ import importlib.machinery
 import importlib.util
 import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
