@@ -243,7 +243,7 @@ def main() -> None:
             "pointers_are_tensors": list(embed._table_ptrs())
             == [weight.data_ptr(), scale.data_ptr()],
         }
-        whole = embed.host_table.layout == "shared"
+        whole = embed.host_table is not None and embed.host_table.layout == "shared"
         same = []
         for suffix, param in (("weight", weight), ("scale", scale)):
             key = f"layers.{layer_id}.engram.embed.{suffix}"
