@@ -169,6 +169,7 @@ def test_a_changed_seam_registers_nothing() -> None:
     from sglang.srt.model_loader import weight_utils
 
     from engramd_client.engines import sglang as plugin
+    from engramd_client.engines.common import UnknownEngine
 
     plugin.check_seams(engram, weight_utils, registry, envs)
     original = engram.EngramEmbedding._load_rows
@@ -180,7 +181,7 @@ def test_a_changed_seam_registers_nothing() -> None:
         engram.EngramEmbedding._load_rows = renamed
         try:
             plugin.check_seams(engram, weight_utils, registry, envs)
-        except plugin.UnknownSglang as e:
+        except UnknownEngine as e:
             assert "EngramEmbedding methods" in str(e)
         else:
             raise AssertionError("a changed _load_rows went unnoticed")

@@ -43,7 +43,6 @@ import collections
 import concurrent.futures
 import contextvars
 import importlib
-import inspect
 import logging
 import re
 from collections.abc import Callable, Iterator
@@ -56,9 +55,12 @@ import torch
 from ..errors import CheckpointError
 from ..tables import Tables
 from .common import (
+    Engine,
+    UnknownEngine,
     attach_rows,
     decide,
     local_folder,
+    params,
     probe,
     say_once,
     settle,
@@ -69,10 +71,9 @@ from .common import (
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
 log = logging.getLogger("sglang.engramd")
 
-#: SGLang versions whose seams this plugin was written against and tested with.
-KNOWN_VERSIONS = frozenset({"0.5.23"})
-#: Load formats whose weights go through the safetensors iterators the plugin replaces.
-SERVED_LOAD_FORMATS = frozenset({"auto", "safetensors"})
+#: SGLang as the guard names it, with the versions whose seams this plugin was written
+#: against and tested with.
+SGLANG = Engine("SGLang", frozenset({"0.5.23"}))
 LAYOUTS = ("shared", "per_rank")
 
 ENGRAM_MODULE = "sglang.srt.layers.engram"
@@ -110,10 +111,6 @@ _registered = False
 _layout: contextvars.ContextVar[Any] = contextvars.ContextVar("engramd_sglang_layout", default=None)
 
 
-class UnknownSglang(Exception):
-    """This SGLang is not the one the plugin's seams were read from."""
-
-
 def register() -> None:
     """The `sglang.srt.plugins` entry point: registers the hooks, or nothing with a reason."""
     global _registered
@@ -131,9 +128,9 @@ def register() -> None:
         # SGLang keeps the tables in GPU memory: nothing to serve, nothing imported.
         return
     try:
-        check_version(sglang_version())
+        SGLANG.check_version(sglang_version())
         hooks = seams()
-    except UnknownSglang as e:
+    except UnknownEngine as e:
         say_once(log, logging.WARNING, "unknown", "%s", e)
         return
     from sglang.srt.plugins.hook_registry import HookRegistry
@@ -150,80 +147,57 @@ def sglang_version() -> str:
     return str(version.__version__)
 
 
-def check_version(version: str) -> None:
-    """Raise UnknownSglang, with the fix, for an SGLang this plugin does not know."""
-    if version not in KNOWN_VERSIONS:
-        raise UnknownSglang(
-            f"engramd's SGLang plugin knows SGLang {', '.join(sorted(KNOWN_VERSIONS))}, not "
-            f"{version}: it is disabled and SGLang allocates its own Engram tables; run a "
-            "known SGLang or an engramd that knows this one"
-        )
-
-
-def _params(function: Callable[..., Any]) -> list[str]:
-    return list(inspect.signature(function).parameters)
-
-
 def _names(function: Any) -> set[str]:
     code = getattr(function, "__code__", None) or function.fget.__code__
     return set(code.co_names)
 
 
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise UnknownSglang(
-            f"engramd's SGLang plugin does not recognise this SGLang's {what}: it is disabled "
-            "and SGLang allocates its own Engram tables; run SGLang 0.5.23 or an engramd that "
-            "knows this one"
-        )
-
-
 def check_seams(
     engram: ModuleType, weight_utils: ModuleType, registry: ModuleType, envs: Any
 ) -> None:
-    """Raise UnknownSglang unless every signature and attribute the plugin relies on is there."""
+    """Raise UnknownEngine unless every signature and attribute the plugin relies on is there."""
     table = getattr(engram, "EngramEmbedding", None)
     layer = getattr(engram, "Engram", None)
-    _expect(table is not None and layer is not None, "Engram module")
+    SGLANG.expect(table is not None and layer is not None, "Engram module")
     assert table is not None and layer is not None
-    _expect(_params(layer.__init__)[:4] == ["self", "config", "layer_id", "layout"], "Engram")
-    _expect(
-        _params(table._init_host_table) == ["self", "num_embeddings", "dim", "layer_id"]
-        and _params(table._load_rows) == ["self", "param", "loaded_weight"],
+    SGLANG.expect(params(layer.__init__)[:4] == ["self", "config", "layer_id", "layout"], "Engram")
+    SGLANG.expect(
+        params(table._init_host_table) == ["self", "num_embeddings", "dim", "layer_id"]
+        and params(table._load_rows) == ["self", "param", "loaded_weight"],
         "EngramEmbedding methods",
     )
     needed = {"row_start", "rows", "_init_host_table", "weight_loader", "_load_rows"}
-    _expect(needed <= _names(table.__init__), "EngramEmbedding attributes")
-    _expect(
+    SGLANG.expect(needed <= _names(table.__init__), "EngramEmbedding attributes")
+    SGLANG.expect(
         {"host_table", "_host_table_ptrs"} <= _names(table._table_ptrs)
         and {"host_table", "layout"} <= _names(table._shared)
         and {"host_table", "dirty"} <= _names(table._load_rows)
         and {"host_table", "finish_load"} <= _names(table.finish_load),
         "EngramEmbedding host-table use",
     )
-    _expect(
-        _params(engram.shard_range) == ["num_embeddings", "column_bounds", "tp_rank", "tp_size"]
+    SGLANG.expect(
+        params(engram.shard_range) == ["num_embeddings", "column_bounds", "tp_rank", "tp_size"]
         and callable(getattr(engram, "_sorted_host_reads", None))
         and callable(getattr(engram.EngramLayout, "column_bounds", None))
         and {"layer_ids", "num_embeddings"} <= set(engram.EngramLayout.__struct_fields__),
         "shard_range / EngramLayout",
     )
     options = ["disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load"]
-    _expect(
-        _params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
-        and _params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
+    SGLANG.expect(
+        params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
+        and params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
         == ["hf_weights_files", "max_workers", *options]
         and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
         "safetensors weight iterators",
     )
     hook_type = getattr(registry, "HookType", None)
-    _expect(
+    SGLANG.expect(
         hook_type is not None
         and {"AROUND", "REPLACE"} <= set(hook_type.__members__)
-        and _params(registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"],
+        and params(registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"],
         "HookRegistry",
     )
-    _expect(
+    SGLANG.expect(
         all(
             hasattr(envs, name)
             for name in (
@@ -245,10 +219,7 @@ def seams() -> list[tuple[str, Callable[..., Any], Any]]:
         from sglang.srt.environ import envs
         from sglang.srt.runtime_context import get_model, get_parallel  # noqa: F401
     except ImportError as e:
-        raise UnknownSglang(
-            f"engramd's SGLang plugin cannot import what it hooks ({e}): it is disabled and "
-            "SGLang allocates its own Engram tables"
-        ) from None
+        raise SGLANG.unknown(f"modules ({e})") from None
     check_seams(engram, weight_utils, registry, envs)
     _state.original = {name: getattr(weight_utils, name) for name in ITERATORS}
     around, replace = registry.HookType.AROUND, registry.HookType.REPLACE
@@ -285,15 +256,7 @@ def _decide() -> bool:
     from sglang.srt.runtime_context import get_model, get_parallel
 
     load_format = str(get_model().load_format)
-    if load_format not in SERVED_LOAD_FORMATS:
-        say_once(
-            log,
-            logging.INFO,
-            "format",
-            "--load-format %s: engramd's SGLang plugin stands aside (it serves auto and "
-            "safetensors loads)",
-            load_format,
-        )
+    if not SGLANG.serves_load_format(load_format, log):
         _state.serve = False
         return False
     parallel = get_parallel()
