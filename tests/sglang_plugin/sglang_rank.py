@@ -98,6 +98,44 @@ class Net(nn.Module):
         """MHC kernels' JIT warm-up: needs a GPU, no MHC here."""
 
 
+def cached_bytes(path: Path, start: int, stop: int) -> int:
+    """Bytes of `path`'s pages over [start, stop) in the page cache (mincore), whoever read them."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    page = mmap.PAGESIZE
+    first = start // page * page
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+        last = min(-(-stop // page) * page, len(m))
+        pages = -(-(last - first) // page)
+        resident = (ctypes.c_ubyte * pages)()
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+        address = np.frombuffer(m, dtype=np.uint8).ctypes.data + first
+        if libc.mincore(ctypes.c_void_p(address), last - first, resident) != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(1 for r in resident if r & 1) * page
+
+
+def table_ranges(folder: Path) -> dict[Path, list[tuple[int, int]]]:
+    """Each checkpoint file's Engram table byte ranges, from its safetensors header."""
+    import struct
+
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    for path in sorted(folder.glob("*.safetensors")):
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        ranges[path] = [
+            (8 + size + entry["data_offsets"][0], 8 + size + entry["data_offsets"][1])
+            for name, entry in header.items()
+            if ".engram.embed." in name
+        ]
+    return ranges
+
+
 def lookups(net: nn.Module, layer_ids: tuple[int, ...]) -> dict[int, torch.Tensor]:
     """Each Engram table's lookup of random valid ids (SGLang's Triton gather, on the GPU)."""
     found = {}
@@ -219,6 +257,13 @@ def main() -> None:
             )
             out["read_bytes"] = io_read_bytes() - before
             out["load_s"] = time.monotonic() - started
+            # The tables' pages in the page cache right after this rank's load: what it read
+            # of them (and around them), whatever else the process read meanwhile.
+            out["table_bytes_cached"] = sum(
+                cached_bytes(path, lo, hi)
+                for path, spans in table_ranges(folder).items()
+                for lo, hi in spans
+            )
         group.barrier()
     if args.lookup:
         torch.save(lookups(net, layout.layer_ids), args.lookup)
