@@ -107,13 +107,17 @@ def load_set(
         }
         pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
         buffers = threading.local()
+        failures: list[BaseException] = []
 
         def copy(piece: tuple[_TensorCopy, int]) -> None:
             if not hasattr(buffers, "buffer"):
                 buffers.buffer = memoryview(bytearray(BUFFER_BYTES))
             try:
                 progress.add(piece[0].copy(piece[1], buffers.buffer))
-            except BaseException:
+            except _Aborted:
+                raise
+            except BaseException as e:
+                failures.append(e)
                 # Threads waiting for a piece of this thread's turn must not wait forever.
                 for c in copies.values():
                     c.abort()
@@ -121,6 +125,9 @@ def load_set(
 
         try:
             map_on_threads(copy, pieces, threads, "load")
+        except _Aborted:
+            # Raised by a thread woken by the failure, which may have come first.
+            raise failures[0] from None
         finally:
             for c in copies.values():
                 c.close()
@@ -167,6 +174,10 @@ def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
         )
 
 
+class _Aborted(Exception):
+    """Another piece of the load failed; its error is the load's."""
+
+
 class _TensorCopy:
     """One tensor's copy, piece by piece on several threads, digested in order."""
 
@@ -198,7 +209,7 @@ class _TensorCopy:
         with self._turn:
             self._turn.wait_for(lambda: self._digested == at or self._aborted)
             if self._aborted:
-                raise LoadCancelled("another piece of the load failed")
+                raise _Aborted
             self._digest.update(data)
             self._digested = at + n
             self._turn.notify_all()
