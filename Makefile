@@ -92,8 +92,10 @@ $(SGLANG_VENV)/.installed-%:
 test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	PYTHONPATH=$(CURDIR)/client:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -m gpu tests/gpu $(ARGS)
 
+# The loaders the load section measures engramd against, into .venv for the bench only.
 bench: setup
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"
+	$(PY) -c "import runai_model_streamer, fastsafetensors" 2>/dev/null || $(PIP) -r bench/requirements-anchors.txt
 	$(PY) -m bench $(ARGS)
 
 proto: setup

@@ -1,6 +1,6 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
-    python -m bench [--size-gib 2] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
+    python -m bench [--size-gib 2] [--load-gib 1] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
                     [--reps 5] [--storm 64] [--cumem-gib 1,8,32]
                     [--only memory,attach,...,gpu,cumem]
 
@@ -60,6 +60,9 @@ def main() -> int:
     parser.add_argument(
         "--size-gib", type=float, default=2.0, help="tables for memory, load and gather (default 2)"
     )
+    parser.add_argument(
+        "--load-gib", type=float, default=1.0, help="checkpoint for the load section (default 1)"
+    )
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts for host memory")
     parser.add_argument("--attach-sizes", default="0.25,1,4", help="set sizes (GiB) for attach")
     parser.add_argument(
@@ -111,8 +114,8 @@ def main() -> int:
         print("daemon restart until a worker attaches, 1 GiB set adopted from tmpfs")
         figures += restart_to_attach(checkpoint(args.workdir, 1.0), args.reps)
     if "load" in only:
-        print("load throughput into tmpfs")
-        figures += load_throughput(main_ckpt, args.reps)
+        print("load throughput: engramd, cp and the anchor loaders, warm and cold")
+        figures += load_throughput(checkpoint(args.workdir, args.load_gib), args.reps)
     if "gather" in only:
         print("gather throughput and the first gather after attach")
         figures += gather_throughput(main_ckpt, args.reps)

@@ -177,7 +177,7 @@ def _measure(ckpt: Path, sides: list[str], reps: int, note: str = "") -> list[Fi
 
 def _cp_seconds(plan: TablePlan) -> float:
     with shm_folder() as folder:
-        return timed(lambda: _cp(plan, folder))
+        return _cp(plan, folder)
 
 
 def _latency(ckpt: Path, socket: str, label: str) -> list[Figure]:

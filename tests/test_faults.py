@@ -3,6 +3,7 @@ checkpoints changing on disk, corrupted tables."""
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -20,12 +21,20 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Daemon, Worker, mounted_tmpfs, wait_until
-from engramd.backings import TmpfsBacking
+from engramd.backings import StagedSet, TmpfsBacking
+from engramd.checksum import BUFFER_BYTES, digest_fd
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import ShmFull
 from engramd.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.layout import LOADING_MARK, check_complete, read_manifest, sets_root
+from engramd_client.checkpoint import TablePlan
+from engramd_client.layout import (
+    LOADING_MARK,
+    Manifest,
+    check_complete,
+    read_manifest,
+    sets_root,
+)
 from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reason
@@ -137,6 +146,83 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
             assert w.exit() == 0
         finally:
             d.stop()
+
+
+class _WatchedStage(StagedSet):
+    """The tmpfs backing's staged set, writing through; one piece of the largest tensor can be
+    made to wait for a write of another piece by another thread, or to fail."""
+
+    def __init__(self, inner: StagedSet, big: int, fail: bool) -> None:
+        self._inner = inner
+        self._big = big
+        self._fail = fail
+        self.other_thread_wrote = threading.Event()
+        self._first: int | None = None
+
+    def placement(self, index: int) -> tuple[str, int]:
+        return self._inner.placement(index)
+
+    def write(self, index: int, data: memoryview, offset: int) -> None:
+        if index == self._big and offset == 2 * BUFFER_BYTES and self._fail:
+            raise OSError(errno.EIO, "injected write error")
+        if index == self._big and offset == 0:
+            self._first = threading.get_ident()
+            # The old loader copied a tensor on one thread: this would time out.
+            assert self.other_thread_wrote.wait(60), "no other thread copied this tensor"
+        elif index == self._big and self._first not in (None, threading.get_ident()):
+            self.other_thread_wrote.set()
+        self._inner.write(index, data, offset)
+
+    def publish(self, manifest: Manifest) -> None:
+        self._inner.publish(manifest)
+
+    def discard(self) -> None:
+        self._inner.discard()
+
+
+class _WatchedTmpfs(TmpfsBacking):
+    def __init__(self, shm: Path, fail: bool = False) -> None:
+        super().__init__(str(shm), None)
+        self._fail = fail
+
+    def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
+        big = max(range(len(plan.tensors)), key=lambda i: plan.tensors[i].nbytes)
+        return _WatchedStage(super().stage(plan, node), big, self._fail)
+
+
+@pytest.fixture(scope="module")
+def one_big_tensor(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One Engram table of ~20 MB (ten of the loader's pieces) and its small scale table."""
+    folder = tmp_path_factory.mktemp("one") / "engram"
+    return synthesize(folder, SynthSpec(layers=1, rows=80_000, shards=1))
+
+
+def test_one_tensor_is_copied_on_several_threads(one_big_tensor: Path) -> None:
+    plan = plan_tables(one_big_tensor)
+    with mounted_tmpfs("64m") as shm:
+        backing = _WatchedTmpfs(shm)
+        backing.claim()
+        # The first piece's write waits until another thread wrote a later piece:
+        # only a loader that splits a tensor over its threads gets past it.
+        manifest = load_set(plan, backing, 2, LoadProgress(plan.nbytes))
+        folder = sets_root(str(shm)) / manifest.copy
+        for entry, t in zip(plan.tensors, manifest.tensors, strict=True):
+            with open(entry.file, "rb") as src:
+                # One streaming digest per tensor, as verify and adoption recompute it.
+                assert t.checksum == digest_fd(src.fileno(), entry.offset, entry.nbytes)
+                src.seek(entry.offset)
+                assert (folder / t.file).read_bytes() == src.read(entry.nbytes)
+
+
+def test_a_failed_piece_fails_the_load_with_its_own_error(one_big_tensor: Path) -> None:
+    plan = plan_tables(one_big_tensor)
+    with mounted_tmpfs("64m") as shm:
+        backing = _WatchedTmpfs(shm, fail=True)
+        backing.claim()
+        # Threads waiting for the failed piece's turn stop too; the error is the write's.
+        with pytest.raises(OSError, match="injected write error"):
+            load_set(plan, backing, 2, LoadProgress(plan.nbytes))
+        assert list(sets_root(str(shm)).iterdir()) == []
 
 
 def _load_against_a_filler(d: Daemon, ckpt: Path, shm: Path, n: int) -> str:
