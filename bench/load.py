@@ -1,7 +1,7 @@
 """Load throughput into tmpfs: engramd's loader against `cp`, and the strategies it chose from.
 
 engramd's loader reads into a 2 MiB buffer, checksums it while it is in
-cache, and writes it out (engramd/loader.py). Beside it, on 1 and 2 threads,
+cache, and writes it out (engramd/sets/loader.py). Beside it, on 1 and 2 threads,
 the ways to move the bytes without a checksum: pwrite from a mapping of the
 checkpoint, reads into a mapping of the tmpfs file, and sendfile. All
 reserve with posix_fallocate first, as the loader does, so they differ only
@@ -19,9 +19,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engramd.backings import TmpfsBacking
-from engramd.loader import LoadProgress, load_set
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.checkpoint import TablePlan, TensorEntry
+from engramd_client.core.checkpoint import TablePlan, TensorEntry
 
 from .common import Figure, compare, drop_page_cache, shm_folder, timed
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engramd_client.checkpoint import DEFAULT_TENSORS
-from engramd_client.config import DEFAULT_SOCKET
+from engramd_client.core.checkpoint import DEFAULT_TENSORS
+from engramd_client.core.config import DEFAULT_SOCKET
 
 
 @dataclass

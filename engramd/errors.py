@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from engramd_client.errors import REASON_KEY, CheckpointError, Reason
+from engramd_client.core.errors import REASON_KEY, CheckpointError, Reason
 
 log = logging.getLogger("engramd")
 

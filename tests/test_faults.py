@@ -23,11 +23,11 @@ from conftest import Daemon, Worker, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import ShmFull
-from engramd.loader import LoadProgress, load_set
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.layout import LOADING_MARK, check_complete, read_manifest, sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.layout import LOADING_MARK, check_complete, read_manifest, sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reason
 
 

@@ -26,16 +26,16 @@ import grpc
 import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
-from engramd import store as store_module
 from engramd.backings import TmpfsBacking
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
-from engramd.loader import LoadProgress, load_set
-from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.process import pid_namespace, start_ticks
+from engramd.sets import store as store_module
+from engramd.sets.loader import LoadProgress, load_set
+from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.process import pid_namespace, start_ticks
 from helpers import InProcessDaemon, attach_error, in_process_config, reason, reference_digests
 
 NOBODY = 65534
@@ -306,7 +306,7 @@ def test_shutdown_ends_within_its_grace_whatever_a_reader_does(
     script = textwrap.dedent(f"""
         import asyncio, threading
         from engramd.config import DaemonConfig
-        from engramd.server import create_server
+        from engramd.api.server import create_server
 
         async def main():
             server = create_server(DaemonConfig(
@@ -570,7 +570,7 @@ def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> Iterator[InP
 
 
 def _paused(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
-    """Replace engramd.store's `name` by one that waits for the test; (entered, release)."""
+    """Replace engramd.sets.store's `name` by one that waits for the test; (entered, release)."""
     entered, release = threading.Event(), threading.Event()
     real = getattr(store_module, name)
 

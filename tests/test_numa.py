@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from conftest import Daemon, Worker, wait_until
-from engramd import numa as numa_module
 from engramd.demo.synth import SynthSpec, synthesize
-from engramd.numa import (
+from engramd.host import numa as numa_module
+from engramd.host.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
     MPOL_INTERLEAVE,
@@ -36,10 +36,10 @@ from engramd.numa import (
     nodes,
 )
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.topology import local_node
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.topology import local_node
 from helpers import (
     InProcessDaemon,
     attach_error,

@@ -20,11 +20,11 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, wait_until
-from engramd.shmfs import mount_of
+from engramd.host.shmfs import mount_of
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 
 def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -219,7 +219,11 @@ def test_the_cli_starts_no_thread_before_status_watch_masks_ctrl_c() -> None:
     # inherits the mask. A thread some import started earlier (numpy's BLAS pool, say)
     # would not: Ctrl-C landing there becomes a KeyboardInterrupt at a random point.
     threads = subprocess.run(
-        [sys.executable, "-c", "import os, engramd.cli; print(len(os.listdir('/proc/self/task')))"],
+        [
+            sys.executable,
+            "-c",
+            "import os, engramd.cli.commands; print(len(os.listdir('/proc/self/task')))",
+        ],
         capture_output=True,
         text=True,
         check=True,

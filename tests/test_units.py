@@ -11,26 +11,32 @@ import pytest
 
 from conftest import mounted_tmpfs
 from engramd import errors as daemon_errors
+from engramd.api.wire import set_info
 from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
 from engramd.backings.memfd import SEALS
-from engramd.checksum import digest_fd
+from engramd.cli.status_view import as_dict, render
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
-from engramd.fdstore import FdStore
-from engramd.memlimit import MemoryLimit, memory_limit
-from engramd.policy import LoadPolicy
-from engramd.sdnotify import Notifier
-from engramd.status_view import as_dict, render
-from engramd.store import STATUS_LEASES, Lease, SetState, TableSet
+from engramd.host.fdstore import FdStore
+from engramd.host.memlimit import MemoryLimit, memory_limit
+from engramd.host.sdnotify import Notifier
+from engramd.sets.checksum import digest_fd
+from engramd.sets.policy import LoadPolicy
+from engramd.sets.store import STATUS_LEASES, Lease, SetState, TableSet
 from engramd.text import escape
 from engramd.units import gib, parse_size
-from engramd.wire import set_info
-from engramd_client.checkpoint import SourceFile, TablePlan, plan_tables
-from engramd_client.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
-from engramd_client.errors import BY_REASON, Reason
+from engramd_client.core.checkpoint import SourceFile, TablePlan, plan_tables
+from engramd_client.core.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
+from engramd_client.core.errors import BY_REASON, Reason
+from engramd_client.core.layout import (
+    LOADING_MARK,
+    Manifest,
+    ManifestError,
+    ManifestTensor,
+    sets_root,
+)
+from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.handles import KINDS, MAPPERS
-from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
-from engramd_client.pb import engramd_pb2 as pb
 from engramd_client.tables import Region
 
 

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checkpoint import DTYPES, TablePlan, TensorEntry
-from .errors import CheckpointError, NoCpuView
+from engramd_client.core.checkpoint import DTYPES, TablePlan, TensorEntry
+from engramd_client.core.errors import CheckpointError, NoCpuView
 
 if TYPE_CHECKING:
-    from .lease import Lease
+    from engramd_client.lease import Lease
 
 #: {tensor name: (first row, end row)} to map only a row range (a TP shard).
 RowRanges = Mapping[str, tuple[int, int]]
@@ -254,7 +254,7 @@ class Tables(Mapping[str, torch.Tensor]):
 
         `route` is one of engramd_client.cuda.ROUTES other than cumem-import.
         """
-        from .cuda import register_all
+        from engramd_client.cuda import register_all
 
         registrations = register_all(self._tensors, index, route)
         self.gpu_route = route

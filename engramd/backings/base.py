@@ -14,14 +14,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import Manifest
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..config import DaemonConfig
-from ..fdstore import FdStore
-from ..pagesize import PageCensus, census
-from ..pinning import PinnedFiles
+from engramd.config import DaemonConfig
+from engramd.host.fdstore import FdStore
+from engramd.host.pagesize import PageCensus, census
+from engramd.host.pinning import PinnedFiles
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import Manifest
+from engramd_client.core.pb import engramd_pb2 as pb
 
 
 @dataclass(frozen=True)

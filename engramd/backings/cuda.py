@@ -17,7 +17,7 @@ tensor's checksum is recomputed from the allocation, and only then is the
 copy published; the daemon's own access drops to read-only then. Workers
 collect the exported descriptor on the fd channel (HANDLE_KIND_CUMEM) or
 get the fabric handle in the reply (HANDLE_KIND_CUMEM_FABRIC) and import
-it (engramd_client/cudadriver.py): no per-worker pinning.
+it (engramd_client/core/cudadriver.py): no per-worker pinning.
 
 Restarts: an allocation lives while the daemon or any worker that imported
 it holds it. A daemon that exits leaves every worker's tables mapped and
@@ -44,22 +44,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from engramd_client import cudadriver
-from engramd_client.checkpoint import TablePlan
-from engramd_client.errors import DeviceError
-from engramd_client.layout import Manifest, ManifestError, copy_name, packed_offsets
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..checksum import BUFFER_BYTES, label, new_digest
-from ..config import DaemonConfig
-from ..errors import LoadFailed, ShmFull, UnknownSet
-from ..fdstore import FdStore
-from ..memlimit import check_memory, memory_limit
-from ..numa import Placement
-from ..pinning import PinnedFiles
-from ..units import gib
-from .base import Backing, BackingUnavailable, StagedSet, Usage
-from .cudaprobe import trial
+from engramd.backings.base import Backing, BackingUnavailable, StagedSet, Usage
+from engramd.backings.cudaprobe import trial
+from engramd.config import DaemonConfig
+from engramd.errors import LoadFailed, ShmFull, UnknownSet
+from engramd.host.fdstore import FdStore
+from engramd.host.memlimit import check_memory, memory_limit
+from engramd.host.numa import Placement
+from engramd.host.pinning import PinnedFiles
+from engramd.sets.checksum import BUFFER_BYTES, label, new_digest
+from engramd.units import gib
+from engramd_client.core import cudadriver
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.errors import DeviceError
+from engramd_client.core.layout import Manifest, ManifestError, copy_name, packed_offsets
+from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 

@@ -12,12 +12,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engramd_client.channel import open_channel
-from engramd_client.config import ClientConfig
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from ..server import admin_socket_for
+from engramd.api.server import admin_socket_for
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 START_TIMEOUT_S = 60.0
 

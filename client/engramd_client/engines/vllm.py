@@ -52,10 +52,19 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError, ShareError
-from ..sharding import ceil_head_rows
-from ..tables import Tables
-from .common import Pattern, Refusal, attach_rows, decide, probe, say_once, settle, share_mode
+from engramd_client.core.errors import CheckpointError, ShareError
+from engramd_client.engines.common import (
+    Pattern,
+    Refusal,
+    attach_rows,
+    decide,
+    probe,
+    say_once,
+    settle,
+    share_mode,
+)
+from engramd_client.sharding import ceil_head_rows
+from engramd_client.tables import Tables
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")

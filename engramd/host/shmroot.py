@@ -17,11 +17,10 @@ import stat
 import time
 from pathlib import Path
 
-from engramd_client.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
-
-from .errors import UntrustedShm
-from .hugeroot import unmount_below
-from .shmfs import is_mount_point
+from engramd.errors import UntrustedShm
+from engramd.host.hugeroot import unmount_below
+from engramd.host.shmfs import is_mount_point
+from engramd_client.core.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
 
 log = logging.getLogger("engramd")
 

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .libc import libc, map_read_only
+from engramd.host.libc import libc, map_read_only
 
 _SMALL = 4096
 

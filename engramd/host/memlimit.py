@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from .errors import ShmFull
-from .units import gib
+from engramd.errors import ShmFull
+from engramd.units import gib
 
 # cgroup v1 writes "no limit" as a huge page-aligned number.
 _NO_LIMIT = 1 << 62

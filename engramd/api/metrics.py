@@ -18,8 +18,8 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .backings import Usage
-from .store import SetState, SetStore
+from engramd.backings import Usage
+from engramd.sets.store import SetState, SetStore
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer

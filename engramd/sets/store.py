@@ -21,14 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engramd_client.checkpoint import CheckpointError, TablePlan
-from engramd_client.layout import Manifest, ManifestError, copy_name
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.process import pid_namespace, start_ticks
-
-from .backings import Backing
-from .blocking import BlockingPool
-from .errors import (
+from engramd.backings import Backing
+from engramd.errors import (
     BudgetExceeded,
     Draining,
     LoadFailed,
@@ -37,11 +31,16 @@ from .errors import (
     TooManyLeases,
     UnknownSet,
 )
-from .loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
-from .numa import Placement, bytes_per_node
-from .pagesize import PageCensus
-from .pinning import FIX_MEMLOCK, PinnedFiles
-from .units import gib
+from engramd.host.blocking import BlockingPool
+from engramd.host.numa import Placement, bytes_per_node
+from engramd.host.pagesize import PageCensus
+from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
+from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
+from engramd.units import gib
+from engramd_client.core.checkpoint import CheckpointError, TablePlan
+from engramd_client.core.layout import Manifest, ManifestError, copy_name
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.process import pid_namespace, start_ticks
 
 log = logging.getLogger("engramd")
 

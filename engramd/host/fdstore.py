@@ -19,7 +19,7 @@ import logging
 import os
 from collections.abc import Mapping
 
-from .sdnotify import Notifier
+from engramd.host.sdnotify import Notifier
 
 log = logging.getLogger("engramd")
 

@@ -6,17 +6,16 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engramd_client.checkpoint import TablePlan, plan_tables
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from .blocking import BlockingPool
-from .config import DaemonConfig
-from .errors import InvalidRequest, abort
-from .loader import LoadProgress
-from .proof import Prover
-from .store import SetStore, TableSet
-from .wire import load_progress, set_info
+from engramd.api.wire import load_progress, set_info
+from engramd.config import DaemonConfig
+from engramd.errors import InvalidRequest, abort
+from engramd.host.blocking import BlockingPool
+from engramd.sets.loader import LoadProgress
+from engramd.sets.proof import Prover
+from engramd.sets.store import SetStore, TableSet
+from engramd_client.core.checkpoint import TablePlan, plan_tables
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServiceServicer):

@@ -11,21 +11,20 @@ from pathlib import Path
 
 import grpc
 
-from engramd_client.checkpoint import TablePlan, is_set_id, plan_tables
-from engramd_client.errors import CAUSES
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from .backings import Backing
-from .blocking import BlockingPool
-from .config import DaemonConfig
-from .errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, abort
-from .loader import LoadProgress
-from .policy import LoadPolicy, open_to_group, resolve
-from .proof import Prover
-from .store import ON_FD_CHANNEL, Lease, SetState, SetStore, TableSet
-from .units import gib
-from .wire import PROGRESS_INTERVAL_S, load_progress, source_files, status_reply
+from engramd.api.wire import PROGRESS_INTERVAL_S, load_progress, source_files, status_reply
+from engramd.backings import Backing
+from engramd.config import DaemonConfig
+from engramd.errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, abort
+from engramd.host.blocking import BlockingPool
+from engramd.sets.loader import LoadProgress
+from engramd.sets.policy import LoadPolicy, open_to_group, resolve
+from engramd.sets.proof import Prover
+from engramd.sets.store import ON_FD_CHANNEL, Lease, SetState, SetStore, TableSet
+from engramd.units import gib
+from engramd_client.core.checkpoint import TablePlan, is_set_id, plan_tables
+from engramd_client.core.errors import CAUSES
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engramd")
 

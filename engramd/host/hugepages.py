@@ -12,9 +12,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.topology import NODES
-
-from .units import gib
+from engramd.units import gib
+from engramd_client.core.topology import NODES
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
 

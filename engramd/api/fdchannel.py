@@ -53,13 +53,12 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from engramd_client.errors import Reason
-from engramd_client.layout import ManifestError, NotOwned
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.process import start_ticks
-
-from .errors import TooManyLeases
-from .store import SetState, SetStore
+from engramd.errors import TooManyLeases
+from engramd.sets.store import SetState, SetStore
+from engramd_client.core.errors import Reason
+from engramd_client.core.layout import ManifestError, NotOwned
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.process import start_ticks
 
 log = logging.getLogger("engramd")
 
@@ -84,7 +83,7 @@ class Refused(Exception):
 
     def __init__(self, message: str, reason: Reason = Reason.NOT_ALLOWED) -> None:
         super().__init__(message)
-        #: Which client exception the worker raises (engramd_client.errors.BY_REASON).
+        #: Which client exception the worker raises (engramd_client.core.errors.BY_REASON).
         self.reason = reason
 
 

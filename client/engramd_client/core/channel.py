@@ -15,8 +15,8 @@ import grpc
 # the client's import, not inside a worker's first attach.
 import grpc._channel
 
-from .config import ClientConfig
-from .errors import DaemonUnavailable, NotAllowed
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import DaemonUnavailable, NotAllowed
 
 _FIX_START = "start engramd (systemctl start engramd) or point ENGRAMD_SOCKET at its socket"
 

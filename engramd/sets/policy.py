@@ -11,12 +11,11 @@ import os
 import stat
 from pathlib import Path
 
-from engramd_client.checkpoint import TablePlan
-from engramd_client.pb import engramd_pb2 as pb
-
-from .config import DaemonConfig
-from .errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
-from .shmfs import mount_id
+from engramd.config import DaemonConfig
+from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
+from engramd.host.shmfs import mount_id
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.pb import engramd_pb2 as pb
 
 
 def resolve(checkpoint: str) -> Path:

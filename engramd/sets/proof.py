@@ -23,19 +23,18 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.checkpoint import (
+from engramd.errors import FingerprintDiffers
+from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
+from engramd.sets.checksum import digest_fd
+from engramd.sets.loader import LoadProgress
+from engramd_client.core.checkpoint import (
     CheckpointError,
     SourceFile,
     TablePlan,
     TensorEntry,
     open_regular,
 )
-from engramd_client.layout import Manifest
-
-from .checksum import digest_fd
-from .errors import FingerprintDiffers
-from .libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
-from .loader import LoadProgress
+from engramd_client.core.layout import Manifest
 
 #: Filesystems whose files change in place without a new mtime or ctime
 #: (a write through a shared mapping of a tmpfs file stamps nothing).

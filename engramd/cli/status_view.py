@@ -13,14 +13,13 @@ from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from engramd_client.channel import open_channel
-from engramd_client.config import ClientConfig
-from engramd_client.layout import copy_name
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from .text import escape
-from .units import gib
+from engramd.text import escape
+from engramd.units import gib
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.layout import copy_name
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 #: How long `engramd status` waits for the daemon.
 STATUS_TIMEOUT_S = 2.0

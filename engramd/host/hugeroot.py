@@ -24,9 +24,16 @@ import os
 import shutil
 from pathlib import Path
 
-from .libc import libc
-from .shmfs import find_mount, huge_pages, is_mount_point, mounts_below, shmem_enabled, usage
-from .units import gib
+from engramd.host.libc import libc
+from engramd.host.shmfs import (
+    find_mount,
+    huge_pages,
+    is_mount_point,
+    mounts_below,
+    shmem_enabled,
+    usage,
+)
+from engramd.units import gib
 
 log = logging.getLogger("engramd")
 

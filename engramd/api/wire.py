@@ -9,11 +9,10 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-from engramd_client.layout import Manifest
-from engramd_client.pb import engramd_pb2 as pb
-
-from . import __version__
-from .store import STATUS_LEASES, SetStore, TableSet
+from engramd import __version__
+from engramd.sets.store import STATUS_LEASES, SetStore, TableSet
+from engramd_client.core.layout import Manifest
+from engramd_client.core.pb import engramd_pb2 as pb
 
 #: How often a caller waiting for a load hears about its progress.
 PROGRESS_INTERVAL_S = 0.25

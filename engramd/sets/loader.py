@@ -29,19 +29,18 @@ import secrets
 import threading
 import time
 
-from engramd_client.checkpoint import (
+from engramd.backings import Backing, StagedSet
+from engramd.host.blocking import map_on_threads
+from engramd.host.numa import Placement, applied
+from engramd.sets.checksum import chunks, label, new_digest
+from engramd_client.core.checkpoint import (
     CheckpointError,
     SourceFile,
     TablePlan,
     TensorEntry,
     open_regular,
 )
-from engramd_client.layout import Manifest, ManifestTensor
-
-from .backings import Backing, StagedSet
-from .blocking import map_on_threads
-from .checksum import chunks, label, new_digest
-from .numa import Placement, applied
+from engramd_client.core.layout import Manifest, ManifestTensor
 
 DEFAULT_PLACEMENT = Placement()
 

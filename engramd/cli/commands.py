@@ -21,14 +21,13 @@ from typing import Annotated, Any
 import grpc
 import typer
 
-from engramd_client.checkpoint import DEFAULT_TENSORS
-from engramd_client.config import DEFAULT_SOCKET
-
-from . import __version__, units
-from .backings import BACKINGS, COMBINED, CudaDeviceBacking
-from .backings.cuda import device_of
-from .config import DaemonConfig
-from .text import escape
+from engramd import __version__, units
+from engramd.backings import BACKINGS, COMBINED, CudaDeviceBacking
+from engramd.backings.cuda import device_of
+from engramd.config import DaemonConfig
+from engramd.text import escape
+from engramd_client.core.checkpoint import DEFAULT_TENSORS
+from engramd_client.core.config import DEFAULT_SOCKET
 
 #: The daemon's defaults: the one place they are written is DaemonConfig.
 DEFAULTS = DaemonConfig()
@@ -79,7 +78,7 @@ def _backing(name: str) -> str:
 
 
 def _numa(text: str) -> str:
-    from .numa import NumaError, Placement
+    from engramd.host.numa import NumaError, Placement
 
     try:
         return Placement.parse(text).policy
@@ -346,7 +345,7 @@ def serve(
     ] = False,
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
-    from .server import serve as run
+    from engramd.api.server import serve as run
 
     values = _apply_config_file(ctx, config) if config else dict(ctx.params)
     _logging(values["log_level"], values["log_json"])
@@ -423,8 +422,8 @@ def status(
         # thread inherits the mask and SIGINT stays pending until sigtimedwait
         # takes it; a thread started earlier would take it as KeyboardInterrupt.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    from .server import admin_socket_for
-    from .status_view import as_dict, fetch, render
+    from engramd.api.server import admin_socket_for
+    from engramd.cli.status_view import as_dict, fetch, render
 
     admin = admin_socket or admin_socket_for(socket)
     if not watch:
@@ -448,11 +447,10 @@ def status(
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
-    from engramd_client.channel import open_channel
-    from engramd_client.config import ClientConfig
-    from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-    from .server import admin_socket_for
+    from engramd.api.server import admin_socket_for
+    from engramd_client.core.channel import open_channel
+    from engramd_client.core.config import ClientConfig
+    from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
     path = admin_socket or admin_socket_for(socket)
     channel = open_channel(ClientConfig(socket=path))
@@ -467,10 +465,9 @@ def load(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Load a checkpoint's tables into the daemon, with a progress bar."""
-    from engramd_client.pb import engramd_pb2 as pb
-
-    from .load_view import load_bar
-    from .units import gib
+    from engramd.cli.load_view import load_bar
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     with load_bar() as progress:
@@ -501,9 +498,8 @@ def drop(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Remove a set from shared memory (workers that map it keep their mapping)."""
-    from engramd_client.pb import engramd_pb2 as pb
-
-    from .units import gib
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     try:
@@ -521,9 +517,8 @@ def verify(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
-    from engramd_client.pb import engramd_pb2 as pb
-
-    from .units import gib
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     try:
@@ -553,7 +548,7 @@ def synth(
     seed: int = 0,
 ) -> None:
     """Write a synthetic Engram checkpoint (fp8 tables with e8m0 scales) with safetensors."""
-    from .demo.synth import SynthSpec, synthesize
+    from engramd.demo.synth import SynthSpec, synthesize
 
     spec = SynthSpec(layers=layers, rows=rows, dim=dim, shards=shards, seed=seed)
     synthesize(out, spec)
@@ -571,7 +566,7 @@ def demo(
     workdir: Annotated[Path | None, typer.Option(help="Where to write the checkpoint.")] = None,
 ) -> None:
     """Show the point in one command: N replicas share one copy; one private for comparison."""
-    from .demo.run import run_demo
+    from engramd.demo.run import run_demo
 
     _logging("warning")
     raise typer.Exit(

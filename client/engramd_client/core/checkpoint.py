@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CheckpointError
+from engramd_client.core.errors import CheckpointError
 
 #: Selection used when none is given: the Engram embedding tables.
 DEFAULT_TENSORS = "*engram.embed.*"

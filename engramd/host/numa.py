@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.topology import NODES, nodes
+from engramd_client.core.topology import NODES, nodes
 
 MPOL_DEFAULT, MPOL_BIND, MPOL_INTERLEAVE = 0, 2, 3
 # set_mempolicy(2) has no libc wrapper everywhere; its number per architecture.

@@ -54,7 +54,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .checkpoint import DTYPES, LAYOUT_VERSION, SourceFile, is_set_id
+from engramd_client.core.checkpoint import DTYPES, LAYOUT_VERSION, SourceFile, is_set_id
 
 #: Folder inside the shm folder that holds every set.
 ROOT_NAME = "engramd"

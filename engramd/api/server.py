@@ -33,23 +33,22 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from engramd_client.checkpoint import CheckpointError, plan_tables
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from .admin import AdminService
-from .backings import backings_for
-from .blocking import BlockingPool
-from .config import DaemonConfig
-from .errors import DecodeGuard, ServiceError
-from .fdchannel import FdChannel
-from .fdstore import FdStore
-from .loader import LoadProgress
-from .metrics import serve_metrics
-from .numa import Placement
-from .sdnotify import Notifier
-from .service import TableService
-from .store import SetState, SetStore, TableSet
-from .units import gib
+from engramd.api.admin import AdminService
+from engramd.api.fdchannel import FdChannel
+from engramd.api.metrics import serve_metrics
+from engramd.api.service import TableService
+from engramd.backings import backings_for
+from engramd.config import DaemonConfig
+from engramd.errors import DecodeGuard, ServiceError
+from engramd.host.blocking import BlockingPool
+from engramd.host.fdstore import FdStore
+from engramd.host.numa import Placement
+from engramd.host.sdnotify import Notifier
+from engramd.sets.loader import LoadProgress
+from engramd.sets.store import SetState, SetStore, TableSet
+from engramd.units import gib
+from engramd_client.core.checkpoint import CheckpointError, plan_tables
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engramd")
 

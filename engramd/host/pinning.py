@@ -14,7 +14,7 @@ import os
 import threading
 from pathlib import Path
 
-from .libc import libc, map_read_only
+from engramd.host.libc import libc, map_read_only
 
 log = logging.getLogger("engramd")
 
