@@ -39,7 +39,7 @@ from engramd_client.cumem import map_allocation, tensor_at
 from engramd_client.fdchannel import collect
 from engramd_client.handles import channel_path
 from engramd_client.lease import Lease
-from engramd_client.tables import torch_dtype
+from engramd_client.mapping import torch_dtype
 
 
 def _from_device(pointer: int, length: int) -> bytes:

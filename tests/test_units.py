@@ -37,7 +37,7 @@ from engramd_client.core.layout import (
 )
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.handles import KINDS, MAPPERS
-from engramd_client.tables import Region
+from engramd_client.mapping import Region
 
 
 def test_sizes() -> None:

@@ -38,7 +38,7 @@ from engramd_client.core.cudadriver import (
 )
 from engramd_client.core.errors import DeviceError
 from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.tables import Region, RowRanges, torch_dtype
+from engramd_client.mapping import Region, RowRanges, torch_dtype
 
 log = logging.getLogger("engramd_client")
 

@@ -26,7 +26,7 @@ from engramd_client.core.layout import (
 )
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.fdchannel import check_descriptor, collect
-from engramd_client.tables import Region
+from engramd_client.mapping import Region
 
 FIX_NAMESPACE = (
     "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "

@@ -41,7 +41,8 @@ from engramd_client.cumem import import_set
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
 from engramd_client.lease import Lease, report_fallback
-from engramd_client.tables import RowRanges, Tables, check_row_names, map_fd
+from engramd_client.mapping import RowRanges, check_row_names, map_fd
+from engramd_client.tables import Tables
 
 log = logging.getLogger("engramd_client")
 

@@ -25,7 +25,8 @@ from engramd_client.core import errors
 from engramd_client.core.checkpoint import DEFAULT_TENSORS, checkpoint_files, read_header
 from engramd_client.core.config import ClientConfig
 from engramd_client.core.errors import EngramdError, SelectionRefused, ShareError
-from engramd_client.tables import RowRanges, Tables
+from engramd_client.mapping import RowRanges
+from engramd_client.tables import Tables
 
 #: The selection the adapters attach with: the daemon's default (--tensors).
 SELECTION = DEFAULT_TENSORS
