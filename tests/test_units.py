@@ -14,13 +14,13 @@ from engramd import errors as daemon_errors
 from engramd.api.wire import set_info
 from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
 from engramd.backings.memfd import SEALS
+from engramd.checksum import digest_fd
 from engramd.cli.status_view import as_dict, render
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import MemoryLimit, memory_limit
 from engramd.host.sdnotify import Notifier
-from engramd.sets.checksum import digest_fd
 from engramd.sets.policy import LoadPolicy
 from engramd.sets.store import STATUS_LEASES, Lease, SetState, TableSet
 from engramd.text import escape

@@ -46,13 +46,13 @@ from typing import ClassVar
 
 from engramd.backings.base import Backing, BackingUnavailable, StagedSet, Usage
 from engramd.backings.cudaprobe import trial
+from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.config import DaemonConfig
 from engramd.errors import LoadFailed, ShmFull, UnknownSet
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import check_memory, memory_limit
 from engramd.host.numa import Placement
 from engramd.host.pinning import PinnedFiles
-from engramd.sets.checksum import BUFFER_BYTES, label, new_digest
 from engramd.units import gib
 from engramd_client.core import cudadriver
 from engramd_client.core.checkpoint import TablePlan

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull
 from engramd.host.fdstore import FdStore
@@ -34,7 +35,6 @@ from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
 from engramd.host.numa import Placement
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import shmem_enabled
-from engramd.sets.checksum import digest_fd
 from engramd.units import gib
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.layout import Manifest, ManifestError, copy_name, packed_offsets

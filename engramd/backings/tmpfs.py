@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull, ShmOnDisk
 from engramd.host.fdstore import FdStore
@@ -25,7 +26,6 @@ from engramd.host.hugeroot import claim_huge_root
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from engramd.host.shmroot import claim_root
-from engramd.sets.checksum import digest_fd
 from engramd.units import gib
 from engramd_client.core.checkpoint import TablePlan, TensorEntry
 from engramd_client.core.layout import (

@@ -30,9 +30,9 @@ import threading
 import time
 
 from engramd.backings import Backing, StagedSet
+from engramd.checksum import chunks, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import Placement, applied
-from engramd.sets.checksum import chunks, label, new_digest
 from engramd_client.core.checkpoint import (
     CheckpointError,
     SourceFile,

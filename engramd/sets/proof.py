@@ -23,9 +23,9 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
+from engramd.checksum import digest_fd
 from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
-from engramd.sets.checksum import digest_fd
 from engramd.sets.loader import LoadProgress
 from engramd_client.core.checkpoint import (
     CheckpointError,
