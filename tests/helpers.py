@@ -18,10 +18,10 @@ from safetensors.torch import load_file
 
 from engramd.api.server import EngramdServer, create_server
 from engramd.config import DaemonConfig
-from engramd.demo.daemon_process import DaemonProcess
 from engramd_client.core.errors import REASON_KEY
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from harness.daemon_process import DaemonProcess
 
 T = TypeVar("T")
 

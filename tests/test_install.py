@@ -25,7 +25,7 @@ from safetensors import safe_open
 from setuptools import find_packages
 
 from conftest import mounted_tmpfs
-from engramd.demo.daemon_process import DaemonProcess
+from harness.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each import package, and the folder of the checkout it comes from.
