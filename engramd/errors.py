@@ -90,6 +90,13 @@ class LoadFailed(ServiceError):
     reason = Reason.LOAD_FAILED
 
 
+class DropRefused(ServiceError):
+    """A drop of a set that is loading, or leased without `force`: nothing was dropped."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.DROP_REFUSED
+
+
 class Draining(ServiceError):
     """The daemon is stopping."""
 

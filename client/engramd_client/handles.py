@@ -90,8 +90,7 @@ class PathMapper:
 
     def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
         """The file, opened read-only, once its set folder proved to be the daemon's."""
-        # engramd 0.1 sends the folder in the Attachment only.
-        folder = handle.shm.set_dir or attachment.set_dir
+        folder = handle.shm.set_dir
         if folder not in self._checked:
             self._check_folder(attachment, Path(folder))
             self._checked.add(folder)

@@ -7,7 +7,6 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 import grpc
 
@@ -247,11 +246,6 @@ class TableService(pb_grpc.TableServiceServicer):
         if kind in ON_FD_CHANNEL:
             attachment.fd_channel.socket = self._config.fd_socket
             attachment.fd_channel.secret = lease.fd_secret
-        if kind == pb.HANDLE_KIND_SHM and handles:
-            # What workers of engramd 0.1 read instead of ShmHandle.set_dir;
-            # the layout is <shm_dir>/engramd/<set_id>.
-            attachment.set_dir = handles[0].shm.set_dir
-            attachment.shm_dir = str(Path(attachment.set_dir).parent.parent)
         return attachment
 
     async def Status(

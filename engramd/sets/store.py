@@ -25,6 +25,7 @@ from engramd.backings import Backing
 from engramd.errors import (
     BudgetExceeded,
     Draining,
+    DropRefused,
     LoadFailed,
     ServiceError,
     ShmFull,
@@ -466,10 +467,10 @@ class SetStore:
         if not copies:
             raise UnknownSet(f"engramd holds no set {set_id}")
         if any(ts.state is SetState.LOADING for ts in copies):
-            raise LoadFailed(f"set {set_id} is still loading; drop it once it is ready")
+            raise DropRefused(f"set {set_id} is still loading; drop it once it is ready")
         leases = [lease for ts in copies for lease in ts.leases.values()]
         if leases and not force:
-            raise LoadFailed(
+            raise DropRefused(
                 f"set {set_id} has {len(leases)} leases (pids "
                 f"{', '.join(str(lease.pid) for lease in leases)}); "
                 "stop those workers or drop with --force (they keep their mappings)"

@@ -29,6 +29,8 @@ class Reason(enum.StrEnum):
     BUDGET = "budget"
     FINGERPRINT = "fingerprint"
     LOAD_FAILED = "load-failed"
+    #: An operator's drop of a set that loads, or that workers lease (without --force).
+    DROP_REFUSED = "drop-refused"
     DRAINING = "draining"
     #: The fd channel: the daemon's own copy of the set cannot be handed out.
     NOT_VISIBLE = "not-visible"

@@ -93,13 +93,11 @@ class Draining(_message.Message):
     def __init__(self) -> None: ...
 
 class Attachment(_message.Message):
-    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "shm_dir", "set_dir", "tensors", "sources", "fd_channel", "gpu_route")
+    __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "tensors", "sources", "fd_channel", "gpu_route")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     NONCE_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
-    SHM_DIR_FIELD_NUMBER: _ClassVar[int]
-    SET_DIR_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     FD_CHANNEL_FIELD_NUMBER: _ClassVar[int]
@@ -108,13 +106,11 @@ class Attachment(_message.Message):
     fingerprint: str
     nonce: str
     lease_id: str
-    shm_dir: str
-    set_dir: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorHandle]
     sources: _containers.RepeatedCompositeFieldContainer[SourceFile]
     fd_channel: FdChannel
     gpu_route: GpuRoute
-    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., shm_dir: _Optional[str] = ..., set_dir: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ..., fd_channel: _Optional[_Union[FdChannel, _Mapping]] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
+    def __init__(self, set_id: _Optional[str] = ..., fingerprint: _Optional[str] = ..., nonce: _Optional[str] = ..., lease_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorHandle, _Mapping]]] = ..., sources: _Optional[_Iterable[_Union[SourceFile, _Mapping]]] = ..., fd_channel: _Optional[_Union[FdChannel, _Mapping]] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
 
 class FdChannel(_message.Message):
     __slots__ = ("socket", "secret")
