@@ -588,7 +588,7 @@ def test_a_drop_in_progress_does_not_stall_the_daemon(
 ) -> None:
     entered, release = _paused(monkeypatch, "_remove")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing, node)] = d.server.store.sets
+        [(set_id, backing, node)] = [ts.key for ts in d.server.store.sets.all()]
         assert (backing, node) == ("tmpfs", None)
         drop = d.spawn(d.server.store.drop(set_id, force=False))
         assert entered.wait(30)
@@ -607,7 +607,7 @@ def test_verify_racing_a_drop_answers_not_found(
 ) -> None:
     entered, release = _paused(monkeypatch, "_corrupted")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing, node)] = d.server.store.sets
+        [(set_id, backing, node)] = [ts.key for ts in d.server.store.sets.all()]
         assert (backing, node) == ("tmpfs", None)
         with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
             admin = pb_grpc.AdminServiceStub(ch)
@@ -625,10 +625,10 @@ def test_no_lease_on_a_set_that_left_the_store(
     checkpoint: Path, sock_dir: Path, shm_dir: Path
 ) -> None:
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [ts] = d.server.store.sets.values()
+        [ts] = d.server.store.sets.all()
         d.run(d.server.store.drop(ts.set_id, force=False))
         # An attach that waited while the set was evicted must not lease it.
         with pytest.raises(UnknownSet, match="dropped while the worker waited"):
-            d.server.store.add_lease(
+            d.server.store.leases.add(
                 ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), pb.HANDLE_KIND_FD
             )

@@ -203,7 +203,10 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa="per-node")
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
-        assert set(d.server.store.sets) == {(set_id, "tmpfs", 0), (set_id, "tmpfs", 1)}
+        assert {ts.key for ts in d.server.store.sets.all()} == {
+            (set_id, "tmpfs", 0),
+            (set_id, "tmpfs", 1),
+        }
         # Each copy's pages were reserved under a binding to its node, undone after.
         bound = []
         for thread in {t for t, _, _ in policies}:
@@ -227,13 +230,13 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     # (they were bound to nodes it does not keep copies for) and loads one copy.
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "the adopted copies")
-        assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.values()) == [
+        assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.all()) == [
             (0, True),
             (1, True),
         ]
     with InProcessDaemon(dataclasses.replace(config, numa="")) as d:
         wait_until(lambda: d.server.ready, 60, "the set's one copy")
-        [ts] = d.server.store.sets.values()
+        [ts] = d.server.store.sets.all()
         assert (ts.node, ts.adopted) == (None, False)
         assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [set_id]
 
@@ -262,7 +265,7 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
             first = next(e for e in call if e.WhichOneof("event") == "attached").attached
             assert _read_back(first, checkpoint).name == f"{set_id}-node1"
-            assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
+            assert {ts.key for ts in d.server.store.sets.all()} == {(set_id, "tmpfs", 1)}
             other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0, checkpoint=checkpoint)
             assert _read_back(second, checkpoint).name == f"{set_id}-node0"
             other[1].cancel()
@@ -311,7 +314,7 @@ def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
             call.cancel()
         assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
         assert "differs from the worker's" in (err.details() or "")
-        assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
+        assert {ts.key for ts in d.server.store.sets.all()} == {(set_id, "tmpfs", 1)}
 
 
 def test_per_node_on_this_one_node_host_is_one_copy(

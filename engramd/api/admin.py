@@ -12,7 +12,8 @@ from engramd.errors import InvalidRequest, abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.loader import LoadProgress
 from engramd.sets.proof import Prover
-from engramd.sets.store import SetStore, TableSet
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import TableSet
 from engramd_client.core.checkpoint import TablePlan, plan_tables
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc

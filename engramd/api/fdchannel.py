@@ -54,7 +54,8 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from engramd.errors import TooManyLeases
-from engramd.sets.store import SetState, SetStore
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import SetState
 from engramd_client.core.errors import Reason
 from engramd_client.core.layout import ManifestError, NotOwned
 from engramd_client.core.pb import engramd_pb2 as pb
@@ -275,7 +276,7 @@ class FdChannel:
             raise Refused(
                 f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
             )
-        found = self._store.find_lease(request.lease_id)
+        found = self._store.leases.find(request.lease_id)
         if (
             found is None
             or not found[1].fd_secret
@@ -298,7 +299,7 @@ class FdChannel:
         if ts.state is not SetState.READY or ts.manifest is None:
             raise Refused(f"set {ts.set_id} is no longer held; attach again", Reason.NOT_VISIBLE)
         try:
-            self._store.own_lease(lease, peer.uid)
+            self._store.leases.own(lease, peer.uid)
         except TooManyLeases as e:
             # Its secret is spent: the lease could serve nothing but the count.
             lease.ended.set()

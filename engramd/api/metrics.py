@@ -19,7 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engramd.backings import Usage
-from engramd.sets.store import SetState, SetStore
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import SetState
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -48,7 +49,7 @@ class SetSample:
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
     now = time.monotonic()
     samples = []
-    for ts in store.sets.values():
+    for ts in store.sets.all():
         rate = None
         if ts.state is SetState.READY and ts.load_seconds:
             rate = ts.nbytes / ts.load_seconds
@@ -104,7 +105,7 @@ class StoreCollector(Collector):
             if s.rate is not None:
                 rate.add_metric([s.set_id, s.node], s.rate)
         yield from (set_bytes, leases, locked, loaded, rate)
-        attached, fell_back = self._store.stats.snapshot()
+        attached, fell_back = self._store.leases.stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():
             attaches.add_metric([result], count)

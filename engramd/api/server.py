@@ -45,7 +45,8 @@ from engramd.host.fdstore import FdStore
 from engramd.host.numa import Placement
 from engramd.host.sdnotify import Notifier
 from engramd.sets.loader import LoadProgress
-from engramd.sets.store import SetState, SetStore, TableSet
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
 from engramd_client.core.checkpoint import CheckpointError, plan_tables
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
@@ -190,8 +191,10 @@ class EngramdServer:
             return
         self.ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        held = sum(ts.nbytes for ts in self.store.sets.values() if ts.state is SetState.READY)
-        self.notifier.send(READY=1, STATUS=f"serving {len(self.store.sets)} set(s), {gib(held)}")
+        held = sum(ts.nbytes for ts in self.store.sets.all() if ts.state is SetState.READY)
+        self.notifier.send(
+            READY=1, STATUS=f"serving {len(self.store.sets.all())} set(s), {gib(held)}"
+        )
         log.info("ready: %d configured set(s) loaded", len(self._configured))
 
     def _notify_verify(self, set_id: str) -> None:
@@ -221,7 +224,7 @@ class EngramdServer:
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(self.config.sweep_interval_s)
-            self.store.sweep_dead()
+            self.store.leases.sweep_dead()
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):
@@ -231,7 +234,7 @@ class EngramdServer:
         """Stop serving: tell workers, finish RPCs, keep (or drop) the sets, free the sockets."""
         self.notifier.send(STOPPING=1, STATUS="stopping")
         await self.health.enter_graceful_shutdown()
-        self.store.drain()
+        self.store.leases.drain()
         grace = self.config.grace_s if grace is None else grace
         servers = [s for s in (self.grpc, self.admin, self.probes) if s is not None]
         await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))

@@ -10,15 +10,17 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engramd.api.wire import PROGRESS_INTERVAL_S, load_progress, source_files, status_reply
+from engramd.api.wire import PROGRESS_INTERVAL_S, attachment, load_progress, status_reply
 from engramd.backings import Backing
 from engramd.config import DaemonConfig
-from engramd.errors import FingerprintDiffers, InvalidRequest, LoadFailed, UnknownSet, abort
+from engramd.errors import FingerprintDiffers, InvalidRequest, UnknownSet, abort
 from engramd.host.blocking import BlockingPool
+from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
 from engramd.sets.policy import LoadPolicy, open_to_group, resolve
 from engramd.sets.proof import Prover
-from engramd.sets.store import ON_FD_CHANNEL, Lease, SetState, SetStore, TableSet
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
 from engramd_client.core.checkpoint import TablePlan, is_set_id, plan_tables
 from engramd_client.core.errors import CAUSES
@@ -84,19 +86,19 @@ class TableService(pb_grpc.TableServiceServicer):
                     yield pb.AttachEvent(progress=progress)
             kind = self._handle_kind(request, [ts.backing])
             route = self._gpu_route(request, ts.backing, kind)
-            lease = self._store.add_lease(ts, request, kind, route)
+            lease = self._store.leases.add(ts, request, kind, route)
         except Exception as e:
-            self._store.stats.attach(ok=False)
+            self._store.leases.stats.attach(ok=False)
             await abort(context, e)
             return
-        self._store.stats.attach(ok=True)
+        self._store.leases.stats.attach(ok=True)
         try:
             yield pb.AttachEvent(attached=self._attachment(ts, lease, kind))
             await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
         finally:
-            self._store.end_lease(lease)
+            self._store.leases.end(lease)
 
     @staticmethod
     def _handle_kind(request: pb.AttachRequest, backings: list[Backing]) -> int:
@@ -151,12 +153,12 @@ class TableService(pb_grpc.TableServiceServicer):
         cannot tell who asks (grpcio gives no peer credentials), so a set a
         worker's attach loaded is attached with its checkpoint, and proven.
         """
-        node = self._store.copy_node_for(
+        node = self._store.sets.copy_node_for(
             request.numa_node if request.HasField("numa_node") else None
         )
-        ts = self._store.get(request.set_id, node)
-        held = self._store.get(request.set_id)
-        if not request.checkpoint and not self._store.published(request.set_id):
+        ts = self._store.sets.get(request.set_id, node)
+        held = self._store.sets.get(request.set_id)
+        if not request.checkpoint and not self._store.sets.published(request.set_id):
             # The same answer as for an id the daemon does not hold at all.
             held = ts = None
         plan = None
@@ -165,15 +167,8 @@ class TableService(pb_grpc.TableServiceServicer):
         if ts is not None and ts.state is not SetState.FAILED:
             return ts, plan
         if held is not None and held.manifest is not None:
-            # A copy on another node (--numa per-node): this node's comes from the
-            # checkpoint and selection that one was loaded from.
-            source = await self._readers.run(plan_tables, held.checkpoint, held.manifest.selection)
-            if source.set_id != held.set_id:
-                raise LoadFailed(
-                    f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "
-                    f"copy for NUMA node {node} can be made; load the checkpoint again"
-                )
-            return await self._store.ensure(source, node), plan
+            # A copy on another node (--numa per-node).
+            return await self._store.copy_for(held, node, self._readers), plan
         if request.reattach or not request.checkpoint:
             if ts is not None and ts.error is not None:
                 raise ts.error
@@ -181,7 +176,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 f"engramd holds no set {request.set_id} it may attach by id; attach with the "
                 "checkpoint folder, or have the operator load it (--checkpoint, engramd load)"
             )
-        loaded = [s.checkpoint for s in self._store.sets.values() if s.state is not SetState.FAILED]
+        loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path = self._policy.check_request(request, loaded)
         plan = await self._readers.run(plan_tables, path, self._config.tensors)
         self._policy.check_plan(path, plan, request.set_id)
@@ -233,20 +228,8 @@ class TableService(pb_grpc.TableServiceServicer):
 
     def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
         assert ts.manifest is not None
-        handles = ts.backing.handles(ts.manifest, kind)
-        attachment = pb.Attachment(
-            set_id=ts.set_id,
-            fingerprint=ts.fingerprint,
-            nonce=ts.manifest.nonce,
-            lease_id=lease.lease_id,
-            sources=source_files(ts.manifest),
-            tensors=handles,
-            gpu_route=lease.gpu_route,  # type: ignore[arg-type]
-        )
-        if kind in ON_FD_CHANNEL:
-            attachment.fd_channel.socket = self._config.fd_socket
-            attachment.fd_channel.secret = lease.fd_secret
-        return attachment
+        fd_socket = self._config.fd_socket if kind in ON_FD_CHANNEL else None
+        return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket)
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
@@ -269,7 +252,7 @@ class TableService(pb_grpc.TableServiceServicer):
                     f"cause must be one of {', '.join(sorted(CAUSES))} and set_id a set id"
                 ),
             )
-        self._store.stats.fallback(request.cause)
+        self._store.leases.stats.fallback(request.cause)
         log.info(
             "pid %d fell back to private tables (%s, set %s, %s)",
             request.pid,
@@ -307,7 +290,7 @@ class TableService(pb_grpc.TableServiceServicer):
         """
         pending = {
             ts.key: [s.path for s in ts.manifest.sources] if ts.manifest else [ts.checkpoint]
-            for ts in self._store.sets.values()
+            for ts in self._store.sets.all()
             if not ts.published
         }
         readable = await self._readers.run(

@@ -10,7 +10,10 @@ import time
 from collections.abc import AsyncIterator, Callable
 
 from engramd import __version__
-from engramd.sets.store import STATUS_LEASES, SetStore, TableSet
+from engramd.backings.handles import CuMemRange, FileRange, Handle, PathRange
+from engramd.sets.leases import STATUS_LEASES, Lease
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import TableSet
 from engramd_client.core.layout import Manifest
 from engramd_client.core.pb import engramd_pb2 as pb
 
@@ -39,6 +42,61 @@ def source_files(manifest: Manifest) -> list[pb.SourceFile]:
         )
         for f in manifest.sources
     ]
+
+
+def tensor_handle(handle: Handle) -> pb.TensorHandle:
+    """A backing's description of a tensor's bytes as the wire's handle (its kind from its form)."""
+    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape)
+    where = handle.where
+    if isinstance(where, PathRange):
+        out.kind = pb.HANDLE_KIND_SHM
+        out.shm.CopyFrom(
+            pb.ShmHandle(
+                path=where.path, offset=where.offset, length=where.length, set_dir=where.set_dir
+            )
+        )
+    elif isinstance(where, FileRange):
+        out.kind = pb.HANDLE_KIND_FD
+        out.fd.CopyFrom(pb.FdHandle(file=where.file, offset=where.offset, length=where.length))
+    else:
+        out.kind = pb.HANDLE_KIND_CUMEM_FABRIC if where.fabric else pb.HANDLE_KIND_CUMEM
+        out.cumem.CopyFrom(_cumem(where))
+    return out
+
+
+def _cumem(where: CuMemRange) -> pb.CuMemHandle:
+    out = pb.CuMemHandle(
+        file=where.file,
+        fabric=where.fabric,
+        size=where.size,
+        offset=where.offset,
+        length=where.length,
+    )
+    if where.host_numa is not None:
+        out.host_numa = where.host_numa
+    else:
+        out.device_uuid = where.device_uuid
+    return out
+
+
+def attachment(
+    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None
+) -> pb.Attachment:
+    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used)."""
+    assert ts.manifest is not None
+    out = pb.Attachment(
+        set_id=ts.set_id,
+        fingerprint=ts.fingerprint,
+        nonce=ts.manifest.nonce,
+        lease_id=lease.lease_id,
+        sources=source_files(ts.manifest),
+        tensors=[tensor_handle(h) for h in handles],
+        gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+    )
+    if fd_socket is not None:
+        out.fd_channel.socket = fd_socket
+        out.fd_channel.secret = lease.fd_secret
+    return out
 
 
 def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
@@ -124,7 +182,7 @@ def status_reply(
         ),
         sets=[
             set_info(ts, now) if shown is None or shown(ts) else _withheld(ts)
-            for ts in store.sets.values()
+            for ts in store.sets.all()
         ],
         backings=[
             pb.BackingInfo(

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+from engramd.backings.handles import FileRange, Handle
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.pagesize import PageCensus, census
@@ -151,7 +152,7 @@ class Backing(ABC):
         unmaps it."""
 
     @abstractmethod
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
@@ -177,15 +178,9 @@ class Backing(ABC):
                 os.close(fd)
 
     @staticmethod
-    def fd_handles(manifest: Manifest) -> list[pb.TensorHandle]:
+    def fd_handles(manifest: Manifest) -> list[Handle]:
         """HANDLE_KIND_FD handles: each tensor's file (as `descriptors` names it) and range."""
         return [
-            pb.TensorHandle(
-                name=t.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                kind=pb.HANDLE_KIND_FD,
-                fd=pb.FdHandle(file=t.file, offset=t.offset, length=t.nbytes),
-            )
+            Handle(t.name, t.dtype, t.shape, FileRange(t.file, t.offset, t.nbytes))
             for t in manifest.tensors
         ]

@@ -46,6 +46,7 @@ from typing import ClassVar
 
 from engramd.backings.base import Backing, BackingUnavailable, StagedSet, Usage
 from engramd.backings.cudaprobe import trial
+from engramd.backings.handles import CuMemRange, Handle
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.config import DaemonConfig
 from engramd.errors import LoadFailed, ShmFull, UnknownSet
@@ -241,7 +242,7 @@ class _CudaBacking(Backing):
         if held is not None:
             _release(held)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """One CuMemHandle per tensor, all into the copy's one allocation."""
         with self._lock:
             held = self._copies.get(manifest.copy)
@@ -249,30 +250,25 @@ class _CudaBacking(Backing):
             raise UnknownSet(
                 f"set {manifest.copy} was dropped while the worker waited; attach again"
             )
-        size = held.mapped.size
         fabric = kind == pb.HANDLE_KIND_CUMEM_FABRIC
-        out = []
-        for t in manifest.tensors:
-            handle = pb.CuMemHandle(size=size, offset=t.offset, length=t.nbytes)
-            if fabric:
-                handle.fabric = held.fabric
-            else:
-                handle.file = TABLES
-            host_node = self.host_node(manifest.node)
-            if host_node is not None:
-                handle.host_numa = host_node
-            else:
-                handle.device_uuid = self.uuid
-            out.append(
-                pb.TensorHandle(
-                    name=t.name,
-                    dtype=t.dtype,
-                    shape=t.shape,
-                    kind=pb.HANDLE_KIND_CUMEM_FABRIC if fabric else pb.HANDLE_KIND_CUMEM,
-                    cumem=handle,
-                )
+        host_node = self.host_node(manifest.node)
+        return [
+            Handle(
+                t.name,
+                t.dtype,
+                t.shape,
+                CuMemRange(
+                    size=held.mapped.size,
+                    offset=t.offset,
+                    length=t.nbytes,
+                    file="" if fabric else TABLES,
+                    fabric=held.fabric if fabric else b"",
+                    host_numa=host_node,
+                    device_uuid="" if host_node is not None else self.uuid,
+                ),
             )
-        return out
+            for t in manifest.tensors
+        ]
 
     def mapped_as(self, copy: str) -> str | None:
         """None: driver mappings carry no name in numa_maps."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.backings.handles import Handle
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull
@@ -213,7 +214,7 @@ class MemfdBacking(Backing):
         if held is not None:
             self._forget(copy, held.tables, held.manifest_fd)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """HANDLE_KIND_FD handles into the set's one memfd."""
         return self.fd_handles(manifest)
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.backings.handles import Handle, PathRange
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull, ShmOnDisk
@@ -250,23 +251,17 @@ class TmpfsBacking(Backing):
         """Unlink the copy's folder."""
         shutil.rmtree(set_dir(self.shm_dir, copy), ignore_errors=True)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """Descriptors (HANDLE_KIND_FD), or paths (HANDLE_KIND_SHM) valid in the daemon's mounts."""
         if kind == pb.HANDLE_KIND_FD:
             return self.fd_handles(manifest)
         folder = set_dir(self.shm_dir, manifest.copy)
         return [
-            pb.TensorHandle(
-                name=t.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                kind=pb.HANDLE_KIND_SHM,
-                shm=pb.ShmHandle(
-                    path=str(folder / t.file),
-                    offset=t.offset,
-                    length=t.nbytes,
-                    set_dir=str(folder),
-                ),
+            Handle(
+                t.name,
+                t.dtype,
+                t.shape,
+                PathRange(str(folder / t.file), t.offset, t.nbytes, str(folder)),
             )
             for t in manifest.tensors
         ]
