@@ -26,7 +26,8 @@ from test_cli import engramd
 from conftest import Worker, wait_until
 from engramd.api.service import TableService
 from engramd.backings import CudaHostBacking
-from engramd.backings.cuda import device_of, read_only_handle
+from engramd.backings.cuda import device_of
+from engramd.backings.cudacopy import read_only_handle
 from engramd.cli.status_view import render
 from engramd.demo.child import JsonLinesChild
 from engramd.errors import InvalidRequest
