@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-vllm test-gpu bench bench-vllm proto lint format clean
+.PHONY: setup test-tools demo test test-vllm test-sglang test-gpu bench bench-vllm proto lint format clean
 
 setup: $(VENV)/.installed
 
@@ -59,6 +59,31 @@ $(VLLM_VENV)/.installed-%:
 	$(VLLM_PIP) -e .
 	touch $@
 
+# The SGLang plugin's tests against the real SGLang 0.5.23 (tests/sglang_plugin), in a
+# venv of their own made the same way: sglang --no-deps (its pins are CUDA builds),
+# its Engram import chain, CPU torch held by constraints.txt. SGLANG_FIND_LINKS: a
+# folder holding the sglang wheel, to skip the download.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_FIND_LINKS ?=
+SGLANG_DIR := tests/sglang_plugin
+SGLANG_REQS := $(SGLANG_DIR)/requirements.txt $(SGLANG_DIR)/requirements-nodeps.txt \
+	$(SGLANG_DIR)/constraints.txt pyproject.toml
+SGLANG_STAMP = $(SGLANG_VENV)/.installed-$(shell cat $(SGLANG_REQS) | sha256sum | cut -c1-16)
+SGLANG_PIP = $(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	-c $(SGLANG_DIR)/constraints.txt $(if $(SGLANG_FIND_LINKS),--find-links $(SGLANG_FIND_LINKS))
+
+test-sglang: $(SGLANG_STAMP) test-tools
+	$(SGLANG_VENV)/bin/python -m pytest $(SGLANG_DIR) $(ARGS)
+
+$(SGLANG_VENV)/.installed-%:
+	rm -rf $(SGLANG_VENV)
+	$(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_PIP) torch
+	$(SGLANG_PIP) --no-deps --no-compile -r $(SGLANG_DIR)/requirements-nodeps.txt
+	$(SGLANG_PIP) -r $(SGLANG_DIR)/requirements.txt
+	$(SGLANG_PIP) -e .
+	touch $@
+
 # The GPU tests (tests/gpu, skipped where no CUDA device is seen) with the
 # venv, or on a GPU machine whose interpreter already has CUDA torch with
 # `make test-gpu PY=python3`: the project then comes from this checkout
@@ -84,4 +109,4 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

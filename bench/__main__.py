@@ -28,12 +28,14 @@ from .gpu import gpu_figures
 from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
+from .restart import restart_to_attach
 from .storm import attach_storm
 
 SECTIONS = [
     "memory",
     "pagetables",
     "attach",
+    "restart",
     "load",
     "gather",
     "storm",
@@ -105,6 +107,9 @@ def main() -> int:
         print("attach and restart, by set size")
         sizes = {gib: checkpoint(args.workdir, gib) for gib in _floats(args.attach_sizes)}
         figures += attach_and_restart(sizes)
+    if "restart" in only:
+        print("daemon restart until a worker attaches, 1 GiB set adopted from tmpfs")
+        figures += restart_to_attach(checkpoint(args.workdir, 1.0), args.reps)
     if "load" in only:
         print("load throughput into tmpfs")
         figures += load_throughput(main_ckpt, args.reps)

@@ -3,9 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from engramd_client.core.checkpoint import DEFAULT_TENSORS
 from engramd_client.core.config import DEFAULT_SOCKET
+
+#: Every `--backing` value: the names engramd.backings registers (BACKINGS, then COMBINED).
+#: Written out here so that the CLI's help need not import the backings, whose CUDA
+#: lookups and mapping helpers cost every command a tenth of a second; a test keeps
+#: the two in step.
+BACKING_NAMES = ("tmpfs", "hugetlbfs", "memfd", "cuda-host", "cuda-device", "auto")
+#: `--backing cuda-device:N`: GPU N's memory.
+CUDA_DEVICE_PREFIX = "cuda-device:"
+
+
+def admin_socket_for(socket_path: str) -> str:
+    """The admin socket beside a worker socket (the default)."""
+    return str(Path(socket_path).with_name("admin.sock"))
 
 
 @dataclass

@@ -36,6 +36,9 @@ def attach_error(d: DaemonProcess | Path, request: pb.AttachRequest) -> grpc.Rpc
     the set."""
     if not request.pid:
         request.pid = os.getpid()
+    if not request.accept:
+        # Paths go out for sets the operator published only; descriptors for any.
+        request.accept.append(pb.HANDLE_KIND_FD)
     channel = grpc.insecure_channel(f"unix:{d}") if isinstance(d, Path) else d.channel()
     with channel as ch:
         call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=30)

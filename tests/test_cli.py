@@ -139,3 +139,32 @@ def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
     assert demo_folders() == before
     alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
     assert not alive, [c.cmdline() for c in alive]
+
+
+def test_backing_names_are_the_registered_backings() -> None:
+    # The CLI's help lists BACKING_NAMES without importing the backings.
+    from engramd.backings import BACKINGS, COMBINED
+    from engramd.config import BACKING_NAMES
+
+    assert (*BACKINGS, *COMBINED) == BACKING_NAMES
+
+
+def test_commands_import_only_what_they_use(sock_dir: Path) -> None:
+    # `--help`, `version` and `status` run without the daemon's modules (server,
+    # backings) or torch; pydantic (typer 0.29's option coercion) stays out of
+    # every command, the daemon's restart included.
+    probe = (
+        "import runpy, sys\n"
+        "sys.argv = ['engramd', *sys.argv[1:]]\n"
+        "try:\n"
+        "    runpy.run_module('engramd', run_name='__main__')\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = ('engramd.api.server', 'engramd.backings', 'torch', 'pydantic')\n"
+        "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
+    )
+    for args in (["--help"], ["version"], ["status", "--socket", str(sock_dir / "none.sock")]):
+        result = subprocess.run(
+            [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60
+        )
+        assert result.stderr.splitlines()[-1] == "[]", (args, result.stderr)

@@ -42,7 +42,13 @@ def start_load(d: Daemon, ckpt: Path) -> tuple[grpc.Channel, Any]:
     plan = plan_tables(ckpt)
     channel = d.channel()
     call = pb_grpc.TableServiceStub(channel).Attach(
-        pb.AttachRequest(set_id=plan.set_id, checkpoint=str(ckpt), pid=os.getpid())
+        pb.AttachRequest(
+            set_id=plan.set_id,
+            checkpoint=str(ckpt),
+            pid=os.getpid(),
+            # Paths go out for sets the operator published only.
+            accept=[pb.HANDLE_KIND_FD],
+        )
     )
     return channel, call
 

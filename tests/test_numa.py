@@ -150,13 +150,13 @@ def _attach(
     """A raw Attach stream (reattach: the daemon may not load for it) and its Attachment.
 
     A set a worker's attach loaded is attached with its `checkpoint` (a bare id
-    attaches only sets the operator loaded).
+    attaches only sets the operator loaded), and only for descriptors.
     """
     request = pb.AttachRequest(
         set_id=set_id,
         checkpoint=str(checkpoint or ""),
         pid=os.getpid(),
-        accept=[pb.HANDLE_KIND_SHM],
+        accept=[pb.HANDLE_KIND_FD if checkpoint else pb.HANDLE_KIND_SHM],
         reattach=True,
         numa_node=numa_node,
     )
@@ -166,19 +166,36 @@ def _attach(
     return (channel, call), attached
 
 
-def _read_back(attachment: pb.Attachment, checkpoint: Path) -> Path:
-    """The one folder the attachment's tensors are in, once every byte equals the checkpoint's."""
+def _read_back(
+    attachment: pb.Attachment, checkpoint: Path, d: InProcessDaemon | None = None
+) -> Path:
+    """The one folder the attachment's tensors are in, once every byte equals the checkpoint's.
+
+    Descriptor handles name no folder: the daemon `d` says which copy the lease holds.
+    """
     source = {t.name: t for t in plan_tables(checkpoint).tensors}
+    folder = None
+    if d is not None:
+        [held] = [ts for ts in d.server.store.sets.all() if attachment.lease_id in ts.leases]
+        assert held.manifest is not None
+        folder = sets_root(d.server.config.shm_dir) / held.manifest.copy
     for h in attachment.tensors:
         t = source[h.name]
         with open(t.file, "rb") as f:
             f.seek(t.offset)
             expected = f.read(t.nbytes)
-        with open(h.shm.path, "rb") as f:
-            f.seek(h.shm.offset)
-            assert f.read(h.shm.length) == expected, h.name
-    [folder] = {h.shm.set_dir for h in attachment.tensors}
-    return Path(folder)
+        path, offset, length = (
+            (folder / h.fd.file, h.fd.offset, h.fd.length)
+            if folder is not None
+            else (Path(h.shm.path), h.shm.offset, h.shm.length)
+        )
+        with open(path, "rb") as f:
+            f.seek(offset)
+            assert f.read(length) == expected, h.name
+    if folder is not None:
+        return folder
+    [shared] = {h.shm.set_dir for h in attachment.tensors}
+    return Path(shared)
 
 
 def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
@@ -258,16 +275,16 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             set_id=set_id,
             checkpoint=str(checkpoint),
             pid=os.getpid(),
-            accept=[pb.HANDLE_KIND_SHM],
+            accept=[pb.HANDLE_KIND_FD],
             numa_node=1,
         )
         with grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as channel:
             call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
             first = next(e for e in call if e.WhichOneof("event") == "attached").attached
-            assert _read_back(first, checkpoint).name == f"{set_id}-node1"
+            assert _read_back(first, checkpoint, d).name == f"{set_id}-node1"
             assert {ts.key for ts in d.server.store.sets.all()} == {(set_id, "tmpfs", 1)}
             other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0, checkpoint=checkpoint)
-            assert _read_back(second, checkpoint).name == f"{set_id}-node0"
+            assert _read_back(second, checkpoint, d).name == f"{set_id}-node0"
             other[1].cancel()
             other[0].close()
             call.cancel()

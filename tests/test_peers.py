@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import pwd
 import socket
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
 from engramd_client.core.channel import open_channel
@@ -470,3 +472,76 @@ def test_a_daemon_under_umask_077_serves_paths_to_its_group(
     assert w.hello["mode"] == "shared", w.hello
     assert _lease(d, w.hello["lease_id"]).kind == pb.HANDLE_KIND_SHM
     assert w.hello["digests"] == reference_digests(ckpt)
+
+
+# -- held calls on the worker socket (F2) -------------------------------------------
+
+
+def test_no_call_holds_a_worker_socket_connection_past_its_request_deadline(
+    group_daemons: Any, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    _, _, ckpt = open_dirs
+    d = group_daemons("--idle-timeout", "1")
+    # Bob holds Watch streams and Status calls whose request never comes, on 8 connections.
+    holder = subprocess.Popen(
+        [*as_user(BOB), str(TESTS / "hold_calls.py"), str(d.socket), "8"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # Alice's worker is served meanwhile.
+        alice = Worker(ckpt, d.socket, share="on", user=ALICE)
+        workers.append(alice)
+        assert alice.hello["mode"] == "shared", alice.hello
+        out, err = holder.communicate(timeout=60)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+    held = json.loads(out)
+    # Watch is not offered on the worker socket; probes watch on the admin socket.
+    assert held["watch"] == ["UNIMPLEMENTED"] * 8, err
+    # The half-sent calls were cut by the daemon after its 1 s deadline, not by Bob's 20 s.
+    assert held["half"] == ["DEADLINE_EXCEEDED"] * 8, err
+    assert "did not arrive whole within 1 s" in held["details"]
+    assert held["seconds"] < 10
+    with open_channel(ClientConfig(socket=str(d.socket))) as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=10).status == (
+            health_pb2.HealthCheckResponse.SERVING
+        )
+    assert alice.ask("lookups 0.2")["bad"] == 0
+
+
+def test_uncollected_attaches_of_one_user_shut_no_one_out(
+    group_daemons: Any, open_dirs: tuple[Path, Path, Path], workers: list[Worker]
+) -> None:
+    _, _, ckpt = open_dirs
+    d = group_daemons("--max-leases", "4", "--leases-per-uid", "2")
+    alice = pwd.getpwnam(ALICE).pw_uid
+    # Bob attaches for descriptors 6 times and never collects: nothing is granted yet.
+    holder = subprocess.Popen(
+        [*as_user(BOB), str(TESTS / "hold_leases.py"), str(d.socket), "6"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdin is not None and holder.stdout is not None
+    try:
+        assert json.loads(holder.stdout.readline()) == {"attached": 6, "refused": []}
+        # Alice's workers collect theirs meanwhile: granted, charged to her uid.
+        for _ in range(2):
+            workers.append(Worker(ckpt, d.socket, share="on", user=ALICE))
+            assert workers[-1].hello["mode"] == "shared", workers[-1].hello
+        granted = [lease for lease in _leases(d) if lease.HasField("uid")]
+        assert [lease.uid for lease in granted] == [alice, alice]
+        # Bob's share and the node's limit still hold where leases are granted.
+        third = Worker(ckpt, d.socket, share="on", user=ALICE)
+        workers.append(third)
+        assert third.hello["error"] == "DaemonError", third.hello
+        assert "--leases-per-uid" in third.hello["message"]
+    finally:
+        holder.stdin.write("stop\n")
+        holder.stdin.flush()
+        holder.wait(timeout=30)

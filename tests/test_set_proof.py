@@ -13,6 +13,7 @@ import json
 import mmap
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from collections.abc import Iterator
@@ -23,10 +24,11 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import Daemon, Worker, as_user, mounted_tmpfs
+from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
 from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
+from engramd_client.core.layout import MANIFEST_NAME, sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason, reference_digests
@@ -183,7 +185,9 @@ def test_a_copy_is_digested_once_with_progress_inside_the_roots_only(
     assert reason(err) == "not-allowed"
     # Inside it, a second copy is digested, with progress, then served...
     shutil.copytree(checkpoint, root / "b")
-    request = pb.AttachRequest(set_id=set_id, checkpoint=str(root / "b"))
+    request = pb.AttachRequest(
+        set_id=set_id, checkpoint=str(root / "b"), accept=[pb.HANDLE_KIND_FD]
+    )
     assert d.proc is not None
     before = _bytes_read(d.proc.pid)
     events = _attach_events(d, request)
@@ -331,3 +335,63 @@ def test_a_restart_configured_for_the_clean_copy_does_not_publish_planted_bytes(
     workers.append(clean)
     assert clean.hello["mode"] == "private"
     assert clean.hello["digests"] == reference_digests(checkpoint)
+
+
+def _as(node: Node, uid: int, *args: str) -> dict[str, Any]:
+    """Run a tests/ script as `uid` of the socket group; its one JSON line."""
+    ran = subprocess.run(
+        [*as_user(node.user(uid)), *args], capture_output=True, text=True, timeout=60
+    )
+    assert ran.returncode == 0, ran.stderr
+    result: dict[str, Any] = json.loads(ran.stdout)
+    return result
+
+
+def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    private = node.copy_for(ALICE, "private", checkpoint)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    set_id = alice.hello["set_id"]
+
+    # Its files are the daemon's alone: a member can list the folder (names), not read bytes.
+    folder = next(p for p in sets_root(d.shm_dir).iterdir() if p.name.startswith(set_id))
+    data = sorted(folder.iterdir())
+    assert MANIFEST_NAME in [f.name for f in data]
+    assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in data)
+    seen = _as(node, BOB, str(TESTS / "shm_peek.py"), str(sets_root(d.shm_dir)), str(data[0]))
+    assert folder.name in seen["names"] and seen["read"] is False
+
+    # Bob names Alice's folder (which he cannot read) with the set's id: the daemon
+    # knows the files, but the fd channel sees Bob's uid and hands out nothing.
+    refused = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), set_id, str(private))
+    assert refused["error"] == "NotAllowed", refused
+    assert f"uid {BOB} may not read the checkpoint files" in refused["message"]
+    # Nor by path, whoever asks: the gRPC socket cannot tell.
+    by_path = pb.AttachRequest(set_id=set_id, checkpoint=str(private), accept=[pb.HANDLE_KIND_SHM])
+    err = attach_error(d.socket, by_path)
+    assert err is not None and err.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert reason(err) == "not-allowed" and "never by path" in (err.details() or "")
+
+    # Meanwhile Bob's own copy of the same bytes is proven and served to him.
+    mine = node.copy_for(BOB, "mine", checkpoint)
+    bob = Worker(mine, d.socket, share="on", user=node.user(BOB))
+    workers.append(bob)
+    assert bob.hello["mode"] == "shared", bob.hello
+    assert bob.hello["set_id"] == set_id and bob.hello["digests"] == reference_digests(checkpoint)
+    granted = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), set_id, str(mine))
+    assert granted["files"], granted
+
+    # A worker that takes paths only is refused clearly, and goes private in auto mode.
+    paths = ["env", "ENGRAMD_HANDLES=shm"]
+    strict = Worker(private, d.socket, share="on", user=node.user(ALICE), prefix=paths)
+    workers.append(strict)
+    assert strict.hello["error"] == "NotAllowed", strict.hello
+    assert "only as descriptors" in strict.hello["message"]
+    auto = Worker(private, d.socket, user=node.user(ALICE), prefix=paths)
+    workers.append(auto)
+    assert auto.hello["mode"] == "private", auto.hello
+    assert auto.hello["digests"] == reference_digests(checkpoint)

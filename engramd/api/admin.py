@@ -55,8 +55,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                 # A set held under this id may come from other files (a worker's
                 # copy): it is published for all only for bytes proven equal.
                 await self._readers.run(self._prove, plan, ts)
-            for ts in copies:
-                ts.published = True
+            self._store.publish(copies)
         except Exception as e:
             await abort(context, e)
             return

@@ -26,10 +26,14 @@ Every check comes before any descriptor leaves the daemon:
 - where the peer's pid is visible to the daemon, the peer is the lease's
   process: its pid in its own namespace (the last NSpid) is the pid the
   worker attached with. A peer in a pid namespace the daemon cannot see
-  (pid 0) is bound by the secret alone.
+  (pid 0) is bound by the secret alone;
+- for a set no operator published (a worker's attach loaded it), the
+  peer's uid may read the checkpoint files the lease attached with (mode
+  bits along each path, with the peer's groups: policy.may_read).
 
-The lease then carries the peer's uid (charged against its share of
-leases, `leases_per_uid`) and, where the peer's pid is visible, its pid as
+The lease then carries the peer's uid (a first lease of descriptors is
+granted now: charged against --max-leases and its uid's share,
+`leases_per_uid`) and, where the peer's pid is visible, its pid as
 the kernel gave it: the only "verified" pid status shows, and the sweep
 ends the lease when that process is gone.
 """
@@ -54,6 +58,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from engramd.errors import TooManyLeases
+from engramd.sets.policy import may_read
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
 from engramd_client.core.errors import Reason
@@ -243,7 +248,7 @@ class FdChannel:
                 log.debug("fd channel: no request (%s)", e or "timed out")
                 return
             try:
-                files = self._grant(request, peer)
+                files = await self._grant(request, peer)
             except Refused as e:
                 self._log_refusal(peer, e)
                 with contextlib.suppress(OSError, TimeoutError):
@@ -264,7 +269,7 @@ class FdChannel:
                 for _, fd in files:
                     os.close(fd)
 
-    def _grant(self, data: bytes, peer: Peer) -> list[tuple[str, int]]:
+    async def _grant(self, data: bytes, peer: Peer) -> list[tuple[str, int]]:
         """The descriptors for a request, once every check passed; raises Refused."""
         if len(data) > MAX_REQUEST_BYTES:
             raise Refused(f"the request is longer than {MAX_REQUEST_BYTES} bytes")
@@ -296,6 +301,16 @@ class FdChannel:
                 f"process (pid {nspid[-1]} in its namespace)"
             )
         lease.fd_secret = ""
+        if not ts.published and not await asyncio.to_thread(
+            may_read, lease.readers, peer.uid, _groups(peer, nspid)
+        ):
+            # Read on a thread: a checkpoint's folder may sit on a network mount that hangs.
+            raise Refused(
+                f"uid {peer.uid} may not read the checkpoint files of lease {lease.lease_id} "
+                f"(set {ts.set_id} was loaded by a worker's attach, not published by the "
+                "operator): run the worker as a user that may read its checkpoint, or have "
+                "the operator load it (engramd load)"
+            )
         if ts.state is not SetState.READY or ts.manifest is None:
             raise Refused(f"set {ts.set_id} is no longer held; attach again", Reason.NOT_VISIBLE)
         try:
@@ -329,6 +344,16 @@ class FdChannel:
             return pwd.getpwuid(peer.uid).pw_name in members
         except KeyError:
             return False
+
+
+def _groups(peer: Peer, nspid: list[int]) -> set[int]:
+    """The peer's groups: from /proc where its pid is visible (`nspid`), else the group database."""
+    if nspid:
+        return {peer.gid, *peer.status_field("Groups")}
+    try:
+        return set(os.getgrouplist(pwd.getpwuid(peer.uid).pw_name, peer.gid))
+    except KeyError:
+        return {peer.gid}
 
 
 async def _send(conn: socket.socket, reply: pb.FdReply, fds: list[int]) -> None:

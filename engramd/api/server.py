@@ -6,10 +6,10 @@
 stop gracefully.
 
 Listeners, all on the one event loop:
-  socket        TableService + Health (gRPC), 0660, group `socket_group`
+  socket        TableService + Health Check (gRPC), 0660, group `socket_group`
   fd_socket     the fd channel (fdchannel.py): read-only descriptors, 0660, same group
-  admin_socket  AdminService (gRPC), 0600 (the daemon's owner)
-  health_port   Health only, TCP, when asked for (Kubernetes probes)
+  admin_socket  AdminService + Health (gRPC), 0600 (the daemon's owner)
+  health_port   Health only (Check and Watch), TCP, when asked for (Kubernetes probes)
   metrics_port  Prometheus text over HTTP, when asked for
 """
 
@@ -18,16 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import grp
+import inspect
 import logging
 import os
 import resource
 import signal
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
-from wsgiref.simple_server import WSGIServer
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -35,10 +38,9 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.api.admin import AdminService
 from engramd.api.fdchannel import FdChannel
-from engramd.api.metrics import serve_metrics
 from engramd.api.service import TableService
 from engramd.backings import backings_for
-from engramd.config import DaemonConfig
+from engramd.config import DaemonConfig, admin_socket_for
 from engramd.errors import DecodeGuard, ServiceError
 from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
@@ -51,6 +53,9 @@ from engramd.units import gib
 from engramd_client.core.checkpoint import CheckpointError, plan_tables
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
 log = logging.getLogger("engramd")
 
 SERVICE_NAME = "engramd.v1.TableService"
@@ -59,6 +64,9 @@ _MAX_UNIX_PATH = 107
 NOTIFY_INTERVAL_S = 1.0
 #: Fewest connections the worker socket is given when --fd-reserve leaves fewer.
 MIN_WORKER_CONNECTIONS = 64
+#: The longest a call on the worker socket may take to send its request (shorter
+#: where --idle-timeout is): engramd_client sends its small requests at once.
+REQUEST_TIMEOUT_S = 5.0
 #: Start-up time each adopted set buys while it is verified (30 minutes).
 VERIFY_EXTEND_USEC = 30 * 60 * 1_000_000
 
@@ -89,11 +97,16 @@ class EngramdServer:
             config.fd_socket, self.gid, self.store, config.fd_connections_per_uid
         )
         self.grpc = grpc.aio.server(
-            interceptors=[DecodeGuard()], options=worker_socket_options(config)
+            interceptors=[
+                RequestDeadline(min(REQUEST_TIMEOUT_S, config.idle_timeout_s)),
+                DecodeGuard(),
+            ],
+            options=worker_socket_options(config),
         )
         pb_grpc.add_TableServiceServicer_to_server(self.service, self.grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(HealthCheckOnly(self.health), self.grpc)
         self.admin = grpc.aio.server(interceptors=[DecodeGuard()])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.admin)
         pb_grpc.add_AdminServiceServicer_to_server(
             AdminService(config, self.store, self.service.status, self.service.prover), self.admin
         )
@@ -124,8 +137,7 @@ class EngramdServer:
                             self._notify_verify(ts.set_id)
                         progress = LoadProgress(proof.nbytes)
                         await self._readers.run(prover.prove, proof, ts.manifest, progress)
-                for ts in copies:
-                    ts.published = True
+                self.store.publish(copies)
                 self._configured += copies
             except (CheckpointError, ServiceError) as e:
                 # The daemon keeps serving every other set; health stays
@@ -147,6 +159,10 @@ class EngramdServer:
             await self.probes.start()
             log.info("health checks on %s", address)
         if self.config.metrics_port:
+            # Imported only when asked for: prometheus_client and its HTTP server
+            # are a tenth of the daemon's imports, paid on every restart.
+            from engramd.api.metrics import serve_metrics
+
             self._metrics = serve_metrics(
                 self.store,
                 lambda: self.ready,
@@ -285,11 +301,6 @@ def create_server(config: DaemonConfig) -> EngramdServer:
     )
 
 
-def admin_socket_for(socket_path: str) -> str:
-    """The admin socket beside a worker socket (the default)."""
-    return str(Path(socket_path).with_name("admin.sock"))
-
-
 def _group_id(name: str) -> int | None:
     if not name:
         return None
@@ -365,6 +376,97 @@ def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
         ("grpc.server_handshake_timeout_ms", idle_ms),
         ("grpc.max_allowed_incoming_connections", connections),
     ]
+
+
+class HealthCheckOnly(health_pb2_grpc.HealthServicer):
+    """Health for the worker socket: Check only.
+
+    A Watch stream is a call that never ends, so a connection holding one is
+    never idle: any member of the socket group could hold every connection
+    the socket allows. Probes that watch use --health-port or the admin socket.
+    """
+
+    def __init__(self, health: health_aio.HealthServicer) -> None:
+        self._health = health
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        """The serving status, as the daemon's one HealthServicer holds it."""
+        return await self._health.Check(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Refused: see the class."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Health/Watch is not served on engramd's worker socket (a held stream keeps a "
+            "connection from ever idling); use Health/Check, --health-port, or the admin socket",
+        )
+
+
+class RequestDeadline(grpc.aio.ServerInterceptor):
+    """Cancels a call whose request message has not arrived whole within `seconds`.
+
+    grpcio runs a unary-request handler only once its message is complete,
+    and nothing ends a call whose client stops halfway: the connection holds
+    a call, so it never idles. The worker socket's methods are served as
+    request-streaming ones instead (the same messages on the wire), so the
+    handler runs at once and waits for the request under this deadline. What
+    comes after the request (a lease's stream) is not limited.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """The method's handler, reading its one request under the deadline."""
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        first = functools.partial(_first_request, self._seconds)
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await unary(await first(context), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        stream = handler.unary_stream
+        if stream is None or not inspect.isasyncgenfunction(stream):
+            # Handlers that stream with context.write (health's Watch): only where
+            # probes connect, never on the worker socket.
+            return handler
+
+        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for reply in stream(await first(context), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, handler.request_deserializer, handler.response_serializer
+        )
+
+
+async def _first_request(seconds: float, context: grpc.aio.ServicerContext) -> Any:
+    """A call's one request message, read within `seconds`; aborts the call otherwise."""
+    try:
+        request = await asyncio.wait_for(context.read(), seconds)
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request did not arrive whole within {seconds:g} s of the call's start; "
+            "send it at once (engramd_client does)",
+        )
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request message")
+    return request
 
 
 def raise_fd_limit() -> int:

@@ -13,7 +13,13 @@ import grpc
 from engramd.api.wire import PROGRESS_INTERVAL_S, attachment, load_progress, status_reply
 from engramd.backings import Backing
 from engramd.config import DaemonConfig
-from engramd.errors import FingerprintDiffers, InvalidRequest, UnknownSet, abort
+from engramd.errors import (
+    FingerprintDiffers,
+    InvalidRequest,
+    NotAllowed,
+    UnknownSet,
+    abort,
+)
 from engramd.host.blocking import BlockingPool
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
@@ -42,6 +48,8 @@ _CHECKPOINT_READERS = 8
 _PROVERS = 2
 #: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
 CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
+#: Handle kinds a worker maps by path, with no credentials the daemon could check.
+PATH_KINDS = frozenset({pb.HANDLE_KIND_SHM})
 
 
 class TableService(pb_grpc.TableServiceServicer):
@@ -84,9 +92,11 @@ class TableService(pb_grpc.TableServiceServicer):
             if plan is not None:
                 async for progress in self._prove(ts, plan):
                     yield pb.AttachEvent(progress=progress)
-            kind = self._handle_kind(request, [ts.backing])
+            kind = self._handle_kind(request, [ts.backing], ts)
             route = self._gpu_route(request, ts.backing, kind)
             lease = self._store.leases.add(ts, request, kind, route)
+            if plan is not None:
+                lease.readers = tuple(f.path for f in plan.sources)
         except Exception as e:
             self._store.leases.stats.attach(ok=False)
             await abort(context, e)
@@ -101,10 +111,26 @@ class TableService(pb_grpc.TableServiceServicer):
             self._store.leases.end(lease)
 
     @staticmethod
-    def _handle_kind(request: pb.AttachRequest, backings: list[Backing]) -> int:
-        """The first kind the worker accepts that one of `backings` has."""
+    def _handle_kind(
+        request: pb.AttachRequest, backings: list[Backing], ts: TableSet | None = None
+    ) -> int:
+        """The first kind the worker accepts that one of `backings` has (for set `ts`).
+
+        Paths are handed out for sets the operator published only: other sets'
+        files are owner-only, and go out as descriptors over the fd channel,
+        which checks the peer's uid may read the checkpoint.
+        """
         accepted = list(request.accept) or [pb.HANDLE_KIND_SHM]
         offered = frozenset().union(*(b.handle_kinds for b in backings))
+        if ts is not None and not ts.published:
+            offered -= PATH_KINDS
+            if not offered & set(accepted) and PATH_KINDS & set(accepted):
+                raise NotAllowed(
+                    f"set {ts.set_id} was loaded by a worker's attach, not published by the "
+                    "operator: it is handed out only as descriptors over the fd channel (which "
+                    "checks the caller may read the checkpoint), never by path; accept fd "
+                    "(ENGRAMD_HANDLES), or have the operator load it (engramd load)"
+                )
         for kind in accepted:
             if kind in offered:
                 return kind

@@ -177,6 +177,10 @@ class Backing(ABC):
             for _, fd in opened:
                 os.close(fd)
 
+    def share_with_group(self, manifest: Manifest) -> None:
+        """Let the socket group map a published set by path; sets that are no files have none."""
+        return None
+
     @staticmethod
     def fd_handles(manifest: Manifest) -> list[Handle]:
         """HANDLE_KIND_FD handles: each tensor's file (as `descriptors` names it) and range."""

@@ -58,7 +58,13 @@ _MEMORY_FILESYSTEMS = frozenset({"tmpfs", "hugetlbfs"})
 
 
 class TmpfsBacking(Backing):
-    """Files under `<shm_dir>/engramd/`, one per tensor, 0640, group `gid`."""
+    """Files under `<shm_dir>/engramd/`, one per tensor, group `gid`.
+
+    A set's files are owner-only (0600) until the operator publishes it
+    (share_with_group makes them 0640): the socket group reads by path
+    only what any member may attach; other sets go out as descriptors over
+    the fd channel, which knows the peer's uid.
+    """
 
     name: ClassVar[str] = "tmpfs"
     handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
@@ -205,10 +211,13 @@ class TmpfsBacking(Backing):
             os.chown(folder, -1, self._gid)
 
     def make_file(self, path: Path) -> int:
-        """Create `path` (not there before), 0640, group `gid`; a read-write descriptor."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o640)
-        # open's mode passes through the umask (077 would shut the group out).
-        os.fchmod(fd, 0o640)
+        """Create `path` (not there before), 0600, group `gid`; a read-write descriptor.
+
+        The group may read it once the operator publishes its set (share_with_group).
+        """
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        # Explicitly: open's mode passes through the umask.
+        os.fchmod(fd, 0o600)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd
@@ -226,12 +235,32 @@ class TmpfsBacking(Backing):
                     raise ManifestError("not a set folder")
                 manifest = read_manifest(folder, self._owner)
                 check_complete(folder, manifest, self._owner)
+                # Published again only by the operator: an earlier daemon's modes do not stand.
+                self._set_mode(manifest, 0o600)
             except (OSError, ManifestError) as e:
                 log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
                 shutil.rmtree(folder, ignore_errors=True)
                 continue
             found.append(manifest)
         return found
+
+    def share_with_group(self, manifest: Manifest) -> None:
+        """Make the set's files 0640: the socket group may map them by path."""
+        self._set_mode(manifest, 0o640)
+
+    def _set_mode(self, manifest: Manifest, mode: int) -> None:
+        folder = set_dir(self.shm_dir, manifest.copy)
+        files = dict.fromkeys(t.file for t in manifest.tensors)
+        if (folder / MANIFEST_NAME).exists():
+            # Its own file here (hugetlbfs packs it into the set's file): it names
+            # the checkpoint, which status shows only to those who may read it.
+            files[MANIFEST_NAME] = None
+        for file in files:
+            fd = open_owned(folder / file, self._owner)
+            try:
+                os.fchmod(fd, mode)
+            finally:
+                os.close(fd)
 
     def _path(self, manifest: Manifest, index: int) -> Path:
         return set_dir(self.shm_dir, manifest.copy) / manifest.tensors[index].file

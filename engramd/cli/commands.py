@@ -7,17 +7,24 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
-import grpc
 import typer
 
 from engramd import __version__
 from engramd.cli.logs import setup_logging
 from engramd.cli.options import AdminSocket, Socket
 from engramd.cli.serve import serve
+from engramd.config import admin_socket_for
 from engramd_client.core.checkpoint import DEFAULT_TENSORS
 from engramd_client.core.config import DEFAULT_SOCKET
+
+if TYPE_CHECKING:
+    import grpc
+
+# Each command imports what it needs inside it: the daemon's modules (asyncio,
+# gRPC's server, the backings) cost `serve` nothing it does not use, and cost
+# `status`, `--help` and a daemon restart's argument parsing nothing at all.
 
 app = typer.Typer(
     add_completion=False,
@@ -59,7 +66,8 @@ def status(
         # thread inherits the mask and SIGINT stays pending until sigtimedwait
         # takes it; a thread started earlier would take it as KeyboardInterrupt.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    from engramd.api.server import admin_socket_for
+    import grpc
+
     from engramd.cli.status_view import as_dict, fetch, render
 
     admin = admin_socket or admin_socket_for(socket)
@@ -84,7 +92,6 @@ def status(
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
-    from engramd.api.server import admin_socket_for
     from engramd_client.core.channel import open_channel
     from engramd_client.core.config import ClientConfig
     from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
@@ -102,6 +109,8 @@ def load(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Load a checkpoint's tables into the daemon, with a progress bar."""
+    import grpc
+
     from engramd.cli.load_view import load_bar
     from engramd.units import gib
     from engramd_client.core.pb import engramd_pb2 as pb
@@ -135,6 +144,8 @@ def drop(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Remove a set from shared memory (workers that map it keep their mapping)."""
+    import grpc
+
     from engramd.units import gib
     from engramd_client.core.pb import engramd_pb2 as pb
 
@@ -154,6 +165,8 @@ def verify(
     admin_socket: AdminSocket = "",
 ) -> None:
     """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    import grpc
+
     from engramd.units import gib
     from engramd_client.core.pb import engramd_pb2 as pb
 

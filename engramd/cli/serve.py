@@ -8,7 +8,6 @@ where the daemon reads its environment.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import tomllib
 from pathlib import Path
@@ -16,29 +15,30 @@ from typing import Annotated, Any
 
 import typer
 
-from engramd.backings import BACKINGS, COMBINED, CudaDeviceBacking
-from engramd.backings.cuda import device_of
 from engramd.cli.logs import setup_logging
 from engramd.cli.options import AdminSocket, Socket, parse_size
-from engramd.config import DaemonConfig
+from engramd.config import BACKING_NAMES, CUDA_DEVICE_PREFIX, DaemonConfig
+
+# Each command imports what it needs inside it: the daemon's modules (asyncio,
+# gRPC's server, the backings) cost `serve` nothing it does not use, and cost
+# `status`, `--help` and a daemon restart's argument parsing nothing at all.
 
 #: The daemon's defaults: the one place they are written is DaemonConfig.
 DEFAULTS = DaemonConfig()
 
 
-_BACKING_NAMES = (*BACKINGS, *COMBINED)
-
-
 def _backing(name: str) -> str:
-    if name.startswith(f"{CudaDeviceBacking.name}:"):
+    if name.startswith(CUDA_DEVICE_PREFIX):
+        from engramd.backings.cuda import device_of
+
         try:
             device_of(name)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--backing") from None
         return name
-    if name not in _BACKING_NAMES:
+    if name not in BACKING_NAMES:
         raise typer.BadParameter(
-            f"{name!r} is not a backing (known: {', '.join(_BACKING_NAMES)})",
+            f"{name!r} is not a backing (known: {', '.join(BACKING_NAMES)})",
             param_hint="--backing",
         )
     return name
@@ -111,7 +111,7 @@ def serve(
         str,
         typer.Option(
             envvar="ENGRAMD_BACKING",
-            help=f"Where sets live: {', '.join(_BACKING_NAMES)} (auto: tmpfs when the shm "
+            help=f"Where sets live: {', '.join(BACKING_NAMES)} (auto: tmpfs when the shm "
             "folder can hold the set, else memfd; cuda-device:N: GPU N's memory).",
         ),
     ] = DEFAULTS.backing,
@@ -273,6 +273,8 @@ def serve(
     ] = False,
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
+    import asyncio
+
     from engramd.api.server import serve as run
 
     values = _apply_config_file(ctx, config) if config else dict(ctx.params)

@@ -15,7 +15,7 @@ from typing import Any, Self
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engramd.api.server import admin_socket_for
+from engramd.config import admin_socket_for
 from engramd_client.core.channel import open_channel
 from engramd_client.core.config import ClientConfig
 from engramd_client.core.pb import engramd_pb2 as pb
@@ -90,11 +90,14 @@ class DaemonProcess:
                         raise RuntimeError(f"engramd answered {e.code()}:\n{self.log}") from None
                     if time.monotonic() > deadline:
                         raise RuntimeError(f"engramd did not answer:\n{self.log}") from None
-            if not serving:
-                return
-            stream = health.Watch(
+        if not serving:
+            return
+        # Watch is served on the admin socket (and --health-port), not the worker socket.
+        with open_channel(self._admin()) as ch:
+            stream = health_pb2_grpc.HealthStub(ch).Watch(
                 health_pb2.HealthCheckRequest(service=""),
                 timeout=max(deadline - time.monotonic(), 1),
+                wait_for_ready=True,
             )
             try:
                 for reply in stream:
@@ -120,14 +123,15 @@ class DaemonProcess:
             ClientConfig(socket=str(self.socket), reconnect_min_s=0.01, reconnect_max_s=0.1)
         )
 
+    def _admin(self) -> ClientConfig:
+        """The daemon's admin socket, reconnected to quickly (it binds after the worker socket)."""
+        return ClientConfig(
+            socket=admin_socket_for(str(self.socket)), reconnect_min_s=0.01, reconnect_max_s=0.1
+        )
+
     def status(self) -> pb.StatusReply:
         """The daemon's status, as its owner sees it (on the admin socket: every set)."""
-        admin = ClientConfig(
-            socket=admin_socket_for(str(self.socket)),
-            reconnect_min_s=0.01,
-            reconnect_max_s=0.1,
-        )
-        with open_channel(admin) as ch:
+        with open_channel(self._admin()) as ch:
             reply: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
                 pb.StatusRequest(), timeout=5
             )

@@ -24,7 +24,7 @@ log = logging.getLogger("engramd")
 
 #: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
 #: collect them on the fd channel, where its uid becomes known; until then it is
-#: charged to no uid.
+#: charged to no uid and counts against no limit.
 COLLECT_DEADLINE_S = 10.0
 #: Handle kinds whose workers collect descriptors on the fd channel.
 ON_FD_CHANNEL = frozenset({pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM})
@@ -93,10 +93,14 @@ class Lease:
     #: `pid` is the fd channel's peer as the kernel gave it, not the request's claim.
     pid_verified: bool = False
     #: A first attach for descriptors: it collects them within COLLECT_DEADLINE_S or
-    #: ends, and is charged to its uid then. Any other lease is charged to "uid
-    #: unknown" until its worker comes to the fd channel.
+    #: ends, and is granted (counted against --max-leases) and charged to its uid
+    #: then. Any other lease is charged to "uid unknown" until its worker comes to
+    #: the fd channel.
     collects: bool = False
     started: float = field(default_factory=time.monotonic)
+    #: The checkpoint files the worker attached with (the set's own, or proven to hold
+    #: its bytes): a set no operator published goes to a uid that may read them.
+    readers: tuple[str, ...] = ()
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.
@@ -128,18 +132,15 @@ class LeaseBook:
         """Record a worker attached to a ready set, mapping it by handles of `kind`."""
         if not self._sets.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
-        held = self.count()
-        if self._max_leases and held >= self._max_leases:
-            raise TooManyLeases(
-                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
-                "or raise the limit"
-            )
-        # A first lease of descriptors is charged to its uid once it collects
-        # them (COLLECT_DEADLINE_S); any other lease's uid is unknown until its
+        # A first lease of descriptors is granted, and charged to its uid, when
+        # it collects them (COLLECT_DEADLINE_S): only then does the kernel say
+        # who holds it, so uncollected ones count against no limit and cannot
+        # shut out other users. Any other lease's uid is unknown until its
         # worker comes to the fd channel, and all of those together hold one
         # uid's share.
         collects = kind in ON_FD_CHANNEL and not request.reattach
         if not collects:
+            self._check_total()
             self._check_share(None)
         start = start_ticks(request.pid) if request.pid > 0 else None
         claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
@@ -163,16 +164,32 @@ class LeaseBook:
         ts.last_used = time.monotonic()
         return lease
 
-    def count(self) -> int:
-        """Leases held on every set."""
-        return sum(len(ts.leases) for ts in self._sets.all())
-
     def own(self, lease: Lease, uid: int) -> None:
-        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases."""
+        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases.
+
+        A first lease of descriptors is granted here: it counts against
+        --max-leases from now on.
+        """
         if lease.uid == uid:
             return
+        if lease.collects and lease.uid is None:
+            self._check_total()
         self._check_share(uid)
         lease.uid = uid
+
+    def _check_total(self) -> None:
+        """Raise TooManyLeases when the granted leases reach --max-leases."""
+        held = sum(
+            1
+            for ts in self._sets.all()
+            for lease in ts.leases.values()
+            if not (lease.collects and lease.uid is None)
+        )
+        if self._max_leases and held >= self._max_leases:
+            raise TooManyLeases(
+                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
+                "or raise the limit"
+            )
 
     def _check_share(self, uid: int | None) -> None:
         """Raise TooManyLeases when `uid` (None: leases of unknown uid) holds its share."""

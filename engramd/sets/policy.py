@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from engramd.config import DaemonConfig
@@ -131,6 +132,38 @@ def open_to_group(files: list[str], gid: int | None) -> bool:
                 return False
             for folder in path.parents:
                 if not grants(os.stat(folder), stat.S_IXOTH, stat.S_IXGRP):
+                    return False
+    except OSError:
+        return False
+    return bool(files)
+
+
+def may_read(files: Sequence[str], uid: int, gids: Collection[int]) -> bool:
+    """True when user `uid` with groups `gids` may read every one of `files`.
+
+    Judged from mode bits along each path as the kernel judges plain modes:
+    the owner's bits where the user owns the file or folder, else the
+    group's where one of `gids` owns it, else the others'. ACL entries are
+    not read (a named-user entry counts as closed). Root may read anything;
+    paths the daemon cannot stat count as closed.
+    """
+
+    def grants(st: os.stat_result, owner: int, group: int, other: int) -> bool:
+        if st.st_uid == uid:
+            return bool(st.st_mode & owner)
+        if st.st_gid in gids:
+            return bool(st.st_mode & group)
+        return bool(st.st_mode & other)
+
+    if uid == 0:
+        return True
+    try:
+        for name in files:
+            path = Path(name)
+            if not grants(os.stat(path), stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
+                return False
+            for folder in path.parents:
+                if not grants(os.stat(folder), stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
                     return False
     except OSError:
         return False

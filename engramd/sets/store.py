@@ -195,6 +195,14 @@ class SetStore:
         self._spawn(self._load(ts, plan))
         return ts
 
+    def publish(self, copies: list[TableSet]) -> None:
+        """Publish sets the operator loaded: any caller may attach them by id, and map them
+        by path (their files become readable by the socket group)."""
+        for ts in copies:
+            if ts.manifest is not None:
+                ts.backing.share_with_group(ts.manifest)
+            ts.published = True
+
     async def copy_for(self, held: TableSet, node: int | None, readers: BlockingPool) -> TableSet:
         """The copy for `node` of a set held for another node (--numa per-node), as `ensure`.
 
@@ -297,6 +305,9 @@ class SetStore:
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        if ts.published:
+            # A copy for another node of a set the operator published.
+            self.publish([ts])
         ts.load_seconds = time.monotonic() - ts.progress.started
         ts.state = SetState.READY
         ts.last_used = time.monotonic()

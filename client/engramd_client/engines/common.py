@@ -9,11 +9,14 @@
   start with engramd's error) or off (the adapter stands aside).
 - The one warning, naming the cause and the fix, when engramd cannot serve
   and the engine keeps its own tables.
+- The compatibility guard: the engine's version and the signatures the
+  adapter relies on, checked before anything is patched.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import inspect
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -30,8 +33,70 @@ from engramd_client.tables import Tables
 
 #: The selection the adapters attach with: the daemon's default (--tensors).
 SELECTION = DEFAULT_TENSORS
+#: Load formats whose weights go through the engines' safetensors iterators, which the
+#: adapters make skip the served tensors; others (dummy writes the tables) are not served.
+SERVED_LOAD_FORMATS = frozenset({"auto", "safetensors"})
 
 _said: set[str] = set()
+
+
+class UnknownEngine(Exception):
+    """The running engine is not the one an adapter's seams were read from."""
+
+
+@dataclass(frozen=True)
+class Engine:
+    """An engine as its adapter's guard names it, for the one warning that disables the adapter."""
+
+    #: As the engine spells itself ("vLLM", "SGLang").
+    name: str
+    #: The versions whose seams the adapter was written against and tested with.
+    known: frozenset[str]
+
+    def _disabled(self) -> str:
+        return f"it is disabled and {self.name} allocates its own Engram tables"
+
+    def check_version(self, version: str) -> None:
+        """Raise UnknownEngine, with the fix, for a version the adapter does not know."""
+        if version not in self.known:
+            raise UnknownEngine(
+                f"engramd's {self.name} plugin knows {self.name} "
+                f"{', '.join(sorted(self.known))}, not {version}: {self._disabled()}; run a "
+                f"known {self.name} or an engramd that knows this one"
+            )
+
+    def serves_load_format(self, load_format: str, log: logging.Logger) -> bool:
+        """Whether the adapter serves a load of this format; one line where it stands aside."""
+        if load_format in SERVED_LOAD_FORMATS:
+            return True
+        say_once(
+            log,
+            logging.INFO,
+            "format",
+            "--load-format %s: engramd's %s plugin stands aside (it serves auto and "
+            "safetensors loads)",
+            load_format,
+            self.name,
+        )
+        return False
+
+    def unknown(self, what: str) -> UnknownEngine:
+        """The error for a seam (`what` of the engine) that is not as the adapter knows it."""
+        return UnknownEngine(
+            f"engramd's {self.name} plugin does not recognise this {self.name}'s {what}: "
+            f"{self._disabled()}; run {self.name} {', '.join(sorted(self.known))} or an "
+            "engramd that knows this one"
+        )
+
+    def expect(self, ok: bool, what: str) -> None:
+        """Raise UnknownEngine naming `what` of the engine unless `ok`."""
+        if not ok:
+            raise self.unknown(what)
+
+
+def params(function: Callable[..., object]) -> list[str]:
+    """The names of `function`'s parameters, as an adapter checks a seam's signature."""
+    return list(inspect.signature(function).parameters)
 
 
 class Pattern(Protocol):
@@ -161,15 +226,42 @@ def settle(
     return False
 
 
+def table_names(layer_id: int) -> tuple[str, str]:
+    """Checkpoint names of layer `layer_id`'s Engram weight and scale."""
+    return f"layers.{layer_id}.engram.embed.weight", f"layers.{layer_id}.engram.embed.scale"
+
+
+def local_folder(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """The checkpoint folder of an engine's model argument: a folder, or a Hub id already cached.
+
+    Raises ShareError with the fix when the model is neither (engramd serves
+    files on this node; it never downloads).
+    """
+    if os.path.isdir(name):
+        return name
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(
+            snapshot_download(name, revision=revision, cache_dir=cache_dir, local_files_only=True)
+        )
+    except Exception as e:
+        raise ShareError(
+            f"the model {name} is neither a folder nor in the Hugging Face cache yet ({e}); "
+            "download it first (hf download) or serve its folder"
+        ) from None
+
+
 def attach_rows(
     folder: str | os.PathLike[str],
-    rows: RowRanges,
+    rows: RowRanges | None,
     *,
     strict: bool | None,
     device: str | None,
     labels: Mapping[str, str],
 ) -> Tables:
-    """The selection's tables, each mapped only over its `rows`, with CUDA views on `device`.
+    """The selection's tables, each mapped only over its `rows` (None: whole), with CUDA
+    views on `device`.
 
     `strict` None: engramd's own private fallback (exact rows, one warning)
     where this one process cannot attach after its group chose engramd.

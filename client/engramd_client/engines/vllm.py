@@ -41,9 +41,7 @@ import contextvars
 import importlib.abc
 import importlib.machinery
 import importlib.util
-import inspect
 import logging
-import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -52,16 +50,21 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.errors import CheckpointError, ShareError
+from engramd_client.core.errors import CheckpointError
 from engramd_client.engines.common import (
+    Engine,
     Pattern,
     Refusal,
+    UnknownEngine,
     attach_rows,
     decide,
+    local_folder,
+    params,
     probe,
     say_once,
     settle,
     share_mode,
+    table_names,
 )
 from engramd_client.sharding import ceil_head_rows
 from engramd_client.tables import Tables
@@ -69,10 +72,9 @@ from engramd_client.tables import Tables
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")
 
-#: vLLM versions whose seams this plugin was written against and tested with.
-KNOWN_VERSIONS = frozenset({"0.33.0"})
-#: Load formats whose weights go through vLLM's safetensors iterators.
-SERVED_LOAD_FORMATS = frozenset({"auto", "safetensors"})
+#: vLLM as the guard names it, with the versions whose seams this plugin was written
+#: against and tested with.
+VLLM = Engine("vLLM", frozenset({"0.33.0"}))
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 #: The models that import `can_share_engram_tables` by name.
@@ -118,10 +120,6 @@ _site: contextvars.ContextVar[tuple[Any, int] | None] = contextvars.ContextVar(
 )
 
 
-class UnknownVllm(Exception):
-    """This vLLM is not the one the plugin's seams were read from."""
-
-
 def register() -> None:
     """The `vllm.general_plugins` entry point: harmless when called again, or without Engram."""
     global _registered
@@ -132,8 +130,8 @@ def register() -> None:
         say_once(log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's vLLM plugin stands aside")
         return
     try:
-        check_version(vllm_version())
-    except UnknownVllm as e:
+        VLLM.check_version(vllm_version())
+    except UnknownEngine as e:
         say_once(log, logging.WARNING, "unknown", "%s", e)
         return
     # The Engram module is imported only for Engram models: patch it then, not before.
@@ -145,16 +143,6 @@ def vllm_version() -> str:
     from vllm import version
 
     return str(version.__version__)
-
-
-def check_version(version: str) -> None:
-    """Raise UnknownVllm, with the fix, for a vLLM this plugin does not know."""
-    if version not in KNOWN_VERSIONS:
-        raise UnknownVllm(
-            f"engramd's vLLM plugin knows vLLM {', '.join(sorted(KNOWN_VERSIONS))}, not "
-            f"{version}: it is disabled and vLLM allocates its own Engram tables; run a "
-            "known vLLM or an engramd that knows this one"
-        )
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):
@@ -196,59 +184,46 @@ def when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
         sys.meta_path.insert(0, _AfterImport(name, then))
 
 
-def _params(function: Callable[..., Any]) -> list[str]:
-    return list(inspect.signature(function).parameters)
-
-
-def _expect(ok: bool, what: str) -> None:
-    if not ok:
-        raise UnknownVllm(
-            f"engramd's vLLM plugin does not recognise this vLLM's {what}: it is disabled "
-            "and vLLM allocates its own Engram tables; run vLLM 0.33.0 or an engramd that "
-            "knows this one"
-        )
-
-
 def check_seams(engram: ModuleType, weight_utils: ModuleType, default_loader: ModuleType) -> None:
-    """Raise UnknownVllm unless every signature and attribute the plugin relies on is there."""
+    """Raise UnknownEngine unless every signature and attribute the plugin relies on is there."""
     table = getattr(engram, "ParallelEngramEmbedding", None)
     layer = getattr(engram, "Engram", None)
-    _expect(table is not None and layer is not None, "Engram module")
+    VLLM.expect(table is not None and layer is not None, "Engram module")
     assert table is not None and layer is not None
-    _expect(_params(layer._create_embedding) == ["self", "layout", "layer_hash_index"], "Engram")
-    _expect(_params(table._allocate_weights) == ["self"], "ParallelEngramEmbedding")
+    VLLM.expect(params(layer._create_embedding) == ["self", "layout", "layer_hash_index"], "Engram")
+    VLLM.expect(params(table._allocate_weights) == ["self"], "ParallelEngramEmbedding")
     names = set(table.__init__.__code__.co_names)
     needed = {"vocab_start_idx", "vocab_end_idx", "part_num_embeddings", "cpu_offload"}
     needed |= {"peer_rows", "dim", "block_size", "_views", "_view_src", "_get_shard_info"}
     needed |= {"_allocate_weights", "_weight_loader", "weight", "weight_scale_inv"}
-    _expect(needed <= names, "ParallelEngramEmbedding attributes")
-    _expect(
+    VLLM.expect(needed <= names, "ParallelEngramEmbedding attributes")
+    VLLM.expect(
         {"_views", "_view_src", "_shared_memory"} <= set(table._storage.__code__.co_names),
         "ParallelEngramEmbedding._storage",
     )
-    _expect(
+    VLLM.expect(
         {"layer_ids", "primes"} <= set(engram.EngramLayout.__init__.__code__.co_names),
         "EngramLayout",
     )
-    _expect(
-        _params(engram.can_share_engram_tables) == ["layout", "block_size"],
+    VLLM.expect(
+        params(engram.can_share_engram_tables) == ["layout", "block_size"],
         "can_share_engram_tables",
     )
-    _expect(
+    VLLM.expect(
         callable(getattr(engram, "get_engram_dp_size", None))
         and callable(getattr(engram, "get_engram_dp_group", None)),
         "Engram DP group",
     )
-    _expect(
-        _params(weight_utils.should_skip_weight) == ["weight_name", "local_expert_ids"]
+    VLLM.expect(
+        params(weight_utils.should_skip_weight) == ["weight_name", "local_expert_ids"]
         # Compiled with the `regex` package: anything with search() will do.
         and callable(getattr(getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None), "search", None)),
         "weight_utils",
     )
     loader = getattr(default_loader, "DefaultModelLoader", None)
-    _expect(
+    VLLM.expect(
         loader is not None
-        and _params(loader.track_weights_loading)
+        and params(loader.track_weights_loading)
         == ["self", "model", "loaded_weights", "quantized"],
         "DefaultModelLoader",
     )
@@ -261,7 +236,7 @@ def install(engram: ModuleType) -> None:
     weight_utils, default_loader = (importlib.import_module(m) for m in LOADER_MODULES)
     try:
         check_seams(engram, weight_utils, default_loader)
-    except UnknownVllm as e:
+    except UnknownEngine as e:
         say_once(log, logging.WARNING, "unknown", "%s", e)
         return
     _state.pattern = weight_utils._ENGRAM_WEIGHT_RE
@@ -314,24 +289,7 @@ def _can_share_engram_tables(layout: Any, block_size: int = 32) -> bool:
 def _checkpoint_folder(config: Any) -> str:
     model_config = config.model_config
     name = str(getattr(model_config, "model_weights", None) or model_config.model)
-    if os.path.isdir(name):
-        return name
-    try:
-        from huggingface_hub import snapshot_download
-
-        return str(
-            snapshot_download(
-                name,
-                revision=model_config.revision,
-                cache_dir=config.load_config.download_dir,
-                local_files_only=True,
-            )
-        )
-    except Exception as e:
-        raise ShareError(
-            f"the model {name} is neither a folder nor in the Hugging Face cache yet ({e}); "
-            "download it first (hf download) or serve its folder"
-        ) from None
+    return local_folder(name, model_config.revision, config.load_config.download_dir)
 
 
 def _decide(
@@ -344,15 +302,7 @@ def _decide(
 
     config = get_current_vllm_config()
     load_format = str(config.load_config.load_format)
-    if load_format not in SERVED_LOAD_FORMATS:
-        say_once(
-            log,
-            logging.INFO,
-            "format",
-            "--load-format %s: engramd's vLLM plugin stands aside (it serves auto and "
-            "safetensors loads)",
-            load_format,
-        )
+    if not VLLM.serves_load_format(load_format, log):
         _state.serve = False
         return False
     pattern = _state.pattern
@@ -366,11 +316,6 @@ def _decide(
     if _state.serve:
         _state.folder = _checkpoint_folder(config)
     return _state.serve
-
-
-def table_names(layer_id: int) -> tuple[str, str]:
-    """Checkpoint names of layer `layer_id`'s Engram weight and scale."""
-    return f"layers.{layer_id}.engram.embed.weight", f"layers.{layer_id}.engram.embed.scale"
 
 
 def layout_rows(layout: Any, head_rank: int, shards: int) -> dict[str, tuple[int, int]]:

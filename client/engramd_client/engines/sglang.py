@@ -1,0 +1,492 @@
+"""engramd's SGLang plugin: DeepSeek-V4.1's host-memory Engram tables come from engramd.
+
+SGLang loads it through its `sglang.srt.plugins` entry point (name
+`engramd`) once per process, in every process of a server; `register` is
+that entry point. It engages only where SGLang keeps the Engram tables in
+host memory (`SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE`); by default SGLang
+keeps them in GPU memory and the plugin registers nothing. With the daemon
+on the node, each `EngramEmbedding`'s host table is the daemon's one copy:
+`weight` / `scale` are read-only views of exactly the rows SGLang's
+`shard_range` gives the TP rank (layout `per_rank`) or of the whole table
+(layout `shared`), the GPU reads them through engramd's CUDA views, and
+SGLang's weight loading reads none of them from the checkpoint. Unlike
+SGLang's own `shared` layout (a memfd passed through /proc inside one
+server), the copy is shared by every server and container on the node.
+
+The hooks, all through SGLang's own HookRegistry, in SGLang 0.5.23 (any
+other version, or any seam that differs: one warning, nothing registered):
+
+- `Engram.__init__` (around): the layer's EngramLayout, so the first table
+  attaches every layer's rows at once.
+- `EngramEmbedding._init_host_table` (around; SGLang calls it only for host
+  tables): the daemon's rows instead of SGLang's memfd or private memory.
+- `EngramEmbedding._load_rows` (around): never writes a served table.
+- `weight_utils.safetensors_weights_iterator` and
+  `buffered_multi_thread_safetensors_weights_iterator` (replaced): served
+  tensors are yielded as empty placeholders without being read, so SGLang's
+  `load_weights` still routes them to `_load_rows` and counts them loaded.
+
+HookRegistry only logs a hook it cannot apply, so the plugin checks every
+target and signature itself before registering any.
+
+ENGRAMD_SHARE: auto (engramd where it serves, else SGLang's own path with
+one warning), on (strict: start-up fails with engramd's error), off (the
+plugin stands aside). One decision per TP group: rank 0 asks the daemon and
+SGLang's TP group broadcasts the answer (the `shared` layout's own setup is
+collective: ranks that decided apart would hang). Load formats other than
+auto and safetensors (dummy writes the tables) make the plugin stand aside.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextvars
+import importlib
+import logging
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from engramd_client.core.errors import CheckpointError
+from engramd_client.engines.common import (
+    Engine,
+    UnknownEngine,
+    attach_rows,
+    decide,
+    local_folder,
+    params,
+    probe,
+    say_once,
+    settle,
+    share_mode,
+    table_names,
+)
+from engramd_client.tables import Tables
+
+#: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
+log = logging.getLogger("sglang.engramd")
+
+#: SGLang as the guard names it, with the versions whose seams this plugin was written
+#: against and tested with.
+SGLANG = Engine("SGLang", frozenset({"0.5.23"}))
+LAYOUTS = ("shared", "per_rank")
+
+ENGRAM_MODULE = "sglang.srt.layers.engram"
+WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
+ITERATORS = ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator")
+
+#: What SGLang's DeepseekV4 `load_weights` hands to `EngramEmbedding` (it only
+#: prefixes `model.`): SGLang has no pattern of its own to compare with.
+ENGRAM_TABLES = re.compile(r"(^|\.)layers\.\d+\.engram\.embed\.(weight|scale)$")
+
+ENGINE_PATH = (
+    "SGLang allocates its own Engram host tables (as SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT "
+    "says); start engramd on the node and mount its socket folder, or set ENGRAMD_SHARE=off "
+    "to silence this"
+)
+
+
+@dataclass
+class _Process:
+    """What this process decided and holds (one per process: SGLang's ranks are processes)."""
+
+    #: None until decided; then whether engramd serves this process's Engram tables.
+    serve: bool | None = None
+    folder: str = ""
+    tables: Tables | None = None
+    #: Checkpoint names of the tensors engramd serves here: SGLang skips reading them.
+    served: frozenset[str] = frozenset()
+    #: SGLang's iterators the plugin replaced, by name, to call through.
+    original: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+
+_state = _Process()
+_registered = False
+#: The EngramLayout of the Engram layer being built.
+_layout: contextvars.ContextVar[Any] = contextvars.ContextVar("engramd_sglang_layout", default=None)
+
+
+def register() -> None:
+    """The `sglang.srt.plugins` entry point: registers the hooks, or nothing with a reason."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    if share_mode() is False:
+        say_once(
+            log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside"
+        )
+        return
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():
+        # SGLang keeps the tables in GPU memory: nothing to serve, nothing imported.
+        return
+    try:
+        SGLANG.check_version(sglang_version())
+        hooks = seams()
+    except UnknownEngine as e:
+        say_once(log, logging.WARNING, "unknown", "%s", e)
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    for target, hook, kind in hooks:
+        HookRegistry.register(target, hook, kind)
+    log.debug("engramd's SGLang plugin registered %d hooks", len(hooks))
+
+
+def sglang_version() -> str:
+    """The running SGLang's version (`sglang.version.__version__`)."""
+    from sglang import version
+
+    return str(version.__version__)
+
+
+def _names(function: Any) -> set[str]:
+    code = getattr(function, "__code__", None) or function.fget.__code__
+    return set(code.co_names)
+
+
+def check_seams(
+    engram: ModuleType, weight_utils: ModuleType, registry: ModuleType, envs: Any
+) -> None:
+    """Raise UnknownEngine unless every signature and attribute the plugin relies on is there."""
+    table = getattr(engram, "EngramEmbedding", None)
+    layer = getattr(engram, "Engram", None)
+    SGLANG.expect(table is not None and layer is not None, "Engram module")
+    assert table is not None and layer is not None
+    SGLANG.expect(params(layer.__init__)[:4] == ["self", "config", "layer_id", "layout"], "Engram")
+    SGLANG.expect(
+        params(table._init_host_table) == ["self", "num_embeddings", "dim", "layer_id"]
+        and params(table._load_rows) == ["self", "param", "loaded_weight"],
+        "EngramEmbedding methods",
+    )
+    needed = {"row_start", "rows", "_init_host_table", "weight_loader", "_load_rows"}
+    SGLANG.expect(needed <= _names(table.__init__), "EngramEmbedding attributes")
+    SGLANG.expect(
+        {"host_table", "_host_table_ptrs"} <= _names(table._table_ptrs)
+        and {"host_table", "layout"} <= _names(table._shared)
+        and {"host_table", "dirty"} <= _names(table._load_rows)
+        and {"host_table", "finish_load"} <= _names(table.finish_load),
+        "EngramEmbedding host-table use",
+    )
+    SGLANG.expect(
+        params(engram.shard_range) == ["num_embeddings", "column_bounds", "tp_rank", "tp_size"]
+        and callable(getattr(engram, "_sorted_host_reads", None))
+        and callable(getattr(engram.EngramLayout, "column_bounds", None))
+        and {"layer_ids", "num_embeddings"} <= set(engram.EngramLayout.__struct_fields__),
+        "shard_range / EngramLayout",
+    )
+    options = ["disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load"]
+    SGLANG.expect(
+        params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
+        and params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
+        == ["hf_weights_files", "max_workers", *options]
+        and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
+        "safetensors weight iterators",
+    )
+    hook_type = getattr(registry, "HookType", None)
+    SGLANG.expect(
+        hook_type is not None
+        and {"AROUND", "REPLACE"} <= set(hook_type.__members__)
+        and params(registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"],
+        "HookRegistry",
+    )
+    SGLANG.expect(
+        all(
+            hasattr(envs, name)
+            for name in (
+                "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
+                "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
+            )
+        ),
+        "Engram settings (sglang.srt.environ)",
+    )
+
+
+def seams() -> list[tuple[str, Callable[..., Any], Any]]:
+    """The hooks to register, (target, hook, HookType), once every seam is checked."""
+    try:
+        engram, weight_utils, registry = (
+            importlib.import_module(m)
+            for m in (ENGRAM_MODULE, WEIGHT_UTILS, "sglang.srt.plugins.hook_registry")
+        )
+        from sglang.srt.environ import envs
+        from sglang.srt.runtime_context import get_model, get_parallel  # noqa: F401
+    except ImportError as e:
+        raise SGLANG.unknown(f"modules ({e})") from None
+    check_seams(engram, weight_utils, registry, envs)
+    _state.original = {name: getattr(weight_utils, name) for name in ITERATORS}
+    around, replace = registry.HookType.AROUND, registry.HookType.REPLACE
+    table = f"{ENGRAM_MODULE}.EngramEmbedding"
+    return [
+        (f"{ENGRAM_MODULE}.Engram.__init__", _engram_init, around),
+        (f"{table}._init_host_table", _init_host_table, around),
+        (f"{table}._load_rows", _load_rows, around),
+        (f"{WEIGHT_UTILS}.{ITERATORS[0]}", _safetensors_iterator, replace),
+        (f"{WEIGHT_UTILS}.{ITERATORS[1]}", _buffered_iterator, replace),
+    ]
+
+
+def _engram_init(original: Callable[..., Any], self: Any, *args: Any, **kwargs: Any) -> Any:
+    layout = args[2] if len(args) > 2 else kwargs.get("layout")
+    token = _layout.set(layout)
+    try:
+        return original(self, *args, **kwargs)
+    finally:
+        _layout.reset(token)
+
+
+def _checkpoint_folder() -> str:
+    from sglang.srt.runtime_context import get_model
+
+    model = get_model()
+    return local_folder(str(model.model_path), model.revision, model.download_dir)
+
+
+def _decide() -> bool:
+    """Whether engramd serves this process's Engram tables: once, the same on the TP group."""
+    if _state.serve is not None:
+        return _state.serve
+    from sglang.srt.runtime_context import get_model, get_parallel
+
+    load_format = str(get_model().load_format)
+    if not SGLANG.serves_load_format(load_format, log):
+        _state.serve = False
+        return False
+    parallel = get_parallel()
+    # Every rank builds its first Engram layer at the same point; the leader's answer
+    # reaches all of them, so the shared layout's collectives cannot split.
+    group = parallel.tp_group if parallel.tp_size > 1 else None
+    refusal = decide(
+        lambda: probe(_checkpoint_folder(), ENGRAM_TABLES),
+        leader=group is None or group.rank_in_group == 0,
+        broadcast=None if group is None else lambda r: group.broadcast_object(r, src=0),
+    )
+    _state.serve = settle(refusal, share_mode(), ENGINE_PATH, log)
+    if _state.serve:
+        _state.folder = _checkpoint_folder()
+    return _state.serve
+
+
+def layout_rows(layout: Any, tp_rank: int, tp_size: int) -> dict[str, tuple[int, int]]:
+    """Each Engram table's rows for TP rank `tp_rank` of `tp_size`, as SGLang's shard_range says."""
+    from sglang.srt.layers.engram import shard_range
+
+    rows = {}
+    for index, layer_id in enumerate(layout.layer_ids):
+        span = shard_range(
+            layout.num_embeddings[index], layout.column_bounds(index), tp_rank, tp_size
+        )
+        for name in table_names(layer_id):
+            rows[name] = span
+    return rows
+
+
+def _attach(layout: Any, host_layout: str) -> Tables:
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    device = None
+    if torch.cuda.is_available():
+        device = f"cuda:{torch.cuda.current_device()}"
+    strict = share_mode()
+    tables = attach_rows(
+        _state.folder,
+        # shared: every rank maps the whole table, as SGLang's shared layout does.
+        layout_rows(layout, parallel.tp_rank, parallel.tp_size)
+        if host_layout == "per_rank"
+        else None,
+        # After the group's decision only engramd's own private copy may stand in:
+        # the other ranks built their layers on engramd's answer.
+        strict=True if strict else None,
+        device=device,
+        labels={"engine": "sglang", "tp_rank": str(parallel.tp_rank), "layout": host_layout},
+    )
+    _state.served = frozenset(tables)
+    log.info(
+        "engramd serves SGLang's Engram tables (%s, %s layout, %d tensors, %.2f GiB of rows)",
+        tables.mode,
+        host_layout,
+        len(tables),
+        tables.nbytes / 2**30,
+    )
+    return tables
+
+
+class ServedTable:
+    """Stands where SGLang's `_HostTable` stands for a served layer.
+
+    SGLang reads `layout` (whether the lookup covers the whole table), sets
+    `dirty` in `_load_rows` and calls `finish_load` after loading; the
+    daemon's table needs no barrier, no huge-page collapse and no cache drop.
+    """
+
+    def __init__(self, layout: str, nbytes: int, device_ptr: int) -> None:
+        self.layout = layout
+        self.nbytes = nbytes
+        self.device_ptr = device_ptr
+        self.dirty = False
+
+    def finish_load(self, label: str) -> None:
+        """Nothing to finish: the daemon loaded the table."""
+
+
+def _init_host_table(
+    original: Callable[..., Any], self: Any, num_embeddings: int, dim: int, layer_id: int
+) -> None:
+    from sglang.srt.environ import envs
+
+    layout = _layout.get()
+    host_layout = envs.SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT.get()
+    if layout is None or host_layout not in LAYOUTS or not _decide():
+        # An EngramEmbedding built outside an Engram layer, or a layout SGLang refuses itself.
+        return original(self, num_embeddings, dim, layer_id)
+    if _state.tables is None:
+        _state.tables = _attach(layout, host_layout)
+    tables = _state.tables
+    import sglang.srt.layers.engram as engram
+
+    weight_name, scale_name = table_names(layer_id)
+    weight = tables[weight_name]
+    scale = tables[scale_name].view(torch.uint8)
+    rows = num_embeddings if host_layout == "shared" else self.rows
+    block = engram.FP8_BLOCK_SIZE
+    if (
+        weight.dtype != torch.float8_e4m3fn
+        or tuple(weight.shape) != (rows, dim)
+        or tuple(scale.shape) != (rows, dim // block)
+    ):
+        raise CheckpointError(
+            f"{weight_name} / {scale_name} of {_state.folder} are {weight.dtype} "
+            f"{tuple(weight.shape)} / {tuple(scale.shape)} for SGLang's rows of layer "
+            f"{layer_id}; SGLang's layer wants float8_e4m3fn [{rows}, {dim}] and "
+            f"[{rows}, {dim // block}] bytes: the checkpoint does not match the model's config"
+        )
+    scale = scale.view(torch.float8_e8m0fnu)
+    self.weight = torch.nn.Parameter(weight, requires_grad=False)
+    self.scale = torch.nn.Parameter(scale, requires_grad=False)
+    # SGLang's lookup kernel reads through these raw addresses (of the table's first
+    # row here: SGLang's row 0 in the shared layout, its row_start per rank).
+    if tables.device is not None:
+        pointers = (tables.cuda(weight_name).data_ptr(), tables.cuda(scale_name).data_ptr())
+    else:
+        pointers = (weight.data_ptr(), scale.data_ptr())
+    self._host_table_ptrs = pointers
+    nbytes = weight.numel() + scale.numel()
+    self.host_table = ServedTable(host_layout, nbytes, pointers[0])
+    self._sort_host_reads = engram._sorted_host_reads(torch.cuda.current_device())
+    self._engramd_served = True
+
+
+def _load_rows(original: Callable[..., Any], self: Any, param: Any, loaded_weight: Any) -> None:
+    if not getattr(self, "_engramd_served", False):
+        return original(self, param, loaded_weight)
+    if loaded_weight.device.type != "meta":
+        # A load format or weight update that read the table anyway: the layer keeps
+        # the daemon's copy (its pages are read-only).
+        say_once(
+            log,
+            logging.WARNING,
+            "read",
+            "SGLang read an Engram table engramd serves from the checkpoint; the layer keeps "
+            "engramd's copy (a weight update of the Engram tables needs the daemon to load "
+            "the new checkpoint)",
+        )
+    return None
+
+
+def _skipping(
+    files: list[str], workers: int, drop_cache_after_load: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """SGLang's safetensors reads, file by file on `workers` threads, without the served tensors.
+
+    Each served tensor is yielded as an empty meta tensor, never read.
+    """
+    import safetensors
+    from sglang.srt.model_loader import weight_utils
+
+    served = _state.served
+
+    def load(path: str) -> dict[str, torch.Tensor]:
+        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
+            return {
+                k: torch.empty(0, device="meta") if k in served else f.get_tensor(k)
+                for k in f.keys()  # noqa: SIM118 (safe_open is no mapping)
+            }
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        pending: collections.deque[tuple[str, concurrent.futures.Future[Any]]] = collections.deque()
+        queue = iter(files)
+        for path in queue:
+            pending.append((path, pool.submit(load, path)))
+            if len(pending) > workers:
+                break
+        while pending:
+            path, future = pending.popleft()
+            tensors = future.result()
+            following = next(queue, None)
+            if following is not None:
+                pending.append((following, pool.submit(load, following)))
+            yield from sorted(tensors.items())
+            del tensors
+            if drop_cache_after_load:
+                weight_utils._drop_file_cache_after_load(path)
+
+
+def _reads_served(disable_mmap: bool, prefetch: bool) -> bool:
+    """Whether SGLang's own iterator must run: nothing served, or reads that cannot skip."""
+    if not _state.served:
+        return True
+    if disable_mmap or prefetch:
+        say_once(
+            log,
+            logging.WARNING,
+            "whole-files",
+            "SGLang reads whole checkpoint files here (disable_mmap or "
+            "--weight-loader-prefetch-checkpoints), the Engram tables engramd serves "
+            "included; the layers keep engramd's copy",
+        )
+        return True
+    return False
+
+
+def _safetensors_iterator(
+    hf_weights_files: list[str],
+    disable_mmap: bool = False,
+    prefetch: bool = False,
+    prefetch_num_threads: int = 4,
+    drop_cache_after_load: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    original = _state.original[ITERATORS[0]]
+    if _reads_served(disable_mmap, prefetch):
+        return original(
+            hf_weights_files, disable_mmap, prefetch, prefetch_num_threads, drop_cache_after_load
+        )
+    return _skipping(list(hf_weights_files), 1, drop_cache_after_load)
+
+
+def _buffered_iterator(
+    hf_weights_files: list[str],
+    max_workers: int,
+    disable_mmap: bool = False,
+    prefetch: bool = False,
+    prefetch_num_threads: int = 4,
+    drop_cache_after_load: bool = False,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    original = _state.original[ITERATORS[1]]
+    if _reads_served(disable_mmap, prefetch):
+        return original(
+            hf_weights_files,
+            max_workers,
+            disable_mmap,
+            prefetch,
+            prefetch_num_threads,
+            drop_cache_after_load,
+        )
+    return _skipping(list(hf_weights_files), max_workers, drop_cache_after_load)
