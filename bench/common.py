@@ -17,7 +17,7 @@ from typing import Any
 
 from engramd.demo.daemon_process import DaemonProcess
 from engramd.demo.synth import SCALE_GROUP, SynthSpec, synthesize
-from engramd.hugeroot import remove_shm_folder
+from engramd.host.hugeroot import remove_shm_folder
 
 GiB = 1 << 30
 MiB = 1 << 20

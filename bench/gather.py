@@ -29,7 +29,7 @@ import torch
 from engramd.demo.daemon_process import DaemonProcess
 from engramd.demo.engram_hash import EngramHash, byte_rows, gather
 from engramd_client import Tables, attach
-from engramd_client.checkpoint import plan_tables
+from engramd_client.core.checkpoint import plan_tables
 
 from .common import Figure, compare, daemon, shm_folder
 

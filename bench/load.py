@@ -33,9 +33,9 @@ from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
-from engramd.loader import LoadProgress, load_set
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.checkpoint import TablePlan
+from engramd_client.core.checkpoint import TablePlan
 
 from .common import Figure, GiB, compare, huge_tmpfs, shm_folder, timed
 

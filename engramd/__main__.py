@@ -1,3 +1,3 @@
-from .cli import main
+from engramd.cli.commands import main
 
 main()

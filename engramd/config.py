@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engramd_client.checkpoint import DEFAULT_TENSORS
-from engramd_client.config import DEFAULT_SOCKET
+from engramd_client.core.checkpoint import DEFAULT_TENSORS
+from engramd_client.core.config import DEFAULT_SOCKET
 
 #: Every `--backing` value: the names engramd.backings registers (BACKINGS, then COMBINED).
 #: Written out here so that the CLI's help need not import the backings, whose CUDA

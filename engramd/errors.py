@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from engramd_client.errors import REASON_KEY, CheckpointError, Reason
+from engramd_client.core.errors import REASON_KEY, CheckpointError, Reason
 
 log = logging.getLogger("engramd")
 
@@ -88,6 +88,13 @@ class LoadFailed(ServiceError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = Reason.LOAD_FAILED
+
+
+class DropRefused(ServiceError):
+    """A drop of a set that is loading, or leased without `force`: nothing was dropped."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = Reason.DROP_REFUSED
 
 
 class Draining(ServiceError):

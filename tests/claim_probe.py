@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import sys
 
-from engramd_client.channel import open_channel
-from engramd_client.config import ClientConfig
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.process import pid_namespace, start_ticks
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.process import pid_namespace, start_ticks
 
 
 def main() -> int:

@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from engramd.demo.child import JsonLinesChild
-from engramd.demo.daemon_process import DaemonProcess as Daemon
 from engramd.demo.synth import SynthSpec, synthesize
-from engramd.hugeroot import remove_shm_folder, unmount_below
-from engramd_client.layout import sets_root
+from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd_client.core.layout import sets_root
+from harness.daemon_process import DaemonProcess as Daemon
 
 TESTS = Path(__file__).resolve().parent
 WORKER = TESTS / "worker.py"

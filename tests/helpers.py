@@ -16,12 +16,12 @@ import grpc
 import torch
 from safetensors.torch import load_file
 
+from engramd.api.server import EngramdServer, create_server
 from engramd.config import DaemonConfig
-from engramd.demo.daemon_process import DaemonProcess
-from engramd.server import EngramdServer, create_server
-from engramd_client.errors import REASON_KEY
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.errors import REASON_KEY
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from harness.daemon_process import DaemonProcess
 
 T = TypeVar("T")
 

@@ -18,9 +18,9 @@ import grpc
 
 from engramd.demo.child import say
 from engramd_client import EngramdError
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 
 
 def main() -> int:

@@ -38,9 +38,9 @@ PRELOAD = (
     "torch",
     "grpc",
     "engramd_client.share",
-    "engramd.cli",
-    "engramd.server",
-    "engramd.status_view",
+    "engramd.cli.commands",
+    "engramd.api.server",
+    "engramd.cli.status_view",
     "engramd.demo.synth",
 )
 

@@ -24,15 +24,16 @@ import torch
 from test_cli import engramd
 
 from conftest import Worker, wait_until
+from engramd.api.service import TableService
 from engramd.backings import CudaHostBacking
-from engramd.backings.cuda import device_of, read_only_handle
+from engramd.backings.cuda import device_of
+from engramd.backings.cudacopy import read_only_handle
+from engramd.cli.status_view import render
 from engramd.demo.child import JsonLinesChild
 from engramd.errors import InvalidRequest
-from engramd.service import TableService
-from engramd.status_view import render
-from engramd_client import cudadriver
-from engramd_client.errors import DeviceError, NoCpuView
-from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.core import cudadriver
+from engramd_client.core.errors import DeviceError, NoCpuView
+from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.tables import Tables
 from helpers import reference_digests
 

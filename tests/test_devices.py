@@ -19,9 +19,12 @@ import pytest
 import torch
 from test_cli import engramd
 
+from engramd.cli.status_view import render
 from engramd.demo.child import JsonLinesChild
-from engramd.status_view import render
 from engramd_client import ClientConfig, DeviceError, attach
+from engramd_client.core.errors import NoGpuRoute
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.cuda import (
     HOST_REGISTER_MAPPED,
     HOST_REGISTER_PORTABLE,
@@ -32,9 +35,6 @@ from engramd_client.cuda import (
     register_flags,
 )
 from engramd_client.cumem import tensor_at
-from engramd_client.errors import NoGpuRoute
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reference_digests
 
 GiB = 1 << 30

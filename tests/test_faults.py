@@ -25,18 +25,18 @@ from engramd.backings import StagedSet, TmpfsBacking
 from engramd.checksum import BUFFER_BYTES, digest_fd
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import ShmFull
-from engramd.loader import LoadProgress, load_set
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import (
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import (
     LOADING_MARK,
     Manifest,
     check_complete,
     read_manifest,
     sets_root,
 )
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reason
 
 

@@ -26,16 +26,16 @@ import grpc
 import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
-from engramd import store as store_module
 from engramd.backings import TmpfsBacking
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
-from engramd.loader import LoadProgress, load_set
-from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.process import pid_namespace, start_ticks
+from engramd.sets import store as store_module
+from engramd.sets.loader import LoadProgress, load_set
+from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.process import pid_namespace, start_ticks
 from helpers import InProcessDaemon, attach_error, in_process_config, reason, reference_digests
 
 NOBODY = 65534
@@ -306,7 +306,7 @@ def test_shutdown_ends_within_its_grace_whatever_a_reader_does(
     script = textwrap.dedent(f"""
         import asyncio, threading
         from engramd.config import DaemonConfig
-        from engramd.server import create_server
+        from engramd.api.server import create_server
 
         async def main():
             server = create_server(DaemonConfig(
@@ -570,7 +570,7 @@ def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> Iterator[InP
 
 
 def _paused(monkeypatch: pytest.MonkeyPatch, name: str) -> tuple[threading.Event, threading.Event]:
-    """Replace engramd.store's `name` by one that waits for the test; (entered, release)."""
+    """Replace engramd.sets.store's `name` by one that waits for the test; (entered, release)."""
     entered, release = threading.Event(), threading.Event()
     real = getattr(store_module, name)
 
@@ -588,7 +588,7 @@ def test_a_drop_in_progress_does_not_stall_the_daemon(
 ) -> None:
     entered, release = _paused(monkeypatch, "_remove")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing, node)] = d.server.store.sets
+        [(set_id, backing, node)] = [ts.key for ts in d.server.store.sets.all()]
         assert (backing, node) == ("tmpfs", None)
         drop = d.spawn(d.server.store.drop(set_id, force=False))
         assert entered.wait(30)
@@ -607,7 +607,7 @@ def test_verify_racing_a_drop_answers_not_found(
 ) -> None:
     entered, release = _paused(monkeypatch, "_corrupted")
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [(set_id, backing, node)] = d.server.store.sets
+        [(set_id, backing, node)] = [ts.key for ts in d.server.store.sets.all()]
         assert (backing, node) == ("tmpfs", None)
         with grpc.insecure_channel(f"unix:{sock_dir / 'admin.sock'}") as ch:
             admin = pb_grpc.AdminServiceStub(ch)
@@ -625,10 +625,10 @@ def test_no_lease_on_a_set_that_left_the_store(
     checkpoint: Path, sock_dir: Path, shm_dir: Path
 ) -> None:
     with _in_process(checkpoint, sock_dir, shm_dir) as d:
-        [ts] = d.server.store.sets.values()
+        [ts] = d.server.store.sets.all()
         d.run(d.server.store.drop(ts.set_id, force=False))
         # An attach that waited while the set was evicted must not lease it.
         with pytest.raises(UnknownSet, match="dropped while the worker waited"):
-            d.server.store.add_lease(
+            d.server.store.leases.add(
                 ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), pb.HANDLE_KIND_FD
             )

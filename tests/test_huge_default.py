@@ -22,13 +22,13 @@ import pytest
 from conftest import Worker, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
 from engramd.errors import ShmFull
-from engramd.hugeroot import claim_huge_root, unmount_below
-from engramd.loader import LoadProgress, load_set
-from engramd.pagesize import census
-from engramd.shmfs import find_mount, is_mount_point, mounts_below, shmem_enabled
+from engramd.host.hugeroot import claim_huge_root, unmount_below
+from engramd.host.pagesize import census
+from engramd.host.shmfs import find_mount, is_mount_point, mounts_below, shmem_enabled
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests
 
 MiB = 1 << 20

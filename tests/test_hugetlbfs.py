@@ -23,10 +23,10 @@ from engramd.backings import HugetlbfsBacking
 from engramd.backings.memfd import SEALS
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull
-from engramd.hugepages import pool
+from engramd.host.hugepages import pool
 from engramd_client import plan_tables
-from engramd_client.layout import PACKED_NAME, read_manifest, sets_root
-from engramd_client.pb import engramd_pb2 as pb
+from engramd_client.core.layout import PACKED_NAME, read_manifest, sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests
 
 MiB = 1 << 20

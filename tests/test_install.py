@@ -25,7 +25,7 @@ from safetensors import safe_open
 from setuptools import find_packages
 
 from conftest import mounted_tmpfs
-from engramd.demo.daemon_process import DaemonProcess
+from harness.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each import package, and the folder of the checkout it comes from.
@@ -107,7 +107,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_every_module_imports_from_the_installed_wheel(venv: Path, tmp_path: Path) -> None:
     modules = expected_modules()
     # The tree's packages as listed by setuptools, so the test cannot be blind to one.
-    assert {"engramd.backings", "engramd.demo", "engramd_client.pb"} <= set(modules)
+    assert {"engramd.backings", "engramd.demo", "engramd_client.core.pb"} <= set(modules)
     script = (
         "import importlib, json, sys\n"
         "print(json.dumps({m: importlib.import_module(m).__file__ for m in sys.argv[1:]}))\n"

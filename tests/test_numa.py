@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 from conftest import Daemon, Worker, wait_until
-from engramd import numa as numa_module
 from engramd.demo.synth import SynthSpec, synthesize
-from engramd.numa import (
+from engramd.host import numa as numa_module
+from engramd.host.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
     MPOL_INTERLEAVE,
@@ -36,10 +36,10 @@ from engramd.numa import (
     nodes,
 )
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.topology import local_node
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.topology import local_node
 from helpers import (
     InProcessDaemon,
     attach_error,
@@ -176,7 +176,7 @@ def _read_back(
     source = {t.name: t for t in plan_tables(checkpoint).tensors}
     folder = None
     if d is not None:
-        [held] = [ts for ts in d.server.store.sets.values() if attachment.lease_id in ts.leases]
+        [held] = [ts for ts in d.server.store.sets.all() if attachment.lease_id in ts.leases]
         assert held.manifest is not None
         folder = sets_root(d.server.config.shm_dir) / held.manifest.copy
     for h in attachment.tensors:
@@ -220,7 +220,10 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa="per-node")
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
-        assert set(d.server.store.sets) == {(set_id, "tmpfs", 0), (set_id, "tmpfs", 1)}
+        assert {ts.key for ts in d.server.store.sets.all()} == {
+            (set_id, "tmpfs", 0),
+            (set_id, "tmpfs", 1),
+        }
         # Each copy's pages were reserved under a binding to its node, undone after.
         bound = []
         for thread in {t for t, _, _ in policies}:
@@ -244,13 +247,13 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     # (they were bound to nodes it does not keep copies for) and loads one copy.
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "the adopted copies")
-        assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.values()) == [
+        assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.all()) == [
             (0, True),
             (1, True),
         ]
     with InProcessDaemon(dataclasses.replace(config, numa="")) as d:
         wait_until(lambda: d.server.ready, 60, "the set's one copy")
-        [ts] = d.server.store.sets.values()
+        [ts] = d.server.store.sets.all()
         assert (ts.node, ts.adopted) == (None, False)
         assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [set_id]
 
@@ -279,7 +282,7 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
             first = next(e for e in call if e.WhichOneof("event") == "attached").attached
             assert _read_back(first, checkpoint, d).name == f"{set_id}-node1"
-            assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
+            assert {ts.key for ts in d.server.store.sets.all()} == {(set_id, "tmpfs", 1)}
             other, second = _attach(sock_dir / "d.sock", set_id, numa_node=0, checkpoint=checkpoint)
             assert _read_back(second, checkpoint, d).name == f"{set_id}-node0"
             other[1].cancel()
@@ -328,7 +331,7 @@ def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
             call.cancel()
         assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
         assert "differs from the worker's" in (err.details() or "")
-        assert set(d.server.store.sets) == {(set_id, "tmpfs", 1)}
+        assert {ts.key for ts in d.server.store.sets.all()} == {(set_id, "tmpfs", 1)}
 
 
 def test_per_node_on_this_one_node_host_is_one_copy(

@@ -20,11 +20,16 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, wait_until
-from engramd.shmfs import mount_of
+from engramd.api.server import admin_socket_for
+from engramd.host.shmfs import mount_of
 from engramd_client import plan_tables
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import Reason
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from helpers import reason
 
 
 def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -219,7 +224,11 @@ def test_the_cli_starts_no_thread_before_status_watch_masks_ctrl_c() -> None:
     # inherits the mask. A thread some import started earlier (numpy's BLAS pool, say)
     # would not: Ctrl-C landing there becomes a KeyboardInterrupt at a random point.
     threads = subprocess.run(
-        [sys.executable, "-c", "import os, engramd.cli; print(len(os.listdir('/proc/self/task')))"],
+        [
+            sys.executable,
+            "-c",
+            "import os, engramd.cli.commands; print(len(os.listdir('/proc/self/task')))",
+        ],
         capture_output=True,
         text=True,
         check=True,
@@ -271,6 +280,12 @@ def test_drop_refuses_a_leased_set_unless_forced(
     [s] = d.status().sets
     refused = engramd("drop", s.set_id, "--socket", str(d.socket))
     assert refused.returncode == 1 and str(w.proc.pid) in refused.stderr
+    # A refused drop says so: nothing failed to load.
+    admin = ClientConfig(socket=admin_socket_for(str(d.socket)))
+    with open_channel(admin) as ch, pytest.raises(grpc.RpcError) as refusal:
+        pb_grpc.AdminServiceStub(ch).Drop(pb.DropRequest(set_id=s.set_id), timeout=10)
+    assert refusal.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(refusal.value) == Reason.DROP_REFUSED
     forced = engramd("drop", s.set_id, "--force", "--socket", str(d.socket))
     assert forced.returncode == 0 and "1 leases ended" in forced.stdout
     # The worker keeps reading its mapping after the files are gone.

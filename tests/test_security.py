@@ -18,10 +18,10 @@ import pytest
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
-from engramd_client.layout import sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
 from helpers import RawLease, attach_error, reason
 
 GROUP = "engramd-t"

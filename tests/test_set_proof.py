@@ -26,11 +26,11 @@ import pytest
 
 from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs
 from engramd.demo.synth import SynthSpec, synthesize
-from engramd.hugeroot import remove_shm_folder
-from engramd_client.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
-from engramd_client.layout import MANIFEST_NAME, sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
+from engramd.host.hugeroot import remove_shm_folder
+from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
+from engramd_client.core.layout import MANIFEST_NAME, sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason, reference_digests
 
 GROUP = "engramd-tp"

@@ -11,27 +11,34 @@ import pytest
 
 from conftest import mounted_tmpfs
 from engramd import errors as daemon_errors
+from engramd.api.wire import set_info, tensor_handle
 from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
 from engramd.backings.memfd import SEALS
 from engramd.checksum import digest_fd
+from engramd.cli.status_view import as_dict, render
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
-from engramd.fdstore import FdStore
-from engramd.memlimit import MemoryLimit, memory_limit
-from engramd.policy import LoadPolicy
-from engramd.sdnotify import Notifier
-from engramd.status_view import as_dict, render
-from engramd.store import STATUS_LEASES, Lease, SetState, TableSet
+from engramd.host.fdstore import FdStore
+from engramd.host.memlimit import MemoryLimit, memory_limit
+from engramd.host.sdnotify import Notifier
+from engramd.sets.leases import STATUS_LEASES, Lease
+from engramd.sets.policy import LoadPolicy
+from engramd.sets.tableset import SetState, TableSet
 from engramd.text import escape
 from engramd.units import gib, parse_size
-from engramd.wire import set_info
-from engramd_client.checkpoint import SourceFile, TablePlan, plan_tables
-from engramd_client.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
-from engramd_client.errors import BY_REASON, Reason
+from engramd_client.core.checkpoint import SourceFile, TablePlan, plan_tables
+from engramd_client.core.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
+from engramd_client.core.errors import BY_REASON, Reason
+from engramd_client.core.layout import (
+    LOADING_MARK,
+    Manifest,
+    ManifestError,
+    ManifestTensor,
+    sets_root,
+)
+from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.handles import KINDS, MAPPERS
-from engramd_client.layout import LOADING_MARK, Manifest, ManifestError, ManifestTensor, sets_root
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.tables import Region
+from engramd_client.mapping import Region
 
 
 def test_sizes() -> None:
@@ -196,8 +203,9 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
     assert backing.adopt() == [manifest]
     assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
     assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
-    [handle, *_] = backing.handles(manifest, pb.HANDLE_KIND_SHM)
+    [handle, *_] = (tensor_handle(h) for h in backing.handles(manifest, pb.HANDLE_KIND_SHM))
     assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
+    assert handle.kind == pb.HANDLE_KIND_SHM
     _check_descriptors(backing, manifest, plan)
     backing.remove(plan.set_id)
     assert list(sets_root(shm_dir).iterdir()) == []
@@ -231,8 +239,9 @@ def _check_descriptors(backing: Backing, manifest: Manifest, plan: TablePlan) ->
     """Each tensor's bytes, read through the backing's read-only descriptors, are the plan's."""
     opened = dict(backing.descriptors(manifest))
     try:
-        handles = backing.handles(manifest, pb.HANDLE_KIND_FD)
+        handles = [tensor_handle(h) for h in backing.handles(manifest, pb.HANDLE_KIND_FD)]
         for handle, t in zip(handles, plan.tensors, strict=True):
+            assert handle.kind == pb.HANDLE_KIND_FD
             fd = opened[handle.fd.file]
             with open(t.file, "rb") as f:
                 f.seek(t.offset)

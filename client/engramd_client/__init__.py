@@ -15,9 +15,9 @@ daemon never loads torch.
 
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import DEFAULT_TENSORS, TablePlan, plan_tables
-from .config import ClientConfig
-from .errors import (
+from engramd_client.core.checkpoint import DEFAULT_TENSORS, TablePlan, plan_tables
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import (
     CheckpointError,
     DaemonError,
     DaemonUnavailable,
@@ -31,12 +31,12 @@ from .errors import (
     ShmCapacityError,
     UnknownSet,
 )
-from .sharding import ceil_head_rows, head_rows, head_rows_by_table
+from engramd_client.sharding import ceil_head_rows, head_rows, head_rows_by_table
 
 if TYPE_CHECKING:
-    from .binding import BindError, bind, layer_names
-    from .share import attach
-    from .tables import Tables
+    from engramd_client.binding import BindError, bind, layer_names
+    from engramd_client.share import attach
+    from engramd_client.tables import Tables
 
 __all__ = [
     "DEFAULT_TENSORS",
@@ -68,15 +68,15 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name == "attach":
-        from .share import attach
+        from engramd_client.share import attach
 
         return attach
     if name == "Tables":
-        from .tables import Tables
+        from engramd_client.tables import Tables
 
         return Tables
     if name in ("bind", "layer_names", "BindError"):
-        from . import binding
+        from engramd_client import binding
 
         return getattr(binding, name)
     raise AttributeError(f"module 'engramd_client' has no attribute {name!r}")

@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from .tables import Tables
+from engramd_client.tables import Tables
 
 #: How bind() learns which tensor goes where: {parameter name: tensor name}, or a
 #: function from a parameter (or buffer) name to a tensor name (None: not bound).

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cudadriver import (
+from engramd_client.core.cudadriver import (
     Mapped,
     call,
     device_index,
@@ -36,9 +36,9 @@ from .cudadriver import (
     make_current,
     map_handle,
 )
-from .errors import DeviceError
-from .pb import engramd_pb2 as pb
-from .tables import Region, RowRanges, torch_dtype
+from engramd_client.core.errors import DeviceError
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.mapping import Region, RowRanges, torch_dtype
 
 log = logging.getLogger("engramd_client")
 

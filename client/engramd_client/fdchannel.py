@@ -1,6 +1,6 @@
 """Collect a set's read-only descriptors from the daemon's fd channel (SCM_RIGHTS).
 
-The worker's side of engramd/fdchannel.py: one SOCK_SEQPACKET connection,
+The worker's side of engramd/api/fdchannel.py: one SOCK_SEQPACKET connection,
 one FdRequest with the lease id and the one-time secret of the Attachment,
 FdReply messages with the descriptors attached until `more` is false.
 
@@ -20,8 +20,15 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from .errors import BY_REASON, DaemonError, NotAllowed, Reason, SegmentNotVisible, ShareError
-from .pb import engramd_pb2 as pb
+from engramd_client.core.errors import (
+    BY_REASON,
+    DaemonError,
+    NotAllowed,
+    Reason,
+    SegmentNotVisible,
+    ShareError,
+)
+from engramd_client.core.pb import engramd_pb2 as pb
 
 #: The largest FdReply (names of up to 250 files).
 _MAX_REPLY_BYTES = 64 << 10

@@ -15,12 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from .config import ClientConfig
-from .errors import NotAllowed, SegmentNotVisible
-from .fdchannel import check_descriptor, collect
-from .layout import MANIFEST_NAME, ManifestError, NotOwned, open_owned, read_manifest
-from .pb import engramd_pb2 as pb
-from .tables import Region
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import NotAllowed, SegmentNotVisible
+from engramd_client.core.layout import (
+    MANIFEST_NAME,
+    ManifestError,
+    NotOwned,
+    open_owned,
+    read_manifest,
+)
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.fdchannel import check_descriptor, collect
+from engramd_client.mapping import Region
 
 FIX_NAMESPACE = (
     "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "
@@ -84,8 +90,7 @@ class PathMapper:
 
     def open(self, attachment: pb.Attachment, handle: pb.TensorHandle) -> int:
         """The file, opened read-only, once its set folder proved to be the daemon's."""
-        # engramd 0.1 sends the folder in the Attachment only.
-        folder = handle.shm.set_dir or attachment.set_dir
+        folder = handle.shm.set_dir
         if folder not in self._checked:
             self._check_folder(attachment, Path(folder))
             self._checked.add(folder)

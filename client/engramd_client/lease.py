@@ -17,19 +17,19 @@ from typing import Any
 
 import grpc
 
-from .channel import open_channel
-from .config import ClientConfig
-from .errors import (
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import (
     BY_REASON,
     REASON_KEY,
     DaemonError,
     DaemonUnavailable,
     ShareError,
 )
-from .fdchannel import collect
-from .handles import channel_path
-from .pb import engramd_pb2 as pb
-from .pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_client.fdchannel import collect
+from engramd_client.handles import channel_path
 
 log = logging.getLogger("engramd_client")
 

@@ -15,12 +15,16 @@ from pathlib import Path
 
 import torch
 
-from .channel import probe_socket
-from .checkpoint import DEFAULT_TENSORS, SourceFile, TablePlan, is_set_id, plan_tables
-from .config import CUDA_HANDLE_KINDS, ClientConfig
-from .cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
-from .cumem import import_set
-from .errors import (
+from engramd_client.core.channel import probe_socket
+from engramd_client.core.checkpoint import (
+    DEFAULT_TENSORS,
+    SourceFile,
+    TablePlan,
+    is_set_id,
+    plan_tables,
+)
+from engramd_client.core.config import CUDA_HANDLE_KINDS, ClientConfig
+from engramd_client.core.errors import (
     DaemonError,
     DaemonUnavailable,
     FingerprintMismatch,
@@ -29,13 +33,16 @@ from .errors import (
     SegmentNotVisible,
     ShareError,
 )
-from .fdchannel import FdChannelUnreachable, collect
-from .handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
-from .lease import Lease, report_fallback
-from .pb import engramd_pb2 as pb
-from .process import pid_namespace, start_ticks
-from .tables import RowRanges, Tables, check_row_names, map_fd
-from .topology import local_node
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.process import pid_namespace, start_ticks
+from engramd_client.core.topology import local_node
+from engramd_client.cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
+from engramd_client.cumem import import_set
+from engramd_client.fdchannel import FdChannelUnreachable, collect
+from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
+from engramd_client.lease import Lease, report_fallback
+from engramd_client.mapping import RowRanges, check_row_names, map_fd
+from engramd_client.tables import Tables
 
 log = logging.getLogger("engramd_client")
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 from dataclasses import replace
 
-from ..config import DaemonConfig
-from ..fdstore import FdStore
-from ..shmfs import mount_of
-from .base import Backing, BackingUnavailable, StagedSet, Usage
-from .cuda import CudaDeviceBacking, CudaHostBacking
-from .hugetlbfs import HugetlbfsBacking
-from .memfd import MemfdBacking
-from .tmpfs import TmpfsBacking
+from engramd.backings.base import Backing, BackingUnavailable, StagedSet, Usage
+from engramd.backings.cuda import CudaDeviceBacking, CudaHostBacking
+from engramd.backings.hugetlbfs import HugetlbfsBacking
+from engramd.backings.memfd import MemfdBacking
+from engramd.backings.tmpfs import TmpfsBacking
+from engramd.config import DaemonConfig
+from engramd.host.fdstore import FdStore
+from engramd.host.shmfs import mount_of
 
 #: Every backing by its name (`--backing`, status, metrics).
 BACKINGS: dict[str, type[Backing]] = {

@@ -14,14 +14,14 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import Manifest
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..config import DaemonConfig
-from ..fdstore import FdStore
-from ..pagesize import PageCensus, census
-from ..pinning import PinnedFiles
+from engramd.backings.handles import FileRange, Handle
+from engramd.config import DaemonConfig
+from engramd.host.fdstore import FdStore
+from engramd.host.pagesize import PageCensus, census
+from engramd.host.pinning import PinnedFiles
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import Manifest
+from engramd_client.core.pb import engramd_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ class Backing(ABC):
         unmaps it."""
 
     @abstractmethod
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
@@ -182,15 +182,9 @@ class Backing(ABC):
         return None
 
     @staticmethod
-    def fd_handles(manifest: Manifest) -> list[pb.TensorHandle]:
+    def fd_handles(manifest: Manifest) -> list[Handle]:
         """HANDLE_KIND_FD handles: each tensor's file (as `descriptors` names it) and range."""
         return [
-            pb.TensorHandle(
-                name=t.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                kind=pb.HANDLE_KIND_FD,
-                fd=pb.FdHandle(file=t.file, offset=t.offset, length=t.nbytes),
-            )
+            Handle(t.name, t.dtype, t.shape, FileRange(t.file, t.offset, t.nbytes))
             for t in manifest.tensors
         ]

@@ -17,7 +17,7 @@ tensor's checksum is recomputed from the allocation, and only then is the
 copy published; the daemon's own access drops to read-only then. Workers
 collect the exported descriptor on the fd channel (HANDLE_KIND_CUMEM) or
 get the fabric handle in the reply (HANDLE_KIND_CUMEM_FABRIC) and import
-it (engramd_client/cudadriver.py): no per-worker pinning.
+it (engramd_client/core/cudadriver.py): no per-worker pinning.
 
 Restarts: an allocation lives while the daemon or any worker that imported
 it holds it. A daemon that exits leaves every worker's tables mapped and
@@ -33,63 +33,46 @@ BackingUnavailable with the reason and the daemon uses tmpfs/memfd instead
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import logging
 import os
-import stat
 import threading
 from abc import abstractmethod
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from engramd_client import cudadriver
-from engramd_client.checkpoint import TablePlan
-from engramd_client.errors import DeviceError
-from engramd_client.layout import Manifest, ManifestError, copy_name, packed_offsets
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..checksum import BUFFER_BYTES, label, new_digest
-from ..config import DaemonConfig
-from ..errors import LoadFailed, ShmFull, UnknownSet
-from ..fdstore import FdStore
-from ..memlimit import check_memory, memory_limit
-from ..numa import Placement
-from ..pinning import PinnedFiles
-from ..units import gib
-from .base import Backing, BackingUnavailable, StagedSet, Usage
-from .cudaprobe import trial
+from engramd.backings.base import Backing, BackingUnavailable, StagedSet, Usage
+from engramd.backings.cudacopy import (
+    FIX_HOST,
+    TABLES,
+    Copy,
+    StagedCopy,
+    address,
+    release,
+)
+from engramd.backings.cudaprobe import trial
+from engramd.backings.handles import CuMemRange, Handle
+from engramd.checksum import BUFFER_BYTES, label, new_digest
+from engramd.config import DaemonConfig
+from engramd.errors import ShmFull, UnknownSet
+from engramd.host.fdstore import FdStore
+from engramd.host.memlimit import check_memory, memory_limit
+from engramd.host.numa import Placement
+from engramd.host.pinning import PinnedFiles
+from engramd.units import gib
+from engramd_client.core import cudadriver
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.errors import DeviceError
+from engramd_client.core.layout import Manifest, ManifestError, packed_offsets
+from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
-#: The name of a set's allocation in its handles and on the fd channel.
-TABLES = "tables"
 #: Where the driver creates IMEX channels; FABRIC handles need one.
 IMEX_CHANNELS = Path("/dev/nvidia-caps-imex-channels")
-FIX_HOST = (
-    "raise the daemon's memory limit (systemd MemoryMax=, the container's memory limit), "
-    "drop unused sets, or use --backing cuda-device:N for sets that fit in GPU memory"
-)
 
 
-@dataclass
-class _Copy:
-    """A copy's allocation: the daemon's mapping of it and its exported handles."""
-
-    mapped: cudadriver.Mapped
-    #: The POSIX file descriptor exported from the allocation, as workers get it
-    #: (read_only_handle).
-    exported: int
-    #: The FABRIC handle, or b"".
-    fabric: bytes
-    manifest: Manifest | None = None
-    #: Held while the daemon reads the allocation, and to release it.
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    released: bool = False
-
-
-class _CudaBacking(Backing):
+class CudaBackingBase(Backing):
     """What cuda-host and cuda-device share: one exported cuMem allocation per set copy."""
 
     #: The CPU reads the allocation (host memory).
@@ -118,7 +101,7 @@ class _CudaBacking(Backing):
         #: published (cudaprobe's trial); False: it stays read-write.
         self.cpu_read_only = cpu_read_only or not self.host
         self.uuid = cudadriver.device_uuid(cudadriver.make_current(device), device)
-        self._copies: dict[str, _Copy] = {}
+        self._copies: dict[str, Copy] = {}
         self._lock = threading.Lock()
 
     def host_node(self, node: int | None) -> int | None:
@@ -197,7 +180,7 @@ class _CudaBacking(Backing):
 
     def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """A mapped allocation of the set's whole size, exported; nothing hands it out yet."""
-        return _StagedCopy(self, plan, node)
+        return StagedCopy(self, plan, node)
 
     def adopt(self) -> list[Manifest]:
         """Nothing: allocations do not outlive the daemon that made them."""
@@ -240,9 +223,9 @@ class _CudaBacking(Backing):
         with self._lock:
             held = self._copies.pop(copy, None)
         if held is not None:
-            _release(held)
+            release(held)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """One CuMemHandle per tensor, all into the copy's one allocation."""
         with self._lock:
             held = self._copies.get(manifest.copy)
@@ -250,30 +233,25 @@ class _CudaBacking(Backing):
             raise UnknownSet(
                 f"set {manifest.copy} was dropped while the worker waited; attach again"
             )
-        size = held.mapped.size
         fabric = kind == pb.HANDLE_KIND_CUMEM_FABRIC
-        out = []
-        for t in manifest.tensors:
-            handle = pb.CuMemHandle(size=size, offset=t.offset, length=t.nbytes)
-            if fabric:
-                handle.fabric = held.fabric
-            else:
-                handle.file = TABLES
-            host_node = self.host_node(manifest.node)
-            if host_node is not None:
-                handle.host_numa = host_node
-            else:
-                handle.device_uuid = self.uuid
-            out.append(
-                pb.TensorHandle(
-                    name=t.name,
-                    dtype=t.dtype,
-                    shape=t.shape,
-                    kind=pb.HANDLE_KIND_CUMEM_FABRIC if fabric else pb.HANDLE_KIND_CUMEM,
-                    cumem=handle,
-                )
+        host_node = self.host_node(manifest.node)
+        return [
+            Handle(
+                t.name,
+                t.dtype,
+                t.shape,
+                CuMemRange(
+                    size=held.mapped.size,
+                    offset=t.offset,
+                    length=t.nbytes,
+                    file="" if fabric else TABLES,
+                    fabric=held.fabric if fabric else b"",
+                    host_numa=host_node,
+                    device_uuid="" if host_node is not None else self.uuid,
+                ),
             )
-        return out
+            for t in manifest.tensors
+        ]
 
     def mapped_as(self, copy: str) -> str | None:
         """None: driver mappings carry no name in numa_maps."""
@@ -288,7 +266,7 @@ class _CudaBacking(Backing):
             return [(TABLES, os.dup(held.exported))]
 
 
-class CudaHostBacking(_CudaBacking):
+class CudaHostBacking(CudaBackingBase):
     """Pinned host memory on a NUMA node, GPU-readable, shared by cuMem handle."""
 
     name: ClassVar[str] = "cuda-host"
@@ -329,7 +307,7 @@ class CudaHostBacking(_CudaBacking):
         memoryview((ctypes.c_ubyte * len(data)).from_address(pointer)).cast("B")[:] = data
 
 
-class CudaDeviceBacking(_CudaBacking):
+class CudaDeviceBacking(CudaBackingBase):
     """Memory of one GPU (--backing cuda-device:N), shared by cuMem handle."""
 
     name: ClassVar[str] = "cuda-device"
@@ -371,17 +349,12 @@ class CudaDeviceBacking(_CudaBacking):
         if buffer is None:
             buffer = self._buffers.buffer = bytearray(BUFFER_BYTES)
         cu = cudadriver.make_current(self.device)
-        cudadriver.call("cuMemcpyDtoH", cu.cuMemcpyDtoH, _address(buffer), pointer, nbytes)
+        cudadriver.call("cuMemcpyDtoH", cu.cuMemcpyDtoH, address(buffer), pointer, nbytes)
         return memoryview(buffer)[:nbytes]
 
     def _write(self, pointer: int, data: memoryview) -> None:
         cu = cudadriver.make_current(self.device)
-        cudadriver.call("cuMemcpyHtoD", cu.cuMemcpyHtoD, pointer, _address(data), len(data))
-
-
-def _address(buffer: bytearray | memoryview) -> int:
-    """The address of a writable buffer's first byte (the loader's), for the driver's copies."""
-    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+        cudadriver.call("cuMemcpyHtoD", cu.cuMemcpyHtoD, pointer, address(data), len(data))
 
 
 def device_of(backing: str) -> int:
@@ -392,122 +365,3 @@ def device_of(backing: str) -> int:
     if not index.isdigit():
         raise ValueError(f"--backing {backing}: use cuda-device:N, N a CUDA device index")
     return int(index)
-
-
-class _StagedCopy(StagedSet):
-    def __init__(self, backing: _CudaBacking, plan: TablePlan, node: int | None) -> None:
-        self._backing = backing
-        self._plan = plan
-        sizes = [t.nbytes for t in plan.tensors]
-        self._offsets, _ = packed_offsets(sizes)
-        size = max(backing.footprint(sizes), backing.page_size)
-        cu = cudadriver.make_current(backing.device)
-        prop = cudadriver.allocation_prop(
-            cu, backing.host_node(node), backing.device, backing.fabric
-        )
-        where = backing._where(node)
-        try:
-            handle = cudadriver.call(f"cuMemCreate of {gib(size)}", cu.cuMemCreate, size, prop, 0)
-        except DeviceError as e:
-            raise ShmFull(
-                f"could not allocate {gib(size)} on {where} for set {plan.set_id} ({e}); "
-                + (FIX_HOST if backing.host else "drop unused sets or free the GPU")
-            ) from None
-        self._mapped = cudadriver.map_handle(
-            cu, handle, size, backing.page_size, backing.device, backing.host, writable=True
-        )
-        self._exported = -1
-        try:
-            types = cu.CUmemAllocationHandleType
-            exported = int(
-                cudadriver.call(
-                    "cuMemExportToShareableHandle (fd)",
-                    cu.cuMemExportToShareableHandle,
-                    handle,
-                    types.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-                    0,
-                )
-            )
-            self._exported = read_only_handle(exported)
-            self._fabric = b""
-            if backing.fabric:
-                shared = cudadriver.call(
-                    "cuMemExportToShareableHandle (fabric)",
-                    cu.cuMemExportToShareableHandle,
-                    handle,
-                    types.CU_MEM_HANDLE_TYPE_FABRIC,
-                    0,
-                )
-                self._fabric = bytes(shared.data)
-        except BaseException:
-            if self._exported >= 0:
-                os.close(self._exported)
-            self._mapped.release()
-            raise
-        log.debug("set %s: %s allocated on %s", copy_name(plan.set_id, node), gib(size), where)
-
-    def placement(self, index: int) -> tuple[str, int]:
-        """Every tensor in the copy's one allocation, packed."""
-        return TABLES, self._offsets[index]
-
-    def write(self, index: int, data: memoryview, offset: int) -> None:
-        """CPU stores (host memory) or cuMemcpyHtoD (device memory)."""
-        self._backing._write(self._mapped.pointer + self._offsets[index] + offset, data)
-
-    def publish(self, manifest: Manifest) -> None:
-        """Check every tensor against its load-time checksum, drop to read-only, hand it out."""
-        backing = self._backing
-        for t in manifest.tensors:
-            found = backing._digest(self._mapped.pointer + t.offset, t.nbytes)
-            if found != t.checksum:
-                raise LoadFailed(
-                    f"tensor {t.name!r} of set {manifest.set_id} reads back from "
-                    f"{backing.name} memory as {found}, not the {t.checksum} loaded; "
-                    "the allocation is not served (a driver or hardware fault?)"
-                )
-        if backing.cpu_read_only:
-            # Refused in the trial (the backing's claim said so): the load's read-write stays.
-            cu = cudadriver.make_current(backing.device)
-            mapped = self._mapped
-            cudadriver.set_access(
-                cu, mapped.pointer, mapped.size, backing.device, backing.host, writable=False
-            )
-        with backing._lock:
-            backing._copies[manifest.copy] = _Copy(
-                self._mapped, self._exported, self._fabric, manifest
-            )
-
-    def discard(self) -> None:
-        """Release the allocation: nothing was handed out."""
-        _release(_Copy(self._mapped, self._exported, self._fabric))
-
-
-def read_only_handle(exported: int) -> int:
-    """What workers get of an exported allocation descriptor: read-only where it is a file.
-
-    A descriptor that is a file (a memfd: the simulated driver's allocations)
-    is opened again read-only, as memfd sets are, so a worker can neither map
-    it PROT_WRITE nor write through it; the read-write export is closed. A
-    real driver's handle is no such file (opening it again through /proc
-    would open the driver's device anew, not the allocation): it goes out as
-    it is, and each importer's own cuMemSetAccess decides what it may do
-    (README, "cuda-host and cuda-device").
-    """
-    if not stat.S_ISREG(os.fstat(exported).st_mode):
-        return exported
-    try:
-        # A worker could open its descriptor again through /proc/self/fd: the
-        # file's own mode (a memfd's is 0777) must refuse it writing too.
-        os.fchmod(exported, 0o400)
-        return os.open(f"/proc/self/fd/{exported}", os.O_RDONLY | os.O_CLOEXEC)
-    finally:
-        os.close(exported)
-
-
-def _release(copy: _Copy) -> None:
-    with copy.lock:
-        copy.released = True
-        os.close(copy.exported)
-        with contextlib.suppress(DeviceError):
-            # A driver already torn down (daemon exit) frees everything anyway.
-            copy.mapped.release()

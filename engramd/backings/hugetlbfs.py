@@ -24,25 +24,24 @@ import os
 import shutil
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import (
+from engramd.backings.base import StagedSet, Usage
+from engramd.backings.tmpfs import TmpfsBacking
+from engramd.config import DaemonConfig
+from engramd.errors import ShmFull, UntrustedShm
+from engramd.host.fdstore import FdStore
+from engramd.host.hugepages import MappedWriter, Pool, fs_page_size, pool
+from engramd.host.numa import Placement
+from engramd.host.shmfs import mount_of
+from engramd.units import gib
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import (
     PACKED_NAME,
     Manifest,
     packed_offsets,
     sets_root,
     trailer,
 )
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..config import DaemonConfig
-from ..errors import ShmFull, UntrustedShm
-from ..fdstore import FdStore
-from ..hugepages import MappedWriter, Pool, fs_page_size, pool
-from ..numa import Placement
-from ..shmfs import mount_of
-from ..units import gib
-from .base import StagedSet, Usage
-from .tmpfs import TmpfsBacking
+from engramd_client.core.pb import engramd_pb2 as pb
 
 
 def manifest_room(ntensors: int) -> int:

@@ -25,21 +25,21 @@ import threading
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan
-from engramd_client.layout import Manifest, ManifestError, copy_name, packed_offsets
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..checksum import digest_fd
-from ..config import DaemonConfig
-from ..errors import ShmFull
-from ..fdstore import FdStore
-from ..hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
-from ..memlimit import check_memory, memory_limit, page_size_of_memfd
-from ..numa import Placement
-from ..pinning import PinnedFiles
-from ..shmfs import shmem_enabled
-from ..units import gib
-from .base import Backing, StagedSet, Usage
+from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.backings.handles import Handle
+from engramd.checksum import digest_fd
+from engramd.config import DaemonConfig
+from engramd.errors import ShmFull
+from engramd.host.fdstore import FdStore
+from engramd.host.hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
+from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
+from engramd.host.numa import Placement
+from engramd.host.pinning import PinnedFiles
+from engramd.host.shmfs import shmem_enabled
+from engramd.units import gib
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import Manifest, ManifestError, copy_name, packed_offsets
+from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
@@ -214,7 +214,7 @@ class MemfdBacking(Backing):
         if held is not None:
             self._forget(copy, held.tables, held.manifest_fd)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """HANDLE_KIND_FD handles into the set's one memfd."""
         return self.fd_handles(manifest)
 

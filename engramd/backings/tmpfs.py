@@ -1,7 +1,7 @@
-"""Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.layout.
+"""Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.core.layout.
 
 A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages: the
-daemon mounts one over its sets root where it may (engramd.hugeroot).
+daemon mounts one over its sets root where it may (engramd.host.hugeroot).
 Sets survive a daemon restart; workers get read-only descriptors over the
 fd channel, or open the files by path (checked by owner, mode and the
 manifest's nonce) where they share the daemon's /dev/shm.
@@ -17,8 +17,19 @@ import shutil
 from pathlib import Path
 from typing import ClassVar
 
-from engramd_client.checkpoint import TablePlan, TensorEntry
-from engramd_client.layout import (
+from engramd.backings.base import Backing, StagedSet, Usage
+from engramd.backings.handles import Handle, PathRange
+from engramd.checksum import digest_fd
+from engramd.config import DaemonConfig
+from engramd.errors import ShmFull, ShmOnDisk
+from engramd.host.fdstore import FdStore
+from engramd.host.hugeroot import claim_huge_root
+from engramd.host.pinning import PinnedFiles
+from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
+from engramd.host.shmroot import claim_root
+from engramd.units import gib
+from engramd_client.core.checkpoint import TablePlan, TensorEntry
+from engramd_client.core.layout import (
     LOADING_MARK,
     MANIFEST_NAME,
     Manifest,
@@ -31,18 +42,7 @@ from engramd_client.layout import (
     sets_root,
     tensor_file_name,
 )
-from engramd_client.pb import engramd_pb2 as pb
-
-from ..checksum import digest_fd
-from ..config import DaemonConfig
-from ..errors import ShmFull, ShmOnDisk
-from ..fdstore import FdStore
-from ..hugeroot import claim_huge_root
-from ..pinning import PinnedFiles
-from ..shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
-from ..shmroot import claim_root
-from ..units import gib
-from .base import Backing, StagedSet, Usage
+from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
@@ -280,23 +280,17 @@ class TmpfsBacking(Backing):
         """Unlink the copy's folder."""
         shutil.rmtree(set_dir(self.shm_dir, copy), ignore_errors=True)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[pb.TensorHandle]:
+    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
         """Descriptors (HANDLE_KIND_FD), or paths (HANDLE_KIND_SHM) valid in the daemon's mounts."""
         if kind == pb.HANDLE_KIND_FD:
             return self.fd_handles(manifest)
         folder = set_dir(self.shm_dir, manifest.copy)
         return [
-            pb.TensorHandle(
-                name=t.name,
-                dtype=t.dtype,
-                shape=t.shape,
-                kind=pb.HANDLE_KIND_SHM,
-                shm=pb.ShmHandle(
-                    path=str(folder / t.file),
-                    offset=t.offset,
-                    length=t.nbytes,
-                    set_dir=str(folder),
-                ),
+            Handle(
+                t.name,
+                t.dtype,
+                t.shape,
+                PathRange(str(folder / t.file), t.offset, t.nbytes, str(folder)),
             )
             for t in manifest.tensors
         ]

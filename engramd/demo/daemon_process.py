@@ -1,23 +1,25 @@
-"""`engramd serve` in a child process, for the demo, the benchmark and the tests."""
+"""`engramd serve` in a child process: the demo's daemon (and the benchmark's).
+
+The tests' harness (tests/harness/daemon_process.py) adds what only tests vary.
+"""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Self
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engramd_client.channel import open_channel
-from engramd_client.config import ClientConfig
-from engramd_client.pb import engramd_pb2 as pb
-from engramd_client.pb import engramd_pb2_grpc as pb_grpc
-
-from ..config import admin_socket_for
+from engramd.config import admin_socket_for
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 START_TIMEOUT_S = 60.0
 
@@ -31,44 +33,38 @@ class DaemonProcess:
         shm_dir: Path,
         args: list[str],
         log: Path,
-        env: dict[str, str] | None = None,
-        python: list[str] | None = None,
-        pass_fds: tuple[int, ...] = (),
     ) -> None:
         self.socket = socket
         self.shm_dir = shm_dir
         self.args = args
         self.log_path = log
-        #: Variables added to the daemon's environment.
-        self.env = env or {}
-        #: The command that runs Python (this interpreter, or it under prlimit, ...).
-        self.python = python or [sys.executable]
-        #: Descriptors the daemon inherits (systemd's LISTEN_FDS, in tests).
-        self.pass_fds = pass_fds
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self, wait: str = "serving") -> DaemonProcess:
+    def command(self) -> list[str]:
+        """The daemon's command line."""
+        return [
+            sys.executable,
+            "-m",
+            "engramd",
+            "serve",
+            "--socket",
+            str(self.socket),
+            "--shm-dir",
+            str(self.shm_dir),
+            *self.args,
+        ]
+
+    def popen_options(self) -> dict[str, Any]:
+        """What `subprocess.Popen` is given besides the command and the log."""
+        # Its own session: a Ctrl-C meant for the parent must not stop it
+        # behind the parent's back; the parent stops it in order.
+        return {"start_new_session": True}
+
+    def start(self, wait: str = "serving") -> Self:
         """Start the daemon; wait until health says SERVING ("serving") or it answers ("up")."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [
-                    *self.python,
-                    "-m",
-                    "engramd",
-                    "serve",
-                    "--socket",
-                    str(self.socket),
-                    "--shm-dir",
-                    str(self.shm_dir),
-                    *self.args,
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, **self.env},
-                pass_fds=self.pass_fds,
-                # Its own session: a Ctrl-C meant for the parent must not stop
-                # it behind the parent's back; the parent stops it in order.
-                start_new_session=True,
+                self.command(), stdout=log, stderr=subprocess.STDOUT, **self.popen_options()
             )
         self._wait(serving=wait == "serving")
         return self

@@ -17,11 +17,10 @@ import time
 
 import torch
 
+from engramd.demo.child import say
+from engramd.demo.engram_hash import EngramHash, byte_rows, gather
+from engramd.demo.synth import expected_rows
 from engramd_client import Tables, attach
-
-from .child import say
-from .engram_hash import EngramHash, byte_rows, gather
-from .synth import expected_rows
 
 VOCAB = 129_280
 

@@ -19,11 +19,11 @@ from typing import Any
 
 import psutil
 
-from ..hugeroot import remove_shm_folder
-from ..units import gib
-from .child import JsonLinesChild
-from .daemon_process import DaemonProcess
-from .synth import SynthSpec, synthesize
+from engramd.demo.child import JsonLinesChild
+from engramd.demo.daemon_process import DaemonProcess
+from engramd.demo.synth import SynthSpec, synthesize
+from engramd.host.hugeroot import remove_shm_folder
+from engramd.units import gib
 
 
 class Replica(JsonLinesChild):

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engramd_client.checkpoint import DTYPES, INDEX_FILE
+from engramd_client.core.checkpoint import DTYPES, INDEX_FILE
 
 SCALE_GROUP = 32
 # Rows generated per step: bounds the temporaries to a few tens of MiB.

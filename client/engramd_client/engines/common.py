@@ -24,11 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn, Protocol
 
-from .. import errors
-from ..checkpoint import DEFAULT_TENSORS, checkpoint_files, read_header
-from ..config import ClientConfig
-from ..errors import EngramdError, SelectionRefused, ShareError
-from ..tables import RowRanges, Tables
+from engramd_client.core import errors
+from engramd_client.core.checkpoint import DEFAULT_TENSORS, checkpoint_files, read_header
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import EngramdError, SelectionRefused, ShareError
+from engramd_client.mapping import RowRanges
+from engramd_client.tables import Tables
 
 #: The selection the adapters attach with: the daemon's default (--tensors).
 SELECTION = DEFAULT_TENSORS
@@ -152,7 +153,7 @@ def check_selection(
 class Refusal:
     """Why engramd cannot serve, as it travels between ranks (picklable, plain)."""
 
-    #: The engramd_client.errors class that said it.
+    #: The engramd_client.core.errors class that said it.
     kind: str
     message: str
 
@@ -174,7 +175,7 @@ def probe(folder: str | os.PathLike[str], engine_tables: Pattern) -> None:
 
     Raises the EngramdError that says why engramd cannot serve them here.
     """
-    from ..share import attach
+    from engramd_client.share import attach
 
     check_selection(folder, engine_tables)
     # No device: an answer needs no CUDA views (ENGRAMD_DEVICE would register every row).
@@ -265,7 +266,7 @@ def attach_rows(
     `strict` None: engramd's own private fallback (exact rows, one warning)
     where this one process cannot attach after its group chose engramd.
     """
-    from ..share import attach
+    from engramd_client.share import attach
 
     return attach(
         folder, tensors=SELECTION, rows=rows, share=strict, device=device or "", labels=labels

@@ -52,9 +52,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ..tables import Tables
-from .common import (
+from engramd_client.core.errors import CheckpointError
+from engramd_client.engines.common import (
     Engine,
     UnknownEngine,
     attach_rows,
@@ -67,6 +66,7 @@ from .common import (
     share_mode,
     table_names,
 )
+from engramd_client.tables import Tables
 
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
 log = logging.getLogger("sglang.engramd")

@@ -50,10 +50,8 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
-from ..sharding import ceil_head_rows
-from ..tables import Tables
-from .common import (
+from engramd_client.core.errors import CheckpointError
+from engramd_client.engines.common import (
     Engine,
     Pattern,
     Refusal,
@@ -68,6 +66,8 @@ from .common import (
     share_mode,
     table_names,
 )
+from engramd_client.sharding import ceil_head_rows
+from engramd_client.tables import Tables
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")

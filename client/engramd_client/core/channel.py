@@ -1,0 +1,67 @@
+"""The connection to the daemon's socket, with nothing of tables or torch in it.
+
+Kept apart from the lease so `engramd status` and other command-line clients
+import in tens of milliseconds and start no thread before they choose their
+signal mask.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+
+# grpc imports its channel machinery on the first channel (~7 ms): do it with
+# the client's import, not inside a worker's first attach.
+import grpc._channel
+
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.errors import DaemonUnavailable, NotAllowed
+
+_FIX_START = "start engramd (systemctl start engramd) or point ENGRAMD_SOCKET at its socket"
+
+
+def probe_socket(path: str, timeout_s: float) -> None:
+    """Raise DaemonUnavailable unless something accepts connections at `path`.
+
+    A plain connect answers in microseconds where gRPC would wait out its
+    connect timeout, and it tells a missing socket from a refused or a
+    forbidden one.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+    except FileNotFoundError:
+        raise DaemonUnavailable(f"no engramd socket at {path}; {_FIX_START}") from None
+    except ConnectionRefusedError:
+        raise DaemonUnavailable(
+            f"nothing listens on {path} (engramd stopped?); {_FIX_START}"
+        ) from None
+    except PermissionError:
+        raise NotAllowed(
+            f"permission denied on {path}; add this worker's user to the socket's group "
+            "(engramd by default) or run it with that group"
+        ) from None
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot connect to {path}: {e}; {_FIX_START}") from None
+    finally:
+        sock.close()
+
+
+def open_channel(config: ClientConfig) -> grpc.Channel:
+    """A channel to the daemon's socket that reconnects quickly after a restart.
+
+    Server-streaming calls are read by the thread that iterates them, not by
+    a polling thread per channel.
+    """
+    return grpc.insecure_channel(
+        f"unix:{config.socket}",
+        options=[
+            ("grpc.enable_http_proxy", 0),
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
+            ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
+        ],
+    )

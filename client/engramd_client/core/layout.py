@@ -1,0 +1,297 @@
+"""The on-tmpfs layout of table sets, shared by the daemon and its workers.
+
+::
+
+    <shm_dir>/engramd/                       0750, owned by the daemon
+        <set_id>/                            a complete set; appears by rename
+            manifest.json                    written last, 0640
+            0000.bin  0001.bin  ...          one file per tensor, 0640, the
+                                             tensor's bytes at offset 0, exactly
+                                             `nbytes` long (posix_fallocate'd)
+        <set_id>/                            a packed set (hugetlbfs: no write(),
+            tables                           huge pages): every tensor in one file
+                                             at 4 KiB-aligned offsets, the manifest
+                                             and its trailer at the end of the last
+                                             huge page (TRAILER), no manifest.json
+        <set_id>-node<N>/                    a copy kept for NUMA node N
+                                             (--numa per-node): same layout
+        <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
+                                             to, removed by the next daemon
+
+manifest.json::
+
+    {"layout_version": 1, "set_id": "...", "fingerprint": "<sha256>",
+     "nonce": "<32 hex, random per load>", "checkpoint": "/abs/path",
+     "selection": "*engram.embed.*", "created": <unix time>,
+     "sources": [{"path": "/real/path/model-00001.safetensors", "dev": ..., "ino": ...,
+                  "size": ..., "mtime_ns": ..., "ctime_ns": ...}, ...],
+     "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
+                  "shape": [rows, 256], "file": "0000.bin", "offset": 0,
+                  "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...],
+     "node": N}                              only in a copy kept for node N
+
+A set folder never changes after its rename: the daemon writes everything
+under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
+and renames. A crash at any point leaves either no set folder or a complete
+one. The nonce lets a worker prove that the file it opened is the one the
+daemon described: a worker in another mount or IPC namespace sees another
+/dev/shm, where the manifest is missing or carries another nonce.
+
+Nothing here is trusted by its name alone: the daemon (adopting) and the
+worker (mapping) open every folder and file without following symlinks and
+accept it only when the daemon's user owns it and nobody else may write it.
+A folder another user made first (in /dev/shm anyone can) is never used.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from engramd_client.core.checkpoint import DTYPES, LAYOUT_VERSION, SourceFile, is_set_id
+
+#: Folder inside the shm folder that holds every set.
+ROOT_NAME = "engramd"
+MANIFEST_NAME = "manifest.json"
+LOADING_MARK = ".loading-"
+#: The one file of a packed set, and its last bytes: magic, manifest length.
+PACKED_NAME = "tables"
+TRAILER = struct.Struct("<8sQ")
+TRAILER_MAGIC = b"engramd\x01"
+#: Alignment of tensors in a packed file (a page of the smallest size).
+PACKED_ALIGN = 4096
+
+_NONCE = re.compile(r"^[0-9a-f]{32}$")
+_COPY = re.compile(r"^[0-9a-f]{20}(-node\d+)?$")
+
+
+class ManifestError(ValueError):
+    """A manifest that does not describe a complete set."""
+
+
+class NotOwned(ManifestError):
+    """A folder or file of the layout that is not the daemon's alone."""
+
+
+def _check_owner(path: Path, st: os.stat_result, owner: int) -> None:
+    if st.st_uid != owner:
+        raise NotOwned(f"{path} is owned by uid {st.st_uid}, not engramd's uid {owner}")
+    if st.st_mode & 0o022:
+        raise NotOwned(f"{path} may be written by others (mode {stat.S_IMODE(st.st_mode):04o})")
+
+
+def check_owned_dir(path: Path, owner: int) -> None:
+    """Raise NotOwned unless `path` is a real folder (no symlink) that only `owner` may change."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotOwned(f"{path} is not a folder (a symlink or a file)")
+    _check_owner(path, st, owner)
+
+
+def open_owned(path: Path, owner: int) -> int:
+    """A read-only descriptor of `path`: a regular file, no symlink, only `owner` may write it."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise NotOwned(f"{path} is a symlink") from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise NotOwned(f"{path} is not a regular file")
+        _check_owner(path, st, owner)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@dataclass(frozen=True)
+class ManifestTensor:
+    """Where one tensor of a set lies in the set's folder."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    file: str
+    offset: int
+    nbytes: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a complete set folder holds."""
+
+    set_id: str
+    fingerprint: str
+    nonce: str
+    checkpoint: str
+    selection: str
+    created: float
+    tensors: tuple[ManifestTensor, ...]
+    #: The checkpoint files as they were when loaded (none in sets of engramd 0.1.0).
+    sources: tuple[SourceFile, ...] = ()
+    layout_version: int = LAYOUT_VERSION
+    #: The NUMA node this copy is kept for (--numa per-node); None: the set's one copy.
+    node: int | None = None
+
+    @property
+    def copy(self) -> str:
+        """The name of this copy of the set in its backing (copy_name)."""
+        return copy_name(self.set_id, self.node)
+
+    @property
+    def nbytes(self) -> int:
+        """The tensors' bytes, without padding."""
+        return sum(t.nbytes for t in self.tensors)
+
+    def to_json(self) -> str:
+        """Serialize for manifest.json ("node" only in a copy kept per NUMA node)."""
+        doc = asdict(self)
+        if self.node is None:
+            del doc["node"]
+        return json.dumps(doc, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> Manifest:
+        """Parse manifest.json; raises ManifestError on anything malformed."""
+        try:
+            doc = json.loads(text)
+            if doc["layout_version"] != LAYOUT_VERSION:
+                raise ManifestError(
+                    f"layout version {doc['layout_version']}, this engramd reads {LAYOUT_VERSION}"
+                )
+            tensors = tuple(
+                ManifestTensor(
+                    name=str(t["name"]),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(int(d) for d in t["shape"]),
+                    file=str(t["file"]),
+                    offset=int(t["offset"]),
+                    nbytes=int(t["nbytes"]),
+                    checksum=str(t["checksum"]),
+                )
+                for t in doc["tensors"]
+            )
+            sources = tuple(
+                SourceFile(
+                    path=str(f["path"]),
+                    **{k: int(f[k]) for k in ("dev", "ino", "size", "mtime_ns", "ctime_ns")},
+                )
+                for f in doc.get("sources", ())
+            )
+            manifest = cls(
+                set_id=str(doc["set_id"]),
+                fingerprint=str(doc["fingerprint"]),
+                nonce=str(doc["nonce"]),
+                checkpoint=str(doc["checkpoint"]),
+                selection=str(doc["selection"]),
+                created=float(doc["created"]),
+                tensors=tensors,
+                sources=sources,
+                node=None if doc.get("node") is None else int(doc["node"]),
+            )
+        except ManifestError:
+            raise
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"malformed manifest ({e!r})") from None
+        if not is_set_id(manifest.set_id) or not _NONCE.match(manifest.nonce):
+            raise ManifestError("malformed set id or nonce")
+        for t in manifest.tensors:
+            if t.dtype not in DTYPES or Path(t.file).name != t.file or t.offset < 0:
+                raise ManifestError(f"malformed entry for tensor {t.name!r}")
+        return manifest
+
+
+def sets_root(shm_dir: str | os.PathLike[str]) -> Path:
+    """The folder that holds every set in a shm folder."""
+    return Path(shm_dir) / ROOT_NAME
+
+
+def copy_name(set_id: str, node: int | None) -> str:
+    """The name of a copy of a set: its id, and `-node<N>` for a copy kept for NUMA node N."""
+    return set_id if node is None else f"{set_id}-node{node}"
+
+
+def is_copy_name(name: str) -> bool:
+    """True for names copy_name makes."""
+    return _COPY.match(name) is not None
+
+
+def set_dir(shm_dir: str | os.PathLike[str], copy: str) -> Path:
+    """The folder of a complete copy of a set (named by copy_name)."""
+    return sets_root(shm_dir) / copy
+
+
+def tensor_file_name(index: int) -> str:
+    """The file name of the index-th tensor of a set."""
+    return f"{index:04d}.bin"
+
+
+def read_manifest(folder: Path, owner: int) -> Manifest:
+    """Read and parse the manifest of a set folder that `owner` (a uid) owns, as its manifest.
+
+    manifest.json, or for a packed set the manifest at the end of its one file.
+    """
+    check_owned_dir(folder.parent, owner)
+    check_owned_dir(folder, owner)
+    try:
+        fd = open_owned(folder / MANIFEST_NAME, owner)
+    except FileNotFoundError:
+        with open(open_owned(folder / PACKED_NAME, owner), "rb") as f:
+            return Manifest.from_json(read_trailer(f.fileno()))
+    with open(fd, "rb") as f:
+        return Manifest.from_json(f.read())
+
+
+def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """(offset of each tensor, end of the last) in a packed file: PACKED_ALIGN-aligned, in order."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(end)
+        end += -(-n // PACKED_ALIGN) * PACKED_ALIGN
+    return offsets, end
+
+
+def trailer(manifest: bytes) -> bytes:
+    """The manifest and the trailer that ends a packed file."""
+    return manifest + TRAILER.pack(TRAILER_MAGIC, len(manifest))
+
+
+def read_trailer(fd: int) -> bytes:
+    """The manifest bytes at the end of a packed file; raises ManifestError if there is none."""
+    size = os.fstat(fd).st_size
+    if size < TRAILER.size:
+        raise ManifestError("the packed file is too short for its trailer")
+    magic, length = TRAILER.unpack(os.pread(fd, TRAILER.size, size - TRAILER.size))
+    if magic != TRAILER_MAGIC or length > size - TRAILER.size:
+        raise ManifestError("the packed file has no manifest (an interrupted load?)")
+    return os.pread(fd, length, size - TRAILER.size - length)
+
+
+def check_complete(folder: Path, manifest: Manifest, owner: int) -> None:
+    """Raise ManifestError unless every tensor file is there, `owner`'s, at its full size."""
+    if manifest.copy != folder.name:
+        raise ManifestError(f"manifest names copy {manifest.copy}, folder is {folder.name}")
+    for t in manifest.tensors:
+        try:
+            fd = open_owned(folder / t.file, owner)
+        except OSError as e:
+            raise ManifestError(f"tensor {t.name!r}: {t.file}: {e.strerror}") from None
+        try:
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        if size < t.offset + t.nbytes:
+            raise ManifestError(
+                f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says at least "
+                f"{t.offset + t.nbytes}"
+            )

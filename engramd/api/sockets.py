@@ -1,0 +1,216 @@
+"""The daemon's sockets: claimed and secured, and the worker socket's defences.
+
+grpcio shows no peer credentials, so the worker socket is defended by what
+every connection costs: idle connections end, all of them together stay below
+the open-files limit, Health's endless Watch is not served, and a call's
+request must arrive whole within a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import grp
+import inspect
+import logging
+import os
+import resource
+import socket
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from engramd.config import DaemonConfig
+
+log = logging.getLogger("engramd")
+
+#: Fewest connections the worker socket is given when --fd-reserve leaves fewer.
+MIN_WORKER_CONNECTIONS = 64
+#: The longest a call on the worker socket may take to send its request (shorter
+#: where --idle-timeout is): engramd_client sends its small requests at once.
+REQUEST_TIMEOUT_S = 5.0
+
+
+def group_id(name: str) -> int | None:
+    """The gid of group `name`; None (with a warning) when there is none."""
+    if not name:
+        return None
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        log.warning(
+            "group %r does not exist: the socket and the sets keep the daemon's group; "
+            "create it (deploy/systemd/engramd.sysusers.conf) or set --socket-group",
+            name,
+        )
+        return None
+
+
+def secure(path: str, mode: int, gid: int | None) -> None:
+    """Give `path` `mode` and, where given, group `gid`."""
+    os.chmod(path, mode)
+    if gid is not None:
+        os.chown(path, -1, gid)
+
+
+def claim_socket(path: str, gid: int | None) -> None:
+    """Make the socket's folder (0750) and remove a stale socket; refuse if a daemon answers."""
+    folder = Path(path).parent
+    if not folder.exists():
+        folder.mkdir(mode=0o750, parents=True)
+        secure(str(folder), 0o750, gid)
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno == errno.ECONNREFUSED:
+            log.info("removing stale socket %s", path)
+            os.unlink(path)
+            return
+        # EPROTOTYPE: a live socket of another type (the fd channel is SOCK_SEQPACKET).
+        if e.errno != errno.EPROTOTYPE:
+            raise
+    finally:
+        probe.close()
+    raise RuntimeError(f"another engramd is serving on {path}; stop it first or choose --socket")
+
+
+def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
+    """gRPC options of the worker socket: idle connections end, and leave descriptors over.
+
+    grpcio shows no peer credentials, so no cap per peer is possible there:
+    a connection that never finishes its handshake, or has no call in flight,
+    is closed after `idle_timeout_s` (a lease's open stream is a call, so
+    attached workers are never idle), and all the socket's connections
+    together stay `fd_reserve` below the soft limit on open files: the admin
+    socket, the fd channel and the sets' files keep theirs.
+    """
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    connections = soft - config.fd_reserve
+    if connections < MIN_WORKER_CONNECTIONS:
+        connections = max(soft // 2, 1)
+        log.warning(
+            "the open files limit (%d) leaves no room for --fd-reserve %d; the worker socket "
+            "takes at most %d connections (raise LimitNOFILE=)",
+            soft,
+            config.fd_reserve,
+            connections,
+        )
+    idle_ms = max(int(config.idle_timeout_s * 1000), 1)
+    return [
+        ("grpc.max_connection_idle_ms", idle_ms),
+        ("grpc.server_handshake_timeout_ms", idle_ms),
+        ("grpc.max_allowed_incoming_connections", connections),
+    ]
+
+
+class HealthCheckOnly(health_pb2_grpc.HealthServicer):
+    """Health for the worker socket: Check only.
+
+    A Watch stream is a call that never ends, so a connection holding one is
+    never idle: any member of the socket group could hold every connection
+    the socket allows. Probes that watch use --health-port or the admin socket.
+    """
+
+    def __init__(self, health: health_aio.HealthServicer) -> None:
+        self._health = health
+
+    async def Check(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> health_pb2.HealthCheckResponse:
+        """The serving status, as the daemon's one HealthServicer holds it."""
+        return await self._health.Check(request, context)
+
+    async def Watch(
+        self, request: health_pb2.HealthCheckRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        """Refused: see the class."""
+        await context.abort(
+            grpc.StatusCode.UNIMPLEMENTED,
+            "Health/Watch is not served on engramd's worker socket (a held stream keeps a "
+            "connection from ever idling); use Health/Check, --health-port, or the admin socket",
+        )
+
+
+class RequestDeadline(grpc.aio.ServerInterceptor):
+    """Cancels a call whose request message has not arrived whole within `seconds`.
+
+    grpcio runs a unary-request handler only once its message is complete,
+    and nothing ends a call whose client stops halfway: the connection holds
+    a call, so it never idles. The worker socket's methods are served as
+    request-streaming ones instead (the same messages on the wire), so the
+    handler runs at once and waits for the request under this deadline. What
+    comes after the request (a lease's stream) is not limited.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self._seconds = seconds
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        """The method's handler, reading its one request under the deadline."""
+        handler = await continuation(details)
+        if handler is None or handler.request_streaming:
+            return handler
+        first = functools.partial(_first_request, self._seconds)
+        if handler.unary_unary is not None:
+            unary = handler.unary_unary
+
+            async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await unary(await first(context), context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                stream_unary, handler.request_deserializer, handler.response_serializer
+            )
+        stream = handler.unary_stream
+        if stream is None or not inspect.isasyncgenfunction(stream):
+            # Handlers that stream with context.write (health's Watch): only where
+            # probes connect, never on the worker socket.
+            return handler
+
+        async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            async for reply in stream(await first(context), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(
+            stream_stream, handler.request_deserializer, handler.response_serializer
+        )
+
+
+async def _first_request(seconds: float, context: grpc.aio.ServicerContext) -> Any:
+    """A call's one request message, read within `seconds`; aborts the call otherwise."""
+    try:
+        request = await asyncio.wait_for(context.read(), seconds)
+    except TimeoutError:
+        await context.abort(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"the request did not arrive whole within {seconds:g} s of the call's start; "
+            "send it at once (engramd_client does)",
+        )
+    if request is grpc.aio.EOF:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request message")
+    return request
+
+
+def raise_fd_limit() -> int:
+    """Raise the soft limit on open files to the hard one; returns the new soft limit.
+
+    Every connection holds a descriptor: at the usual soft limit of 1024, a
+    thousand idle connects from one local user would leave no descriptor
+    for status or attaches (systemd: LimitNOFILE= sets the hard limit).
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        log.info("open files limit raised from %d to %d", soft, hard)
+    return hard

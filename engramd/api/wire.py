@@ -1,0 +1,202 @@
+"""The daemon's state as engramd.v1 messages: sets, leases, progress, status."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engramd import __version__
+from engramd.backings.handles import CuMemRange, FileRange, Handle, PathRange
+from engramd.sets.leases import STATUS_LEASES, Lease
+from engramd.sets.store import SetStore
+from engramd.sets.tableset import TableSet
+from engramd_client.core.layout import Manifest
+from engramd_client.core.pb import engramd_pb2 as pb
+
+#: How often a caller waiting for a load hears about its progress.
+PROGRESS_INTERVAL_S = 0.25
+
+
+async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
+    """The set's load progress, four times a second, until the load ends (ready or failed)."""
+    while not ts.done.is_set():
+        yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+
+
+def source_files(manifest: Manifest) -> list[pb.SourceFile]:
+    """The checkpoint files a set was loaded from, as they were then."""
+    return [
+        pb.SourceFile(
+            path=f.path,
+            dev=f.dev,
+            ino=f.ino,
+            size=f.size,
+            mtime_ns=f.mtime_ns,
+            ctime_ns=f.ctime_ns,
+        )
+        for f in manifest.sources
+    ]
+
+
+def tensor_handle(handle: Handle) -> pb.TensorHandle:
+    """A backing's description of a tensor's bytes as the wire's handle (its kind from its form)."""
+    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape)
+    where = handle.where
+    if isinstance(where, PathRange):
+        out.kind = pb.HANDLE_KIND_SHM
+        out.shm.CopyFrom(
+            pb.ShmHandle(
+                path=where.path, offset=where.offset, length=where.length, set_dir=where.set_dir
+            )
+        )
+    elif isinstance(where, FileRange):
+        out.kind = pb.HANDLE_KIND_FD
+        out.fd.CopyFrom(pb.FdHandle(file=where.file, offset=where.offset, length=where.length))
+    else:
+        out.kind = pb.HANDLE_KIND_CUMEM_FABRIC if where.fabric else pb.HANDLE_KIND_CUMEM
+        out.cumem.CopyFrom(_cumem(where))
+    return out
+
+
+def _cumem(where: CuMemRange) -> pb.CuMemHandle:
+    out = pb.CuMemHandle(
+        file=where.file,
+        fabric=where.fabric,
+        size=where.size,
+        offset=where.offset,
+        length=where.length,
+    )
+    if where.host_numa is not None:
+        out.host_numa = where.host_numa
+    else:
+        out.device_uuid = where.device_uuid
+    return out
+
+
+def attachment(
+    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None
+) -> pb.Attachment:
+    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used)."""
+    assert ts.manifest is not None
+    out = pb.Attachment(
+        set_id=ts.set_id,
+        fingerprint=ts.fingerprint,
+        nonce=ts.manifest.nonce,
+        lease_id=lease.lease_id,
+        sources=source_files(ts.manifest),
+        tensors=[tensor_handle(h) for h in handles],
+        gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+    )
+    if fd_socket is not None:
+        out.fd_channel.socket = fd_socket
+        out.fd_channel.secret = lease.fd_secret
+    return out
+
+
+def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
+    """A set and (at most STATUS_LEASES of) its leases."""
+    now = time.monotonic() if now is None else now
+    return pb.SetInfo(
+        set_id=ts.set_id,
+        checkpoint=ts.checkpoint,
+        fingerprint=ts.fingerprint,
+        bytes=ts.nbytes,
+        backing=ts.backing.name,
+        state=ts.state.value,
+        bytes_loaded=ts.bytes_loaded,
+        adopted=ts.adopted,
+        locked=ts.locked,
+        error=str(ts.error) if ts.error else "",
+        tensors=ts.ntensors,
+        load_seconds=ts.load_seconds,
+        leases=[
+            pb.LeaseInfo(
+                lease_id=lease.lease_id,
+                pid=lease.pid,
+                labels=lease.labels,
+                attached_s=now - lease.started,
+                stale=lease.stale,
+                pid_verified=lease.pid_verified,
+                kind=lease.kind,  # type: ignore[arg-type]
+                device=lease.device,
+                gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+                uid=lease.uid,
+            )
+            for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
+        ],
+        lease_count=len(ts.leases),
+        page_size=ts.backing.page_size if ts.pages is None else ts.pages.page_size,
+        bytes_per_node=ts.nodes,
+        numa_node=ts.node,
+        huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
+    )
+
+
+def _withheld(ts: TableSet) -> pb.SetInfo:
+    """A set as a caller that may not learn its id or checkpoint sees it: size and state."""
+    return pb.SetInfo(
+        bytes=ts.nbytes,
+        backing=ts.backing.name,
+        state=ts.state.value,
+        bytes_loaded=ts.bytes_loaded,
+        tensors=ts.ntensors,
+        lease_count=len(ts.leases),
+        page_size=ts.backing.page_size,
+    )
+
+
+def status_reply(
+    store: SetStore,
+    socket: str,
+    uptime_s: float,
+    ready: bool,
+    writable_gpu_mappings: bool = False,
+    shown: Callable[[TableSet], bool] | None = None,
+) -> pb.StatusReply:
+    """What the node holds; sets that `shown` refuses are listed without id, path or leases."""
+    usages = [(b, b.usage()) for b in store.backings]
+    u = usages[0][1]
+    now = time.monotonic()
+    return pb.StatusReply(
+        daemon=pb.DaemonInfo(
+            version=__version__,
+            pid=os.getpid(),
+            uptime_s=uptime_s,
+            socket=socket,
+            ready=ready,
+            writable_gpu_mappings=writable_gpu_mappings,
+        ),
+        shm=pb.ShmInfo(
+            dir=u.where,
+            total_bytes=u.total,
+            used_bytes=u.used,
+            free_bytes=u.free,
+            huge_pages=u.page_size > 4096,
+            page_size=u.page_size,
+        ),
+        sets=[
+            set_info(ts, now) if shown is None or shown(ts) else _withheld(ts)
+            for ts in store.sets.all()
+        ],
+        backings=[
+            pb.BackingInfo(
+                name=b.name,
+                where=bu.where,
+                total_bytes=bu.total,
+                used_bytes=bu.used,
+                free_bytes=bu.free,
+                page_size=bu.page_size,
+                survives_restart=b.survives_restart,
+                stands_in_for=b.stands_in_for,
+                reason=b.reason,
+                small_pages_reason=b.small_pages_reason,
+            )
+            for b, bu in usages
+        ],
+    )

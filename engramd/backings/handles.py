@@ -1,0 +1,56 @@
+"""What a backing hands out for each tensor, as plain data.
+
+Backings describe where a tensor's bytes are; engramd/api/wire.py alone turns
+a description into the wire's `TensorHandle` (its kind follows from the form).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PathRange:
+    """HANDLE_KIND_SHM: bytes of a file the worker opens by path, in the set's folder."""
+
+    path: str
+    offset: int
+    length: int
+    set_dir: str
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """HANDLE_KIND_FD: bytes of a file whose descriptor the worker collects on the fd channel."""
+
+    #: The descriptor's name in the FdReply.
+    file: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class CuMemRange:
+    """HANDLE_KIND_CUMEM (`file`) or _FABRIC (`fabric`): bytes of one cuMem allocation."""
+
+    #: The allocation's size: what the worker reserves and maps.
+    size: int
+    offset: int
+    length: int
+    #: The FdReply descriptor of the allocation ("" for a FABRIC handle).
+    file: str = ""
+    #: The allocation's CUmemFabricHandle (empty for a descriptor).
+    fabric: bytes = b""
+    #: Pinned host memory on this NUMA node; None: device memory of `device_uuid`.
+    host_numa: int | None = None
+    device_uuid: str = ""
+
+
+@dataclass(frozen=True)
+class Handle:
+    """One tensor of a set and where a worker finds its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    where: PathRange | FileRange | CuMemRange

@@ -1,0 +1,235 @@
+"""The `engramd` command: serve (serve.py), status, load, drop, verify, synth, demo."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from engramd import __version__
+from engramd.cli.logs import setup_logging
+from engramd.cli.options import AdminSocket, Socket
+from engramd.cli.serve import serve
+from engramd.config import admin_socket_for
+from engramd_client.core.checkpoint import DEFAULT_TENSORS
+from engramd_client.core.config import DEFAULT_SOCKET
+
+if TYPE_CHECKING:
+    import grpc
+
+# Each command imports what it needs inside it: the daemon's modules (asyncio,
+# gRPC's server, the backings) cost `serve` nothing it does not use, and cost
+# `status`, `--help` and a daemon restart's argument parsing nothing at all.
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="One copy of the Engram tables per node, shared by every worker.",
+)
+app.command()(serve)
+
+
+def _columns() -> int:
+    """The terminal's width for status tables; 0 (as wide as needed) when not a terminal."""
+    import shutil
+
+    return shutil.get_terminal_size().columns if sys.stdout.isatty() else 0
+
+
+def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
+    typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
+    return typer.Exit(1)
+
+
+@app.command()
+def status(
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="Refresh in place until Ctrl-C.")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+) -> None:
+    """Show what the node holds: shm folder, sets, leases, memory saved.
+
+    Asked on the admin socket where this user may open it (it answers while
+    idle connections fill the worker socket), else on the worker socket.
+    """
+    if watch:
+        # Ctrl-C is taken between frames only: a signal that lands inside
+        # gRPC's channel machinery (even one a Python handler merely records)
+        # can hang the process. Blocked before any import or channel, so every
+        # thread inherits the mask and SIGINT stays pending until sigtimedwait
+        # takes it; a thread started earlier would take it as KeyboardInterrupt.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    import grpc
+
+    from engramd.cli.status_view import as_dict, fetch, render
+
+    admin = admin_socket or admin_socket_for(socket)
+    if not watch:
+        try:
+            reply = fetch(socket, admin)
+        except grpc.RpcError as e:
+            raise _unanswered(socket, e) from None
+        typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
+        return
+    while True:
+        try:
+            text = render(fetch(socket, admin), _columns())
+        except grpc.RpcError as e:
+            text = f"engramd is not answering on {socket}: {e.details()}"
+        # Home the cursor and clear, so the table redraws in place (written
+        # directly: typer.echo strips escape codes when not on a terminal).
+        sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
+        sys.stdout.flush()
+        if signal.sigtimedwait({signal.SIGINT}, interval) is not None:
+            return
+
+
+def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
+    from engramd_client.core.channel import open_channel
+    from engramd_client.core.config import ClientConfig
+    from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+
+    path = admin_socket or admin_socket_for(socket)
+    channel = open_channel(ClientConfig(socket=path))
+    return pb_grpc.AdminServiceStub(channel), path
+
+
+@app.command()
+def load(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder, as the daemon sees it.")],
+    tensors: str = DEFAULT_TENSORS,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Load a checkpoint's tables into the daemon, with a progress bar."""
+    import grpc
+
+    from engramd.cli.load_view import load_bar
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
+
+    stub, _ = _admin(socket, admin_socket)
+    with load_bar() as progress:
+        task = progress.add_task("load")
+        try:
+            for event in stub.Load(
+                pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
+            ):
+                if event.WhichOneof("event") == "progress":
+                    p = event.progress
+                    progress.update(task, completed=p.bytes_done, total=p.bytes_total)
+                else:
+                    s = event.ready
+                    progress.update(task, completed=s.bytes, total=s.bytes)
+                    progress.stop()
+                    typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
+        except grpc.RpcError as e:
+            progress.stop()
+            typer.echo(f"load failed: {e.details()}", err=True)
+            raise typer.Exit(1) from None
+
+
+@app.command()
+def drop(
+    set_id: str,
+    force: Annotated[bool, typer.Option(help="Drop even while workers hold leases.")] = False,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Remove a set from shared memory (workers that map it keep their mapping)."""
+    import grpc
+
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
+
+    stub, _ = _admin(socket, admin_socket)
+    try:
+        reply = stub.Drop(pb.DropRequest(set_id=set_id, force=force), timeout=30)
+    except grpc.RpcError as e:
+        typer.echo(f"drop failed: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    typer.echo(f"dropped set {set_id}: {gib(reply.bytes)}, {reply.leases} leases ended")
+
+
+@app.command()
+def verify(
+    set_id: str,
+    socket: Socket = DEFAULT_SOCKET,
+    admin_socket: AdminSocket = "",
+) -> None:
+    """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    import grpc
+
+    from engramd.units import gib
+    from engramd_client.core.pb import engramd_pb2 as pb
+
+    stub, _ = _admin(socket, admin_socket)
+    try:
+        reply = stub.Verify(pb.VerifyRequest(set_id=set_id))
+    except grpc.RpcError as e:
+        typer.echo(f"verify failed: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    if reply.corrupted:
+        for name in reply.corrupted:
+            typer.echo(f"corrupted: {name}")
+        typer.echo(
+            f"set {set_id}: {len(reply.corrupted)} of {reply.tensors} tensors differ "
+            "from their checksums; drop the set and load it again",
+            err=True,
+        )
+        raise typer.Exit(1)
+    typer.echo(f"set {set_id}: all {reply.tensors} tensors match ({gib(reply.bytes)})")
+
+
+@app.command()
+def synth(
+    out: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
+    layers: int = 2,
+    rows: Annotated[int, typer.Option(help="Rows per Engram table.")] = 1_000_000,
+    dim: int = 256,
+    shards: int = 2,
+    seed: int = 0,
+) -> None:
+    """Write a synthetic Engram checkpoint (fp8 tables with e8m0 scales) with safetensors."""
+    from engramd.demo.synth import SynthSpec, synthesize
+
+    spec = SynthSpec(layers=layers, rows=rows, dim=dim, shards=shards, seed=seed)
+    synthesize(out, spec)
+    typer.echo(f"wrote {out}: {layers} Engram layers, {spec.table_bytes / 2**30:.2f} GiB of tables")
+
+
+@app.command()
+def demo(
+    rows: Annotated[
+        int, typer.Option(help="Rows per Engram table (default: about 1 GiB).")
+    ] = 2_000_000,
+    replicas: int = 4,
+    steps: Annotated[int, typer.Option(help="Lookup steps per replica.")] = 20,
+    tokens: Annotated[int, typer.Option(help="Tokens per step.")] = 4096,
+    workdir: Annotated[Path | None, typer.Option(help="Where to write the checkpoint.")] = None,
+) -> None:
+    """Show the point in one command: N replicas share one copy; one private for comparison."""
+    from engramd.demo.run import run_demo
+
+    setup_logging("warning")
+    raise typer.Exit(
+        run_demo(rows=rows, replicas=replicas, steps=steps, tokens=tokens, workdir=workdir)
+    )
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    typer.echo(__version__)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

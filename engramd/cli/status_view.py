@@ -1,0 +1,253 @@
+"""`engramd status`: ask the daemon what the node holds, print it for people or scripts."""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from engramd.text import escape
+from engramd.units import gib
+from engramd_client.core.channel import open_channel
+from engramd_client.core.config import ClientConfig
+from engramd_client.core.layout import copy_name
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+
+#: How long `engramd status` waits for the daemon.
+STATUS_TIMEOUT_S = 2.0
+#: Columns when the width is not bounded: tables then take their natural width.
+_UNBOUNDED = 10_000
+
+
+def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
+    """The daemon's StatusReply; raises grpc.RpcError when it does not answer.
+
+    Asked on `admin_socket` where this process may open it (its descriptors
+    are kept apart from the worker socket's, which idle peers may fill), else,
+    or where it does not answer (a daemon without it), on `socket`.
+    """
+    if admin_socket and os.access(admin_socket, os.R_OK | os.W_OK):
+        try:
+            with open_channel(ClientConfig(socket=admin_socket)) as ch:
+                answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
+                    pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+                )
+                return answer
+        except grpc.RpcError:
+            pass
+    with open_channel(ClientConfig(socket=socket)) as ch:
+        reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
+            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+        )
+        return reply
+
+
+def saved_bytes(s: pb.SetInfo) -> int:
+    """Host memory that one shared copy saves against a private copy per lease."""
+    return s.bytes * max(s.lease_count - 1, 0)
+
+
+def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    """The reply as plain JSON types, field names as in the proto, every field present."""
+    doc = MessageToDict(
+        reply, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+    )
+    # JSON has no 64-bit integers, so protobuf's mapping writes them as
+    # strings; byte counts are far below 2**53, so give scripts numbers.
+    for section in (doc["shm"], *doc["sets"], *doc["backings"]):
+        for key, value in section.items():
+            if key.endswith("bytes") or key in ("bytes_loaded", "page_size"):
+                section[key] = int(value)
+    for s, info in zip(doc["sets"], reply.sets, strict=True):
+        s["saved_bytes"] = saved_bytes(info)
+    doc["saved_bytes"] = sum(saved_bytes(s) for s in reply.sets)
+    return doc
+
+
+def _pages(size: int) -> str:
+    if not size:
+        return "-"  # a daemon older than the field
+    for shift, unit in ((30, "GiB"), (20, "MiB")):
+        if size >= 1 << shift:
+            return f"{size >> shift} {unit}"
+    return f"{size >> 10} KiB"
+
+
+def _set_pages(s: pb.SetInfo) -> str:
+    """The page size backing most of the set, and the share on huge pages where measured."""
+    if not s.HasField("huge_page_bytes") or not s.huge_page_bytes:
+        return _pages(s.page_size)
+    share = 100 * s.huge_page_bytes // max(s.bytes, 1)
+    return f"{_pages(s.page_size)} ({min(share, 100)}% huge)"
+
+
+def _backings(reply: pb.StatusReply) -> Table:
+    table = Table("BACKING", "WHERE", "USED", "FREE", "TOTAL", "PAGES", "SETS", box=box.SIMPLE)
+    if not reply.backings:  # a daemon older than the backings field
+        shm = reply.shm
+        page = shm.page_size or (2 << 20 if shm.huge_pages else 4096)
+        table.add_row("shm", Text(escape(shm.dir)), *_sizes(shm), _pages(page), "survive a restart")
+    for b in reply.backings:
+        kept = (
+            "survive a daemon restart" if b.survives_restart else "do not survive a daemon restart"
+        )
+        table.add_row(b.name, Text(escape(b.where)), *_sizes(b), _pages(b.page_size), kept)
+    for column in table.columns[2:6]:
+        column.justify = "right"
+    return _whole(table)
+
+
+def _stand_ins(reply: pb.StatusReply) -> list[tuple[str, str, list[str]]]:
+    """(backing asked for, why it cannot be used, the backings standing in) per such backing."""
+    found: dict[tuple[str, str], list[str]] = {}
+    for b in reply.backings:
+        if b.stands_in_for:
+            found.setdefault((b.stands_in_for, b.reason), []).append(b.name)
+    return [(asked, reason, names) for (asked, reason), names in found.items()]
+
+
+def _sizes(b: pb.BackingInfo | pb.ShmInfo) -> tuple[str, str, str]:
+    return gib(b.used_bytes), gib(b.free_bytes), gib(b.total_bytes)
+
+
+_KIND = {
+    pb.HANDLE_KIND_FD: "fd",
+    pb.HANDLE_KIND_SHM: "path",
+    pb.HANDLE_KIND_CUMEM: "cumem",
+    pb.HANDLE_KIND_CUMEM_FABRIC: "fabric",
+}
+#: How a lease's worker reads the set on its device, after the device's name.
+_ROUTE = {
+    pb.GPU_ROUTE_UNSPECIFIED: "",
+    pb.GPU_ROUTE_CUMEM_IMPORT: " cumem import",
+    pb.GPU_ROUTE_REGISTER_READ_ONLY: " registered read-only",
+    pb.GPU_ROUTE_HOST_PAGE_TABLES: " host page tables",
+    pb.GPU_ROUTE_REGISTER_WRITABLE: " registered writable!",
+}
+
+
+def _sets(reply: pb.StatusReply) -> Table:
+    table = Table(
+        "SET",
+        "STATE",
+        "BACKING",
+        "PAGES",
+        "BYTES",
+        "LOADED",
+        "LOCKED",
+        "LEASES",
+        "CHECKPOINT",
+        box=box.SIMPLE,
+    )
+    for column in table.columns[3:8]:
+        column.justify = "right"
+    table.columns[0].min_width = len("0" * 20 + "-node0")
+    for s in reply.sets:
+        table.add_row(
+            copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None),
+            s.state + ("*" if s.adopted else ""),
+            s.backing,
+            _set_pages(s),
+            gib(s.bytes),
+            f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
+            "yes" if s.locked else "no",
+            str(s.lease_count),
+            Text(escape(s.checkpoint)),
+        )
+        if s.error:
+            table.add_row("", Text(f"error: {escape(s.error)}", style="red"), end_section=True)
+    return _whole(table)
+
+
+def _leases(reply: pb.StatusReply) -> Table:
+    table = Table("SET", "LEASE", "PID", "UID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
+    for s in reply.sets:
+        for lease in s.leases:
+            labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
+            marks = ("" if lease.pid_verified else "unverified pid  ") + (
+                "STALE: maps an earlier copy" if lease.stale else ""
+            )
+            table.add_row(
+                s.set_id,
+                lease.lease_id,
+                str(lease.pid),
+                str(lease.uid) if lease.HasField("uid") else "?",
+                _KIND.get(lease.kind, "?"),
+                lease.device + _ROUTE.get(lease.gpu_route, " ?") if lease.device else "cpu",
+                Text(escape(labels)),
+                Text(marks, style="yellow"),
+            )
+        if s.lease_count > len(s.leases):
+            table.add_row(s.set_id, f"... and {s.lease_count - len(s.leases)} more leases")
+    table.columns[0].min_width = 20
+    return _whole(table)
+
+
+def _whole(table: Table) -> Table:
+    # A narrow terminal folds a cell onto more lines; it never cuts an id or a path short.
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
+def render(reply: pb.StatusReply, width: int = 0) -> str:
+    """A readable summary of the node: rich tables, `width` columns wide (0: as wide as needed).
+
+    Text from outside (paths, labels, errors) is escaped, never read as markup.
+    """
+    d = reply.daemon
+    parts: list[RenderableType] = [
+        Text(
+            f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
+            f"{'ready' if d.ready else 'not ready'}"
+        ),
+        _backings(reply),
+    ]
+    if d.writable_gpu_mappings:
+        parts.append(
+            Text(
+                "--allow-writable-gpu-mappings: workers whose GPU cannot register read-only "
+                "memory map tmpfs sets writable (leases marked 'writable!'), and any of them "
+                "could change the one copy every worker reads; `engramd verify SET` finds it",
+                style="yellow",
+            )
+        )
+    for asked, reason, instead in _stand_ins(reply):
+        parts.append(
+            Text(
+                f"--backing {asked} cannot be used here: {reason}; {'/'.join(instead)} "
+                f"{'stands' if len(instead) == 1 else 'stand'} in for it, and workers with a "
+                "device register their own mapping",
+                style="yellow",
+            )
+        )
+    for b in reply.backings:
+        if b.small_pages_reason:
+            parts.append(Text(escape(b.small_pages_reason), style="yellow"))
+    parts.append(_sets(reply) if reply.sets else Text("no sets"))
+    if any(s.leases for s in reply.sets):
+        parts.append(_leases(reply))
+    if any(s.adopted for s in reply.sets):
+        parts.append(Text("(* adopted from an earlier daemon without reloading)"))
+    if any(lease.stale for s in reply.sets for lease in s.leases):
+        parts.append(
+            Text(
+                "(STALE: the set was loaded again, after a drop or a restart that did not keep "
+                "it; those workers still read their earlier copy until they call "
+                "Tables.refresh())"
+            )
+        )
+    total = sum(saved_bytes(s) for s in reply.sets)
+    parts.append(Text(f"host memory saved versus a private copy per lease: {gib(total)}"))
+    out = io.StringIO()
+    console = Console(file=out, width=width or _UNBOUNDED, color_system=None, highlight=False)
+    console.print(Group(*parts))
+    return "\n".join(line.rstrip() for line in out.getvalue().splitlines())

@@ -1,0 +1,87 @@
+"""Admission: whether a set may be loaded, where (which backing), and what to evict first.
+
+The memory budget (--memory-budget), eviction of idle sets (--evict-idle) and
+each backing's own capacity are judged here, before a byte is copied.
+"""
+
+from __future__ import annotations
+
+import time
+
+from engramd.backings import Backing
+from engramd.errors import BudgetExceeded, ShmFull
+from engramd.sets.registry import SetRegistry
+from engramd.sets.tableset import SetState, TableSet
+from engramd.units import gib
+
+
+class Admission:
+    """Places sets in the first backing that holds them, within the memory budget."""
+
+    def __init__(
+        self, backings: list[Backing], sets: SetRegistry, budget: int = 0, evict_idle: bool = False
+    ) -> None:
+        self._backings = backings
+        self._sets = sets
+        self._budget = budget
+        self._evict_idle = evict_idle
+
+    def needed(self, sizes: list[int]) -> int:
+        """The most any backing would take for tensors of these sizes."""
+        return max(b.footprint(sizes) for b in self._backings)
+
+    def victims(self, needed: int, what: str) -> list[TableSet]:
+        """The idle sets to evict so that `needed` more bytes fit the budget; raises if none do."""
+        if not self._budget:
+            return []
+        held = sum(self.reserved(ts) for ts in self._sets.all() if ts.state is not SetState.FAILED)
+        victims: list[TableSet] = []
+        if held + needed > self._budget and self._evict_idle:
+            now = time.monotonic()
+            idle = sorted(
+                (
+                    ts
+                    for ts in self._sets.all()
+                    if ts.state is SetState.READY and not ts.leases and ts.idle_after <= now
+                ),
+                key=lambda ts: ts.last_used,
+            )
+            for ts in idle:
+                if held + needed <= self._budget:
+                    break
+                victims.append(ts)
+                held -= self.reserved(ts)
+        if held + needed > self._budget:
+            raise BudgetExceeded(
+                f"{what} needs {gib(needed)}, the daemon holds {gib(held)} of its "
+                f"{gib(self._budget)} memory budget; drop a set (engramd drop), raise "
+                "--memory-budget, or let idle sets be evicted (--evict-idle; sets adopted "
+                "at start count as idle only after --adopt-grace)"
+            )
+        return victims
+
+    def place(
+        self, sizes: list[int], what: str, victims: list[TableSet], node: int | None
+    ) -> Backing:
+        """The first backing that can hold the tensors (counting what evicting `victims` frees)."""
+        refusals = []
+        for backing in self._backings:
+            needed = backing.footprint(sizes)
+            freed = sum(self.reserved(v) for v in victims if v.backing is backing)
+            try:
+                backing.check_capacity(needed, what, reclaimable=freed, node=node)
+                return backing
+            except ShmFull as e:
+                refusals.append(e)
+        if len(refusals) == 1:
+            raise refusals[0]
+        raise ShmFull(
+            "; ".join(f"{b.name}: {e}" for b, e in zip(self._backings, refusals, strict=True))
+        )
+
+    @staticmethod
+    def reserved(ts: TableSet) -> int:
+        """What a set holds of its backing: whole pages (of its manifest once loaded)."""
+        if ts.manifest is None:
+            return ts.backing.reserved(ts.nbytes)
+        return ts.backing.footprint([t.nbytes for t in ts.manifest.tensors])

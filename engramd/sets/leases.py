@@ -1,0 +1,280 @@
+"""Leases: a worker's hold on a set while its Attach stream is open; their limits and counters.
+
+Every lease lives on its set (`TableSet.leases`); this room adds, finds and
+ends them, charges them to uids, and ends those whose process is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from engramd.errors import TooManyLeases, UnknownSet
+from engramd.sets.registry import SetRegistry
+from engramd.sets.tableset import SetKey, TableSet, set_key
+from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_client.core.process import pid_namespace, start_ticks
+
+log = logging.getLogger("engramd")
+
+#: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
+#: collect them on the fd channel, where its uid becomes known; until then it is
+#: charged to no uid and counts against no limit.
+COLLECT_DEADLINE_S = 10.0
+#: Handle kinds whose workers collect descriptors on the fd channel.
+ON_FD_CHANNEL = frozenset({pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM})
+
+#: Leases listed per set in a status reply (all are counted): a reply stays far
+#: below gRPC's 4 MiB limit whatever the workers send.
+STATUS_LEASES = 64
+
+_PID_NAMESPACE = pid_namespace()
+
+
+class Stats:
+    """Counters the event loop updates and the metrics thread reads, under a lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._attaches: Counter[str] = Counter()
+        self._fallbacks: Counter[str] = Counter()
+
+    def attach(self, ok: bool) -> None:
+        """Count an attach answered with the set ("ok") or an error."""
+        with self._lock:
+            self._attaches["ok" if ok else "error"] += 1
+
+    def fallback(self, cause: str) -> None:
+        """Count a worker's fallback to private tables (a known cause)."""
+        with self._lock:
+            self._fallbacks[cause] += 1
+
+    def snapshot(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(attaches by result, fallbacks by cause), copied."""
+        with self._lock:
+            return {"ok": 0, "error": 0, **self._attaches}, dict(self._fallbacks)
+
+
+@dataclass
+class Lease:
+    """One worker attached to one set, for as long as its Attach stream is open."""
+
+    lease_id: str
+    set_id: str
+    #: The name of the backing of the set the lease holds.
+    backing: str
+    #: The NUMA node of the copy the lease holds (--numa per-node), else None.
+    node: int | None
+    pid: int
+    labels: dict[str, str]
+    #: When the process `pid` started (clock ticks after boot), where the worker's
+    #: claim (its pid namespace and start time) matched a process here, or the fd
+    #: channel saw it; None: the sweep never judges this lease by its pid (the
+    #: stream still ends it). A matching claim ends, at worst, the claimer's lease.
+    pid_start: int | None
+    #: The worker maps an earlier copy of the set than the one the daemon holds.
+    stale: bool = False
+    #: How the worker maps the set (engramd.v1.HandleKind).
+    kind: int = pb.HANDLE_KIND_SHM
+    #: The CUDA device the worker registers the set for ("cuda:N"), or "".
+    device: str = ""
+    #: How the worker reads the set on that device (engramd.v1.GpuRoute).
+    gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED
+    #: One-time secret for the fd channel; "" once used.
+    fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    #: The worker's uid, once the kernel told it (SO_PEERCRED on the fd channel); None:
+    #: unknown (the gRPC socket has no peer credentials).
+    uid: int | None = None
+    #: `pid` is the fd channel's peer as the kernel gave it, not the request's claim.
+    pid_verified: bool = False
+    #: A first attach for descriptors: it collects them within COLLECT_DEADLINE_S or
+    #: ends, and is granted (counted against --max-leases) and charged to its uid
+    #: then. Any other lease is charged to "uid unknown" until its worker comes to
+    #: the fd channel.
+    collects: bool = False
+    started: float = field(default_factory=time.monotonic)
+    #: The checkpoint files the worker attached with (the set's own, or proven to hold
+    #: its bytes): a set no operator published goes to a uid that may read them.
+    readers: tuple[str, ...] = ()
+    #: Set when the daemon ends the lease (sweep, drop or shutdown).
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The lease was ended because the daemon is stopping.
+    draining: bool = False
+
+    @property
+    def set_key(self) -> SetKey:
+        """The key of the set copy this lease maps."""
+        return set_key(self.set_id, self.backing, self.node)
+
+
+class LeaseBook:
+    """The leases of the sets in a registry, within --max-leases and --leases-per-uid."""
+
+    def __init__(self, sets: SetRegistry, max_leases: int = 0, leases_per_uid: int = 0) -> None:
+        self._sets = sets
+        self._max_leases = max_leases
+        self._leases_per_uid = leases_per_uid
+        #: Attaches served and refused, fallbacks reported (metrics).
+        self.stats = Stats()
+
+    def add(
+        self,
+        ts: TableSet,
+        request: pb.AttachRequest,
+        kind: int,
+        gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED,
+    ) -> Lease:
+        """Record a worker attached to a ready set, mapping it by handles of `kind`."""
+        if not self._sets.holds(ts):
+            raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
+        # A first lease of descriptors is granted, and charged to its uid, when
+        # it collects them (COLLECT_DEADLINE_S): only then does the kernel say
+        # who holds it, so uncollected ones count against no limit and cannot
+        # shut out other users. Any other lease's uid is unknown until its
+        # worker comes to the fd channel, and all of those together hold one
+        # uid's share.
+        collects = kind in ON_FD_CHANNEL and not request.reattach
+        if not collects:
+            self._check_total()
+            self._check_share(None)
+        start = start_ticks(request.pid) if request.pid > 0 else None
+        claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
+        lease = Lease(
+            lease_id=secrets.token_hex(6),
+            set_id=ts.set_id,
+            backing=ts.backing.name,
+            node=ts.node,
+            pid=request.pid,
+            labels=dict(request.labels),
+            pid_start=start if claimed else None,
+            stale=bool(
+                request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
+            ),
+            kind=kind,
+            device=request.device,
+            gpu_route=gpu_route,
+            collects=collects,
+        )
+        ts.leases[lease.lease_id] = lease
+        ts.last_used = time.monotonic()
+        return lease
+
+    def own(self, lease: Lease, uid: int) -> None:
+        """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases.
+
+        A first lease of descriptors is granted here: it counts against
+        --max-leases from now on.
+        """
+        if lease.uid == uid:
+            return
+        if lease.collects and lease.uid is None:
+            self._check_total()
+        self._check_share(uid)
+        lease.uid = uid
+
+    def _check_total(self) -> None:
+        """Raise TooManyLeases when the granted leases reach --max-leases."""
+        held = sum(
+            1
+            for ts in self._sets.all()
+            for lease in ts.leases.values()
+            if not (lease.collects and lease.uid is None)
+        )
+        if self._max_leases and held >= self._max_leases:
+            raise TooManyLeases(
+                f"engramd holds {held} leases, its limit (--max-leases); stop idle workers "
+                "or raise the limit"
+            )
+
+    def _check_share(self, uid: int | None) -> None:
+        """Raise TooManyLeases when `uid` (None: leases of unknown uid) holds its share."""
+        if not self._leases_per_uid:
+            return
+        held = sum(
+            1
+            for ts in self._sets.all()
+            for lease in ts.leases.values()
+            if lease.uid == uid and (uid is not None or not lease.collects)
+        )
+        if held < self._leases_per_uid:
+            return
+        who = (
+            f"uid {uid}"
+            if uid is not None
+            else "workers whose uid engramd cannot know (path handles, no fd channel)"
+        )
+        raise TooManyLeases(
+            f"{who} hold {held} leases, one user's share of engramd's leases "
+            "(--leases-per-uid); stop idle workers or raise the share"
+        )
+
+    def end(self, lease: Lease) -> None:
+        """Forget a lease (its stream closed)."""
+        ts = self._sets.by_key(lease.set_key)
+        if ts is not None and ts.leases.pop(lease.lease_id, None) is not None:
+            ts.last_used = time.monotonic()
+
+    def find(self, lease_id: str) -> tuple[TableSet, Lease] | None:
+        """The set and the live lease with this id, if any."""
+        for ts in self._sets.all():
+            lease = ts.leases.get(lease_id)
+            if lease is not None:
+                return ts, lease
+        return None
+
+    def sweep_dead(self) -> int:
+        """End leases whose process is gone, or that never collected their descriptors.
+
+        A pid that matched no process here is never judged: it may name
+        another process here than the worker's (another pid namespace).
+        Returns how many ended.
+        """
+        ended = 0
+        now = time.monotonic()
+        for ts in self._sets.all():
+            for lease in list(ts.leases.values()):
+                if lease.pid_start is not None and start_ticks(lease.pid) != lease.pid_start:
+                    log.info(
+                        "ending lease %s of set %s: pid %d is gone",
+                        lease.lease_id,
+                        ts.set_id,
+                        lease.pid,
+                    )
+                elif (
+                    lease.collects and lease.fd_secret and now - lease.started > COLLECT_DEADLINE_S
+                ):
+                    log.info(
+                        "ending lease %s of set %s: pid %d did not collect its descriptors "
+                        "within %.0f s",
+                        lease.lease_id,
+                        ts.set_id,
+                        lease.pid,
+                        COLLECT_DEADLINE_S,
+                    )
+                else:
+                    continue
+                lease.ended.set()
+                ts.leases.pop(lease.lease_id, None)
+                ended += 1
+        return ended
+
+    def drain(self) -> None:
+        """End every lease, telling each worker that the daemon is stopping."""
+        for ts in self._sets.all():
+            for lease in ts.leases.values():
+                lease.draining = True
+                lease.ended.set()
+
+    @staticmethod
+    def end_all(ts: TableSet) -> int:
+        """End every lease of a set leaving the store; returns how many."""
+        ended = len(ts.leases)
+        for lease in ts.leases.values():
+            lease.ended.set()
+        ts.leases.clear()
+        return ended

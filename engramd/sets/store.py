@@ -1,0 +1,415 @@
+"""The sets' lifecycle: adopted at start, loaded on demand, pinned, verified, dropped.
+
+The sets themselves are in the registry (registry.py), where a load may go is
+admission's call (admission.py), and the workers' leases are the lease book's
+(leases.py); this module drives a set through its states.
+
+Runs on the daemon's event loop; copying, checksumming, pinning and
+unlinking run on daemon threads (blocking.py), so a drop of 189 GiB never
+stalls health, status or attaches. A set is served only once its folder is
+published and complete (state "ready"); a set that failed keeps its error
+for status and is replaced by the next load of the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+from engramd.backings import Backing
+from engramd.errors import Draining, DropRefused, LoadFailed, ServiceError, UnknownSet
+from engramd.host.blocking import BlockingPool
+from engramd.host.numa import Placement, bytes_per_node
+from engramd.host.pagesize import PageCensus
+from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
+from engramd.sets.admission import Admission
+from engramd.sets.leases import LeaseBook
+from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
+from engramd.sets.registry import SetRegistry
+from engramd.sets.tableset import SetState, TableSet
+from engramd.units import gib
+from engramd_client.core.checkpoint import CheckpointError, TablePlan, plan_tables
+from engramd_client.core.layout import Manifest, ManifestError, copy_name
+
+log = logging.getLogger("engramd")
+
+
+class SetStore:
+    """Holds the daemon's sets and their leases."""
+
+    def __init__(
+        self,
+        backings: list[Backing],
+        load_threads: int,
+        mlock: bool,
+        memory_budget: int = 0,
+        evict_idle: bool = False,
+        adopt_grace_s: float = 0.0,
+        max_leases: int = 0,
+        placement: Placement = DEFAULT_PLACEMENT,
+        leases_per_uid: int = 0,
+    ) -> None:
+        #: Where the sets' bytes may live, in order of preference.
+        self.backings = backings
+        self._load_threads = load_threads
+        self._mlock = mlock
+        self._adopt_grace_s = adopt_grace_s
+        self._placement = placement
+        #: The sets by (set id, backing, node): one checkpoint's copies in two backings, or
+        #: on two nodes, are two sets.
+        self.sets = SetRegistry(backings, placement)
+        self._admission = Admission(backings, self.sets, memory_budget, evict_idle)
+        #: The workers' leases of the sets.
+        self.leases = LeaseBook(self.sets, max_leases, leases_per_uid)
+        # Loads, and the daemon's own file work (pin, verify, unlink), each on
+        # bounded daemon threads that never hold up shutdown.
+        self._loads = BlockingPool("load", 4)
+        self._files = BlockingPool("files", 4)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._warned_mlock = False
+
+    # -- sets -----------------------------------------------------------------
+
+    async def adopt_existing(
+        self, verify: bool, verifying: Callable[[str], None] | None = None
+    ) -> None:
+        """Claim the backing; take over complete sets of the daemon's own left by an earlier one.
+
+        The backing removes partial loads and anything not its own. With
+        `verify`, every adopted set's checksums are recomputed first
+        (`verifying(set_id)` is called before each) and a corrupted set is
+        removed (a configured one is then loaded again).
+        """
+        for backing in self.backings:
+            backing.claim()
+            for manifest in await self._files.run(backing.adopt):
+                await self._adopt(backing, manifest, verify, verifying)
+
+    async def _adopt(
+        self,
+        backing: Backing,
+        manifest: Manifest,
+        verify: bool,
+        verifying: Callable[[str], None] | None,
+    ) -> None:
+        if manifest.node not in self._placement.copy_nodes:
+            kept = "one copy" if manifest.node is None else f"a copy for NUMA node {manifest.node}"
+            log.info(
+                "removing set %s: it was kept as %s, --numa %s keeps copies for %s",
+                manifest.copy,
+                kept,
+                self._placement.policy or "(unset)",
+                self._placement.copy_nodes,
+            )
+            await self._files.run(backing.remove, manifest.copy)
+            return
+        if verify:
+            if verifying is not None:
+                verifying(manifest.set_id)
+            corrupted = await self._files.run(_corrupted, backing, manifest)
+            if corrupted:
+                log.error(
+                    "removing set %s: tensors %s no longer match their checksums",
+                    manifest.set_id,
+                    ", ".join(corrupted),
+                )
+                await self._files.run(backing.remove, manifest.copy)
+                return
+        ts = TableSet(
+            set_id=manifest.set_id,
+            checkpoint=manifest.checkpoint,
+            selection=manifest.selection,
+            fingerprint=manifest.fingerprint,
+            nbytes=manifest.nbytes,
+            ntensors=len(manifest.tensors),
+            backing=backing,
+            node=manifest.node,
+            state=SetState.READY,
+            adopted=True,
+            manifest=manifest,
+            idle_after=time.monotonic() + self._adopt_grace_s,
+        )
+        ts.done.set()
+        self.sets.add(ts)
+        self._spawn(self._pin(ts))
+        log.info(
+            "adopted set %s (%s, %s, %s) without reloading",
+            ts.copy,
+            ts.checkpoint,
+            gib(ts.nbytes),
+            backing.name,
+        )
+
+    async def ensure_everywhere(self, plan: TablePlan) -> list[TableSet]:
+        """Every copy of the set of `plan` (one per node with --numa per-node), as `ensure`."""
+        return [await self.ensure(plan, node) for node in self._placement.copy_nodes]
+
+    async def ensure(self, plan: TablePlan, node: int | None = None) -> TableSet:
+        """The set of `plan` (its copy for `node`), starting its load unless it is loading or ready.
+
+        Nothing is evicted unless the load can then go ahead: the budget and
+        the shm folder's capacity are judged first, counting what eviction frees.
+        """
+        ts = self.sets.get(plan.set_id, node)
+        if ts is not None and ts.state is not SetState.FAILED:
+            return ts
+        sizes = [t.nbytes for t in plan.tensors]
+        needed = self._admission.needed(sizes)
+        what = f"set {copy_name(plan.set_id, node)} ({plan.checkpoint})"
+        while True:
+            victims = self._admission.victims(needed, what)
+            backing = self._admission.place(sizes, what, victims, node)
+            if not victims:
+                break
+            for victim in victims:
+                log.info(
+                    "evicting idle set %s (%s) to make room for %s",
+                    victim.set_id,
+                    gib(victim.nbytes),
+                    what,
+                )
+                if self.sets.holds(victim) and not victim.leases:
+                    await self._drop([victim])
+            # Other loads may have started while the drops ran: judge again.
+            ts = self.sets.get(plan.set_id, node)
+            if ts is not None and ts.state is not SetState.FAILED:
+                return ts
+        ts = TableSet(
+            set_id=plan.set_id,
+            checkpoint=str(plan.checkpoint),
+            selection=plan.selection,
+            fingerprint=plan.fingerprint,
+            nbytes=plan.nbytes,
+            ntensors=len(plan.tensors),
+            backing=backing,
+            node=node,
+            progress=LoadProgress(plan.nbytes),
+            # A copy for another node of a set the operator loaded is the operator's too.
+            published=self.sets.published(plan.set_id),
+        )
+        self.sets.add(ts)
+        self._spawn(self._load(ts, plan))
+        return ts
+
+    def publish(self, copies: list[TableSet]) -> None:
+        """Publish sets the operator loaded: any caller may attach them by id, and map them
+        by path (their files become readable by the socket group)."""
+        for ts in copies:
+            if ts.manifest is not None:
+                ts.backing.share_with_group(ts.manifest)
+            ts.published = True
+
+    async def copy_for(self, held: TableSet, node: int | None, readers: BlockingPool) -> TableSet:
+        """The copy for `node` of a set held for another node (--numa per-node), as `ensure`.
+
+        It comes from the checkpoint and selection the held copy was loaded
+        from, read again on `readers` (a checkpoint may sit on a mount that hangs).
+        """
+        assert held.manifest is not None
+        source = await readers.run(plan_tables, held.checkpoint, held.manifest.selection)
+        if source.set_id != held.set_id:
+            raise LoadFailed(
+                f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "
+                f"copy for NUMA node {node} can be made; load the checkpoint again"
+            )
+        return await self.ensure(source, node)
+
+    async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
+        """Unlink every copy of a set; returns (bytes, leases ended).
+
+        Refuses (dropping nothing) while a copy loads, or is leased unless
+        `force`. The copies leave the store at once; unlocking and unlinking
+        their files run on a thread (about a minute at 189 GiB).
+        """
+        copies = self.sets.copies(set_id)
+        if not copies:
+            raise UnknownSet(f"engramd holds no set {set_id}")
+        if any(ts.state is SetState.LOADING for ts in copies):
+            raise DropRefused(f"set {set_id} is still loading; drop it once it is ready")
+        leases = [lease for ts in copies for lease in ts.leases.values()]
+        if leases and not force:
+            raise DropRefused(
+                f"set {set_id} has {len(leases)} leases (pids "
+                f"{', '.join(str(lease.pid) for lease in leases)}); "
+                "stop those workers or drop with --force (they keep their mappings)"
+            )
+        return await self._drop(copies)
+
+    async def _drop(self, copies: list[TableSet]) -> tuple[int, int]:
+        ended = [self.leases.end_all(ts) for ts in copies]
+        for ts in copies:
+            self.sets.remove(ts)
+        for ts, leases in zip(copies, ended, strict=True):
+            await self._files.run(_remove, ts.backing, ts.pins, ts.copy)
+            log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
+        return sum(ts.nbytes for ts in copies), sum(ended)
+
+    async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
+        """The set, and the names of its tensors whose bytes no longer match the manifest.
+
+        Every ready copy is checked; a tensor of a per-node copy is named with its node.
+        """
+        ready = [ts for ts in self.sets.copies(set_id) if ts.manifest is not None]
+        if not ready:
+            raise UnknownSet(f"engramd holds no ready set {set_id}")
+        corrupted = []
+        for ts in ready:
+            assert ts.manifest is not None
+            try:
+                names = await self._files.run(_corrupted, ts.backing, ts.manifest)
+            except (OSError, ManifestError):
+                if self.sets.holds(ts):
+                    raise
+                raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
+            corrupted += [name if ts.node is None else f"{name} (node {ts.node})" for name in names]
+        return ready[0], corrupted
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    async def _load(self, ts: TableSet, plan: TablePlan) -> None:
+        assert ts.progress is not None
+        log.info(
+            "loading set %s: %d tensors, %s from %s",
+            ts.copy,
+            ts.ntensors,
+            gib(ts.nbytes),
+            plan.checkpoint,
+        )
+        try:
+            ts.manifest = await self._loads.run(
+                load_set,
+                plan,
+                ts.backing,
+                self._load_threads,
+                ts.progress,
+                self._placement,
+                ts.node,
+            )
+        except BaseException as e:
+            ts.state = SetState.FAILED
+            ts.error = _load_error(ts, e)
+            ts.done.set()
+            log.error("set %s failed to load: %s", ts.copy, ts.error)
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        if ts.published:
+            # A copy for another node of a set the operator published.
+            self.publish([ts])
+        ts.load_seconds = time.monotonic() - ts.progress.started
+        ts.state = SetState.READY
+        ts.last_used = time.monotonic()
+        ts.done.set()
+        log.info(
+            "set %s ready: %s in %.2f s (%.2f GB/s)",
+            ts.copy,
+            gib(ts.nbytes),
+            ts.load_seconds,
+            ts.nbytes / max(ts.load_seconds, 1e-9) / 1e9,
+        )
+        await self._pin(ts)
+
+    async def _pin(self, ts: TableSet) -> None:
+        # After the set is served: locking walks every page (~0.4 s per GiB
+        # on 4 KiB pages), which must not delay readiness or adoption.
+        if ts.manifest is None:
+            return
+        ts.pages = await self._files.run(_census, ts.backing, ts.manifest)
+        if not self._mlock:
+            return
+        for index in range(len(ts.manifest.tensors)):
+            if not self.sets.holds(ts):
+                return  # dropped meanwhile: PinnedFiles unmaps what it still pins
+            await self._files.run(ts.backing.pin, ts.manifest, index, ts.pins)
+        ts.locked = ts.pins.error is None and self.sets.holds(ts)
+        if ts.locked:
+            # Reading numa_maps walks the page tables of every mapping: once, off the loop.
+            mapped_as = ts.backing.mapped_as(ts.copy)
+            if mapped_as is not None:
+                ts.nodes = await self._files.run(_nodes_of, mapped_as)
+        if ts.pins.error and not self._warned_mlock:
+            self._warned_mlock = True
+            log.warning(
+                "cannot lock set %s in memory (%s); its pages may be swapped out; %s",
+                ts.set_id,
+                ts.pins.error,
+                FIX_MEMLOCK,
+            )
+
+    # -- shutdown -------------------------------------------------------------
+
+    async def close(self, drop: bool, grace: float) -> None:
+        """Stop loads in progress, unlock every set, and unlink them if `drop`.
+
+        Waits at most `grace` seconds for each step: a load stuck on a hung
+        checkpoint mount does not keep the daemon from exiting.
+        """
+        for ts in self.sets.all():
+            if ts.progress is not None:
+                ts.progress.cancel.set()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=grace)
+        ready = [ts for ts in self.sets.all() if ts.state is SetState.READY]
+        release = asyncio.ensure_future(self._files.run(_release_all, ready, drop))
+        await asyncio.wait([release], timeout=grace)
+        if drop:
+            for ts in ready:
+                log.info("dropped set %s", ts.copy)
+
+
+def _remove(backing: Backing, pins: PinnedFiles, copy: str) -> None:
+    pins.release()
+    backing.remove(copy)
+
+
+def _release_all(sets: list[TableSet], drop: bool) -> None:
+    for ts in sets:
+        if drop:
+            _remove(ts.backing, ts.pins, ts.copy)
+        else:
+            ts.pins.release()
+
+
+def _census(backing: Backing, manifest: Manifest) -> PageCensus | None:
+    try:
+        return backing.page_census(manifest)
+    except (OSError, ManifestError) as e:
+        # Dropped meanwhile, or a mapping the kernel refused: status shows the backing's pages.
+        log.info("cannot tell the pages backing set %s (%s)", manifest.copy, e)
+        return None
+
+
+def _nodes_of(mapped_as: str) -> dict[int, int]:
+    try:
+        text = Path("/proc/self/numa_maps").read_text()
+    except OSError:
+        return {}  # a kernel without NUMA support
+    return bytes_per_node(text, mapped_as)
+
+
+def _corrupted(backing: Backing, manifest: Manifest) -> list[str]:
+    return [
+        t.name
+        for i, t in enumerate(manifest.tensors)
+        if backing.checksum(manifest, i) != t.checksum
+    ]
+
+
+def _load_error(ts: TableSet, e: BaseException) -> BaseException:
+    if isinstance(e, ServiceError | CheckpointError):
+        return e
+    if isinstance(e, LoadCancelled | asyncio.CancelledError):
+        return Draining(f"engramd stopped while loading set {ts.set_id}; attach again")
+    return LoadFailed(f"loading set {ts.set_id} from {ts.checkpoint} failed: {e}")

@@ -1,0 +1,96 @@
+"""A set's record: its state, where its bytes live, its leases; and how sets are keyed."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from engramd.backings import Backing
+from engramd.host.pagesize import PageCensus
+from engramd.host.pinning import PinnedFiles
+from engramd.sets.loader import LoadProgress
+from engramd_client.core.layout import Manifest, copy_name
+
+if TYPE_CHECKING:
+    from engramd.sets.leases import Lease
+
+
+class SetState(enum.StrEnum):
+    """Where a set is in its life; status and metrics show the value."""
+
+    #: Being copied in; never handed out.
+    LOADING = "loading"
+    #: Complete and published: served to workers.
+    READY = "ready"
+    #: The load failed; the error is kept for status until the next load.
+    FAILED = "failed"
+
+
+#: A set is known by its id, its backing's name and the NUMA node of a per-node copy:
+#: the id never depends on where the bytes are.
+SetKey = tuple[str, str, int | None]
+
+
+def set_key(set_id: str, backing: str, node: int | None = None) -> SetKey:
+    """The key of the copy of set `set_id` in the backing named `backing` (for `node`)."""
+    return set_id, backing, node
+
+
+@dataclass
+class TableSet:
+    """One set: its state, its files once ready, its leases."""
+
+    set_id: str
+    checkpoint: str
+    #: The fnmatch selection of tensors the set holds.
+    selection: str
+    fingerprint: str
+    nbytes: int
+    ntensors: int
+    backing: Backing
+    #: The NUMA node this copy is kept for (--numa per-node); None: the set's one copy.
+    node: int | None = None
+    state: SetState = SetState.LOADING
+    adopted: bool = False
+    #: The operator loaded it (--checkpoint, engramd load): any caller may see and
+    #: attach it by its id. Sets that workers' attaches loaded are attached with
+    #: their checkpoint only, and proven for it.
+    published: bool = False
+    manifest: Manifest | None = None
+    progress: LoadProgress | None = None
+    error: BaseException | None = None
+    load_seconds: float = 0.0
+    pins: PinnedFiles = field(default_factory=PinnedFiles)
+    #: Every page of the set is locked in memory.
+    locked: bool = False
+    #: Bytes of the set on each NUMA node, as the daemon's pinned mappings show (numa_maps).
+    nodes: dict[int, int] = field(default_factory=dict)
+    #: The pages backing the set, as the kernel maps them (measured once ready), or None.
+    pages: PageCensus | None = None
+    leases: dict[str, Lease] = field(default_factory=dict)
+    #: When a worker last attached or detached (or the set became ready).
+    last_used: float = field(default_factory=time.monotonic)
+    #: Not evicted as idle before this time (adopted sets: their workers re-attach).
+    idle_after: float = 0.0
+    #: Set once the load ends, ready or failed.
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def copy(self) -> str:
+        """This copy's name in its backing: the set id, with the node of a per-node copy."""
+        return copy_name(self.set_id, self.node)
+
+    @property
+    def key(self) -> SetKey:
+        """How the store knows this copy."""
+        return set_key(self.set_id, self.backing.name, self.node)
+
+    @property
+    def bytes_loaded(self) -> int:
+        """Bytes copied so far (all of them once ready)."""
+        if self.state is SetState.READY:
+            return self.nbytes
+        return self.progress.done if self.progress else 0

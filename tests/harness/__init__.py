@@ -1,0 +1,1 @@
+"""What only the tests need to run the daemon and its workers."""
