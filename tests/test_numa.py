@@ -316,7 +316,12 @@ def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
     config = in_process_config(sock_dir, shm_dir, numa="per-node", allow_roots=[str(tmp_path)])
     with InProcessDaemon(config) as d:
         request = pb.AttachRequest(
-            set_id=set_id, checkpoint=str(ckpt), pid=os.getpid(), numa_node=1
+            set_id=set_id,
+            checkpoint=str(ckpt),
+            pid=os.getpid(),
+            numa_node=1,
+            # A set a worker's attach loaded goes out as descriptors only.
+            accept=[pb.HANDLE_KIND_FD],
         )
         with grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as channel:
             call = pb_grpc.TableServiceStub(channel).Attach(request, timeout=60)
