@@ -36,7 +36,8 @@ def sglang_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_lookup_on_shared_tables_equals_sglangs_own(
     sglang_model: Any, daemons: Any, tmp_path: Path
 ) -> None:
-    from sglang_plugin.sglang_harness import result, run_ranks
+    from engine_harness import result
+    from sglang_plugin.sglang_harness import run_ranks
 
     d = daemons("--checkpoint", str(sglang_model.folder))
     outputs = {}

@@ -33,7 +33,8 @@ def vllm_model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_lookup_on_shared_tables_equals_vllms_own(
     vllm_model: Any, daemons: Any, tmp_path: Path
 ) -> None:
-    from vllm_plugin.vllm_harness import result, run_ranks
+    from engine_harness import result
+    from vllm_plugin.vllm_harness import run_ranks
 
     d = daemons("--checkpoint", str(vllm_model.folder))
     outputs = {}

@@ -9,9 +9,7 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_harness import run_rank_processes, small_readahead_disk
 
 RANK = Path(__file__).resolve().parent / "sglang_rank.py"
 
@@ -117,9 +116,6 @@ def make_model(folder: Path) -> Model:
 @pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
     """A DeepSeek-V4.1-shaped checkpoint on disk (about 20 MB of Engram tables)."""
-    # The vLLM plugin's small-readahead disk: a read there counts what it reads.
-    from vllm_plugin.vllm_harness import small_readahead_disk
-
     base = tmp_path_factory.mktemp("dsv41")
     with small_readahead_disk(base) as disk:
         yield make_model((disk or base) / "ckpt")
@@ -134,38 +130,8 @@ def run_ranks(
     timeout: float = 600,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run `world` SGLang ranks (sglang_rank.py) as one TP group; their results."""
-    init = tmp / "dist-init"
-    full_env = {**os.environ, "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", **env}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(RANK),
-                str(rank),
-                str(world),
-                str(init),
-                str(model.folder),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-        )
-        for rank in range(world)
-    ]
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
-
-
-def result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The rank's JSON line (fails the test with its stderr when there is none)."""
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return dict(json.loads(lines[-1]))
+    env = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", **env}
+    return run_rank_processes(RANK, world, tmp, str(model.folder), env, extra, timeout)
 
 
 @pytest.fixture

@@ -28,9 +28,9 @@ sys.path.insert(0, str(HERE.parent))
 
 import sglang_plugin.tvshim  # noqa: E402, F401 (before anything imports sglang)
 import torch  # noqa: E402
+from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
 from sglang_plugin.sglang_harness import engram_config  # noqa: E402
 from torch import nn  # noqa: E402
-from vllm_plugin.vllm_rank import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
 
 
 def cpu_only() -> None:

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sglang_plugin.sglang_harness import Model, result, run_ranks
-from vllm_plugin.vllm_harness import readahead
+from engine_harness import readahead, result
+from sglang_plugin.sglang_harness import Model, run_ranks
 
 WARNING = "engramd does not serve the Engram tables here"
 

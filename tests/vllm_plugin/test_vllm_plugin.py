@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_plugin.vllm_harness import Model, readahead, result, run_ranks
+from engine_harness import readahead, result
+from vllm_plugin.vllm_harness import Model, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
 

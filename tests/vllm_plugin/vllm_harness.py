@@ -7,12 +7,9 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import pickle
 import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from engine_harness import run_rank_processes, small_readahead_disk
 
 from engramd.demo.synth import SynthSpec, synthesize
 
@@ -125,49 +123,6 @@ def make_model(folder: Path) -> Model:
     return Model(folder, pickled, spec, heads)
 
 
-def readahead(folder: Path) -> int:
-    """Bytes the kernel reads ahead on the block device that holds `folder`."""
-    dev = os.stat(folder).st_dev
-    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
-    for queue in (block / "queue", block / ".." / "queue"):
-        if (queue / "read_ahead_kb").exists():
-            return int((queue / "read_ahead_kb").read_text()) << 10
-    return 0
-
-
-@contextlib.contextmanager
-def small_readahead_disk(where: Path) -> Iterator[Path | None]:
-    """An ext4 on a loop device that reads ahead 8 KiB, mounted in `where`; None without root.
-
-    The machine's disk may read ahead megabytes around every touch, which would
-    hide whether the tables were read: on this device a read counts what it reads.
-    """
-    image = where / "disk.img"
-    mount = where / "mnt"
-    mount.mkdir()
-    with open(image, "wb") as f:
-        f.truncate(128 << 20)
-
-    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(cmd, capture_output=True, text=True)
-
-    made = run("mkfs.ext4", "-q", "-F", str(image))
-    device = run("losetup", "-f", "--show", str(image)) if made.returncode == 0 else made
-    if device.returncode != 0:
-        yield None
-        return
-    loop = device.stdout.strip()
-    try:
-        run("blockdev", "--setra", "16", loop).check_returncode()
-        run("mount", loop, str(mount)).check_returncode()
-        try:
-            yield mount
-        finally:
-            run("umount", str(mount))
-    finally:
-        run("losetup", "-d", loop)
-
-
 @pytest.fixture(scope="session")
 def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
     """A DeepSeek-V4.1-shaped checkpoint on disk (about 32 MB of Engram tables)."""
@@ -185,38 +140,7 @@ def run_ranks(
     timeout: float = 600,
 ) -> list[subprocess.CompletedProcess[str]]:
     """Run `world` vLLM ranks (tests/vllm_plugin/vllm_rank.py) as one TP group; their results."""
-    init = tmp / "dist-init"
-    full_env = {**os.environ, **env}
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(RANK),
-                str(rank),
-                str(world),
-                str(init),
-                str(model.config),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=full_env,
-        )
-        for rank in range(world)
-    ]
-    done = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
-
-
-def result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
-    """The rank's JSON line (fails the test with its stderr when there is none)."""
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    assert done.returncode == 0 and lines, done.stderr[-4000:]
-    return dict(json.loads(lines[-1]))
+    return run_rank_processes(RANK, world, tmp, str(model.config), env, extra, timeout)
 
 
 @pytest.fixture

@@ -24,6 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of
+
 
 def cpu_only(private_pin: bool) -> None:
     """Replace the calls that need a GPU; nothing else of vLLM's."""
@@ -110,47 +113,6 @@ class Net(nn.Module):
         from vllm.model_executor.models.utils import AutoWeightsLoader
 
         return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
-
-
-def io_read_bytes() -> int:
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
-
-
-def drop_cache(folder: Path) -> None:
-    """Evict the checkpoint's pages, so every byte read is counted as read from disk."""
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def mapping_of(address: int) -> str:
-    """The /proc/self/maps line whose range holds `address`."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span = line.split()[0]
-        lo, hi = (int(x, 16) for x in span.split("-"))
-        if lo <= address < hi:
-            return line
-    return ""
-
-
-def anonymous_kib(address: int) -> int:
-    """Anonymous (private, copied-on-write) KiB of the mapping that holds `address`."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "Anonymous:":
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def lookups(net: nn.Module, table_class: type) -> dict[str, torch.Tensor]:

@@ -1,0 +1,137 @@
+"""What the engine plugins' tests share: ranks run as processes, a disk that counts reads,
+and a rank's own readers of /proc (what it read, where a tensor is mapped).
+
+Imported by tests/vllm_plugin and tests/sglang_plugin (each in its own venv)
+and by the rank scripts they start, so it imports no engine and no pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def readahead(folder: Path) -> int:
+    """Bytes the kernel reads ahead on the block device that holds `folder`."""
+    dev = os.stat(folder).st_dev
+    block = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    for queue in (block / "queue", block / ".." / "queue"):
+        if (queue / "read_ahead_kb").exists():
+            return int((queue / "read_ahead_kb").read_text()) << 10
+    return 0
+
+
+@contextlib.contextmanager
+def small_readahead_disk(where: Path) -> Iterator[Path | None]:
+    """An ext4 on a loop device that reads ahead 8 KiB, mounted in `where`; None without root.
+
+    The machine's disk may read ahead megabytes around every touch, which would
+    hide whether the tables were read: on this device a read counts what it reads.
+    """
+    image = where / "disk.img"
+    mount = where / "mnt"
+    mount.mkdir()
+    with open(image, "wb") as f:
+        f.truncate(128 << 20)
+
+    def run(*cmd: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    made = run("mkfs.ext4", "-q", "-F", str(image))
+    device = run("losetup", "-f", "--show", str(image)) if made.returncode == 0 else made
+    if device.returncode != 0:
+        yield None
+        return
+    loop = device.stdout.strip()
+    try:
+        run("blockdev", "--setra", "16", loop).check_returncode()
+        run("mount", loop, str(mount)).check_returncode()
+        try:
+            yield mount
+        finally:
+            run("umount", str(mount))
+    finally:
+        run("losetup", "-d", loop)
+
+
+def run_rank_processes(
+    script: Path,
+    world: int,
+    tmp: Path,
+    model_arg: str,
+    env: dict[str, str],
+    extra: tuple[str, ...] = (),
+    timeout: float = 600,
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `world` ranks of `script` (RANK WORLD INIT_FILE MODEL_ARG *extra) as one group."""
+    init = tmp / "dist-init"
+    full_env = {**os.environ, **env}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(world), str(init), model_arg, *extra],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+        )
+        for rank in range(world)
+    ]
+    done = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+    return done
+
+
+def result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    """The rank's JSON line (fails the test with its stderr when there is none)."""
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert done.returncode == 0 and lines, done.stderr[-4000:]
+    return dict(json.loads(lines[-1]))
+
+
+def io_read_bytes() -> int:
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise AssertionError("no read_bytes in /proc/self/io")
+
+
+def drop_cache(folder: Path) -> None:
+    """Evict the checkpoint's pages, so every byte read is counted as read from disk."""
+    for path in folder.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def mapping_of(address: int) -> str:
+    """The /proc/self/maps line whose range holds `address`."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span = line.split()[0]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= address < hi:
+            return line
+    return ""
+
+
+def anonymous_kib(address: int) -> int:
+    """Anonymous (private, copied-on-write) KiB of the mapping that holds `address`."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "Anonymous:":
+            return int(line.split()[1])
+    raise AssertionError(f"no mapping holds {address:#x}")
