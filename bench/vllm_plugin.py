@@ -34,14 +34,8 @@ from engramd.demo.daemon_process import DaemonProcess
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
 
-from vllm_plugin.vllm_harness import (  # noqa: E402
-    HEAD_DIM,
-    RANK,
-    Model,
-    make_model,
-    result,
-    small_readahead_disk,
-)
+from engine_harness import result, small_readahead_disk  # noqa: E402
+from vllm_plugin.vllm_harness import HEAD_DIM, RANK, Model, make_model  # noqa: E402
 
 
 def replicas(model: Model, count: int, env: dict[str, str], work: Path) -> list[dict[str, Any]]:
