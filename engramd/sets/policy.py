@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from engramd.config import DaemonConfig
@@ -111,6 +111,36 @@ class LoadPolicy:
         return any(path.is_relative_to(r) for r in self._allowed)
 
 
+#: The mode bits (owner, group, others) that let a user read a file, and search a folder.
+READ = (stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH)
+SEARCH = (stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH)
+
+
+def _every_path_grants(
+    files: Sequence[str], grants: Callable[[os.stat_result, tuple[int, int, int]], bool]
+) -> bool:
+    """True when `grants` allows reading each of `files` and searching every folder above it.
+
+    Each folder is judged once, however many of the files it holds. Paths the
+    daemon cannot stat count as closed; no files at all count as closed too.
+    """
+    judged: set[Path] = set()
+    try:
+        for name in files:
+            path = Path(name)
+            if not grants(os.stat(path), READ):
+                return False
+            for folder in path.parents:
+                if folder in judged:
+                    break  # its own parents were judged with it
+                if not grants(os.stat(folder), SEARCH):
+                    return False
+                judged.add(folder)
+    except OSError:
+        return False
+    return bool(files)
+
+
 def open_to_group(files: list[str], gid: int | None) -> bool:
     """True when every member of group `gid` (any user in it) may read all of `files`.
 
@@ -120,22 +150,13 @@ def open_to_group(files: list[str], gid: int | None) -> bool:
     as closed.
     """
 
-    def grants(st: os.stat_result, other: int, group: int) -> bool:
+    def grants(st: os.stat_result, bits: tuple[int, int, int]) -> bool:
+        _, group, other = bits
         return bool(st.st_mode & other) or (
             gid is not None and st.st_gid == gid and bool(st.st_mode & group)
         )
 
-    try:
-        for name in files:
-            path = Path(name)
-            if not grants(os.stat(path), stat.S_IROTH, stat.S_IRGRP):
-                return False
-            for folder in path.parents:
-                if not grants(os.stat(folder), stat.S_IXOTH, stat.S_IXGRP):
-                    return False
-    except OSError:
-        return False
-    return bool(files)
+    return _every_path_grants(files, grants)
 
 
 def may_read(files: Sequence[str], uid: int, gids: Collection[int]) -> bool:
@@ -148,23 +169,12 @@ def may_read(files: Sequence[str], uid: int, gids: Collection[int]) -> bool:
     paths the daemon cannot stat count as closed.
     """
 
-    def grants(st: os.stat_result, owner: int, group: int, other: int) -> bool:
+    def grants(st: os.stat_result, bits: tuple[int, int, int]) -> bool:
+        owner, group, other = bits
         if st.st_uid == uid:
             return bool(st.st_mode & owner)
         if st.st_gid in gids:
             return bool(st.st_mode & group)
         return bool(st.st_mode & other)
 
-    if uid == 0:
-        return True
-    try:
-        for name in files:
-            path = Path(name)
-            if not grants(os.stat(path), stat.S_IRUSR, stat.S_IRGRP, stat.S_IROTH):
-                return False
-            for folder in path.parents:
-                if not grants(os.stat(folder), stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH):
-                    return False
-    except OSError:
-        return False
-    return bool(files)
+    return uid == 0 or _every_path_grants(files, grants)
