@@ -20,7 +20,7 @@ import xxhash
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, wait_until
-from engramd.api.server import admin_socket_for
+from engramd.config import admin_socket_for
 from engramd.host.shmfs import mount_of
 from engramd_client import plan_tables
 from engramd_client.core.channel import open_channel
