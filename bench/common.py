@@ -63,16 +63,22 @@ def compare(
     at_most: float | None = None,
     met: bool | None = None,
     note: str = "",
+    paired: bool = False,
 ) -> Figure:
     """A Figure from repeated samples: medians, spread of ours, ratio, and whether the target holds.
 
     `at_least` / `at_most` bound the ratio when there is a baseline, else the
     median of ours; `met` gives the verdict directly for targets of another shape.
+    `paired`: ours[i] and baseline[i] were taken back to back, so the ratio is
+    the median of the pairs' ratios, which a machine's slow moments (shared by
+    both samples of a pair) do not move as they move a ratio of medians.
     """
     mine = statistics.median(ours)
     base = statistics.median(baseline) if baseline else None
     ratio = None
-    if base is not None and min(base, mine) > 0:
+    if paired and baseline and min(ours + baseline) > 0:
+        ratio = paired_ratio(ours, baseline) if higher_is_better else paired_ratio(baseline, ours)
+    elif base is not None and min(base, mine) > 0:
         ratio = mine / base if higher_is_better else base / mine
     judged = ratio if ratio is not None else mine
     if at_least is not None:
@@ -90,6 +96,11 @@ def compare(
         spread=[min(ours), max(ours)] if len(ours) > 1 else [],
         note=note,
     )
+
+
+def paired_ratio(ours: list[float], baseline: list[float]) -> float:
+    """The median of ours[i] / baseline[i], each pair taken within one turn of the sides."""
+    return statistics.median(o / b for o, b in zip(ours, baseline, strict=True))
 
 
 def percentile(samples: list[float], q: float) -> float:
