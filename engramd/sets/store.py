@@ -32,7 +32,8 @@ from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, 
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import CheckpointError, TablePlan, plan_tables
+from engramd_client.core.checkpoint import TablePlan, plan_tables
+from engramd_client.core.errors import CheckpointError
 from engramd_client.core.layout import Manifest, ManifestError, copy_name
 
 log = logging.getLogger("engramd")
