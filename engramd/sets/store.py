@@ -173,7 +173,7 @@ class SetStore:
                     gib(victim.nbytes),
                     what,
                 )
-                if self.sets.holds(victim) and not victim.leases:
+                if self.sets.holds(victim) and not self.leases.count(victim):
                     await self._drop([victim])
             # Other loads may have started while the drops ran: judge again.
             ts = self.sets.get(plan.set_id, node)
@@ -231,7 +231,7 @@ class SetStore:
             raise UnknownSet(f"engramd holds no set {set_id}")
         if any(ts.state is SetState.LOADING for ts in copies):
             raise DropRefused(f"set {set_id} is still loading; drop it once it is ready")
-        leases = [lease for ts in copies for lease in ts.leases.values()]
+        leases = [lease for ts in copies for lease in self.leases.listed(ts)]
         if leases and not force:
             raise DropRefused(
                 f"set {set_id} has {len(leases)} leases (pids "
