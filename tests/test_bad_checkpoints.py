@@ -15,7 +15,7 @@ import pytest
 
 from conftest import Worker
 from engramd_client import CheckpointError, attach
-from engramd_client.core.checkpoint import SafetensorsFile, TensorEntry, _HeaderCache, read_header
+from engramd_client.core.headers import SafetensorsFile, TensorEntry, _HeaderCache, read_header
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason

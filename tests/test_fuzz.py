@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from conftest import Daemon
 from engramd.host.hugeroot import remove_shm_folder
 from engramd_client import CheckpointError
-from engramd_client.core.checkpoint import read_header
+from engramd_client.core.headers import read_header
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 

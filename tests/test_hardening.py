@@ -31,7 +31,9 @@ from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
 from engramd.sets import store as store_module
 from engramd.sets.loader import LoadProgress, load_set
-from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, CheckpointError, plan_tables
+from engramd_client.core.checkpoint import plan_tables
+from engramd_client.core.errors import CheckpointError
+from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 from engramd_client.core.layout import sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc

@@ -176,7 +176,9 @@ def _read_back(
     source = {t.name: t for t in plan_tables(checkpoint).tensors}
     folder = None
     if d is not None:
-        [held] = [ts for ts in d.server.store.sets.all() if attachment.lease_id in ts.leases]
+        found = d.server.store.leases.find(attachment.lease_id)
+        assert found is not None
+        held, _ = found
         assert held.manifest is not None
         folder = sets_root(d.server.config.shm_dir) / held.manifest.copy
     for h in attachment.tensors:

@@ -27,7 +27,8 @@ import pytest
 from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
-from engramd_client.core.checkpoint import SAMPLE_BYTES, SAMPLES, plan_tables
+from engramd_client.core.checkpoint import plan_tables
+from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 from engramd_client.core.layout import MANIFEST_NAME, sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc

@@ -26,9 +26,10 @@ from engramd.sets.policy import LoadPolicy
 from engramd.sets.tableset import SetState, TableSet
 from engramd.text import escape
 from engramd.units import gib, parse_size
-from engramd_client.core.checkpoint import SourceFile, TablePlan, plan_tables
+from engramd_client.core.checkpoint import TablePlan, plan_tables
 from engramd_client.core.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
 from engramd_client.core.errors import BY_REASON, Reason
+from engramd_client.core.fileid import SourceFile
 from engramd_client.core.layout import (
     LOADING_MARK,
     Manifest,

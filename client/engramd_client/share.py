@@ -16,13 +16,7 @@ from pathlib import Path
 import torch
 
 from engramd_client.core.channel import probe_socket
-from engramd_client.core.checkpoint import (
-    DEFAULT_TENSORS,
-    SourceFile,
-    TablePlan,
-    is_set_id,
-    plan_tables,
-)
+from engramd_client.core.checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from engramd_client.core.config import CUDA_HANDLE_KINDS, ClientConfig
 from engramd_client.core.errors import (
     DaemonError,
@@ -33,6 +27,7 @@ from engramd_client.core.errors import (
     SegmentNotVisible,
     ShareError,
 )
+from engramd_client.core.fileid import SourceFile
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.process import pid_namespace, start_ticks
 from engramd_client.core.topology import local_node

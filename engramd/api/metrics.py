@@ -62,7 +62,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 ts.backing.name,
                 ts.state.value,
                 ts.nbytes,
-                len(ts.leases),
+                store.leases.count(ts),
                 ts.locked,
                 ts.bytes_loaded,
                 rate,

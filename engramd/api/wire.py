@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import time
 from collections.abc import AsyncIterator, Callable
 
 from engramd import __version__
 from engramd.backings.handles import CuMemRange, FileRange, Handle, PathRange
-from engramd.sets.leases import STATUS_LEASES, Lease
+from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd_client.core.layout import Manifest
@@ -128,9 +127,9 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 gpu_route=lease.gpu_route,  # type: ignore[arg-type]
                 uid=lease.uid,
             )
-            for lease in itertools.islice(ts.leases.values(), STATUS_LEASES)
+            for lease in LeaseBook.listed(ts, STATUS_LEASES)
         ],
-        lease_count=len(ts.leases),
+        lease_count=LeaseBook.count(ts),
         page_size=ts.backing.page_size if ts.pages is None else ts.pages.page_size,
         bytes_per_node=ts.nodes,
         numa_node=ts.node,
@@ -146,7 +145,7 @@ def _withheld(ts: TableSet) -> pb.SetInfo:
         state=ts.state.value,
         bytes_loaded=ts.bytes_loaded,
         tensors=ts.ntensors,
-        lease_count=len(ts.leases),
+        lease_count=LeaseBook.count(ts),
         page_size=ts.backing.page_size,
     )
 

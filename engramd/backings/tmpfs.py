@@ -28,7 +28,8 @@ from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from engramd.host.shmroot import claim_root
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan, TensorEntry
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.headers import TensorEntry
 from engramd_client.core.layout import (
     LOADING_MARK,
     MANIFEST_NAME,

@@ -27,8 +27,8 @@ STATUS_TIMEOUT_S = 2.0
 _UNBOUNDED = 10_000
 
 
-def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
-    """The daemon's StatusReply; raises grpc.RpcError when it does not answer.
+def fetch(socket: str, admin_socket: str = "", timeout: float = STATUS_TIMEOUT_S) -> pb.StatusReply:
+    """The daemon's StatusReply; raises grpc.RpcError when it does not answer in `timeout` s.
 
     Asked on `admin_socket` where this process may open it (its descriptors
     are kept apart from the worker socket's, which idle peers may fill), else,
@@ -38,14 +38,14 @@ def fetch(socket: str, admin_socket: str = "") -> pb.StatusReply:
         try:
             with open_channel(ClientConfig(socket=admin_socket)) as ch:
                 answer: pb.StatusReply = pb_grpc.AdminServiceStub(ch).Status(
-                    pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+                    pb.StatusRequest(), timeout=timeout
                 )
                 return answer
         except grpc.RpcError:
             pass
     with open_channel(ClientConfig(socket=socket)) as ch:
         reply: pb.StatusReply = pb_grpc.TableServiceStub(ch).Status(
-            pb.StatusRequest(), timeout=STATUS_TIMEOUT_S
+            pb.StatusRequest(), timeout=timeout
         )
         return reply
 

@@ -10,6 +10,7 @@ import time
 
 from engramd.backings import Backing
 from engramd.errors import BudgetExceeded, ShmFull
+from engramd.sets.leases import LeaseBook
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
@@ -42,7 +43,9 @@ class Admission:
                 (
                     ts
                     for ts in self._sets.all()
-                    if ts.state is SetState.READY and not ts.leases and ts.idle_after <= now
+                    if ts.state is SetState.READY
+                    and not LeaseBook.count(ts)
+                    and ts.idle_after <= now
                 ),
                 key=lambda ts: ts.last_used,
             )

@@ -7,6 +7,7 @@ ends them, charges them to uids, and ends those whose process is gone.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import threading
@@ -269,6 +270,16 @@ class LeaseBook:
             for lease in ts.leases.values():
                 lease.draining = True
                 lease.ended.set()
+
+    @staticmethod
+    def count(ts: TableSet) -> int:
+        """How many leases `ts` holds (an idle set holds none)."""
+        return len(ts.leases)
+
+    @staticmethod
+    def listed(ts: TableSet, limit: int | None = None) -> list[Lease]:
+        """The leases of `ts` in the order they came: all, or the first `limit`."""
+        return list(itertools.islice(ts.leases.values(), limit))
 
     @staticmethod
     def end_all(ts: TableSet) -> int:

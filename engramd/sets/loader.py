@@ -38,13 +38,10 @@ from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import Placement, applied
-from engramd_client.core.checkpoint import (
-    CheckpointError,
-    SourceFile,
-    TablePlan,
-    TensorEntry,
-    open_regular,
-)
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.errors import CheckpointError
+from engramd_client.core.fileid import SourceFile, open_regular
+from engramd_client.core.headers import TensorEntry
 from engramd_client.core.layout import Manifest, ManifestTensor
 
 DEFAULT_PLACEMENT = Placement()

@@ -27,13 +27,10 @@ from engramd.checksum import digest_fd
 from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
-from engramd_client.core.checkpoint import (
-    CheckpointError,
-    SourceFile,
-    TablePlan,
-    TensorEntry,
-    open_regular,
-)
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.errors import CheckpointError
+from engramd_client.core.fileid import SourceFile, open_regular
+from engramd_client.core.headers import TensorEntry
 from engramd_client.core.layout import Manifest
 
 #: Filesystems whose files change in place without a new mtime or ctime

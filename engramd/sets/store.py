@@ -32,7 +32,8 @@ from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, 
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import CheckpointError, TablePlan, plan_tables
+from engramd_client.core.checkpoint import TablePlan, plan_tables
+from engramd_client.core.errors import CheckpointError
 from engramd_client.core.layout import Manifest, ManifestError, copy_name
 
 log = logging.getLogger("engramd")
@@ -172,7 +173,7 @@ class SetStore:
                     gib(victim.nbytes),
                     what,
                 )
-                if self.sets.holds(victim) and not victim.leases:
+                if self.sets.holds(victim) and not self.leases.count(victim):
                     await self._drop([victim])
             # Other loads may have started while the drops ran: judge again.
             ts = self.sets.get(plan.set_id, node)
@@ -230,7 +231,7 @@ class SetStore:
             raise UnknownSet(f"engramd holds no set {set_id}")
         if any(ts.state is SetState.LOADING for ts in copies):
             raise DropRefused(f"set {set_id} is still loading; drop it once it is ready")
-        leases = [lease for ts in copies for lease in ts.leases.values()]
+        leases = [lease for ts in copies for lease in self.leases.listed(ts)]
         if leases and not force:
             raise DropRefused(
                 f"set {set_id} has {len(leases)} leases (pids "

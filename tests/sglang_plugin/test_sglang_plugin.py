@@ -173,10 +173,10 @@ def test_a_changed_seam_registers_nothing() -> None:
     from sglang.srt.environ import envs
     from sglang.srt.model_loader import weight_utils
 
-    from engramd_client.engines import sglang as plugin
     from engramd_client.engines.common import UnknownEngine
+    from engramd_client.engines.sglang_guard import check_seams
 
-    plugin.check_seams(engram, weight_utils, registry, envs)
+    check_seams(engram, weight_utils, registry, envs)
     original = engram.EngramEmbedding._load_rows
 
     def renamed(self: Any, param: Any, weight: Any) -> None:
@@ -185,7 +185,7 @@ def test_a_changed_seam_registers_nothing() -> None:
     try:
         engram.EngramEmbedding._load_rows = renamed
         try:
-            plugin.check_seams(engram, weight_utils, registry, envs)
+            check_seams(engram, weight_utils, registry, envs)
         except UnknownEngine as e:
             assert "EngramEmbedding methods" in str(e)
         else:

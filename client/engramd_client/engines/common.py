@@ -25,9 +25,10 @@ from pathlib import Path
 from typing import NoReturn, Protocol
 
 from engramd_client.core import errors
-from engramd_client.core.checkpoint import DEFAULT_TENSORS, checkpoint_files, read_header
+from engramd_client.core.checkpoint import DEFAULT_TENSORS, checkpoint_files
 from engramd_client.core.config import ClientConfig
 from engramd_client.core.errors import EngramdError, SelectionRefused, ShareError
+from engramd_client.core.headers import read_header
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
 

@@ -27,7 +27,8 @@ other version, or any seam that differs: one warning, nothing registered):
   `load_weights` still routes them to `_load_rows` and counts them loaded.
 
 HookRegistry only logs a hook it cannot apply, so the plugin checks every
-target and signature itself before registering any.
+target and signature itself before registering any (sglang_guard.py); the
+iterators live in sglang_weights.py.
 
 ENGRAMD_SHARE: auto (engramd where it serves, else SGLang's own path with
 one warning), on (strict: start-up fails with engramd's error), off (the
@@ -39,46 +40,38 @@ auto and safetensors (dummy writes the tables) make the plugin stand aside.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import contextvars
 import importlib
 import logging
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from types import ModuleType
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from engramd_client.core.errors import CheckpointError
+from engramd_client.engines import sglang_weights
 from engramd_client.engines.common import (
-    Engine,
     UnknownEngine,
     attach_rows,
     decide,
     local_folder,
-    params,
     probe,
     say_once,
     settle,
     share_mode,
     table_names,
 )
+from engramd_client.engines.sglang_guard import SGLANG, check_seams, sglang_version
 from engramd_client.tables import Tables
 
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
 log = logging.getLogger("sglang.engramd")
 
-#: SGLang as the guard names it, with the versions whose seams this plugin was written
-#: against and tested with.
-SGLANG = Engine("SGLang", frozenset({"0.5.23"}))
 LAYOUTS = ("shared", "per_rank")
 
 ENGRAM_MODULE = "sglang.srt.layers.engram"
-WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
-ITERATORS = ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator")
 
 #: What SGLang's DeepseekV4 `load_weights` hands to `EngramEmbedding` (it only
 #: prefixes `model.`): SGLang has no pattern of its own to compare with.
@@ -99,10 +92,6 @@ class _Process:
     serve: bool | None = None
     folder: str = ""
     tables: Tables | None = None
-    #: Checkpoint names of the tensors engramd serves here: SGLang skips reading them.
-    served: frozenset[str] = frozenset()
-    #: SGLang's iterators the plugin replaced, by name, to call through.
-    original: dict[str, Callable[..., Any]] = field(default_factory=dict)
 
 
 _state = _Process()
@@ -140,96 +129,29 @@ def register() -> None:
     log.debug("engramd's SGLang plugin registered %d hooks", len(hooks))
 
 
-def sglang_version() -> str:
-    """The running SGLang's version (`sglang.version.__version__`)."""
-    from sglang import version
-
-    return str(version.__version__)
-
-
-def _names(function: Any) -> set[str]:
-    code = getattr(function, "__code__", None) or function.fget.__code__
-    return set(code.co_names)
-
-
-def check_seams(
-    engram: ModuleType, weight_utils: ModuleType, registry: ModuleType, envs: Any
-) -> None:
-    """Raise UnknownEngine unless every signature and attribute the plugin relies on is there."""
-    table = getattr(engram, "EngramEmbedding", None)
-    layer = getattr(engram, "Engram", None)
-    SGLANG.expect(table is not None and layer is not None, "Engram module")
-    assert table is not None and layer is not None
-    SGLANG.expect(params(layer.__init__)[:4] == ["self", "config", "layer_id", "layout"], "Engram")
-    SGLANG.expect(
-        params(table._init_host_table) == ["self", "num_embeddings", "dim", "layer_id"]
-        and params(table._load_rows) == ["self", "param", "loaded_weight"],
-        "EngramEmbedding methods",
-    )
-    needed = {"row_start", "rows", "_init_host_table", "weight_loader", "_load_rows"}
-    SGLANG.expect(needed <= _names(table.__init__), "EngramEmbedding attributes")
-    SGLANG.expect(
-        {"host_table", "_host_table_ptrs"} <= _names(table._table_ptrs)
-        and {"host_table", "layout"} <= _names(table._shared)
-        and {"host_table", "dirty"} <= _names(table._load_rows)
-        and {"host_table", "finish_load"} <= _names(table.finish_load),
-        "EngramEmbedding host-table use",
-    )
-    SGLANG.expect(
-        params(engram.shard_range) == ["num_embeddings", "column_bounds", "tp_rank", "tp_size"]
-        and callable(getattr(engram, "_sorted_host_reads", None))
-        and callable(getattr(engram.EngramLayout, "column_bounds", None))
-        and {"layer_ids", "num_embeddings"} <= set(engram.EngramLayout.__struct_fields__),
-        "shard_range / EngramLayout",
-    )
-    options = ["disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load"]
-    SGLANG.expect(
-        params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
-        and params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
-        == ["hf_weights_files", "max_workers", *options]
-        and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
-        "safetensors weight iterators",
-    )
-    hook_type = getattr(registry, "HookType", None)
-    SGLANG.expect(
-        hook_type is not None
-        and {"AROUND", "REPLACE"} <= set(hook_type.__members__)
-        and params(registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"],
-        "HookRegistry",
-    )
-    SGLANG.expect(
-        all(
-            hasattr(envs, name)
-            for name in (
-                "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
-                "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
-            )
-        ),
-        "Engram settings (sglang.srt.environ)",
-    )
-
-
 def seams() -> list[tuple[str, Callable[..., Any], Any]]:
     """The hooks to register, (target, hook, HookType), once every seam is checked."""
     try:
         engram, weight_utils, registry = (
             importlib.import_module(m)
-            for m in (ENGRAM_MODULE, WEIGHT_UTILS, "sglang.srt.plugins.hook_registry")
+            for m in (
+                ENGRAM_MODULE,
+                sglang_weights.WEIGHT_UTILS,
+                "sglang.srt.plugins.hook_registry",
+            )
         )
         from sglang.srt.environ import envs
         from sglang.srt.runtime_context import get_model, get_parallel  # noqa: F401
     except ImportError as e:
         raise SGLANG.unknown(f"modules ({e})") from None
     check_seams(engram, weight_utils, registry, envs)
-    _state.original = {name: getattr(weight_utils, name) for name in ITERATORS}
     around, replace = registry.HookType.AROUND, registry.HookType.REPLACE
     table = f"{ENGRAM_MODULE}.EngramEmbedding"
     return [
         (f"{ENGRAM_MODULE}.Engram.__init__", _engram_init, around),
         (f"{table}._init_host_table", _init_host_table, around),
         (f"{table}._load_rows", _load_rows, around),
-        (f"{WEIGHT_UTILS}.{ITERATORS[0]}", _safetensors_iterator, replace),
-        (f"{WEIGHT_UTILS}.{ITERATORS[1]}", _buffered_iterator, replace),
+        *sglang_weights.hooks(weight_utils, replace),
     ]
 
 
@@ -308,7 +230,8 @@ def _attach(layout: Any, host_layout: str) -> Tables:
         device=device,
         labels={"engine": "sglang", "tp_rank": str(parallel.tp_rank), "layout": host_layout},
     )
-    _state.served = frozenset(tables)
+    # SGLang's weight loading skips exactly what this process maps.
+    sglang_weights.skip(tables)
     log.info(
         "engramd serves SGLang's Engram tables (%s, %s layout, %d tensors, %.2f GiB of rows)",
         tables.mode,
@@ -399,94 +322,3 @@ def _load_rows(original: Callable[..., Any], self: Any, param: Any, loaded_weigh
             "the new checkpoint)",
         )
     return None
-
-
-def _skipping(
-    files: list[str], workers: int, drop_cache_after_load: bool
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """SGLang's safetensors reads, file by file on `workers` threads, without the served tensors.
-
-    Each served tensor is yielded as an empty meta tensor, never read.
-    """
-    import safetensors
-    from sglang.srt.model_loader import weight_utils
-
-    served = _state.served
-
-    def load(path: str) -> dict[str, torch.Tensor]:
-        with safetensors.safe_open(path, framework="pt", device="cpu") as f:
-            return {
-                k: torch.empty(0, device="meta") if k in served else f.get_tensor(k)
-                for k in f.keys()  # noqa: SIM118 (safe_open is no mapping)
-            }
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-        pending: collections.deque[tuple[str, concurrent.futures.Future[Any]]] = collections.deque()
-        queue = iter(files)
-        for path in queue:
-            pending.append((path, pool.submit(load, path)))
-            if len(pending) > workers:
-                break
-        while pending:
-            path, future = pending.popleft()
-            tensors = future.result()
-            following = next(queue, None)
-            if following is not None:
-                pending.append((following, pool.submit(load, following)))
-            yield from sorted(tensors.items())
-            del tensors
-            if drop_cache_after_load:
-                weight_utils._drop_file_cache_after_load(path)
-
-
-def _reads_served(disable_mmap: bool, prefetch: bool) -> bool:
-    """Whether SGLang's own iterator must run: nothing served, or reads that cannot skip."""
-    if not _state.served:
-        return True
-    if disable_mmap or prefetch:
-        say_once(
-            log,
-            logging.WARNING,
-            "whole-files",
-            "SGLang reads whole checkpoint files here (disable_mmap or "
-            "--weight-loader-prefetch-checkpoints), the Engram tables engramd serves "
-            "included; the layers keep engramd's copy",
-        )
-        return True
-    return False
-
-
-def _safetensors_iterator(
-    hf_weights_files: list[str],
-    disable_mmap: bool = False,
-    prefetch: bool = False,
-    prefetch_num_threads: int = 4,
-    drop_cache_after_load: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    original = _state.original[ITERATORS[0]]
-    if _reads_served(disable_mmap, prefetch):
-        return original(
-            hf_weights_files, disable_mmap, prefetch, prefetch_num_threads, drop_cache_after_load
-        )
-    return _skipping(list(hf_weights_files), 1, drop_cache_after_load)
-
-
-def _buffered_iterator(
-    hf_weights_files: list[str],
-    max_workers: int,
-    disable_mmap: bool = False,
-    prefetch: bool = False,
-    prefetch_num_threads: int = 4,
-    drop_cache_after_load: bool = False,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    original = _state.original[ITERATORS[1]]
-    if _reads_served(disable_mmap, prefetch):
-        return original(
-            hf_weights_files,
-            max_workers,
-            disable_mmap,
-            prefetch,
-            prefetch_num_threads,
-            drop_cache_after_load,
-        )
-    return _skipping(list(hf_weights_files), max_workers, drop_cache_after_load)

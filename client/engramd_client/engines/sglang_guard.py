@@ -1,0 +1,86 @@
+"""The SGLang plugin's compatibility guard: the version and every seam the hooks rely on.
+
+SGLang's HookRegistry only logs a hook it cannot apply, so the plugin checks
+every target, signature and attribute here before it registers any: an
+SGLang whose seams differ gets one warning and no hook.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+from engramd_client.engines.common import Engine, params
+
+#: SGLang as the guard names it, with the versions whose seams this plugin was written
+#: against and tested with.
+SGLANG = Engine("SGLang", frozenset({"0.5.23"}))
+
+
+def sglang_version() -> str:
+    """The running SGLang's version (`sglang.version.__version__`)."""
+    from sglang import version
+
+    return str(version.__version__)
+
+
+def _names(function: Any) -> set[str]:
+    code = getattr(function, "__code__", None) or function.fget.__code__
+    return set(code.co_names)
+
+
+def check_seams(
+    engram: ModuleType, weight_utils: ModuleType, registry: ModuleType, envs: Any
+) -> None:
+    """Raise UnknownEngine unless every signature and attribute the plugin relies on is there."""
+    table = getattr(engram, "EngramEmbedding", None)
+    layer = getattr(engram, "Engram", None)
+    SGLANG.expect(table is not None and layer is not None, "Engram module")
+    assert table is not None and layer is not None
+    SGLANG.expect(params(layer.__init__)[:4] == ["self", "config", "layer_id", "layout"], "Engram")
+    SGLANG.expect(
+        params(table._init_host_table) == ["self", "num_embeddings", "dim", "layer_id"]
+        and params(table._load_rows) == ["self", "param", "loaded_weight"],
+        "EngramEmbedding methods",
+    )
+    needed = {"row_start", "rows", "_init_host_table", "weight_loader", "_load_rows"}
+    SGLANG.expect(needed <= _names(table.__init__), "EngramEmbedding attributes")
+    SGLANG.expect(
+        {"host_table", "_host_table_ptrs"} <= _names(table._table_ptrs)
+        and {"host_table", "layout"} <= _names(table._shared)
+        and {"host_table", "dirty"} <= _names(table._load_rows)
+        and {"host_table", "finish_load"} <= _names(table.finish_load),
+        "EngramEmbedding host-table use",
+    )
+    SGLANG.expect(
+        params(engram.shard_range) == ["num_embeddings", "column_bounds", "tp_rank", "tp_size"]
+        and callable(getattr(engram, "_sorted_host_reads", None))
+        and callable(getattr(engram.EngramLayout, "column_bounds", None))
+        and {"layer_ids", "num_embeddings"} <= set(engram.EngramLayout.__struct_fields__),
+        "shard_range / EngramLayout",
+    )
+    options = ["disable_mmap", "prefetch", "prefetch_num_threads", "drop_cache_after_load"]
+    SGLANG.expect(
+        params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
+        and params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
+        == ["hf_weights_files", "max_workers", *options]
+        and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
+        "safetensors weight iterators",
+    )
+    hook_type = getattr(registry, "HookType", None)
+    SGLANG.expect(
+        hook_type is not None
+        and {"AROUND", "REPLACE"} <= set(hook_type.__members__)
+        and params(registry.HookRegistry.register)[:3] == ["target", "hook", "hook_type"],
+        "HookRegistry",
+    )
+    SGLANG.expect(
+        all(
+            hasattr(envs, name)
+            for name in (
+                "SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE",
+                "SGLANG_DSV41_ENGRAM_HOST_TABLE_LAYOUT",
+            )
+        ),
+        "Engram settings (sglang.srt.environ)",
+    )
