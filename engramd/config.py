@@ -78,7 +78,9 @@ class Flag:
     env: str
     #: The field's type.
     type: Any
+    #: The field's default (a fresh list for a list).
     default: Any
+    #: What the field declares: help, parse, least value.
     setting: Setting
 
     @property

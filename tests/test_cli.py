@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +151,10 @@ def test_backing_names_are_the_registered_backings() -> None:
     assert (*BACKINGS, *COMBINED) == BACKING_NAMES
 
 
+#: The deploy files operators start from.
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
 def _serve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     """`engramd serve` as an operator runs it; a wide terminal, so that no line wraps."""
     return subprocess.run(
@@ -180,6 +185,8 @@ def test_every_setting_is_a_config_file_key(tmp_path: Path) -> None:
     listed = refused.stderr.partition("(known: ")[2].partition(")")[0]
     known = "".join(c for c in listed if c not in "│ \n").split(",")
     assert {f.key for f in flags()} | {"log_level", "log_json"} == set(known)
+    shipped = tomllib.loads((DEPLOY / "systemd" / "engramd.toml").read_text())
+    assert {key.replace("-", "_") for key in shipped} <= set(known)
 
 
 def test_settings_are_parsed_where_they_are_given(tmp_path: Path) -> None:
