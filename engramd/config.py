@@ -1,20 +1,29 @@
-"""The daemon's settings: `engramd serve` fills them from flags, ENGRAMD_* and --config."""
+"""The daemon's settings: each field declares its `engramd serve` flag, once.
+
+A field's `setting(...)` gives its default and its flag's help; its flag is
+`--<field>` (or the `option` it names), its variable ENGRAMD_<FLAG>, its
+--config key the flag's name. engramd/cli/serve.py builds the command from
+these declarations and parses each value once (`parse`), so the server and
+the backings get typed values. Adding a flag is adding a field here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import typing
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
+from engramd.units import parse_size
+from engramd.values import BACKING_NAMES, BackingSpec, Placement
 from engramd_client.core.checkpoint import DEFAULT_TENSORS
 from engramd_client.core.config import DEFAULT_SOCKET
 
-#: Every `--backing` value: the names engramd.backings registers (BACKINGS, then COMBINED).
-#: Written out here so that the CLI's help need not import the backings, whose CUDA
-#: lookups and mapping helpers cost every command a tenth of a second; a test keeps
-#: the two in step.
-BACKING_NAMES = ("tmpfs", "hugetlbfs", "memfd", "cuda-host", "cuda-device", "auto")
-#: `--backing cuda-device:N`: GPU N's memory.
-CUDA_DEVICE_PREFIX = "cuda-device:"
+#: The key of a field's Setting in its metadata.
+SETTING = "setting"
+#: Every variable the daemon reads starts with this.
+ENV_PREFIX = "ENGRAMD_"
 
 
 def admin_socket_for(socket_path: str) -> str:
@@ -22,79 +31,209 @@ def admin_socket_for(socket_path: str) -> str:
     return str(Path(socket_path).with_name("admin.sock"))
 
 
+def path(text: str) -> str:
+    """A path as the command line gives it, in pathlib's spelling (no trailing slash)."""
+    return str(Path(text))
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How `engramd serve` sets one field of DaemonConfig."""
+
+    #: The flag's help.
+    help: str
+    #: The flag's name where it is not the field's ("--checkpoint" for `checkpoints`).
+    option: str = ""
+    #: The field's value from the flag's text, for a field that is not a str, int, float,
+    #: bool or list of str (sizes, the backing, the placement).
+    parse: Callable[[str], Any] | None = None
+    #: The least value of a number.
+    min: float | None = None
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    option: str = "",
+    parse: Callable[[str], Any] | None = None,
+    min: float | None = None,
+) -> Any:
+    """A DaemonConfig field with its default and its flag (a list default: a fresh one each)."""
+    meta = {SETTING: Setting(help, option, parse, min)}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class Flag:
+    """A DaemonConfig field as `engramd serve` takes it: flag, variable, --config key, type."""
+
+    #: The DaemonConfig field it fills.
+    field: str
+    #: The flag, "--grace".
+    option: str
+    #: Its environment variable, "ENGRAMD_GRACE".
+    env: str
+    #: The field's type.
+    type: Any
+    #: The field's default (a fresh list for a list).
+    default: Any
+    #: What the field declares: help, parse, least value.
+    setting: Setting
+
+    @property
+    def key(self) -> str:
+        """Its key in a --config file (the flag's name; "-" or "_" between words)."""
+        return self.option.removeprefix("--").replace("-", "_")
+
+
+def flags() -> list[Flag]:
+    """Every `engramd serve` flag of DaemonConfig, in the fields' order."""
+    types = typing.get_type_hints(DaemonConfig)
+    found = []
+    for f in fields(DaemonConfig):
+        s: Setting = f.metadata[SETTING]
+        option = s.option or "--" + f.name.replace("_", "-")
+        default = f.default if f.default_factory is MISSING else f.default_factory()
+        env = ENV_PREFIX + option.removeprefix("--").replace("-", "_").upper()
+        found.append(Flag(f.name, option, env, types[f.name], default, s))
+    return found
+
+
 @dataclass
 class DaemonConfig:
     """Everything `create_server` needs; every field has a working default."""
 
     #: Checkpoint folders whose sets are loaded at start (health SERVING once all are ready).
-    checkpoints: list[str] = field(default_factory=list)
+    checkpoints: list[str] = setting(
+        [],
+        "Checkpoint folder to load at start (repeatable; ENGRAMD_CHECKPOINT takes "
+        "space-separated folders).",
+        option="--checkpoint",
+        parse=path,
+    )
     #: fnmatch selection of the tensors that make a set.
-    tensors: str = DEFAULT_TENSORS
+    tensors: str = setting(DEFAULT_TENSORS, "Tensors that make a set (fnmatch).")
     #: Unix socket of the TableService and the health service (0660).
-    socket: str = DEFAULT_SOCKET
+    socket: str = setting(DEFAULT_SOCKET, "The daemon's Unix socket.")
     #: Unix socket of the AdminService (load, drop, verify; 0600); "": admin.sock beside `socket`.
-    admin_socket: str = ""
+    admin_socket: str = setting(
+        "", "The daemon's admin socket (default: admin.sock beside --socket)."
+    )
     #: Unix socket of the fd channel (read-only descriptors, 0660); "": fds.sock beside `socket`.
-    fd_socket: str = ""
+    fd_socket: str = setting("", "The fd channel's socket (default: fds.sock beside --socket).")
     #: Group that may attach: owns the socket, its folder and the sets' files.
-    socket_group: str = "engramd"
-    #: Where sets live: a name in engramd.backings.BACKINGS ("cuda-device:N" for GPU N), or
-    #: "auto" (tmpfs, else memfd).
-    backing: str = "tmpfs"
+    socket_group: str = setting("engramd", "Group that may attach (socket, sets).")
+    #: Where sets live: a backing of engramd.backings (auto: tmpfs, else memfd).
+    backing: BackingSpec = setting(
+        BackingSpec(),
+        f"Where sets live: {', '.join(BACKING_NAMES)} (auto: tmpfs when the shm folder can "
+        "hold the set, else memfd; cuda-device:N: GPU N's memory).",
+        parse=BackingSpec.parse,
+    )
     #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
-    page_size: int = 0
-    #: Where a set's pages go: "" (the kernel's choice), "interleave", "node:N", "per-node".
-    numa: str = ""
+    page_size: int = setting(
+        0, "memfd sets on hugetlb pages: 2M or 1G (0: the kernel's pages).", parse=parse_size
+    )
+    #: Where a set's pages go (the kernel's choice by default).
+    numa: Placement = setting(
+        Placement(),
+        "Where sets' pages go: interleave, node:N, or per-node (a copy on every node, each "
+        "worker mapping its node's; default: the kernel's choice).",
+        parse=Placement.parse,
+    )
     #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
-    shm_dir: str = "/dev/shm"
+    shm_dir: str = setting(
+        "/dev/shm", "tmpfs or hugetlbfs folder for the sets (detected).", parse=path
+    )
     #: Accept a shm folder on a disk filesystem: the tables then go to disk and the page cache.
-    allow_disk_backed_tables: bool = False
+    allow_disk_backed_tables: bool = setting(
+        False,
+        "Accept a --shm-dir that is not tmpfs or hugetlbfs: the tables are written to disk "
+        "and served from the page cache, which the kernel may evict.",
+    )
     #: Mount a huge=within_size tmpfs over <shm_dir>/engramd where the daemon may (2 MiB pages).
-    huge_tmpfs: bool = True
+    huge_tmpfs: bool = setting(
+        True,
+        "Mount a tmpfs with 2 MiB pages (huge=within_size) over <shm-dir>/engramd where "
+        "engramd may (CAP_SYS_ADMIN, the host's mount namespace) and the folder holds no sets.",
+    )
     #: Roots under which a worker's attach may start a load; none by default.
-    allow_roots: list[str] = field(default_factory=list)
+    allow_roots: list[str] = setting(
+        [],
+        "Folder under which a worker's attach may start a load (repeatable).",
+        option="--allow-root",
+        parse=path,
+    )
     #: Most bytes of sets the daemon holds at once; 0 for no limit but the tmpfs.
-    memory_budget: int = 0
+    memory_budget: int = setting(0, "Most bytes of sets held (0: no limit).", parse=parse_size)
     #: Make room within the budget by dropping sets no worker holds, oldest first.
-    evict_idle: bool = False
+    evict_idle: bool = setting(
+        False, "Drop unleased sets, oldest first, to stay within the budget."
+    )
     #: Recompute the checksums of sets adopted at start; drop the corrupted ones.
-    verify: bool = False
+    verify: bool = setting(False, "Recompute checksums of adopted sets.")
     #: Unlink every set at shutdown instead of keeping it for a fast restart.
-    drop_on_exit: bool = False
+    drop_on_exit: bool = setting(False, "Remove the sets at shutdown.")
     #: Lock each set's pages in memory (mlock) so they are never swapped out.
-    mlock: bool = True
+    mlock: bool = setting(True, "Lock the sets' pages in memory.")
     #: Threads that copy tensors into tmpfs during a load.
-    load_threads: int = 2
+    load_threads: int = setting(2, "Threads that copy a set.", min=1)
     #: TCP port for gRPC health checks only (Kubernetes probes); 0: none.
-    health_port: int = 0
+    health_port: int = setting(0, "TCP port for gRPC health (0: off).")
     #: Address of the health port.
-    health_address: str = "127.0.0.1"
+    health_address: str = setting("127.0.0.1", "Address of the health port.")
     #: TCP port for Prometheus metrics; 0: none.
-    metrics_port: int = 0
+    metrics_port: int = setting(0, "TCP port for metrics (0: off).")
     #: Address of the metrics port.
-    metrics_address: str = "127.0.0.1"
+    metrics_address: str = setting("127.0.0.1", "Address of the metrics port.")
     #: Seconds in-flight RPCs get to finish at shutdown before they are cancelled.
-    grace_s: float = 5.0
+    grace: float = setting(5.0, "Seconds in-flight calls get at shutdown (SIGTERM).")
     #: Seconds between sweeps that end leases of workers whose process is gone.
-    sweep_interval_s: float = 1.0
+    sweep_interval: float = setting(1.0, "Seconds between sweeps for leases of exited workers.")
     #: Seconds after start before an adopted set without leases counts as idle
     #: (its workers re-attach within a few seconds of a restart).
-    adopt_grace_s: float = 30.0
+    adopt_grace: float = setting(
+        30.0, "Seconds an adopted set is kept from eviction while its workers re-attach."
+    )
     #: Most leases held at once, all sets together; 0 for no limit.
-    max_leases: int = 4096
+    max_leases: int = setting(4096, "Most leases held at once (0: no limit).", min=0)
     #: Workers that say their GPU cannot register read-only memory get writable descriptors
     #: of tmpfs/hugetlbfs sets (registered with flags 0): any member of the socket group may
     #: say so, and could then change the one copy every worker reads (`engramd verify` finds
     #: it). Off: such workers go private.
-    allow_writable_gpu_mappings: bool = False
+    allow_writable_gpu_mappings: bool = setting(
+        False,
+        "Hand writable descriptors of tmpfs sets to workers that say their GPU cannot "
+        "register read-only memory: any member of the socket group may say so, and could "
+        "then change the one copy every worker reads (engramd verify finds it). Off: such "
+        "workers load privately.",
+    )
     #: Most leases one uid holds at once, as the kernel tells the uid (on the fd channel);
     #: leases whose uid the daemon cannot know (path handles) share one such share. 0: none.
-    leases_per_uid: int = 1024
+    leases_per_uid: int = setting(
+        1024,
+        "Most leases one uid holds (as the fd channel sees it); leases of unknown uid (path "
+        "handles) share one such share (0: no limit).",
+        min=0,
+    )
     #: fd channel exchanges one uid holds at once (SO_PEERCRED); the channel's whole cap is 64.
-    fd_connections_per_uid: int = 8
+    fd_connections_per_uid: int = setting(
+        8, "fd channel connections one uid holds at once (0: only the channel's 64).", min=0
+    )
     #: Seconds a worker-socket connection may stay idle (no call in flight, or no
     #: handshake) before the daemon closes it.
-    idle_timeout_s: float = 60.0
+    idle_timeout: float = setting(
+        60.0,
+        "Seconds a worker-socket connection may stay idle before it is closed.",
+        min=0.001,
+    )
     #: Descriptors the worker socket's connections never take: kept for the admin
     #: socket, the fd channel and the sets' files.
-    fd_reserve: int = 256
+    fd_reserve: int = setting(
+        256,
+        "Open files the worker socket's connections never take (admin socket, fd channel, sets).",
+        min=0,
+    )

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import Worker
+from engramd.config import flags
 from engramd.demo.synth import expected_rows
 
 
@@ -144,9 +146,61 @@ def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
 def test_backing_names_are_the_registered_backings() -> None:
     # The CLI's help lists BACKING_NAMES without importing the backings.
     from engramd.backings import BACKINGS, COMBINED
-    from engramd.config import BACKING_NAMES
+    from engramd.values import BACKING_NAMES
 
     assert (*BACKINGS, *COMBINED) == BACKING_NAMES
+
+
+#: The deploy files operators start from.
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def _serve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """`engramd serve` as an operator runs it; a wide terminal, so that no line wraps."""
+    return subprocess.run(
+        [sys.executable, "-m", "engramd", "serve", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "400", **env},
+    )
+
+
+def test_serve_help_lists_every_setting_with_its_variable() -> None:
+    shown = _serve("--help")
+    assert shown.returncode == 0, shown.stderr
+    for flag in flags():
+        assert flag.option in shown.stdout and flag.env in shown.stdout, flag
+        assert flag.setting.help.split(" (")[0] in shown.stdout, flag
+    # Switches can be turned off, as the deploy files do.
+    assert "--no-mlock" in shown.stdout and "--no-huge-tmpfs" in shown.stdout
+
+
+def test_every_setting_is_a_config_file_key(tmp_path: Path) -> None:
+    config = tmp_path / "engramd.toml"
+    config.write_text("grace_s = 1.0\n")  # the field's old name; the key is the flag's
+    refused = _serve("--config", str(config), "--socket", str(tmp_path / "x.sock"))
+    assert refused.returncode == 2
+    # The error's box wraps the list: its borders and breaks are no part of it.
+    listed = refused.stderr.partition("(known: ")[2].partition(")")[0]
+    known = "".join(c for c in listed if c not in "│ \n").split(",")
+    assert {f.key for f in flags()} | {"log_level", "log_json"} == set(known)
+    shipped = tomllib.loads((DEPLOY / "systemd" / "engramd.toml").read_text())
+    assert {key.replace("-", "_") for key in shipped} <= set(known)
+
+
+def test_settings_are_parsed_where_they_are_given(tmp_path: Path) -> None:
+    # A flag, a variable and a --config value are refused alike, with the reason.
+    config = tmp_path / "engramd.toml"
+    config.write_text('memory-budget = "lots"\n')
+    for refused, reason in [
+        (_serve("--backing", "nvme"), "'nvme' is not a backing (known: tmpfs, hugetlbfs,"),
+        (_serve(ENGRAMD_BACKING="memfd:1"), "only cuda-device takes a device"),
+        (_serve("--numa", "node:4096"), "node 4096 has no memory"),
+        (_serve("--page-size", "huge"), "'huge' is not a size"),
+        (_serve("--config", str(config)), "'lots' is not a size"),
+    ]:
+        assert refused.returncode == 2 and reason in refused.stderr, refused.stderr
 
 
 def test_commands_import_only_what_they_use(sock_dir: Path) -> None:

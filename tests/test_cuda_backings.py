@@ -26,11 +26,12 @@ from test_cli import engramd
 from conftest import Worker, wait_until
 from engramd.api.service import TableService
 from engramd.backings import CudaHostBacking
-from engramd.backings.cuda import device_of
 from engramd.backings.cudacopy import read_only_handle
+from engramd.backings.handles import HandleKind
 from engramd.cli.status_view import render
 from engramd.demo.child import JsonLinesChild
 from engramd.errors import InvalidRequest
+from engramd.values import BackingSpec
 from engramd_client.core import cudadriver
 from engramd_client.core.errors import DeviceError, NoCpuView
 from engramd_client.core.pb import engramd_pb2 as pb
@@ -95,9 +96,14 @@ def test_a_cuda_backing_that_cannot_work_here_says_why_and_auto_stands_in(
 
 
 def test_cuda_device_takes_a_device_index() -> None:
-    assert device_of("cuda-device") == 0 and device_of("cuda-device:3") == 3
-    with pytest.raises(ValueError, match="use cuda-device:N"):
-        device_of("cuda-device:x")
+    assert BackingSpec.parse("cuda-device") == BackingSpec("cuda-device")
+    assert BackingSpec.parse("cuda-device:3") == BackingSpec("cuda-device", 3)
+    assert str(BackingSpec.parse("cuda-device:3")) == "cuda-device:3"
+    for text in ("cuda-device:x", "memfd:1"):
+        with pytest.raises(ValueError, match="as cuda-device:N"):
+            BackingSpec.parse(text)
+    with pytest.raises(ValueError, match="'nvme' is not a backing"):
+        BackingSpec.parse("nvme")
     refused = engramd("serve", "--backing", "cuda-device:gpu1", "--socket", "/nonexistent/s")
     assert refused.returncode == 2
     assert "cuda-device:N" in refused.stderr
@@ -107,14 +113,14 @@ def test_a_worker_without_a_device_is_told_to_ask_for_one() -> None:
     # A cuMem backing as the service sees it: its name and handle kinds (no GPU here).
     class CuMemOnly:
         name = CudaHostBacking.name
-        handle_kinds = frozenset({pb.HANDLE_KIND_CUMEM})
+        handle_kinds = frozenset({HandleKind.CUMEM})
 
     cpu_only = pb.AttachRequest(accept=[pb.HANDLE_KIND_FD, pb.HANDLE_KIND_SHM])
     with pytest.raises(InvalidRequest, match=r"device='cuda:N' \(ENGRAMD_DEVICE\)"):
         TableService._handle_kind(cpu_only, [CuMemOnly()])  # type: ignore[list-item]
     with_device = pb.AttachRequest(accept=[pb.HANDLE_KIND_CUMEM_FABRIC, pb.HANDLE_KIND_CUMEM])
     # The first kind the worker accepts that the backing has: no fabric handle here.
-    assert TableService._handle_kind(with_device, [CuMemOnly()]) == pb.HANDLE_KIND_CUMEM  # type: ignore[list-item]
+    assert TableService._handle_kind(with_device, [CuMemOnly()]) is HandleKind.CUMEM  # type: ignore[list-item]
 
 
 def test_tables_of_a_device_only_set_name_the_cuda_view() -> None:

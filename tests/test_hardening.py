@@ -27,6 +27,7 @@ import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
+from engramd.backings.handles import HandleKind
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.errors import UnknownSet
 from engramd.sets import store as store_module
@@ -313,7 +314,7 @@ def test_shutdown_ends_within_its_grace_whatever_a_reader_does(
         async def main():
             server = create_server(DaemonConfig(
                 socket={str(sock_dir / "d.sock")!r}, shm_dir={str(shm_dir)!r},
-                socket_group="", mlock=False, grace_s=1.0))
+                socket_group="", mlock=False, grace=1.0))
             await server.start()
             reading = threading.Event()
             def stuck():
@@ -632,5 +633,5 @@ def test_no_lease_on_a_set_that_left_the_store(
         # An attach that waited while the set was evicted must not lease it.
         with pytest.raises(UnknownSet, match="dropped while the worker waited"):
             d.server.store.leases.add(
-                ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), pb.HANDLE_KIND_FD
+                ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), HandleKind.FD
             )

@@ -17,7 +17,14 @@ SOURCES = {"engramd": ROOT / "engramd", "engramd_client": ROOT / "client" / "eng
 
 #: The daemon's floors, lowest first: a module imports its own floor and those below.
 FLOORS = [
-    ("engramd.config", "engramd.errors", "engramd.units", "engramd.text", "engramd.checksum"),
+    (
+        "engramd.config",
+        "engramd.values",
+        "engramd.errors",
+        "engramd.units",
+        "engramd.text",
+        "engramd.checksum",
+    ),
     ("engramd.host",),
     ("engramd.backings",),
     ("engramd.sets",),
@@ -102,6 +109,14 @@ def test_the_daemon_imports_only_down_and_only_the_clients_core(name: str) -> No
         ):
             assert within(target, [CORE]), f"{name} imports {target}, outside {CORE}"
         assert not within(target, ["torch"]) or within(name, WORKER_SIDE), f"{name} imports torch"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ALL if within(n, ["engramd.backings"])))
+def test_the_backings_describe_handles_and_leave_the_wire_to_the_api(name: str) -> None:
+    # Backings hand out plain descriptions (backings/handles.py); api/wire.py
+    # alone turns them, and their kinds, into engramd.v1 messages.
+    for target in imports(name, ALL[name]):
+        assert not within(target, [f"{CORE}.pb"]), f"{name} imports the wire's messages"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in ALL if n.startswith("engramd_client")))

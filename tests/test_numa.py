@@ -28,18 +28,17 @@ from engramd.host.numa import (
     MPOL_BIND,
     MPOL_DEFAULT,
     MPOL_INTERLEAVE,
-    NumaError,
-    Placement,
     applied,
     bytes_per_node,
+    mode_and_nodes,
     node_mask,
-    nodes,
 )
+from engramd.values import NumaError, Placement
 from engramd_client import plan_tables
 from engramd_client.core.layout import sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.core.topology import local_node
+from engramd_client.core.topology import local_node, nodes
 from helpers import (
     InProcessDaemon,
     attach_error,
@@ -81,16 +80,16 @@ def test_two_nodes_from_a_recorded_sysfs(tmp_path: Path) -> None:
     (tmp_path / "has_memory").write_text("0-1\n")
     (tmp_path / "online").write_text("0-1\n")
     assert nodes(tmp_path) == [0, 1]
-    assert Placement.parse("interleave", tmp_path).mode_and_nodes() == (MPOL_INTERLEAVE, [0, 1])
-    assert Placement.parse("node:1", tmp_path).mode_and_nodes() == (MPOL_BIND, [1])
+    assert mode_and_nodes(Placement.parse("interleave", tmp_path)) == (MPOL_INTERLEAVE, [0, 1])
+    assert mode_and_nodes(Placement.parse("node:1", tmp_path)) == (MPOL_BIND, [1])
     with pytest.raises(NumaError, match=r"node 2 has no memory; nodes: \[0, 1\]"):
         Placement.parse("node:2", tmp_path)
     with pytest.raises(NumaError, match="use interleave, node:N or per-node"):
         Placement.parse("nearest", tmp_path)
     per_node = Placement.parse("per-node", tmp_path)
     assert per_node.copy_nodes == [0, 1]
-    assert per_node.mode_and_nodes() == (MPOL_DEFAULT, [])
-    assert per_node.for_copy(1).mode_and_nodes() == (MPOL_BIND, [1])
+    assert mode_and_nodes(per_node) == (MPOL_DEFAULT, [])
+    assert mode_and_nodes(per_node.for_copy(1)) == (MPOL_BIND, [1])
     # A worker maps its node's copy; one whose node the daemon does not know, node 0's.
     assert [per_node.copy_node_for(n) for n in (0, 1, 7, None)] == [0, 1, 0, 0]
     one_copy = Placement.parse("interleave", tmp_path)
@@ -211,7 +210,6 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     store, loader, tmpfs files, gRPC service and adoption.
     """
     root = _two_node_sysfs(tmp_path / "sys")
-    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
     policies: list[tuple[int, int, list[int]]] = []
 
     def record(mode: int, node_ids: list[int]) -> None:
@@ -219,7 +217,9 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
 
     monkeypatch.setattr(numa_module, "_set_mempolicy", record)
     set_id = plan_tables(checkpoint).set_id
-    config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa="per-node")
+    config = in_process_config(
+        sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa=Placement.parse("per-node", root)
+    )
     with InProcessDaemon(config) as d:
         wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
         assert {ts.key for ts in d.server.store.sets.all()} == {
@@ -253,7 +253,7 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
             (0, True),
             (1, True),
         ]
-    with InProcessDaemon(dataclasses.replace(config, numa="")) as d:
+    with InProcessDaemon(dataclasses.replace(config, numa=Placement())) as d:
         wait_until(lambda: d.server.ready, 60, "the set's one copy")
         [ts] = d.server.store.sets.all()
         assert (ts.node, ts.adopted) == (None, False)
@@ -266,11 +266,13 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
     """A worker-started load makes its node's copy only; a worker on the other node later
     gets a copy of its own, from the checkpoint the first was loaded from."""
     root = _two_node_sysfs(tmp_path / "sys")
-    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
     monkeypatch.setattr(numa_module, "_set_mempolicy", lambda mode, node_ids: None)
     set_id = plan_tables(checkpoint).set_id
     config = in_process_config(
-        sock_dir, shm_dir, numa="per-node", allow_roots=[str(checkpoint.parent)]
+        sock_dir,
+        shm_dir,
+        numa=Placement.parse("per-node", root),
+        allow_roots=[str(checkpoint.parent)],
     )
     with InProcessDaemon(config) as d:
         request = pb.AttachRequest(
@@ -311,11 +313,12 @@ def test_no_copy_of_a_changed_checkpoint_is_made_for_another_node(
     sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     root = _two_node_sysfs(tmp_path / "sys")
-    monkeypatch.setattr(numa_module, "nodes", lambda _root: nodes(root))
     monkeypatch.setattr(numa_module, "_set_mempolicy", lambda mode, node_ids: None)
     ckpt = synthesize(tmp_path / "ckpt", SynthSpec(rows=4_000, seed=5))
     set_id = plan_tables(ckpt).set_id
-    config = in_process_config(sock_dir, shm_dir, numa="per-node", allow_roots=[str(tmp_path)])
+    config = in_process_config(
+        sock_dir, shm_dir, numa=Placement.parse("per-node", root), allow_roots=[str(tmp_path)]
+    )
     with InProcessDaemon(config) as d:
         request = pb.AttachRequest(
             set_id=set_id,

@@ -13,6 +13,7 @@ from conftest import mounted_tmpfs
 from engramd import errors as daemon_errors
 from engramd.api.wire import set_info, tensor_handle
 from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
+from engramd.backings.handles import HandleKind
 from engramd.backings.memfd import SEALS
 from engramd.checksum import digest_fd
 from engramd.cli.status_view import as_dict, render
@@ -204,7 +205,7 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
     assert backing.adopt() == [manifest]
     assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
     assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
-    [handle, *_] = (tensor_handle(h) for h in backing.handles(manifest, pb.HANDLE_KIND_SHM))
+    [handle, *_] = (tensor_handle(h) for h in backing.handles(manifest, HandleKind.SHM))
     assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
     assert handle.kind == pb.HANDLE_KIND_SHM
     _check_descriptors(backing, manifest, plan)
@@ -240,7 +241,7 @@ def _check_descriptors(backing: Backing, manifest: Manifest, plan: TablePlan) ->
     """Each tensor's bytes, read through the backing's read-only descriptors, are the plan's."""
     opened = dict(backing.descriptors(manifest))
     try:
-        handles = [tensor_handle(h) for h in backing.handles(manifest, pb.HANDLE_KIND_FD)]
+        handles = [tensor_handle(h) for h in backing.handles(manifest, HandleKind.FD)]
         for handle, t in zip(handles, plan.tensors, strict=True):
             assert handle.kind == pb.HANDLE_KIND_FD
             fd = opened[handle.fd.file]
@@ -256,7 +257,7 @@ def _check_descriptors(backing: Backing, manifest: Manifest, plan: TablePlan) ->
 def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:
     backing = MemfdBacking.from_config(DaemonConfig(), None, _NO_FD_STORE)
     backing.claim()
-    assert not backing.survives_restart and backing.handle_kinds == {pb.HANDLE_KIND_FD}
+    assert not backing.survives_restart and backing.handle_kinds == {HandleKind.FD}
     usage = backing.usage()
     assert usage.total >= usage.free > 0 and usage.used == 0
     with pytest.raises(ShmFull, match="in all"):

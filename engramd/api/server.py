@@ -47,13 +47,13 @@ from engramd.config import DaemonConfig, admin_socket_for
 from engramd.errors import DecodeGuard, ServiceError
 from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
-from engramd.host.numa import Placement
 from engramd.host.sdnotify import Notifier
 from engramd.sets.loader import LoadProgress
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import CheckpointError, plan_tables
+from engramd_client.core.checkpoint import plan_tables
+from engramd_client.core.errors import CheckpointError
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -82,9 +82,9 @@ class EngramdServer:
             config.mlock,
             memory_budget=config.memory_budget,
             evict_idle=config.evict_idle,
-            adopt_grace_s=config.adopt_grace_s,
+            adopt_grace_s=config.adopt_grace,
             max_leases=config.max_leases,
-            placement=Placement.parse(config.numa),
+            placement=config.numa,
             leases_per_uid=config.leases_per_uid,
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
@@ -96,7 +96,7 @@ class EngramdServer:
         )
         self.grpc = grpc.aio.server(
             interceptors=[
-                RequestDeadline(min(REQUEST_TIMEOUT_S, config.idle_timeout_s)),
+                RequestDeadline(min(REQUEST_TIMEOUT_S, config.idle_timeout)),
                 DecodeGuard(),
             ],
             options=worker_socket_options(config),
@@ -237,7 +237,7 @@ class EngramdServer:
 
     async def _sweep(self) -> None:
         while True:
-            await asyncio.sleep(self.config.sweep_interval_s)
+            await asyncio.sleep(self.config.sweep_interval)
             self.store.leases.sweep_dead()
 
     async def _set_health(self, status: int) -> None:
@@ -249,7 +249,7 @@ class EngramdServer:
         self.notifier.send(STOPPING=1, STATUS="stopping")
         await self.health.enter_graceful_shutdown()
         self.store.leases.drain()
-        grace = self.config.grace_s if grace is None else grace
+        grace = self.config.grace if grace is None else grace
         servers = [s for s in (self.grpc, self.admin, self.probes) if s is not None]
         await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))
         if self._metrics is not None:

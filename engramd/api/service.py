@@ -10,8 +10,16 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engramd.api.wire import PROGRESS_INTERVAL_S, attachment, load_progress, status_reply
+from engramd.api.wire import (
+    PROGRESS_INTERVAL_S,
+    attachment,
+    handle_kinds,
+    kind_names,
+    load_progress,
+    status_reply,
+)
 from engramd.backings import Backing
+from engramd.backings.handles import HandleKind
 from engramd.config import DaemonConfig
 from engramd.errors import (
     FingerprintDiffers,
@@ -47,9 +55,9 @@ _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 _CHECKPOINT_READERS = 8
 _PROVERS = 2
 #: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
-CUDA_KINDS = frozenset({pb.HANDLE_KIND_CUMEM, pb.HANDLE_KIND_CUMEM_FABRIC})
+CUDA_KINDS = frozenset({HandleKind.CUMEM, HandleKind.CUMEM_FABRIC})
 #: Handle kinds a worker maps by path, with no credentials the daemon could check.
-PATH_KINDS = frozenset({pb.HANDLE_KIND_SHM})
+PATH_KINDS = frozenset({HandleKind.SHM})
 
 
 class TableService(pb_grpc.TableServiceServicer):
@@ -113,15 +121,15 @@ class TableService(pb_grpc.TableServiceServicer):
     @staticmethod
     def _handle_kind(
         request: pb.AttachRequest, backings: list[Backing], ts: TableSet | None = None
-    ) -> int:
+    ) -> HandleKind:
         """The first kind the worker accepts that one of `backings` has (for set `ts`).
 
         Paths are handed out for sets the operator published only: other sets'
         files are owner-only, and go out as descriptors over the fd channel,
         which checks the peer's uid may read the checkpoint.
         """
-        accepted = list(request.accept) or [pb.HANDLE_KIND_SHM]
-        offered = frozenset().union(*(b.handle_kinds for b in backings))
+        accepted = handle_kinds(request.accept) if request.accept else [HandleKind.SHM]
+        offered: frozenset[HandleKind] = frozenset().union(*(b.handle_kinds for b in backings))
         if ts is not None and not ts.published:
             offered -= PATH_KINDS
             if not offered & set(accepted) and PATH_KINDS & set(accepted):
@@ -134,7 +142,7 @@ class TableService(pb_grpc.TableServiceServicer):
         for kind in accepted:
             if kind in offered:
                 return kind
-        names = ", ".join(pb.HandleKind.Name(k) for k in sorted(offered))
+        names = kind_names(offered)
         if offered <= CUDA_KINDS:
             raise InvalidRequest(
                 f"this daemon's {'/'.join(b.name for b in backings)} sets are cuMem allocations "
@@ -146,7 +154,7 @@ class TableService(pb_grpc.TableServiceServicer):
             f"{names}; the request accepts none of them (upgrade the worker's engramd_client)"
         )
 
-    def _gpu_route(self, request: pb.AttachRequest, backing: Backing, kind: int) -> int:
+    def _gpu_route(self, request: pb.AttachRequest, backing: Backing, kind: HandleKind) -> int:
         """How the worker will read the set on its device, as the daemon allows it."""
         if not request.device:
             return pb.GPU_ROUTE_UNSPECIFIED
@@ -157,7 +165,7 @@ class TableService(pb_grpc.TableServiceServicer):
         if (
             request.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
             and self._config.allow_writable_gpu_mappings
-            and kind == pb.HANDLE_KIND_FD
+            and kind is HandleKind.FD
             and backing.writable_descriptors
         ):
             log.warning(
@@ -252,7 +260,7 @@ class TableService(pb_grpc.TableServiceServicer):
             progress.cancel.set()
         task.result()
 
-    def _attachment(self, ts: TableSet, lease: Lease, kind: int) -> pb.Attachment:
+    def _attachment(self, ts: TableSet, lease: Lease, kind: HandleKind) -> pb.Attachment:
         assert ts.manifest is not None
         fd_socket = self._config.fd_socket if kind in ON_FD_CHANNEL else None
         return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket)

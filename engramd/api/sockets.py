@@ -87,7 +87,7 @@ def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
 
     grpcio shows no peer credentials, so no cap per peer is possible there:
     a connection that never finishes its handshake, or has no call in flight,
-    is closed after `idle_timeout_s` (a lease's open stream is a call, so
+    is closed after `idle_timeout` (a lease's open stream is a call, so
     attached workers are never idle), and all the socket's connections
     together stay `fd_reserve` below the soft limit on open files: the admin
     socket, the fd channel and the sets' files keep theirs.
@@ -103,7 +103,7 @@ def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
             config.fd_reserve,
             connections,
         )
-    idle_ms = max(int(config.idle_timeout_s * 1000), 1)
+    idle_ms = max(int(config.idle_timeout * 1000), 1)
     return [
         ("grpc.max_connection_idle_ms", idle_ms),
         ("grpc.server_handshake_timeout_ms", idle_ms),

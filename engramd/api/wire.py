@@ -6,10 +6,10 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 
 from engramd import __version__
-from engramd.backings.handles import CuMemRange, FileRange, Handle, PathRange
+from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, PathRange
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
@@ -18,6 +18,24 @@ from engramd_client.core.pb import engramd_pb2 as pb
 
 #: How often a caller waiting for a load hears about its progress.
 PROGRESS_INTERVAL_S = 0.25
+#: Each handle kind as the wire numbers it.
+WIRE_KINDS: dict[HandleKind, int] = {
+    HandleKind.SHM: pb.HANDLE_KIND_SHM,
+    HandleKind.FD: pb.HANDLE_KIND_FD,
+    HandleKind.CUMEM: pb.HANDLE_KIND_CUMEM,
+    HandleKind.CUMEM_FABRIC: pb.HANDLE_KIND_CUMEM_FABRIC,
+}
+_KINDS = {number: kind for kind, number in WIRE_KINDS.items()}
+
+
+def handle_kinds(accept: Iterable[int]) -> list[HandleKind]:
+    """The kinds a request accepts, in its order; kinds this daemon does not know are left out."""
+    return [_KINDS[number] for number in accept if number in _KINDS]
+
+
+def kind_names(kinds: Iterable[HandleKind]) -> str:
+    """Kinds as the wire names them, in the wire's order: "HANDLE_KIND_SHM, HANDLE_KIND_FD"."""
+    return ", ".join(pb.HandleKind.Name(n) for n in sorted(WIRE_KINDS[k] for k in kinds))
 
 
 async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
@@ -122,7 +140,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 attached_s=now - lease.started,
                 stale=lease.stale,
                 pid_verified=lease.pid_verified,
-                kind=lease.kind,  # type: ignore[arg-type]
+                kind=WIRE_KINDS[lease.kind],  # type: ignore[arg-type]
                 device=lease.device,
                 gpu_route=lease.gpu_route,  # type: ignore[arg-type]
                 uid=lease.uid,

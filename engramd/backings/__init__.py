@@ -13,6 +13,7 @@ from engramd.backings.tmpfs import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.shmfs import mount_of
+from engramd.values import BackingSpec
 
 #: Every backing by its name (`--backing`, status, metrics).
 BACKINGS: dict[str, type[Backing]] = {
@@ -40,26 +41,27 @@ def backings_for(config: DaemonConfig, gid: int | None, fd_store: FdStore) -> li
     backing that cannot work here (a CUDA backing without a usable driver or
     device) is replaced by auto's, each marked with what it stands in for and why.
     """
-    names = COMBINED.get(config.backing, (config.backing,))
+    combined = COMBINED.get(config.backing.name)
+    specs = [BackingSpec(n) for n in combined] if combined else [config.backing]
     on_hugetlbfs = mount_of(config.shm_dir)[0] == HugetlbfsBacking.name
     backings: list[Backing] = []
-    for name in names:
-        kind = name.partition(":")[0]  # cuda-device:N
+    for spec in specs:
+        kind = spec.name
         if kind == TmpfsBacking.name and on_hugetlbfs:
             kind = HugetlbfsBacking.name
         try:
             backings.append(BACKINGS[kind].from_config(config, gid, fd_store))
         except BackingUnavailable as e:
-            instead = backings_for(replace(config, backing=INSTEAD), gid, fd_store)
+            instead = backings_for(replace(config, backing=BackingSpec(INSTEAD)), gid, fd_store)
             log.warning(
                 "--backing %s cannot be used here (%s); sets go to %s instead, and workers "
                 "with a device register their own mapping of them",
-                name,
+                spec,
                 e.reason,
                 "/".join(b.name for b in instead),
             )
             for b in instead:
-                b.stands_in_for, b.reason = name, e.reason
+                b.stands_in_for, b.reason = str(spec), e.reason
             backings.extend(instead)
     return backings
 

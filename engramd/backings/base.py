@@ -14,14 +14,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engramd.backings.handles import FileRange, Handle
+from engramd.backings.handles import FileRange, Handle, HandleKind
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.pagesize import PageCensus, census
 from engramd.host.pinning import PinnedFiles
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.layout import Manifest
-from engramd_client.core.pb import engramd_pb2 as pb
 
 
 @dataclass(frozen=True)
@@ -71,8 +70,8 @@ class Backing(ABC):
 
     #: The backing's name in status, metrics and flags.
     name: ClassVar[str]
-    #: Handle kinds this backing can hand out (engramd.v1.HandleKind).
-    handle_kinds: frozenset[int]
+    #: Handle kinds this backing can hand out.
+    handle_kinds: frozenset[HandleKind]
     #: `descriptors` can open the set's files writable (--allow-writable-gpu-mappings).
     writable_descriptors: ClassVar[bool] = False
     #: Bytes per page backing new sets (fixed for the backing's life).
@@ -152,7 +151,7 @@ class Backing(ABC):
         unmaps it."""
 
     @abstractmethod
-    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
+    def handles(self, manifest: Manifest, kind: HandleKind) -> list[Handle]:
         """One handle of `kind` per tensor of the set."""
 
     @abstractmethod
@@ -168,7 +167,7 @@ class Backing(ABC):
 
     def page_census(self, manifest: Manifest) -> PageCensus | None:
         """The pages the kernel backs the set's files with; None for sets that are not files."""
-        if pb.HANDLE_KIND_FD not in self.handle_kinds:
+        if HandleKind.FD not in self.handle_kinds:
             return None
         opened = self.descriptors(manifest)
         try:
@@ -183,7 +182,7 @@ class Backing(ABC):
 
     @staticmethod
     def fd_handles(manifest: Manifest) -> list[Handle]:
-        """HANDLE_KIND_FD handles: each tensor's file (as `descriptors` names it) and range."""
+        """HandleKind.FD handles: each tensor's file (as `descriptors` names it) and range."""
         return [
             Handle(t.name, t.dtype, t.shape, FileRange(t.file, t.offset, t.nbytes))
             for t in manifest.tensors

@@ -15,8 +15,8 @@ supports it and an IMEX channel exists. The daemon maps the allocation for
 itself, the loader fills it (host: CPU stores; device: cuMemcpyHtoD), every
 tensor's checksum is recomputed from the allocation, and only then is the
 copy published; the daemon's own access drops to read-only then. Workers
-collect the exported descriptor on the fd channel (HANDLE_KIND_CUMEM) or
-get the fabric handle in the reply (HANDLE_KIND_CUMEM_FABRIC) and import
+collect the exported descriptor on the fd channel (HandleKind.CUMEM) or
+get the fabric handle in the reply (HandleKind.CUMEM_FABRIC) and import
 it (engramd_client/core/cudadriver.py): no per-worker pinning.
 
 Restarts: an allocation lives while the daemon or any worker that imported
@@ -51,20 +51,18 @@ from engramd.backings.cudacopy import (
     release,
 )
 from engramd.backings.cudaprobe import trial
-from engramd.backings.handles import CuMemRange, Handle
+from engramd.backings.handles import CuMemRange, Handle, HandleKind
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull, UnknownSet
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import check_memory, memory_limit
-from engramd.host.numa import Placement
 from engramd.host.pinning import PinnedFiles
 from engramd.units import gib
 from engramd_client.core import cudadriver
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import DeviceError
 from engramd_client.core.layout import Manifest, ManifestError, packed_offsets
-from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
@@ -93,7 +91,7 @@ class CudaBackingBase(Backing):
         #: Allocations also export FABRIC handles.
         self.fabric = fabric
         self.handle_kinds = frozenset(
-            {pb.HANDLE_KIND_CUMEM, *([pb.HANDLE_KIND_CUMEM_FABRIC] if fabric else [])}
+            {HandleKind.CUMEM, *([HandleKind.CUMEM_FABRIC] if fabric else [])}
         )
         #: The allocation granularity: sets take whole multiples of it.
         self.page_size = page_size
@@ -225,7 +223,7 @@ class CudaBackingBase(Backing):
         if held is not None:
             release(held)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
+    def handles(self, manifest: Manifest, kind: HandleKind) -> list[Handle]:
         """One CuMemHandle per tensor, all into the copy's one allocation."""
         with self._lock:
             held = self._copies.get(manifest.copy)
@@ -233,7 +231,7 @@ class CudaBackingBase(Backing):
             raise UnknownSet(
                 f"set {manifest.copy} was dropped while the worker waited; attach again"
             )
-        fabric = kind == pb.HANDLE_KIND_CUMEM_FABRIC
+        fabric = kind is HandleKind.CUMEM_FABRIC
         host_node = self.host_node(manifest.node)
         return [
             Handle(
@@ -275,7 +273,7 @@ class CudaHostBacking(CudaBackingBase):
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
         """Device 0's context; the node of --numa node:N, else the GPU's nearest node."""
-        node = Placement(config.numa).node
+        node = config.numa.node
         if node is None:
             try:
                 cu = cudadriver.driver()
@@ -320,7 +318,7 @@ class CudaDeviceBacking(CudaBackingBase):
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> Backing:
         """The GPU of `--backing cuda-device:N` (cuda-device alone: GPU 0)."""
-        device = device_of(config.backing)
+        device = config.backing.device or 0
         fabric, granule, _ = cls.probe(device, None)
         return cls(device, None, fabric, granule)
 
@@ -355,13 +353,3 @@ class CudaDeviceBacking(CudaBackingBase):
     def _write(self, pointer: int, data: memoryview) -> None:
         cu = cudadriver.make_current(self.device)
         cudadriver.call("cuMemcpyHtoD", cu.cuMemcpyHtoD, pointer, address(data), len(data))
-
-
-def device_of(backing: str) -> int:
-    """N of "cuda-device:N" (0 for "cuda-device"); ValueError naming the form otherwise."""
-    _, _, index = backing.partition(":")
-    if not index:
-        return 0
-    if not index.isdigit():
-        raise ValueError(f"--backing {backing}: use cuda-device:N, N a CUDA device index")
-    return int(index)

@@ -1,17 +1,32 @@
 """What a backing hands out for each tensor, as plain data.
 
 Backings describe where a tensor's bytes are; engramd/api/wire.py alone turns
-a description into the wire's `TensorHandle` (its kind follows from the form).
+a description into the wire's `TensorHandle` (its kind follows from the form),
+and a HandleKind into the wire's engramd.v1.HandleKind.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class HandleKind(enum.Enum):
+    """How a worker reaches a set's memory; the values are ENGRAMD_HANDLES' names."""
+
+    #: A file in the daemon's shm folder, opened by path (PathRange).
+    SHM = "shm"
+    #: A read-only descriptor collected on the fd channel (FileRange).
+    FD = "fd"
+    #: A cuMem allocation's descriptor, collected on the fd channel (CuMemRange.file).
+    CUMEM = "cumem"
+    #: A cuMem allocation's FABRIC handle, in the reply (CuMemRange.fabric).
+    CUMEM_FABRIC = "fabric"
 
 
 @dataclass(frozen=True)
 class PathRange:
-    """HANDLE_KIND_SHM: bytes of a file the worker opens by path, in the set's folder."""
+    """HandleKind.SHM: bytes of a file the worker opens by path, in the set's folder."""
 
     path: str
     offset: int
@@ -21,7 +36,7 @@ class PathRange:
 
 @dataclass(frozen=True)
 class FileRange:
-    """HANDLE_KIND_FD: bytes of a file whose descriptor the worker collects on the fd channel."""
+    """HandleKind.FD: bytes of a file whose descriptor the worker collects on the fd channel."""
 
     #: The descriptor's name in the FdReply.
     file: str
@@ -31,7 +46,7 @@ class FileRange:
 
 @dataclass(frozen=True)
 class CuMemRange:
-    """HANDLE_KIND_CUMEM (`file`) or _FABRIC (`fabric`): bytes of one cuMem allocation."""
+    """HandleKind.CUMEM (`file`) or CUMEM_FABRIC (`fabric`): bytes of one cuMem allocation."""
 
     #: The allocation's size: what the worker reserves and maps.
     size: int

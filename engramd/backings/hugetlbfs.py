@@ -25,12 +25,12 @@ import shutil
 from typing import ClassVar
 
 from engramd.backings.base import StagedSet, Usage
+from engramd.backings.handles import HandleKind
 from engramd.backings.tmpfs import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull, UntrustedShm
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MappedWriter, Pool, fs_page_size, pool
-from engramd.host.numa import Placement
 from engramd.host.shmfs import mount_of
 from engramd.units import gib
 from engramd_client.core.checkpoint import TablePlan
@@ -41,7 +41,6 @@ from engramd_client.core.layout import (
     sets_root,
     trailer,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
 
 
 def manifest_room(ntensors: int) -> int:
@@ -57,7 +56,7 @@ class HugetlbfsBacking(TmpfsBacking):
     """Packed set files on a hugetlbfs mount, 0640, group `gid`."""
 
     name: ClassVar[str] = "hugetlbfs"
-    handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({HandleKind.SHM, HandleKind.FD})
 
     def __init__(self, shm_dir: str, gid: int | None, node: int | None = None) -> None:
         super().__init__(shm_dir, gid)
@@ -70,7 +69,7 @@ class HugetlbfsBacking(TmpfsBacking):
         cls, config: DaemonConfig, gid: int | None, fd_store: FdStore
     ) -> HugetlbfsBacking:
         """Files under `config.shm_dir`, which must be a hugetlbfs mount."""
-        return cls(config.shm_dir, gid, Placement(config.numa).node)
+        return cls(config.shm_dir, gid, config.numa.node)
 
     def claim(self) -> None:
         """Refuse a shm folder that is not on hugetlbfs; then as tmpfs."""

@@ -26,20 +26,18 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
-from engramd.backings.handles import Handle
+from engramd.backings.handles import Handle, HandleKind
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
-from engramd.host.numa import Placement
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import shmem_enabled
 from engramd.units import gib
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.layout import Manifest, ManifestError, copy_name, packed_offsets
-from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
@@ -65,7 +63,7 @@ class MemfdBacking(Backing):
     """Sealed memfds held by the daemon (and systemd's fd store, where there is one)."""
 
     name: ClassVar[str] = "memfd"
-    handle_kinds = frozenset({pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({HandleKind.FD})
 
     def __init__(self, fd_store: FdStore, huge_page_size: int = 0, node: int | None = None) -> None:
         self._fd_store = fd_store
@@ -91,7 +89,7 @@ class MemfdBacking(Backing):
         if config.page_size and config.page_size not in MEMFD_PAGE_SIZES:
             sizes = ", ".join(gib(n) for n in MEMFD_PAGE_SIZES)
             raise ValueError(f"--page-size {gib(config.page_size)}: memfds take {sizes} pages")
-        return cls(fd_store, config.page_size, Placement(config.numa).node)
+        return cls(fd_store, config.page_size, config.numa.node)
 
     def footprint(self, sizes: list[int]) -> int:
         """hugetlb: one packed memfd in whole huge pages; else each tensor in pages of its own."""
@@ -214,8 +212,8 @@ class MemfdBacking(Backing):
         if held is not None:
             self._forget(copy, held.tables, held.manifest_fd)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
-        """HANDLE_KIND_FD handles into the set's one memfd."""
+    def handles(self, manifest: Manifest, kind: HandleKind) -> list[Handle]:
+        """HandleKind.FD handles into the set's one memfd."""
         return self.fd_handles(manifest)
 
     def mapped_as(self, copy: str) -> str:

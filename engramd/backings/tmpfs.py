@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
-from engramd.backings.handles import Handle, PathRange
+from engramd.backings.handles import Handle, HandleKind, PathRange
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmFull, ShmOnDisk
@@ -43,7 +43,6 @@ from engramd_client.core.layout import (
     sets_root,
     tensor_file_name,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
 
@@ -68,7 +67,7 @@ class TmpfsBacking(Backing):
     """
 
     name: ClassVar[str] = "tmpfs"
-    handle_kinds = frozenset({pb.HANDLE_KIND_SHM, pb.HANDLE_KIND_FD})
+    handle_kinds = frozenset({HandleKind.SHM, HandleKind.FD})
     writable_descriptors = True
 
     def __init__(
@@ -281,9 +280,9 @@ class TmpfsBacking(Backing):
         """Unlink the copy's folder."""
         shutil.rmtree(set_dir(self.shm_dir, copy), ignore_errors=True)
 
-    def handles(self, manifest: Manifest, kind: int) -> list[Handle]:
-        """Descriptors (HANDLE_KIND_FD), or paths (HANDLE_KIND_SHM) valid in the daemon's mounts."""
-        if kind == pb.HANDLE_KIND_FD:
+    def handles(self, manifest: Manifest, kind: HandleKind) -> list[Handle]:
+        """Descriptors (HandleKind.FD), or paths (HandleKind.SHM) valid in the daemon's mounts."""
+        if kind is HandleKind.FD:
             return self.fd_handles(manifest)
         folder = set_dir(self.shm_dir, manifest.copy)
         return [

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from engramd.backings.handles import HandleKind
 from engramd.errors import TooManyLeases, UnknownSet
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetKey, TableSet, set_key
@@ -23,12 +24,12 @@ from engramd_client.core.process import pid_namespace, start_ticks
 
 log = logging.getLogger("engramd")
 
-#: Seconds a first lease of descriptors (HANDLE_KIND_FD, not a re-attach) has to
+#: Seconds a first lease of descriptors (HandleKind.FD, not a re-attach) has to
 #: collect them on the fd channel, where its uid becomes known; until then it is
 #: charged to no uid and counts against no limit.
 COLLECT_DEADLINE_S = 10.0
 #: Handle kinds whose workers collect descriptors on the fd channel.
-ON_FD_CHANNEL = frozenset({pb.HANDLE_KIND_FD, pb.HANDLE_KIND_CUMEM})
+ON_FD_CHANNEL = frozenset({HandleKind.FD, HandleKind.CUMEM})
 
 #: Leases listed per set in a status reply (all are counted): a reply stays far
 #: below gRPC's 4 MiB limit whatever the workers send.
@@ -80,8 +81,8 @@ class Lease:
     pid_start: int | None
     #: The worker maps an earlier copy of the set than the one the daemon holds.
     stale: bool = False
-    #: How the worker maps the set (engramd.v1.HandleKind).
-    kind: int = pb.HANDLE_KIND_SHM
+    #: How the worker maps the set.
+    kind: HandleKind = HandleKind.SHM
     #: The CUDA device the worker registers the set for ("cuda:N"), or "".
     device: str = ""
     #: How the worker reads the set on that device (engramd.v1.GpuRoute).
@@ -127,7 +128,7 @@ class LeaseBook:
         self,
         ts: TableSet,
         request: pb.AttachRequest,
-        kind: int,
+        kind: HandleKind,
         gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED,
     ) -> Lease:
         """Record a worker attached to a ready set, mapping it by handles of `kind`."""

@@ -37,7 +37,8 @@ import time
 from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
-from engramd.host.numa import Placement, applied
+from engramd.host.numa import applied
+from engramd.values import Placement
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular

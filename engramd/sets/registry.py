@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from engramd.backings import Backing
-from engramd.host.numa import Placement
 from engramd.sets.tableset import SetKey, SetState, TableSet, set_key
+from engramd.values import Placement
 
 
 class SetRegistry:

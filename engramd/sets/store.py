@@ -23,7 +23,7 @@ from typing import Any
 from engramd.backings import Backing
 from engramd.errors import Draining, DropRefused, LoadFailed, ServiceError, UnknownSet
 from engramd.host.blocking import BlockingPool
-from engramd.host.numa import Placement, bytes_per_node
+from engramd.host.numa import bytes_per_node
 from engramd.host.pagesize import PageCensus
 from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
 from engramd.sets.admission import Admission
@@ -32,6 +32,7 @@ from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, 
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
+from engramd.values import Placement
 from engramd_client.core.checkpoint import TablePlan, plan_tables
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.layout import Manifest, ManifestError, copy_name
