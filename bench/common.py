@@ -187,6 +187,20 @@ def daemon(shm_dir: Path, *args: str, wait: str = "serving") -> Iterator[DaemonP
 
 
 @contextlib.contextmanager
+def accepting(kinds: str) -> Iterator[None]:
+    """Attaches in this block, and workers started in it, accept only `kinds` (ENGRAMD_HANDLES)."""
+    before = os.environ.get("ENGRAMD_HANDLES")
+    os.environ["ENGRAMD_HANDLES"] = kinds
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["ENGRAMD_HANDLES"]
+        else:
+            os.environ["ENGRAMD_HANDLES"] = before
+
+
+@contextlib.contextmanager
 def shm_folder() -> Iterator[Path]:
     """A fresh folder under /dev/shm; removed afterwards.
 

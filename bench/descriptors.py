@@ -9,12 +9,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -22,7 +19,17 @@ import torch
 from engramd_client import Tables, attach, plan_tables
 
 from .attach import wait_locked
-from .common import Figure, GiB, MiB, compare, daemon, meminfo, percentile, shm_folder
+from .common import (
+    Figure,
+    GiB,
+    MiB,
+    accepting,
+    compare,
+    daemon,
+    meminfo,
+    percentile,
+    shm_folder,
+)
 from .gather import Lookup
 from .replicas import replicas, touch_all
 
@@ -41,22 +48,8 @@ ISOLATED = [
 ]
 
 
-@contextlib.contextmanager
-def _handles(kinds: str) -> Iterator[None]:
-    """Attaches in this block accept only `kinds` (ENGRAMD_HANDLES)."""
-    before = os.environ.get("ENGRAMD_HANDLES")
-    os.environ["ENGRAMD_HANDLES"] = kinds
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["ENGRAMD_HANDLES"]
-        else:
-            os.environ["ENGRAMD_HANDLES"] = before
-
-
 def _attach_ms(ckpt: Path, socket: str, kinds: str) -> float:
-    with _handles(kinds):
+    with accepting(kinds):
         start = time.perf_counter()
         tables = attach(ckpt, socket=socket, share=True)
         took = time.perf_counter() - start
@@ -117,7 +110,7 @@ def gather_by_kind(ckpt: Path, reps: int) -> list[Figure]:
     with shm_folder() as shm, daemon(shm, "--checkpoint", str(ckpt)) as d:
         sides: dict[str, Tables] = {"private": private}
         for kind in ("fd", "shm"):
-            with _handles(kind):
+            with accepting(kind):
                 sides[kind] = attach(ckpt, socket=str(d.socket), share=True, populate=True)
         for tokens in (1, 4096):
             lookups = {name: Lookup(t, tokens) for name, t in sides.items()}
