@@ -111,3 +111,23 @@ def test_a_file_edited_between_two_attaches_is_not_served(
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert reason(err) == "fingerprint", err.details()
     assert "changed on disk after engramd loaded it" in (err.details() or "")
+
+
+def _bytes_read(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "engram")
+    d = daemons("--checkpoint", str(ckpt))
+    assert d.proc is not None
+    request = pb.AttachRequest(set_id=plan_tables(ckpt).set_id, checkpoint=str(ckpt))
+    before = _bytes_read(d.proc.pid)
+    assert attach_error(d, request) is None
+    # The daemon's plan from its start is kept: not one data sample is read again.
+    assert _bytes_read(d.proc.pid) - before < SAMPLE_BYTES * SAMPLES

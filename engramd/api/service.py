@@ -71,8 +71,8 @@ class TableService(pb_grpc.TableServiceServicer):
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
-        # Workers attaching together name the same checkpoint: it is planned once.
-        self._plans = PlanCache()
+        #: The daemon's plans of checkpoints: workers attaching together name the same one.
+        self.plans = PlanCache()
         # Digests of workers' copies read every selected byte, as loads do: as
         # few at once as the daemon's own loads.
         self._provers = BlockingPool("prove", _PROVERS)
@@ -207,7 +207,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(self._plans.plan, path, self._config.tensors)
+        plan = await self._readers.run(self.plans.plan, path, self._config.tensors)
         self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan, node), plan
 
@@ -220,7 +220,7 @@ class TableService(pb_grpc.TableServiceServicer):
         path = resolve(request.checkpoint)
         if str(path) != held.checkpoint:
             path = self._policy.check_read(request.checkpoint)
-        plan = await self._readers.run(self._plans.plan, path, held.selection)
+        plan = await self._readers.run(self.plans.plan, path, held.selection)
         if str(path) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:
