@@ -49,10 +49,10 @@ from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
 from engramd.sets.loader import LoadProgress
+from engramd.sets.policy import resolve
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import plan_tables
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
@@ -124,7 +124,10 @@ class EngramdServer:
         await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
         for checkpoint in self.config.checkpoints:
             try:
-                plan = await self._readers.run(plan_tables, checkpoint, self.config.tensors)
+                # Kept: the workers re-attaching after a restart name this checkpoint.
+                plan = await self._readers.run(
+                    self.service.plans.plan, resolve(checkpoint), self.config.tensors
+                )
                 copies = await self.store.ensure_everywhere(plan)
                 for ts in copies:
                     if ts.manifest is not None:

@@ -31,12 +31,13 @@ from engramd.errors import (
 from engramd.host.blocking import BlockingPool
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
+from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, open_to_group, resolve
 from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan, is_set_id, plan_tables
+from engramd_client.core.checkpoint import TablePlan, is_set_id
 from engramd_client.core.errors import CAUSES
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
@@ -78,6 +79,8 @@ class TableService(pb_grpc.TableServiceServicer):
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
+        #: The daemon's plans of checkpoints: workers attaching together name the same one.
+        self.plans = PlanCache()
         # Digests of workers' copies read every selected byte, as loads do: as
         # few at once as the daemon's own loads.
         self._provers = BlockingPool("prove", _PROVERS)
@@ -212,7 +215,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(plan_tables, path, self._config.tensors)
+        plan = await self._readers.run(self.plans.plan, path, self._config.tensors)
         self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan, node), plan
 
@@ -225,7 +228,7 @@ class TableService(pb_grpc.TableServiceServicer):
         path = resolve(request.checkpoint)
         if str(path) != held.checkpoint:
             path = self._policy.check_read(request.checkpoint)
-        plan = await self._readers.run(plan_tables, path, held.selection)
+        plan = await self._readers.run(self.plans.plan, path, held.selection)
         if str(path) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:

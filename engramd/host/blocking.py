@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import queue
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -21,12 +22,21 @@ R = TypeVar("R")
 
 
 class BlockingPool:
-    """Runs blocking calls on daemon threads, at most `size` at once."""
+    """Runs blocking calls on daemon threads, at most `size` at once.
+
+    Threads are started as calls need them and kept: starting one blocks the
+    event loop until the new thread first runs, which on a busy machine is a
+    wait for a core, and a storm of attaches would pay it for every read.
+    """
 
     def __init__(self, name: str, size: int) -> None:
         self._name = name
         self._size = size
         self._slots: asyncio.Semaphore | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        #: Threads waiting for a job that none was promised yet.
+        self._idle = 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """`fn(*args)` on a daemon thread; waits for a free slot first."""
@@ -44,17 +54,37 @@ class BlockingPool:
                 else:
                     done.set_result(result)  # type: ignore[arg-type]
 
-            def target() -> None:
+            def job() -> None:
                 try:
                     result, error = fn(*args), None
                 except BaseException as e:
                     result, error = None, e
+                # Idle before the result is seen: the next call takes this thread.
+                with self._lock:
+                    self._idle += 1
                 # A closed loop: the daemon stopped without waiting for this result.
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(settle, result, error)
 
-            threading.Thread(target=target, name=f"engramd-{self._name}", daemon=True).start()
+            self._submit(job)
             return await done
+
+    def _submit(self, job: Callable[[], None]) -> None:
+        # Each job gets an idle thread promised to it, or a new one: it never
+        # waits behind another job, and the slots keep the threads to `size`
+        # unless callers gave up on calls still running (a hung read).
+        with self._lock:
+            start = not self._idle
+            if not start:
+                self._idle -= 1
+        self._jobs.put(job)
+        if start:
+            name = f"engramd-{self._name}"
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+
+    def _work(self) -> None:
+        while True:
+            self._jobs.get()()
 
 
 def map_on_threads(fn: Callable[[T], R], items: list[T], threads: int, name: str) -> list[R]:

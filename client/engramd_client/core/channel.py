@@ -53,7 +53,12 @@ def open_channel(config: ClientConfig) -> grpc.Channel:
     """A channel to the daemon's socket that reconnects quickly after a restart.
 
     Server-streaming calls are read by the thread that iterates them, not by
-    a polling thread per channel.
+    a polling thread per channel. gRPC gives each connection attempt
+    max(100 ms, min_reconnect_backoff) to finish its handshake, and fails
+    the calls waiting on it when that runs out: a daemon answering 64
+    workers at once on two busy cores takes longer than 100 ms. So the
+    handshake gets the worker's answer timeout, while the pause between
+    attempts stays short (initial_reconnect_backoff).
     """
     return grpc.insecure_channel(
         f"unix:{config.socket}",
@@ -61,7 +66,7 @@ def open_channel(config: ClientConfig) -> grpc.Channel:
             ("grpc.enable_http_proxy", 0),
             (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
             ("grpc.initial_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
-            ("grpc.min_reconnect_backoff_ms", int(config.reconnect_min_s * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(config.reply_timeout_s * 1000)),
             ("grpc.max_reconnect_backoff_ms", int(config.reconnect_max_s * 1000)),
         ],
     )

@@ -1,0 +1,61 @@
+"""BlockingPool: calls on kept daemon threads, bounded, a stuck call blocking no other."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from engramd.host.blocking import BlockingPool
+
+
+def _threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"engramd-{name}"]
+
+
+def test_calls_reuse_at_most_size_daemon_threads() -> None:
+    async def main() -> list[int]:
+        pool = BlockingPool("reuse", 3)
+        results = await asyncio.gather(*(pool.run(lambda i=i: i * i) for i in range(50)))
+        for _ in range(20):
+            results.append(await pool.run(lambda: 1))
+        return results
+
+    assert asyncio.run(main()) == [i * i for i in range(50)] + [1] * 20
+    kept = _threads("reuse")
+    assert 1 <= len(kept) <= 3
+    assert all(t.daemon for t in kept)
+
+
+def test_an_error_reaches_the_caller_and_the_thread_serves_on() -> None:
+    async def main() -> int:
+        pool = BlockingPool("errors", 1)
+        with pytest.raises(ZeroDivisionError):
+            await pool.run(lambda: 1 // 0)
+        return await pool.run(lambda: 7)
+
+    assert asyncio.run(main()) == 7
+    assert len(_threads("errors")) == 1
+
+
+def test_a_stuck_call_holds_only_its_own_slot() -> None:
+    stuck = threading.Event()
+    release = threading.Event()
+
+    def hang() -> None:
+        stuck.set()
+        release.wait(30)
+
+    async def main() -> list[int]:
+        pool = BlockingPool("stuck", 2)
+        hung = asyncio.ensure_future(pool.run(hang))
+        await asyncio.to_thread(stuck.wait, 30)
+        # The one free slot serves every other call, one after another.
+        done = [await pool.run(lambda i=i: i) for i in range(5)]
+        release.set()
+        await hung
+        return done
+
+    assert asyncio.run(main()) == list(range(5))
+    assert len(_threads("stuck")) == 2

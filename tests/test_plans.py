@@ -1,0 +1,134 @@
+"""The daemon's kept plans: a checkpoint is planned once while every file's identity holds.
+
+Workers attaching together name the same checkpoint; each attach must still
+see the checkpoint as it is now. Replaced, edited, added or re-pointed files
+are planned again, and a changed file is then caught by the proof.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from conftest import mounted_tmpfs
+from engramd.sets.plans import PlanCache
+from engramd_client.core.checkpoint import DEFAULT_TENSORS, plan_tables
+from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
+from engramd_client.core.pb import engramd_pb2 as pb
+from helpers import attach_error, reason
+
+SHARD = "model-00002-of-00002.safetensors"
+
+
+def _edit_between_samples(shard: Path) -> None:
+    """Change 4 KiB of data that no fingerprint sample reads (the set id stays)."""
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        start = 8 + int.from_bytes(f.read(8), "little")
+        offset = start + (size - start - SAMPLE_BYTES) * (SAMPLES - 1) // (2 * (SAMPLES - 1))
+        with mmap.mmap(f.fileno(), 0) as m:
+            m[offset : offset + 4096] = bytes(b ^ 0x5A for b in m[offset : offset + 4096])
+
+
+def _copy(checkpoint: Path, to: Path) -> Path:
+    shutil.copytree(checkpoint, to)
+    return to
+
+
+def test_an_unchanged_checkpoint_is_planned_once(checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "engram")
+    plans = PlanCache()
+    first = plans.plan(ckpt, DEFAULT_TENSORS)
+    assert plans.plan(ckpt, DEFAULT_TENSORS) is first
+    assert first == plan_tables(ckpt)
+    # Another selection is another plan.
+    assert plans.plan(ckpt, "*") is not first
+
+
+def test_every_change_of_a_file_is_planned_again(checkpoint: Path, tmp_path: Path) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "engram")
+    plans = PlanCache()
+    kept = plans.plan(ckpt, DEFAULT_TENSORS)
+
+    # Written in place (same inode, the set id stays): new mtime and ctime.
+    _edit_between_samples(ckpt / SHARD)
+    edited = plans.plan(ckpt, DEFAULT_TENSORS)
+    assert edited is not kept and edited.set_id == kept.set_id
+    assert edited.sources != kept.sources
+    assert edited.sources == plan_tables(ckpt).sources
+
+    # Renamed over by another file.
+    shutil.copy(checkpoint / SHARD, tmp_path / "new")
+    os.replace(tmp_path / "new", ckpt / SHARD)
+    replaced = plans.plan(ckpt, DEFAULT_TENSORS)
+    assert replaced is not edited
+    assert replaced.sources == plan_tables(ckpt).sources
+
+    # A shard named through a symlink, re-pointed elsewhere (in another folder).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(checkpoint / SHARD, elsewhere / "a")
+    shutil.copy(checkpoint / SHARD, elsewhere / "b")
+    (ckpt / SHARD).unlink()
+    (ckpt / SHARD).symlink_to(elsewhere / "a")
+    linked = plans.plan(ckpt, DEFAULT_TENSORS)
+    assert str(elsewhere / "a") in {s.path for s in linked.sources}
+    os.replace(elsewhere / "b", elsewhere / "a")
+    assert (
+        plans.plan(ckpt, DEFAULT_TENSORS).sources == plan_tables(ckpt).sources != (linked.sources)
+    )
+
+    # A file added to the folder changes the fingerprint, so the plan too.
+    before = plans.plan(ckpt, DEFAULT_TENSORS)
+    shutil.copy(checkpoint / SHARD, ckpt / "model-extra.safetensors")
+    added = plans.plan(ckpt, DEFAULT_TENSORS)
+    assert added is not before and added == plan_tables(ckpt)
+
+
+def test_checkpoints_on_tmpfs_are_planned_at_every_attach(checkpoint: Path) -> None:
+    with mounted_tmpfs("64m") as mount:
+        ckpt = _copy(checkpoint, mount / "engram")
+        plans = PlanCache()
+        # tmpfs keeps mtime and ctime through a shared mapping: identity proves nothing.
+        assert plans.plan(ckpt, DEFAULT_TENSORS) is not plans.plan(ckpt, DEFAULT_TENSORS)
+
+
+def test_a_file_edited_between_two_attaches_is_not_served(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "engram")
+    d = daemons("--checkpoint", str(ckpt))
+    request = pb.AttachRequest(set_id=plan_tables(ckpt).set_id, checkpoint=str(ckpt))
+    assert attach_error(d, request) is None
+    assert attach_error(d, request) is None
+    # The set id stays; the kept plan's identities would prove the old bytes.
+    _edit_between_samples(ckpt / SHARD)
+    err = attach_error(d, request)
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(err) == "fingerprint", err.details()
+    assert "changed on disk after engramd loaded it" in (err.details() or "")
+
+
+def _bytes_read(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
+def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    ckpt = _copy(checkpoint, tmp_path / "engram")
+    d = daemons("--checkpoint", str(ckpt))
+    assert d.proc is not None
+    request = pb.AttachRequest(set_id=plan_tables(ckpt).set_id, checkpoint=str(ckpt))
+    before = _bytes_read(d.proc.pid)
+    assert attach_error(d, request) is None
+    # The daemon's plan from its start is kept: not one data sample is read again.
+    assert _bytes_read(d.proc.pid) - before < SAMPLE_BYTES * SAMPLES
