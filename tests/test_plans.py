@@ -15,7 +15,7 @@ from typing import Any
 
 import grpc
 
-from conftest import mounted_tmpfs
+from conftest import mounted_tmpfs, wait_until
 from engramd.sets.plans import PlanCache
 from engramd_client.core.checkpoint import DEFAULT_TENSORS, plan_tables
 from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
@@ -128,6 +128,13 @@ def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
     d = daemons("--checkpoint", str(ckpt))
     assert d.proc is not None
     request = pb.AttachRequest(set_id=plan_tables(ckpt).set_id, checkpoint=str(ckpt))
+    # Right after the set is ready the daemon reads its own smaps to measure the
+    # set's pages (hundreds of KiB): that read must be over before counting.
+    wait_until(
+        lambda: all(s.HasField("huge_page_bytes") for s in d.status().sets),
+        30,
+        "the daemon to measure the set's pages",
+    )
     before = _bytes_read(d.proc.pid)
     assert attach_error(d, request) is None
     # The daemon's plan from its start is kept: not one data sample is read again.
