@@ -61,12 +61,14 @@ class DaemonProcess:
         return {"start_new_session": True}
 
     def start(self, wait: str = "serving") -> Self:
-        """Start the daemon; wait until health says SERVING ("serving") or it answers ("up")."""
+        """Start the daemon; wait until health says SERVING ("serving"), it answers ("up"),
+        or not at all ("no": the caller polls as it pleases)."""
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 self.command(), stdout=log, stderr=subprocess.STDOUT, **self.popen_options()
             )
-        self._wait(serving=wait == "serving")
+        if wait != "no":
+            self._wait(serving=wait == "serving")
         return self
 
     def _wait(self, serving: bool) -> None:
