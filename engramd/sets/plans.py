@@ -26,30 +26,34 @@ from pathlib import Path
 from engramd.sets.proof import stamps_writes
 from engramd_client.core.checkpoint import INDEX_FILE, TablePlan, checkpoint_files, plan_tables
 from engramd_client.core.errors import CheckpointError
+from engramd_client.core.fileid import SourceFile
 
 #: Plans kept (checkpoint and selection each); a plan is a few KiB per selected tensor.
 PLANS_KEPT = 64
 
-_Identity = tuple[int, int, int, int, int]
-
 
 @dataclass(frozen=True)
-class _File:
-    """One file of a checkpoint as the kept plan saw it."""
+class _Snapshot:
+    """What a plan of a checkpoint depends on, stat'ed at one moment."""
 
-    listed: str
-    #: Where the listed name resolved to, when it is a symlink ("" when it is not).
-    target: str
-    identity: _Identity
+    #: The checkpoint (folder or file).
+    root: SourceFile
+    #: Its index (None: none).
+    index: SourceFile | None
+    #: Each file it lists, and where the listed name resolved to when it is a symlink
+    #: ("" when it is not).
+    files: tuple[tuple[SourceFile, str], ...]
+
+    @property
+    def listed(self) -> tuple[str, ...]:
+        """The files' names as the checkpoint lists them."""
+        return tuple(f.path for f, _ in self.files)
 
 
 @dataclass(frozen=True)
 class _Kept:
     plan: TablePlan
-    #: The checkpoint (folder or file) and its index ((): none).
-    root: _Identity
-    index: _Identity | tuple[()]
-    files: tuple[_File, ...]
+    snapshot: _Snapshot
 
 
 class PlanCache:
@@ -85,7 +89,7 @@ class PlanCache:
             kept = self._plans.get(key)
         if kept is None:
             return None
-        if _recheck(Path(key[0]), kept.files) != (kept.root, kept.index, kept.files):
+        if _stat_all(Path(key[0]), kept.snapshot.listed) != kept.snapshot:
             with self._lock:
                 if self._plans.get(key) is kept:
                     del self._plans[key]
@@ -100,18 +104,14 @@ class PlanCache:
         plan = plan_tables(checkpoint, selection)
         if before is None or before != _snapshot(checkpoint):
             return plan  # changed while it was read: good for this attach only
-        root, index, files = before
-        if not all(stamps_writes(f.listed) for f in files):
+        if not all(stamps_writes(name) for name in before.listed):
             return plan
         with self._lock:
-            self._plans[key] = _Kept(plan, root, index, files)
+            self._plans[key] = _Kept(plan, before)
             self._plans.move_to_end(key)
             while len(self._plans) > self._kept:
                 self._plans.popitem(last=False)
         return plan
-
-
-_Snapshot = tuple[_Identity, _Identity | tuple[()], tuple[_File, ...]]
 
 
 def _snapshot(checkpoint: Path) -> _Snapshot | None:
@@ -120,32 +120,27 @@ def _snapshot(checkpoint: Path) -> _Snapshot | None:
         listed, _ = checkpoint_files(checkpoint)
     except CheckpointError:
         return None
-    return _recheck(checkpoint, tuple(_File(str(p), "", (0, 0, 0, 0, 0)) for p in listed))
+    return _stat_all(checkpoint, tuple(str(p) for p in listed))
 
 
-def _recheck(checkpoint: Path, files: tuple[_File, ...]) -> _Snapshot | None:
-    """The identities of `checkpoint`, its index and `files` now; None when one is gone.
+def _stat_all(checkpoint: Path, listed: tuple[str, ...]) -> _Snapshot | None:
+    """The identities of `checkpoint`, its index and the `listed` files now; None when one is gone.
 
     An unchanged folder (and index) lists the same files: the list is not read again.
     """
     try:
         st = os.stat(checkpoint)
-        index: _Identity | tuple[()] = ()
+        index = None
         if stat.S_ISDIR(st.st_mode):
             with contextlib.suppress(FileNotFoundError):
-                index = _identity(os.stat(checkpoint / INDEX_FILE))
-        now = tuple(
-            _File(
-                f.listed,
-                os.path.realpath(f.listed) if os.path.islink(f.listed) else "",
-                _identity(os.stat(f.listed)),
+                index = SourceFile.of(checkpoint / INDEX_FILE, os.stat(checkpoint / INDEX_FILE))
+        files = tuple(
+            (
+                SourceFile.of(name, os.stat(name)),
+                os.path.realpath(name) if os.path.islink(name) else "",
             )
-            for f in files
+            for name in listed
         )
     except OSError:
         return None
-    return _identity(st), index, now
-
-
-def _identity(st: os.stat_result) -> _Identity:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    return _Snapshot(SourceFile.of(checkpoint, st), index, files)
