@@ -9,7 +9,9 @@ import typer
 
 from engramd.config import Flag, flags
 
-_BY_FIELD = {f.field: f for f in flags()}
+#: The daemon's flags, in DaemonConfig's order (read once: `serve` builds on them too).
+FLAGS = flags()
+_BY_FIELD = {f.field: f for f in FLAGS}
 
 
 def option(flag: Flag) -> Any:

@@ -18,15 +18,12 @@ from typing import Annotated, Any
 import typer
 
 from engramd.cli.logs import setup_logging
-from engramd.cli.options import default, option
-from engramd.config import DaemonConfig, flags
+from engramd.cli.options import FLAGS, default, option
+from engramd.config import DaemonConfig
 
 # Each command imports what it needs inside it: the daemon's modules (asyncio,
 # gRPC's server, the backings) cost `serve` nothing it does not use, and cost
 # `status`, `--help` and a daemon restart's argument parsing nothing at all.
-
-#: The daemon's flags, in DaemonConfig's order.
-FLAGS = flags()
 
 
 def _read_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
