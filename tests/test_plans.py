@@ -128,12 +128,13 @@ def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
     d = daemons("--checkpoint", str(ckpt))
     assert d.proc is not None
     request = pb.AttachRequest(set_id=plan_tables(ckpt).set_id, checkpoint=str(ckpt))
-    # Right after the set is ready the daemon reads its own smaps to measure the
-    # set's pages (hundreds of KiB): that read must be over before counting.
+    # After the set is ready the daemon measures its pages (its own smaps),
+    # locks them and reads numa_maps for the nodes holding them (tens to
+    # hundreds of KiB): the last of those reads must be over before counting.
     wait_until(
-        lambda: all(s.HasField("huge_page_bytes") for s in d.status().sets),
+        lambda: all(s.bytes_per_node for s in d.status().sets),
         30,
-        "the daemon to measure the set's pages",
+        "the daemon to lock the set and read where its pages are",
     )
     before = _bytes_read(d.proc.pid)
     assert attach_error(d, request) is None
