@@ -99,6 +99,14 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def bytes_read(pid: int) -> int:
+    """Bytes process `pid` has read through read(2) and its kin so far (rchar: any file)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    raise AssertionError(f"no rchar in /proc/{pid}/io")
+
+
 def in_process_config(sock_dir: Path, shm_dir: Path, **fields: Any) -> DaemonConfig:
     """A DaemonConfig for an InProcessDaemon: its socket in `sock_dir`, no group, no mlock."""
     defaults: dict[str, Any] = {

@@ -20,7 +20,7 @@ from engramd.sets.plans import PlanCache
 from engramd_client.core.checkpoint import DEFAULT_TENSORS, plan_tables
 from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 from engramd_client.core.pb import engramd_pb2 as pb
-from helpers import attach_error, reason
+from helpers import attach_error, bytes_read, reason
 
 SHARD = "model-00002-of-00002.safetensors"
 
@@ -114,13 +114,6 @@ def test_a_file_edited_between_two_attaches_is_not_served(
     assert "changed on disk after engramd loaded it" in (err.details() or "")
 
 
-def _bytes_read(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no rchar in /proc/{pid}/io")
-
-
 def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
     checkpoint: Path, daemons: Any, tmp_path: Path
 ) -> None:
@@ -136,7 +129,7 @@ def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
         30,
         "the daemon to lock the set and read where its pages are",
     )
-    before = _bytes_read(d.proc.pid)
+    before = bytes_read(d.proc.pid)
     assert attach_error(d, request) is None
     # The daemon's plan from its start is kept: not one data sample is read again.
-    assert _bytes_read(d.proc.pid) - before < SAMPLE_BYTES * SAMPLES
+    assert bytes_read(d.proc.pid) - before < SAMPLE_BYTES * SAMPLES

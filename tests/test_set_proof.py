@@ -32,7 +32,7 @@ from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 from engramd_client.core.layout import MANIFEST_NAME, sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
-from helpers import attach_error, reason, reference_digests
+from helpers import attach_error, bytes_read, reason, reference_digests
 
 GROUP = "engramd-tp"
 ALICE = 60151
@@ -190,16 +190,16 @@ def test_a_copy_is_digested_once_with_progress_inside_the_roots_only(
         set_id=set_id, checkpoint=str(root / "b"), accept=[pb.HANDLE_KIND_FD]
     )
     assert d.proc is not None
-    before = _bytes_read(d.proc.pid)
+    before = bytes_read(d.proc.pid)
     events = _attach_events(d, request)
     assert events[-1].attached.set_id == set_id
     assert [e.progress.bytes_total for e in events[:-1]] == [s.bytes] * (len(events) - 1) != []
-    assert _bytes_read(d.proc.pid) - before >= s.bytes
+    assert bytes_read(d.proc.pid) - before >= s.bytes
     # ... once: its digests are kept for its files' identity.
-    before = _bytes_read(d.proc.pid)
+    before = bytes_read(d.proc.pid)
     events = _attach_events(d, request)
     assert len(events) == 1 and events[0].attached.set_id == set_id
-    assert _bytes_read(d.proc.pid) - before < s.bytes // 10
+    assert bytes_read(d.proc.pid) - before < s.bytes // 10
     assert [x.set_id for x in d.status().sets] == [set_id]
 
 
@@ -238,20 +238,13 @@ def test_tmpfs_checkpoint_written_through_a_mapping_is_not_served(
             w.kill()
 
 
-def _bytes_read(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no rchar in /proc/{pid}/io")
-
-
 def _read_by_attach(d: Daemon, ckpt: Path, workers: list[Worker]) -> int:
     assert d.proc is not None
-    before = _bytes_read(d.proc.pid)
+    before = bytes_read(d.proc.pid)
     w = Worker(ckpt, d.socket, share="on")
     workers.append(w)
     assert w.hello["mode"] == "shared"
-    return _bytes_read(d.proc.pid) - before
+    return bytes_read(d.proc.pid) - before
 
 
 def test_tmpfs_checkpoints_are_digested_at_each_attach(
