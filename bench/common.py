@@ -69,9 +69,10 @@ def compare(
 
     `at_least` / `at_most` bound the ratio when there is a baseline, else the
     median of ours; `met` gives the verdict directly for targets of another shape.
-    `paired`: ours[i] and baseline[i] were taken back to back, so the ratio is
-    the median of the pairs' ratios, which a machine's slow moments (shared by
-    both samples of a pair) do not move as they move a ratio of medians.
+    `paired`: ours[i] and baseline[i] were taken in the same turn of the sides,
+    so the ratio is the median of the pairs' ratios, which a machine's slow
+    moments (shared by both samples of a pair) do not move as they move a
+    ratio of medians.
     """
     mine = statistics.median(ours)
     base = statistics.median(baseline) if baseline else None
