@@ -1,4 +1,5 @@
-"""BlockingPool: calls on kept daemon threads, bounded, a stuck call blocking no other."""
+"""BlockingPool: calls on kept daemon threads, bounded, a stuck call blocking no other; idle
+threads exit."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import threading
 
 import pytest
 
+from conftest import wait_until
+from engramd.host import blocking
 from engramd.host.blocking import BlockingPool
 
 
@@ -59,3 +62,19 @@ def test_a_stuck_call_holds_only_its_own_slot() -> None:
 
     assert asyncio.run(main()) == list(range(5))
     assert len(_threads("stuck")) == 2
+
+
+def test_idle_threads_exit_and_a_later_call_starts_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blocking, "IDLE_S", 0.05)
+
+    async def main() -> tuple[list[threading.Thread], list[threading.Thread]]:
+        pool = BlockingPool("idle", 3)
+        first = await asyncio.gather(*(pool.run(threading.current_thread) for _ in range(20)))
+        await asyncio.to_thread(wait_until, lambda: not _threads("idle"), 5, "idle threads gone")
+        later = await asyncio.gather(*(pool.run(threading.current_thread) for _ in range(20)))
+        return first, later
+
+    first, later = asyncio.run(main())
+    # Each burst ran on at most `size` threads; the later one on threads started anew.
+    assert 1 <= len(set(first)) <= 3 and 1 <= len(set(later)) <= 3
+    assert not set(first) & set(later)

@@ -20,13 +20,18 @@ from typing import TypeVar
 T = TypeVar("T")
 R = TypeVar("R")
 
+#: Seconds a pool's thread waits for another call before it exits: kept through a
+#: storm of calls, gone once the daemon is quiet again.
+IDLE_S = 2.0
+
 
 class BlockingPool:
     """Runs blocking calls on daemon threads, at most `size` at once.
 
-    Threads are started as calls need them and kept: starting one blocks the
-    event loop until the new thread first runs, which on a busy machine is a
-    wait for a core, and a storm of attaches would pay it for every read.
+    Threads are started as calls need them and kept while calls keep coming
+    (IDLE_S): starting one blocks the event loop until the new thread first
+    runs, which on a busy machine is a wait for a core, and a storm of
+    attaches would pay it for every read.
     """
 
     def __init__(self, name: str, size: int) -> None:
@@ -74,17 +79,27 @@ class BlockingPool:
         # waits behind another job, and the slots keep the threads to `size`
         # unless callers gave up on calls still running (a hung read).
         with self._lock:
+            self._jobs.put(job)
             start = not self._idle
             if not start:
                 self._idle -= 1
-        self._jobs.put(job)
         if start:
             name = f"engramd-{self._name}"
             threading.Thread(target=self._work, name=name, daemon=True).start()
 
     def _work(self) -> None:
         while True:
-            self._jobs.get()()
+            try:
+                job = self._jobs.get(timeout=IDLE_S)
+            except queue.Empty:
+                # Under the lock that queues jobs: an idle thread no job was
+                # promised to may go; one a job was just queued for stays.
+                with self._lock:
+                    if self._jobs.empty() and self._idle:
+                        self._idle -= 1
+                        return
+                continue
+            job()
 
 
 def map_on_threads(fn: Callable[[T], R], items: list[T], threads: int, name: str) -> list[R]:
