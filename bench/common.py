@@ -104,6 +104,12 @@ def paired_ratio(ours: list[float], baseline: list[float]) -> float:
     return statistics.median(o / b for o, b in zip(ours, baseline, strict=True))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process `pid` (all its threads) used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentile(samples: list[float], q: float) -> float:
     """The q-th percentile (0..100), nearest rank."""
     ordered = sorted(samples)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import compileall
-import os
 import signal
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from engramd.demo.daemon_process import DaemonProcess
 from engramd_client import attach
 
 from .attach import wait_locked
-from .common import Figure, checkpoint, compare, daemon, shm_folder
+from .common import Figure, checkpoint, compare, cpu_seconds, daemon, shm_folder
 
 GOAL_S = 0.3
 
@@ -78,7 +77,7 @@ def restart_to_attach(ckpt: Path, reps: int) -> list[Figure]:
             helps.append(_help_seconds())
             to_attach.append(_restart(d, "no", lambda: _attach_when_up(ckpt, socket)))
             to_serving.append(_restart(d, "serving", lambda: None))
-            cpu.append(_cpu_seconds(d.pid))
+            cpu.append(cpu_seconds(d.pid))
             assert d.status().sets[0].adopted
     p50 = statistics.median(to_attach)
     print(
@@ -114,12 +113,6 @@ def _restart(d: DaemonProcess, wait: str, then: Callable[[], None]) -> float:
     d.start(wait=wait)
     then()
     return time.perf_counter() - start
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds process `pid` used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ms(samples: list[float]) -> str:

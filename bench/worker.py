@@ -1,7 +1,7 @@
 """A benchmark replica: attach (shared, private, or not at all), then obey stdin.
 
 (start)  -> {"ready": true} once imported; with --wait-go it then waits for "go"
-         -> {"mode", "attach_s"} after attaching
+         -> {"mode", "attach_s", "attach_cpu_s"} after attaching (CPU: all its threads)
 touch    -> {"touched": bytes} after reading one byte of every page of every table
 exit     -> closes the tables and exits
 """
@@ -44,10 +44,16 @@ def main() -> int:
     if args.wait_go and sys.stdin.readline().strip() != "go":
         return 1
     tables: Tables | None = None
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if args.mode != "none":
         tables = attach(args.checkpoint, socket=args.socket, share=args.mode == "shared")
-    say({"mode": tables.mode if tables else "none", "attach_s": time.perf_counter() - start})
+    say(
+        {
+            "mode": tables.mode if tables else "none",
+            "attach_s": time.perf_counter() - start,
+            "attach_cpu_s": time.process_time() - cpu,
+        }
+    )
     for line in sys.stdin:
         command = line.strip()
         if command == "touch":
