@@ -149,6 +149,33 @@ def test_backing_names_are_the_registered_backings() -> None:
     from engramd.values import BACKING_NAMES
 
     assert (*BACKINGS, *COMBINED) == BACKING_NAMES
+    assert all(BACKINGS[name].name == name for name in BACKINGS)
+
+
+def test_a_daemon_imports_only_its_backings(tmp_path: Path) -> None:
+    # The backings' modules are imported when named: tmpfs alone, auto's pair, a
+    # CUDA backing only when asked for.
+    probe = (
+        "import sys\n"
+        "from engramd.backings import backings_for\n"
+        "from engramd.config import DaemonConfig\n"
+        "from engramd.host.fdstore import FdStore\n"
+        "from engramd.host.sdnotify import Notifier\n"
+        "from engramd.values import BackingSpec\n"
+        "config = DaemonConfig(shm_dir=sys.argv[1], backing=BackingSpec(sys.argv[2]))\n"
+        "backings_for(config, None, FdStore(Notifier(address=''), env={}))\n"
+        "print(sorted(m.rpartition('.')[2] for m in sys.modules\n"
+        "             if m.startswith('engramd.backings.')))\n"
+    )
+    shared = ["base", "handles"]
+    for backing, modules in [("tmpfs", ["tmpfs"]), ("auto", ["memfd", "tmpfs"])]:
+        result = subprocess.run(
+            [sys.executable, "-c", probe, str(tmp_path), backing],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.stdout.split("\n")[0] == str(sorted([*shared, *modules])), result
 
 
 #: The deploy files operators start from.

@@ -8,11 +8,12 @@ handle with the prototypes declared once, for every module that needs them.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import os
 
-libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+# The C library the interpreter already links, as numa.py reaches it: finding it by
+# name (ctypes.util.find_library) would run `ldconfig -p` at every daemon start.
+libc = ctypes.CDLL(None, use_errno=True)
 libc.mmap.restype = ctypes.c_void_p
 libc.mmap.argtypes = [
     ctypes.c_void_p,
