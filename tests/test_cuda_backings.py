@@ -179,6 +179,8 @@ def test_cuda_host_allocates_checks_and_exports_its_set_over_a_simulated_driver(
     checkpoint: Path, daemons: Any
 ) -> None:
     d = daemons("--backing", "cuda-host", "--checkpoint", str(checkpoint), env=FAKE_DRIVER)
+    # The set is served once ready and locked after (locking must not delay readiness).
+    wait_until(lambda: d.status().sets[0].locked, 30, "the set to be locked")
     status = d.status()
     [b] = status.backings
     assert (b.name, b.stands_in_for, b.survives_restart) == ("cuda-host", "", False)
