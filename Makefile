@@ -13,18 +13,31 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml requirements-nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || { test -z "$(TORCH)" || $(PIP) "$(TORCH)"; }
 	$(PIP) -e ".[dev]"
+	$(PIP) --no-deps -r requirements-nixl.txt
 	touch $@
 
-# The deployment tests verify the systemd units with systemd-analyze: as root
-# on a Debian-like machine, install it where it is missing (elsewhere that one
-# test says why it skips).
-test-tools:
+# The deployment tests verify the systemd units with systemd-analyze, and the
+# fleet tests make network namespaces with ip (iproute2) and start s3rver (npm):
+# as root on a Debian-like machine, install what is missing (elsewhere those
+# tests say why they skip). s3rver goes to .tools/, beside the checkout.
+S3RVER_VERSION ?= 3.7.1
+S3RVER := .tools/s3rver/node_modules/.bin/s3rver
+APT_GET := apt-get install -y -qq --no-install-recommends
+test-tools: $(S3RVER)
 	@command -v systemd-analyze >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
 	  || { apt-get update -qq && apt-get install -y -qq systemd >/dev/null; }
+	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || { apt-get update -qq && $(APT_GET) iproute2 >/dev/null; }
+
+$(S3RVER):
+	@command -v npm >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || { apt-get update -qq && $(APT_GET) nodejs npm >/dev/null; }
+	command -v npm >/dev/null && npm install --silent --no-audit --no-fund --prefix .tools/s3rver \
+	  s3rver@$(S3RVER_VERSION) || echo "npm is missing: the object-store tests will skip"
 
 demo: setup
 	$(VENV)/bin/engramd demo $(ARGS)
@@ -111,4 +124,4 @@ format: setup
 	$(PY) -m ruff check --fix .
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .tools .pytest_cache .mypy_cache .ruff_cache

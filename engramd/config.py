@@ -189,6 +189,41 @@ class DaemonConfig:
     metrics_port: int = setting(0, "TCP port for metrics (0: off).")
     #: Address of the metrics port.
     metrics_address: str = setting("127.0.0.1", "Address of the metrics port.")
+    #: Where this daemon serves its operator-published sets to peers (gRPC over TCP); "": never.
+    peer_listen: str = setting(
+        "",
+        "HOST:PORT to serve operator-published sets to peer daemons on (gRPC over TCP, "
+        "bytes through NIXL; needs --peer-token-file). Off by default.",
+    )
+    #: Peers a new set's bytes may come from, before the object store and the files.
+    peers: list[str] = setting(
+        [],
+        "Peer daemon HOST:PORT to fill sets from (repeatable, or comma-separated); a name that "
+        "resolves to several addresses (a headless Service) is every one of them.",
+    )
+    #: The fleet's shared secret, both to serve peers and to fill from them.
+    peer_token_file: str = setting(
+        "",
+        "File holding the peer token (a Kubernetes Secret); needed by --peer-listen and --peers.",
+    )
+    #: Bytes per second this daemon serves to all peers together; 0: no cap.
+    peer_rate: int = setting(
+        0, "Most bytes per second served to peers, all together (0: no cap).", parse=parse_size
+    )
+    #: A fill from a peer slower than this (bytes per second) moves on to the next source.
+    peer_min_rate: int = setting(
+        0,
+        "Bytes per second below which a fill from a peer is abandoned for the next source "
+        "(0: no floor).",
+        parse=parse_size,
+    )
+    #: s3://bucket/prefix holding the checkpoint's files (their names as in the folder).
+    object_store: str = setting(
+        "",
+        "s3://bucket/prefix holding the checkpoint's safetensors files, tried after the peers "
+        "and before the files (endpoint and keys as the AWS tools take them: "
+        "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).",
+    )
     #: Seconds in-flight RPCs get to finish at shutdown before they are cancelled.
     grace: float = setting(5.0, "Seconds in-flight calls get at shutdown (SIGTERM).")
     #: Seconds between sweeps that end leases of workers whose process is gone.

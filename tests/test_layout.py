@@ -27,6 +27,7 @@ FLOORS = [
     ),
     ("engramd.host",),
     ("engramd.backings",),
+    ("engramd.sources",),
     ("engramd.sets",),
     ("engramd.api",),
     ("engramd.cli", "engramd.demo", "engramd.__main__"),

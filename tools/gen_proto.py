@@ -14,7 +14,7 @@ from grpc_tools import protoc
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
-PROTOS = ["engramd/v1/engramd.proto"]
+PROTOS = ["engramd/v1/engramd.proto", "engramd/v1/peer.proto"]
 OUT = ROOT / "client" / "engramd_client" / "core" / "pb"
 
 

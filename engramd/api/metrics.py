@@ -44,6 +44,8 @@ class SetSample:
     loaded: int
     #: Bytes per second of its load (done, or so far); None before any.
     rate: float | None
+    #: Where its bytes came from ("files", "peer HOST:PORT", "s3://...", "adopted").
+    source: str
 
 
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
@@ -66,6 +68,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 ts.locked,
                 ts.bytes_loaded,
                 rate,
+                ts.source,
             )
         )
     return samples, [(b.name, b.usage()) for b in store.backings]
@@ -97,6 +100,11 @@ class StoreCollector(Collector):
         locked = GaugeMetricFamily("engramd_set_locked", "1 when mlocked", labels=copy)
         loaded = GaugeMetricFamily("engramd_load_bytes_done", "Bytes copied in so far", labels=copy)
         rate = GaugeMetricFamily("engramd_load_bytes_per_second", "Load throughput", labels=copy)
+        source = GaugeMetricFamily(
+            "engramd_set_source",
+            "1, labelled with where the set's bytes came from",
+            labels=[*copy, "source"],
+        )
         for s in sets:
             set_bytes.add_metric([s.set_id, s.node, s.backing, s.state], s.nbytes)
             leases.add_metric([s.set_id, s.node], s.leases)
@@ -104,7 +112,9 @@ class StoreCollector(Collector):
             loaded.add_metric([s.set_id, s.node], s.loaded)
             if s.rate is not None:
                 rate.add_metric([s.set_id, s.node], s.rate)
-        yield from (set_bytes, leases, locked, loaded, rate)
+            if s.source:
+                source.add_metric([s.set_id, s.node, s.source], 1)
+        yield from (set_bytes, leases, locked, loaded, rate, source)
         attached, fell_back = self._store.leases.stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():

@@ -11,6 +11,7 @@ Listeners, all on the one event loop:
   admin_socket  AdminService + Health (gRPC), 0600 (the daemon's owner)
   health_port   Health only (Check and Watch), TCP, when asked for (Kubernetes probes)
   metrics_port  Prometheus text over HTTP, when asked for
+  peer_listen   PeerService (gRPC over TCP, peer.py): published sets to the fleet, when asked for
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.api.admin import AdminService
 from engramd.api.fdchannel import FdChannel
+from engramd.api.peer import PeerServer, read_token
 from engramd.api.service import TableService
 from engramd.api.sockets import (
     REQUEST_TIMEOUT_S,
@@ -48,10 +50,13 @@ from engramd.errors import DecodeGuard, ServiceError
 from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
-from engramd.sets.loader import LoadProgress
+from engramd.sets.loader import Fill, LoadProgress
 from engramd.sets.policy import resolve
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
+from engramd.sources.chain import SourceChain
+from engramd.sources.objstore import ObjectStoreSource
+from engramd.sources.peer import PeerSource
 from engramd.units import gib
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
@@ -86,6 +91,7 @@ class EngramdServer:
             max_leases=config.max_leases,
             placement=config.numa,
             leases_per_uid=config.leases_per_uid,
+            fill=_sources(config),
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
@@ -112,6 +118,11 @@ class EngramdServer:
         if config.health_port:
             self.probes = grpc.aio.server(interceptors=[DecodeGuard()])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
+        self.peers: PeerServer | None = None
+        if config.peer_listen:
+            self.peers = PeerServer(
+                self.store, config.peer_listen, read_token(config.peer_token_file), config.peer_rate
+            )
         self._configured: list[TableSet] = []
         self._readers = BlockingPool("config-checkpoint", 2)
         self._tasks: list[asyncio.Task[None]] = []
@@ -159,6 +170,8 @@ class EngramdServer:
             self.probes.add_insecure_port(address)
             await self.probes.start()
             log.info("health checks on %s", address)
+        if self.peers is not None:
+            await self.peers.start()
         if self.config.metrics_port:
             # Imported only when asked for: prometheus_client and its HTTP server
             # are a tenth of the daemon's imports, paid on every restart.
@@ -253,7 +266,7 @@ class EngramdServer:
         await self.health.enter_graceful_shutdown()
         self.store.leases.drain()
         grace = self.config.grace if grace is None else grace
-        servers = [s for s in (self.grpc, self.admin, self.probes) if s is not None]
+        servers = [s for s in (self.grpc, self.admin, self.probes, self.peers) if s is not None]
         await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))
         if self._metrics is not None:
             self._metrics.shutdown()
@@ -300,6 +313,18 @@ def create_server(config: DaemonConfig) -> EngramdServer:
             fd_socket=sockets[2],
         )
     )
+
+
+def _sources(config: DaemonConfig) -> Fill | None:
+    """Where loads' bytes come from before the files: the peers, then the object store."""
+    if not config.peers and not config.object_store:
+        return None
+    peers = None
+    if config.peers:
+        token = read_token(config.peer_token_file)
+        peers = PeerSource(config.peers, token, config.peer_min_rate)
+    store = ObjectStoreSource(config.object_store) if config.object_store else None
+    return SourceChain(peers, store)
 
 
 def _host(address: str) -> str:

@@ -132,6 +132,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         error=str(ts.error) if ts.error else "",
         tensors=ts.ntensors,
         load_seconds=ts.load_seconds,
+        source=ts.source,
         leases=[
             pb.LeaseInfo(
                 lease_id=lease.lease_id,

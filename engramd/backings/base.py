@@ -56,6 +56,15 @@ class StagedSet(ABC):
     def write(self, index: int, data: memoryview, offset: int) -> None:
         """Write `data` at `offset` within the index-th tensor."""
 
+    def memory(self, index: int) -> tuple[int, int]:
+        """(descriptor, offset) of the index-th tensor's reserved bytes, for a source that
+        writes them through a mapping of its own (NIXL); the descriptor stays the set's.
+
+        Backings whose memory is no file (cuMem) raise NotImplementedError: their sets
+        are loaded from the checkpoint's files.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no memory to map")
+
     @abstractmethod
     def publish(self, manifest: Manifest) -> None:
         """Make the set visible, complete: nothing writes to it again."""

@@ -165,6 +165,10 @@ class _StagedPacked(StagedSet):
         """Every tensor in the one packed file."""
         return PACKED_NAME, self._offsets[index]
 
+    def memory(self, index: int) -> tuple[int, int]:
+        """The one packed file, at the tensor's offset."""
+        return self._fd, self._offsets[index]
+
     def write(self, index: int, data: memoryview, offset: int) -> None:
         """Copy into the mapping (hugetlbfs has no write())."""
         assert self._writer is not None

@@ -266,6 +266,10 @@ class _StagedMemfd(StagedSet):
         """Every tensor in the set's one memfd, at a page-aligned offset."""
         return TABLES, self._offsets[index]
 
+    def memory(self, index: int) -> tuple[int, int]:
+        """The set's one memfd, at the tensor's offset."""
+        return self._fd, self._offsets[index]
+
     def write(self, index: int, data: memoryview, offset: int) -> None:
         """Positional writes into the memfd (through a mapping on hugetlb pages)."""
         at = self._offsets[index] + offset

@@ -366,6 +366,10 @@ class _StagedFolder(StagedSet):
         """Each tensor in a file of its own, at offset 0."""
         return tensor_file_name(index), 0
 
+    def memory(self, index: int) -> tuple[int, int]:
+        """The tensor's own reserved file, from its start."""
+        return self._fds[index], 0
+
     def write(self, index: int, data: memoryview, offset: int) -> None:
         """Positional writes into the reserved file."""
         done = 0

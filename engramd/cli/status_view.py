@@ -144,6 +144,7 @@ def _sets(reply: pb.StatusReply) -> Table:
         "LOADED",
         "LOCKED",
         "LEASES",
+        "SOURCE",
         "CHECKPOINT",
         box=box.SIMPLE,
     )
@@ -160,11 +161,19 @@ def _sets(reply: pb.StatusReply) -> Table:
             f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
             "yes" if s.locked else "no",
             str(s.lease_count),
+            Text(escape(_source(s))),
             Text(escape(s.checkpoint)),
         )
         if s.error:
             table.add_row("", Text(f"error: {escape(s.error)}", style="red"), end_section=True)
     return _whole(table)
+
+
+def _source(s: pb.SetInfo) -> str:
+    """Where the set's bytes came from, and at what rate once loaded."""
+    if s.load_seconds and s.source != "adopted":
+        return f"{s.source} {s.bytes / s.load_seconds / 1e9:.2f} GB/s"
+    return s.source
 
 
 def _leases(reply: pb.StatusReply) -> Table:

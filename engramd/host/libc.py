@@ -43,12 +43,14 @@ def filesystem_type(path: str | os.PathLike[str]) -> int:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def map_read_only(fd: int, size: int, offset: int = 0) -> int:
+def map_read_only(fd: int, size: int, offset: int = 0, writable: bool = False) -> int:
     """The address of a shared read-only mapping of `size` bytes of `fd` from `offset`.
 
+    `writable`: mapped read-write instead (a staged set a transfer engine fills).
     Raises OSError with the kernel's reason; `libc.munmap(addr, size)` undoes it.
     """
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, offset)
+    prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
+    addr = libc.mmap(None, size, prot, mmap.MAP_SHARED, fd, offset)
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

@@ -22,6 +22,10 @@
    The checkpoint is not mapped, so a file truncated under the daemon gives
    a short read (a clear error) instead of a SIGBUS. Measured by bench/
    (load) against cp and the loaders an operator would pick instead.
+Sources (engramd/sources): a `fill` given to `load_set` may write the
+   reserved memory from elsewhere (a peer, an object store) and return the
+   tensors' digests; then nothing is copied from the files (when it returns
+   None, the copy runs as above).
 3. Describe and publish: the backing makes the set visible only once its
    manifest is complete (tmpfs: manifest.json last, then a rename). A crash
    at any point leaves either no set or a complete one.
@@ -33,6 +37,7 @@ import os
 import secrets
 import threading
 import time
+from collections.abc import Callable
 
 from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
@@ -64,6 +69,8 @@ class LoadProgress:
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.cancel = threading.Event()
+        #: Where the bytes come from: "files", "peer HOST:PORT", "s3://bucket/prefix".
+        self.source = "files"
 
     @property
     def done(self) -> int:
@@ -77,6 +84,18 @@ class LoadProgress:
         if self.cancel.is_set():
             raise LoadCancelled("the daemon is stopping")
 
+    def restart(self, source: str) -> None:
+        """Count again from nothing: the bytes now come from `source`."""
+        with self._lock:
+            self._done = 0
+            self.source = source
+            self.started = time.monotonic()
+
+
+#: Writes a staged set's memory from another source and returns its tensors'
+#: digests, or None: then the loader copies from the files.
+Fill = Callable[[TablePlan, StagedSet, LoadProgress], list[str] | None]
+
 
 def load_set(
     plan: TablePlan,
@@ -85,6 +104,7 @@ def load_set(
     progress: LoadProgress,
     placement: Placement = DEFAULT_PLACEMENT,
     node: int | None = None,
+    fill: Fill | None = None,
 ) -> Manifest:
     """Copy the plan's tensors into `backing`, publish the set and return its manifest.
 
@@ -97,7 +117,13 @@ def load_set(
     with applied(placement.for_copy(node)):
         staged = backing.stage(plan, node)
     try:
-        order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
+        filled = fill(plan, staged, progress) if fill is not None else None
+        # A filled set has nothing left to copy from the files.
+        order = (
+            []
+            if filled is not None
+            else sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
+        )
         copies = {
             i: _TensorCopy(plan.tensors[i], sources[str(plan.tensors[i].file)], staged, i)
             for i in order
@@ -128,7 +154,7 @@ def load_set(
         finally:
             for c in copies.values():
                 c.close()
-        sums = {i: c.checksum() for i, c in copies.items()}
+        sums = filled or [copies[i].checksum() for i in range(len(plan.tensors))]
         for source in plan.sources:
             _check_identity(source, os.stat(source.path), "during the load (replaced)")
         manifest = Manifest(

@@ -28,7 +28,7 @@ from engramd.host.pagesize import PageCensus
 from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
 from engramd.sets.admission import Admission
 from engramd.sets.leases import LeaseBook
-from engramd.sets.loader import DEFAULT_PLACEMENT, LoadCancelled, LoadProgress, load_set
+from engramd.sets.loader import DEFAULT_PLACEMENT, Fill, LoadCancelled, LoadProgress, load_set
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
@@ -54,6 +54,7 @@ class SetStore:
         max_leases: int = 0,
         placement: Placement = DEFAULT_PLACEMENT,
         leases_per_uid: int = 0,
+        fill: Fill | None = None,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
         self.backings = backings
@@ -61,6 +62,8 @@ class SetStore:
         self._mlock = mlock
         self._adopt_grace_s = adopt_grace_s
         self._placement = placement
+        # Where a load's bytes may come from before the files (engramd/sources).
+        self._fill = fill
         #: The sets by (set id, backing, node): one checkpoint's copies in two backings, or
         #: on two nodes, are two sets.
         self.sets = SetRegistry(backings, placement)
@@ -298,6 +301,7 @@ class SetStore:
                 ts.progress,
                 self._placement,
                 ts.node,
+                self._fill,
             )
         except BaseException as e:
             ts.state = SetState.FAILED
@@ -315,9 +319,10 @@ class SetStore:
         ts.last_used = time.monotonic()
         ts.done.set()
         log.info(
-            "set %s ready: %s in %.2f s (%.2f GB/s)",
+            "set %s ready: %s from %s in %.2f s (%.2f GB/s)",
             ts.copy,
             gib(ts.nbytes),
+            ts.source,
             ts.load_seconds,
             ts.nbytes / max(ts.load_seconds, 1e-9) / 1e9,
         )

@@ -94,3 +94,10 @@ class TableSet:
         if self.state is SetState.READY:
             return self.nbytes
         return self.progress.done if self.progress else 0
+
+    @property
+    def source(self) -> str:
+        """Where the set's bytes came from: the load's source, or "adopted"."""
+        if self.progress is not None:
+            return self.progress.source
+        return "adopted" if self.adopted else ""

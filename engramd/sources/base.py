@@ -1,0 +1,66 @@
+"""What every source shares: its failure, the load's progress it reports, the checks it runs."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from pathlib import Path
+from typing import Protocol
+
+from engramd_client.core.fileid import open_regular
+from engramd_client.core.headers import TensorEntry
+
+#: Bytes a source moves per NIXL request: large enough that per-request costs
+#: vanish, small enough that progress, the cancel flag and the rate floor are
+#: looked at often.
+WINDOW_BYTES = 64 << 20
+#: Random ranges of each tensor compared with the node's own checkpoint after a fill.
+SPOT_CHECKS = 8
+SPOT_BYTES = 4096
+
+
+class SourceFailed(Exception):
+    """A source could not give the set; the message says why, in one line. The next one runs."""
+
+
+class Progress(Protocol):
+    """The load's progress (sets.loader.LoadProgress) as a source drives it."""
+
+    cancel: threading.Event
+
+    def add(self, n: int) -> None:
+        """Count `n` more bytes; raises when the load is cancelled."""
+
+    def restart(self, source: str) -> None:
+        """Count again from nothing: the bytes now come from `source`."""
+
+
+def windows(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, size) pieces of WINDOW_BYTES covering `nbytes`."""
+    return [(at, min(WINDOW_BYTES, nbytes - at)) for at in range(0, nbytes, WINDOW_BYTES)]
+
+
+def spot_check(entry: TensorEntry, received: memoryview) -> None:
+    """Compare random ranges of a received tensor (and its first and last) with the file.
+
+    The receiver picks the ranges after the bytes arrived, so a source cannot
+    know which of its bytes are looked at: a source that changed more than a
+    sliver of a tensor is caught, whatever checksum it claimed.
+    """
+    n = entry.nbytes
+    if n == 0:
+        return
+    starts = {0, max(n - SPOT_BYTES, 0)}
+    starts |= {secrets.randbelow(n) for _ in range(SPOT_CHECKS)}
+    fd = open_regular(Path(entry.file))
+    try:
+        for at in sorted(starts):
+            size = min(SPOT_BYTES, n - at)
+            if os.pread(fd, size, entry.offset + at) != received[at : at + size]:
+                raise SourceFailed(
+                    f"tensor {entry.name!r}: bytes {at}-{at + size} differ from {entry.file}: "
+                    "the source sent other bytes than the checkpoint holds"
+                )
+    finally:
+        os.close(fd)

@@ -1,0 +1,59 @@
+"""The order of sources for a load: each peer, then the object store, then the files.
+
+Called by the loader (sets.loader.Fill) on its thread with the set staged:
+every byte reserved, nothing visible. Each source that fails says why in
+one log line and the next runs on the same staged memory (it writes every
+byte again); when none is left, the loader copies from the files. Nothing
+is published before a source's bytes passed its checks.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from engramd.backings import StagedSet
+from engramd.sources.base import Progress, SourceFailed
+from engramd.sources.objstore import ObjectStoreSource
+from engramd.sources.peer import PeerSource
+from engramd.sources.regions import close_all, staged_regions
+from engramd_client.core.checkpoint import TablePlan
+
+log = logging.getLogger("engramd")
+
+
+class SourceChain:
+    """Peers, then an object store, each optional; a loader's `fill`."""
+
+    def __init__(self, peers: PeerSource | None, store: ObjectStoreSource | None) -> None:
+        self._peers = peers
+        self._store = store
+
+    def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> list[str] | None:
+        """Fill `staged` from the first source that can; None: load from the files."""
+        try:
+            regions = staged_regions(staged, [t.nbytes for t in plan.tensors])
+        except NotImplementedError as e:
+            log.info("set %s: %s; loading from the files", plan.set_id, e)
+            return None
+        peers = self._peers
+        try:
+            for address in peers.addresses() if peers is not None else []:
+                assert peers is not None
+                source = f"peer {address}"
+                progress.restart(source)
+                try:
+                    return peers.fill(address, plan, regions, progress)
+                except SourceFailed as e:
+                    log.warning("set %s: %s: %s; trying the next source", plan.set_id, source, e)
+            if self._store is not None:
+                progress.restart(self._store.url)
+                try:
+                    return self._store.fill(plan, regions, progress)
+                except SourceFailed as e:
+                    log.warning(
+                        "set %s: %s: %s; loading from the files", plan.set_id, self._store.url, e
+                    )
+            progress.restart("files")
+            return None
+        finally:
+            close_all(regions)

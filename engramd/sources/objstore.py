@@ -1,0 +1,181 @@
+"""Fill a set from an object store (s3://bucket/prefix) through NIXL's OBJ backend.
+
+The bucket holds the checkpoint's safetensors files under the names the
+checkpoint folder gives them (`<prefix>/<name>`). Before a byte of a tensor
+is read, each object must match the node's file where the set id looks:
+the header, and the data samples the fingerprint takes (the last of which
+ends at the file's end, so a truncated object fails here). Then every
+tensor is read by ranges straight into the staged memory, digested, and
+spot-checked against the node's file. Endpoint and keys come the way the
+AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from urllib.parse import urlparse
+
+from engramd.sources.base import Progress, SourceFailed, spot_check, windows
+from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.sources.regions import Region
+from engramd_client.core.checkpoint import TablePlan, checkpoint_files
+from engramd_client.core.fileid import open_regular
+from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
+
+#: Windows per NIXL request: the OBJ backend reads a request's ranges on its own threads.
+WINDOWS_PER_READ = 8
+#: Seconds one window may take.
+WINDOW_TIMEOUT_S = 60.0
+
+
+class ObjectStoreSource:
+    """Fills sets from `s3://bucket/prefix`; one fill at a time (one NIXL agent)."""
+
+    def __init__(self, url: str, env: Mapping[str, str] = os.environ) -> None:
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(
+                f"--object-store {url!r} is not s3://bucket/prefix; name the bucket and the "
+                "prefix that holds the checkpoint's files"
+            )
+        #: The store as status names it.
+        self.url = url.rstrip("/")
+        self._bucket = parsed.netloc
+        self._prefix = parsed.path.strip("/")
+        self._params = {"bucket": self._bucket}
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
+        if endpoint:
+            self._params["endpoint_override"] = endpoint
+            self._params["scheme"] = urlparse(endpoint).scheme or "https"
+            # S3-compatible servers behind an endpoint take path-style addresses.
+            self._params["use_virtual_addressing"] = "false"
+        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+        if region:
+            self._params["region"] = region
+        if env.get("AWS_ACCESS_KEY_ID"):
+            self._params["access_key"] = env["AWS_ACCESS_KEY_ID"]
+            self._params["secret_key"] = env.get("AWS_SECRET_ACCESS_KEY", "")
+        self._agent: Agent | None = None
+        self._lock = threading.Lock()
+
+    def key(self, name: str) -> str:
+        """The object key of a checkpoint file named `name`."""
+        return f"{self._prefix}/{name}" if self._prefix else name
+
+    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> list[str]:
+        """Read the set of `plan` into `regions`; the digests. Raises SourceFailed."""
+        with self._lock:
+            if self._agent is None:
+                try:
+                    agent = Agent("s3", [])
+                    agent.add_backend("OBJ", self._params)
+                except Exception as e:
+                    raise SourceFailed(str(e)) from None
+                self._agent = agent
+            return self._fill(self._agent, plan, regions, progress)
+
+    def _fill(
+        self, agent: Agent, plan: TablePlan, regions: list[Region], progress: Progress
+    ) -> list[str]:
+        files = _names(plan)
+        devices = {path: i for i, path in enumerate(files)}
+        objects = agent.register(
+            [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
+            "OBJ",
+        )
+        memory = agent.register([(r.address, r.nbytes, 0, "") for r in regions if r.nbytes], "DRAM")
+        try:
+            for path, (name, size) in files.items():
+                self._check_object(agent, path, self.key(name), size, devices[path], progress)
+            pieces = [
+                ((regions[i].address + at, n, 0), (t.offset + at, n, devices[str(t.file)]))
+                for i, t in enumerate(plan.tensors)
+                for at, n in windows(t.nbytes)
+            ]
+            for k in range(0, len(pieces), WINDOWS_PER_READ):
+                batch = pieces[k : k + WINDOWS_PER_READ]
+                try:
+                    agent.read(
+                        [local for local, _ in batch],
+                        [remote for _, remote in batch],
+                        "OBJ",
+                        agent.name,
+                        time.monotonic() + WINDOW_TIMEOUT_S * len(batch),
+                        progress.cancel,
+                    )
+                except TransferFailed as e:
+                    raise SourceFailed(f"reading from {self.url} failed: {e}") from None
+                progress.add(sum(n for _, n, _ in (local for local, _ in batch)))
+            sums = []
+            for entry, region in zip(plan.tensors, regions, strict=True):
+                spot_check(entry, region.view())
+                sums.append(region.digest())
+            return sums
+        finally:
+            agent.deregister(memory)
+            agent.deregister(objects)
+
+    def _check_object(
+        self, agent: Agent, path: str, key: str, size: int, device: int, progress: Progress
+    ) -> None:
+        """The object's header and the fingerprint's samples, as the node's file has them."""
+        fd = open_regular(Path(path))
+        try:
+            (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
+            ranges = [(0, 8 + length)]
+            start = 8 + length
+            span = max(size - start - SAMPLE_BYTES, 0)
+            for k in range(SAMPLES):
+                at = start + span * k // (SAMPLES - 1)
+                ranges.append((at, min(SAMPLE_BYTES, size - at)))
+            ranges = [(at, n) for at, n in ranges if n > 0]
+            expected = [os.pread(fd, n, at) for at, n in ranges]
+        finally:
+            os.close(fd)
+        scratch = ctypes.create_string_buffer(sum(n for _, n in ranges))
+        base = ctypes.addressof(scratch)
+        local, at_local = [], 0
+        for _, n in ranges:
+            local.append((base + at_local, n, 0))
+            at_local += n
+        held = agent.register([(base, len(scratch), 0, "")], "DRAM")
+        try:
+            agent.read(
+                local,
+                [(at, n, device) for at, n in ranges],
+                "OBJ",
+                agent.name,
+                time.monotonic() + WINDOW_TIMEOUT_S,
+                progress.cancel,
+            )
+        except TransferFailed as e:
+            raise SourceFailed(
+                f"s3://{self._bucket}/{key}: cannot read its header and samples ({e}): the object "
+                f"is missing, shorter than the node's file ({size} bytes), or not readable"
+            ) from None
+        finally:
+            agent.deregister(held)
+        got, at_local = scratch.raw, 0
+        for (at, n), want in zip(ranges, expected, strict=True):
+            if got[at_local : at_local + n] != want:
+                raise SourceFailed(
+                    f"s3://{self._bucket}/{key}: bytes {at}-{at + n} differ from {path} (the "
+                    "header or the data samples): the object is not this checkpoint's file"
+                )
+            at_local += n
+
+
+def _names(plan: TablePlan) -> dict[str, tuple[str, int]]:
+    """Each file the plan reads (its real path) -> (its name in the checkpoint, its size)."""
+    sizes = {s.path: s.size for s in plan.sources}
+    files, _ = checkpoint_files(plan.checkpoint)
+    named = {str(f.resolve()): f.name for f in files}
+    used = dict.fromkeys(str(t.file) for t in plan.tensors)
+    return {path: (named.get(path, Path(path).name), sizes[path]) for path in used}

@@ -1,0 +1,216 @@
+"""Fill a set from a peer daemon that holds it: gRPC for the offer, NIXL reads for the bytes.
+
+The receiver opens one PeerService.Fill stream per peer tried, with the
+fleet's token and the set id it computed from its own checkpoint. The peer
+offers its manifest, its NIXL agent's metadata and each tensor's address;
+the receiver refuses an offer that is not this set (set id, tensor names,
+dtypes, shapes, sizes), then asks for windows and reads each granted one
+straight into its staged memory. Once every byte is in, each tensor's
+digest must equal the peer's manifest and random ranges must equal the
+node's own checkpoint (base.spot_check): a peer that sends other bytes is
+refused, and the next source runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+
+from engramd.sources.base import Progress, SourceFailed, spot_check, windows
+from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.sources.regions import Region
+from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.layout import Manifest, ManifestError
+from engramd_client.core.pb import peer_pb2, peer_pb2_grpc
+
+log = logging.getLogger("engramd")
+
+#: Seconds a peer has to connect and offer the set.
+OFFER_TIMEOUT_S = 10.0
+#: Seconds one window may take when no rate floor is set (a peer gone silent).
+WINDOW_TIMEOUT_S = 60.0
+#: Seconds of a fill after which its rate is judged against the floor.
+FLOOR_AFTER_S = 2.0
+
+
+def addresses(peers: list[str]) -> list[str]:
+    """Each HOST:PORT of `peers` (entries may be comma-separated) with its host resolved.
+
+    A name that resolves to several addresses (a headless Service over the
+    DaemonSet) gives each; a name that does not resolve gives none (logged).
+    """
+    found: dict[str, None] = {}
+    for entry in (p.strip() for item in peers for p in item.split(",")):
+        if not entry:
+            continue
+        host, sep, port = entry.rpartition(":")
+        if not sep or not port.isdigit():
+            log.warning("peer %r is not HOST:PORT; skipped", entry)
+            continue
+        host = host.strip("[]")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except OSError as e:
+            log.warning("peer %s does not resolve (%s); skipped", entry, e)
+            continue
+        for family, _, _, _, sockaddr in infos:
+            ip = str(sockaddr[0])
+            found[f"[{ip}]:{port}" if family == socket.AF_INET6 else f"{ip}:{port}"] = None
+    return list(found)
+
+
+class PeerSource:
+    """Fills sets from peers; one fill at a time (one NIXL agent, made on first use)."""
+
+    def __init__(self, peers: list[str], token: str, min_rate: int) -> None:
+        self._peers = peers
+        self._token = token
+        self._min_rate = min_rate
+        self._agent: Agent | None = None
+        self._lock = threading.Lock()
+
+    def addresses(self) -> list[str]:
+        """The peers to try, resolved now (a Service's members change)."""
+        return addresses(self._peers)
+
+    def fill(
+        self, address: str, plan: TablePlan, regions: list[Region], progress: Progress
+    ) -> list[str]:
+        """Read the set of `plan` from the peer at `address` into `regions`; the digests.
+
+        Raises SourceFailed (with the reason in one line) when the peer cannot,
+        will not, or sends other bytes; the regions' contents are then undefined.
+        """
+        with self._lock:
+            if self._agent is None:
+                try:
+                    self._agent = Agent("recv", ["UCX"])
+                except Exception as e:
+                    raise SourceFailed(str(e)) from None
+            channel = grpc.insecure_channel(address)
+            try:
+                return self._fill(channel, self._agent, plan, regions, progress)
+            finally:
+                channel.close()
+
+    def _fill(
+        self,
+        channel: grpc.Channel,
+        agent: Agent,
+        plan: TablePlan,
+        regions: list[Region],
+        progress: Progress,
+    ) -> list[str]:
+        requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
+
+        def sent() -> Iterator[peer_pb2.FillRequest]:
+            while (r := requests.get()) is not None:
+                yield r
+
+        requests.put(
+            peer_pb2.FillRequest(open=peer_pb2.FillOpen(token=self._token, set_id=plan.set_id))
+        )
+        stub = peer_pb2_grpc.PeerServiceStub(channel)
+        replies = stub.Fill(sent())
+        timer = threading.Timer(OFFER_TIMEOUT_S, replies.cancel)
+        timer.start()
+        remote = ""
+        registered = None
+        try:
+            try:
+                first = next(replies)
+            except grpc.RpcError as e:
+                raise SourceFailed(_rpc_reason(e)) from None
+            finally:
+                timer.cancel()
+            if first.WhichOneof("step") != "offer":
+                raise SourceFailed("the peer answered without an offer")
+            offer = first.offer
+            manifest = _check_offer(plan, offer)
+            registered = agent.register(
+                [(r.address, r.nbytes, 0, "") for r in regions if r.nbytes], "DRAM"
+            )
+            remote = agent.add_remote(offer.nixl_metadata)
+            pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
+            for _, _, n in pieces:
+                requests.put(peer_pb2.FillRequest(window=n))
+            started = time.monotonic()
+            done = 0
+            for index, at, n in pieces:
+                try:
+                    reply = next(replies)
+                except (grpc.RpcError, StopIteration) as e:
+                    reason = _rpc_reason(e) if isinstance(e, grpc.RpcError) else "it ended"
+                    raise SourceFailed(f"the peer's stream broke mid-fill ({reason})") from None
+                if reply.granted != n:
+                    raise SourceFailed("the peer granted another window than asked for")
+                budget = n / self._min_rate if self._min_rate else WINDOW_TIMEOUT_S
+                try:
+                    agent.read(
+                        [(regions[index].address + at, n, 0)],
+                        [(offer.regions[index].address + at, n, 0)],
+                        "DRAM",
+                        remote,
+                        time.monotonic() + max(budget, 1.0) * 4,
+                        progress.cancel,
+                    )
+                except TransferFailed as e:
+                    raise SourceFailed(f"the read from the peer failed: {e}") from None
+                progress.add(n)
+                done += n
+                elapsed = time.monotonic() - started
+                if self._min_rate and elapsed > FLOOR_AFTER_S and done / elapsed < self._min_rate:
+                    raise SourceFailed(
+                        f"too slow: {done / elapsed / 1e6:.0f} MB/s, below the floor of "
+                        f"{self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
+                    )
+            sums = []
+            for entry, region, theirs in zip(plan.tensors, regions, manifest.tensors, strict=True):
+                mine = region.digest()
+                if mine != theirs.checksum:
+                    raise SourceFailed(
+                        f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
+                        f"says {theirs.checksum}: the peer sent other bytes"
+                    )
+                spot_check(entry, region.view())
+                sums.append(mine)
+            return sums
+        finally:
+            requests.put(None)
+            replies.cancel()
+            if remote:
+                agent.remove_remote(remote)
+            if registered is not None:
+                agent.deregister(registered)
+
+
+def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
+    """The peer's manifest, once it proved to describe the set of `plan`."""
+    try:
+        manifest = Manifest.from_json(offer.manifest_json)
+    except (ManifestError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
+        raise SourceFailed(f"the peer's manifest does not parse ({e})") from None
+    if manifest.set_id != plan.set_id:
+        raise SourceFailed(f"the peer offered set {manifest.set_id}, not {plan.set_id}")
+    theirs = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
+    mine = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in plan.tensors]
+    if theirs != mine or len(offer.regions) != len(mine):
+        raise SourceFailed("the peer's set has other tensors than this checkpoint's")
+    if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
+        raise SourceFailed("the peer's regions are not the tensors' sizes")
+    return manifest
+
+
+def _rpc_reason(e: grpc.RpcError) -> str:
+    code = e.code() if isinstance(e, grpc.Call) else None
+    details = e.details() if isinstance(e, grpc.Call) else str(e)
+    if code is grpc.StatusCode.CANCELLED:
+        return f"no offer within {OFFER_TIMEOUT_S:.0f} s"
+    return f"{code.name if code else 'error'}: {details}"

@@ -1,0 +1,304 @@
+"""Sets filled from a peer daemon (two network namespaces, a veth, NIXL over TCP) and from
+an object store (s3rver), verified, with fallback to the files; real daemons throughout.
+
+Each peer test makes two network namespaces joined by a veth and removes
+them; the daemons run in them under `ip netns exec`, which also mounts the
+namespace's own /sys (UCX finds its network devices there: under a plain
+`nsenter --net` it sees the host's). Their sets go to the shared /dev/shm
+(--no-huge-tmpfs: a tmpfs the daemon mounted would stay inside the mount
+namespace `ip netns exec` makes). UCX_TLS=tcp: between processes of one host
+UCX would otherwise pick cma and never touch the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import TESTS, Daemon, wait_until
+from engramd.demo.synth import SynthSpec, synthesize
+from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd_client.core.checkpoint import plan_tables
+from engramd_client.core.layout import sets_root
+from engramd_client.core.pb import engramd_pb2 as pb
+
+ROOT = TESTS.parent
+S3RVER = ROOT / ".tools" / "s3rver" / "node_modules" / ".bin" / "s3rver"
+TOKEN = "fleet-token-0123456789abcdef"
+#: Transfers over the network path, with the socket buffers NIXL's TCP needs.
+UCX_ENV = {"UCX_TLS": "tcp", "UCX_TCP_SNDBUF": "8m", "UCX_TCP_RCVBUF": "8m"}
+
+
+def _nixl_missing() -> str:
+    try:
+        importlib.import_module("nixl_cu12._api")
+    except ImportError as e:
+        return f"NIXL is not installed ({e}); `make setup` installs it"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_nixl_missing()), reason=_nixl_missing() or "-")
+
+
+def _need_netns() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("network namespaces need root (CI runs as root)")
+    if shutil.which("ip") is None:
+        pytest.skip("ip is missing: `make test-tools` installs iproute2")
+
+
+@dataclass
+class Net:
+    """Two namespaces joined by a veth: (name, address) of each end."""
+
+    a: str
+    ip_a: str
+    b: str
+    ip_b: str
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    """Namespaces `<tag>a` and `<tag>b`, a veth between them (10.231.N.1 and .2); removed after."""
+    _need_netns()
+    tag = f"edf{os.getpid() % 100000}"
+    subnet = f"10.231.{os.getpid() % 250}"
+    a, b = f"{tag}a", f"{tag}b"
+    made: list[str] = []
+    try:
+        for ns in (a, b):
+            _ip("netns", "add", ns)
+            made.append(ns)
+        _ip("link", "add", f"{tag}x", "netns", a, "type", "veth", "peer", f"{tag}y", "netns", b)
+        for ns, dev, ip in ((a, f"{tag}x", f"{subnet}.1"), (b, f"{tag}y", f"{subnet}.2")):
+            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+        yield Net(a, f"{subnet}.1", b, f"{subnet}.2")
+    finally:
+        for ns in made:
+            # Removing a namespace removes its end of the veth, and so the pair.
+            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
+
+
+@pytest.fixture
+def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 42 MB of tables: a fill under a rate cap lasts long enough to be killed."""
+    return synthesize(tmp_path_factory.mktemp("fleet") / "engram", SynthSpec(rows=80_000))
+
+
+class Node:
+    """One daemon with a socket folder and shm folder of its own, perhaps in a namespace."""
+
+    def __init__(self, name: str) -> None:
+        self.sock_dir = Path(tempfile.mkdtemp(prefix=f"ed{name}", dir="/tmp"))
+        self.shm_dir = Path(tempfile.mkdtemp(prefix=f"engramd-fleet-{name}-", dir="/dev/shm"))
+        self.daemon: Daemon | None = None
+
+    def start(
+        self, args: list[str], netns: str = "", env: dict[str, str] | None = None, wait: str = "up"
+    ) -> Daemon:
+        python = [sys.executable]
+        if netns:
+            python = ["ip", "netns", "exec", netns, sys.executable]
+        self.daemon = Daemon(
+            self.sock_dir / "d.sock",
+            self.shm_dir,
+            [*args, "--no-huge-tmpfs"],
+            self.sock_dir / "daemon.log",
+            {**UCX_ENV, **(env or {})},
+            python,
+        )
+        return self.daemon.start(wait=wait)
+
+    def close(self) -> None:
+        d = self.daemon
+        if d is not None and d.proc is not None and d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+        unmount_below(sets_root(self.shm_dir))
+        remove_shm_folder(self.shm_dir)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Any]:
+    """Make nodes: `nodes("a")`; each one's daemon is killed and its folders removed after."""
+    made: list[Node] = []
+
+    def make(name: str) -> Node:
+        made.append(Node(name))
+        return made[-1]
+
+    yield make
+    for node in made:
+        node.close()
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def ready_set(d: Daemon, timeout: float = 120) -> pb.SetInfo:
+    """The daemon's one set once it is ready (fails on a failed load)."""
+    found: list[pb.SetInfo] = []
+
+    def done() -> bool:
+        sets = d.status().sets
+        assert all(s.state != "failed" for s in sets), [s.error for s in sets]
+        found[:] = [s for s in sets if s.state == "ready"]
+        return bool(found)
+
+    wait_until(done, timeout, "the set to be ready")
+    return found[0]
+
+
+def set_digests(shm_dir: Path, set_id: str) -> dict[str, str]:
+    """sha256 of each tensor's bytes in a daemon's published (tmpfs) set."""
+    import json
+
+    folder = sets_root(shm_dir) / set_id
+    manifest = json.loads((folder / "manifest.json").read_text())
+    out = {}
+    for t in manifest["tensors"]:
+        with open(folder / t["file"], "rb") as f:
+            f.seek(t["offset"])
+            out[t["name"]] = hashlib.sha256(f.read(t["nbytes"])).hexdigest()
+    return out
+
+
+def checkpoint_digests(checkpoint: Path) -> dict[str, str]:
+    """sha256 of each selected tensor's bytes as the checkpoint's files hold them."""
+    out = {}
+    for t in plan_tables(checkpoint).tensors:
+        with open(t.file, "rb") as f:
+            f.seek(t.offset)
+            out[t.name] = hashlib.sha256(f.read(t.nbytes)).hexdigest()
+    return out
+
+
+def no_partial_loads(shm_dir: Path) -> bool:
+    return not any(".loading" in p.name for p in sets_root(shm_dir).iterdir())
+
+
+def serving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) -> Daemon:
+    d = node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--peer-listen",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token),
+            *extra,
+        ],
+        net.a,
+        wait="serving",
+    )
+    return d
+
+
+def receiving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) -> Daemon:
+    return node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--peers",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token),
+            *extra,
+        ],
+        net.b,
+    )
+
+
+# -- peers --------------------------------------------------------------------------------
+
+
+def test_fill_from_a_peer_over_tcp(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """B fills its set from A over the veth: the same bytes, the same id, source named."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert s.set_id == plan_tables(checkpoint).set_id
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    assert "filling set" in a.daemon.log
+    assert no_partial_loads(b.shm_dir)
+
+
+def test_wrong_token_falls_back_to_files(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """A peer with another token is refused (PERMISSION_DENIED); B loads from its files."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("another-token-0123456789")
+    rb = receiving(b, checkpoint, net, wrong)
+    s = ready_set(rb)
+    assert s.source == "files"
+    assert "PERMISSION_DENIED" in rb.log and "wrong peer token" in rb.log
+    assert "wrong token; refused" in a.daemon.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_wrong_bytes_are_refused(net: Net, nodes: Any, checkpoint: Path, token_file: Path) -> None:
+    """A peer whose copy was altered after publishing is refused; nothing of it is published."""
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, checkpoint, net, token_file)
+    s = ready_set(ra)
+    folder = sets_root(a.shm_dir) / s.set_id
+    victim = sorted(p for p in folder.iterdir() if p.name != "manifest.json")[0]
+    with open(victim, "r+b") as f:
+        f.seek(4096)
+        old = f.read(16)
+        f.seek(4096)
+        f.write(bytes(x ^ 0xFF for x in old))
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == "files"
+    assert "the peer sent other bytes" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_file: Path) -> None:
+    """The serving daemon dies while B reads: B falls back to its files, nothing half-published."""
+    a, b = nodes("a"), nodes("b")
+    # 4 MB/s: the fill of ~42 MB lasts about 10 s.
+    ra = serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
+    rb = receiving(b, big_checkpoint, net, token_file)
+
+    def reading() -> bool:
+        return any(s.bytes_loaded > 0 and s.source.startswith("peer") for s in rb.status().sets)
+
+    wait_until(reading, 60, "B to read from A")
+    ra.stop(signal.SIGKILL)
+    s = ready_set(rb)
+    assert s.source == "files", rb.log
+    assert "trying the next source" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+    assert no_partial_loads(b.shm_dir)
+    assert [x.set_id for x in rb.status().sets] == [s.set_id]
