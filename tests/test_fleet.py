@@ -17,9 +17,11 @@ import importlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,3 +304,127 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
     assert no_partial_loads(b.shm_dir)
     assert [x.set_id for x in rb.status().sets] == [s.set_id]
+
+
+# -- object store -------------------------------------------------------------------------
+
+
+@dataclass
+class S3:
+    """An s3rver on this host: its endpoint and bucket."""
+
+    endpoint: str
+    bucket: str
+
+    def put(self, key: str, data: bytes) -> None:
+        """Upload an object (s3rver takes unsigned requests)."""
+        request = urllib.request.Request(
+            f"{self.endpoint}/{self.bucket}/{key}", data=data, method="PUT"
+        )
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            assert reply.status == 200
+
+    def env(self) -> dict[str, str]:
+        """The AWS variables a daemon reads the store with."""
+        return {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": "S3RVER",
+            "AWS_SECRET_ACCESS_KEY": "S3RVER",
+            "AWS_REGION": "us-east-1",
+        }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def s3(tmp_path: Path) -> Iterator[S3]:
+    """s3rver (npm; `make test-tools` installs it) on a free port, bucket "tables"."""
+    if not S3RVER.exists():
+        pytest.skip(f"s3rver is not installed at {S3RVER}: `make test-tools` installs it with npm")
+    port = _free_port()
+    store = S3(f"http://127.0.0.1:{port}", "tables")
+    data = tmp_path / "s3"
+    data.mkdir()
+    proc = subprocess.Popen(
+        [
+            *(str(S3RVER), "-a", "127.0.0.1", "-p", str(port), "-d", str(data)),
+            *("--configure-bucket", store.bucket, "--silent"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+    def up() -> bool:
+        assert proc.poll() is None, "s3rver exited"
+        try:
+            with urllib.request.urlopen(f"{store.endpoint}/{store.bucket}", timeout=1):
+                return True
+        except OSError:
+            return False
+
+    try:
+        wait_until(up, 30, "s3rver to answer")
+        yield store
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def upload(s3: S3, checkpoint: Path, prefix: str, cut: dict[str, int] | None = None) -> None:
+    """Put the checkpoint's safetensors files under `prefix`; `cut`: files put shortened."""
+    for f in sorted(checkpoint.glob("*.safetensors")):
+        data = f.read_bytes()
+        if cut and f.name in cut:
+            data = data[: cut[f.name]]
+        s3.put(f"{prefix}/{f.name}", data)
+
+
+def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_file: Path) -> None:
+    """No peer answers; the object store's files fill the set, straight into its memory."""
+    upload(s3, checkpoint, "models/engram")
+    node = nodes("s")
+    d = node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            # Nothing listens there: the peer is passed over with its reason.
+            "--peers",
+            f"127.0.0.1:{_free_port()}",
+            "--peer-token-file",
+            str(token_file),
+            "--object-store",
+            f"s3://{s3.bucket}/models/engram",
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == f"s3://{s3.bucket}/models/engram", d.log
+    assert "trying the next source" in d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_bad_object_falls_back_to_files(
+    s3: S3, nodes: Any, checkpoint: Path, damage: str
+) -> None:
+    """A missing or a truncated object: refused before a tensor is read; the files fill it."""
+    shards = sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    if damage == "missing":
+        for name in shards[1:]:
+            s3.put(f"m/{name}", (checkpoint / name).read_bytes())
+    else:
+        upload(s3, checkpoint, "m", cut={shards[-1]: (checkpoint / shards[-1]).stat().st_size - 1})
+    node = nodes("s")
+    d = node.start(
+        ["--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"], env=s3.env()
+    )
+    s = ready_set(d)
+    assert s.source == "files", d.log
+    assert "loading from the files" in d.log
+    assert f"s3://{s3.bucket}/m/{shards[-1] if damage == 'truncated' else shards[0]}" in d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    assert no_partial_loads(node.shm_dir)

@@ -167,7 +167,8 @@ class ObjectStoreSource:
             if got[at_local : at_local + n] != want:
                 raise SourceFailed(
                     f"s3://{self._bucket}/{key}: bytes {at}-{at + n} differ from {path} (the "
-                    "header or the data samples): the object is not this checkpoint's file"
+                    "header or the data samples): the object is shorter than the node's file or "
+                    "is not this checkpoint's file; upload the checkpoint's file again"
                 )
             at_local += n
 
