@@ -35,6 +35,7 @@ from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd_client.core.checkpoint import plan_tables
 from engramd_client.core.layout import sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
+from helpers import attach_error
 
 ROOT = TESTS.parent
 S3RVER = ROOT / ".tools" / "s3rver" / "node_modules" / ".bin" / "s3rver"
@@ -112,10 +113,16 @@ class Node:
         self.sock_dir = Path(tempfile.mkdtemp(prefix=f"ed{name}", dir="/tmp"))
         self.shm_dir = Path(tempfile.mkdtemp(prefix=f"engramd-fleet-{name}-", dir="/dev/shm"))
         self.daemon: Daemon | None = None
+        self._started: tuple[list[str], str, dict[str, str] | None] = ([], "", None)
+
+    def restart(self) -> Daemon:
+        """Start the daemon again as it was last started (its earlier run has ended)."""
+        return self.start(*self._started)
 
     def start(
         self, args: list[str], netns: str = "", env: dict[str, str] | None = None, wait: str = "up"
     ) -> Daemon:
+        self._started = (args, netns, env)
         python = [sys.executable]
         if netns:
             python = ["ip", "netns", "exec", netns, sys.executable]
@@ -304,6 +311,60 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
     assert no_partial_loads(b.shm_dir)
     assert [x.set_id for x in rb.status().sets] == [s.set_id]
+
+
+def test_a_set_a_worker_loaded_never_leaves_the_node(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A holds the set only because a worker's attach loaded it (owner-only): not offered."""
+    a, b = nodes("a"), nodes("b")
+    ra = a.start(
+        [
+            "--allow-root",
+            str(checkpoint.parent),
+            "--peer-listen",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token_file),
+        ],
+        net.a,
+        wait="serving",
+    )
+    request = pb.AttachRequest(set_id=plan_tables(checkpoint).set_id, checkpoint=str(checkpoint))
+    assert attach_error(ra, request) is None
+    held = ready_set(ra)
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.set_id == held.set_id
+    assert s.source == "files", rb.log
+    assert "NOT_FOUND" in rb.log and "serves no published set" in rb.log
+
+
+def test_receiver_killed_mid_fill(
+    net: Net, nodes: Any, big_checkpoint: Path, token_file: Path
+) -> None:
+    """B dies while it reads: A lets go of the stream and serves the next fill; B's restart
+    removes the partial load and fills again from A."""
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
+    rb = receiving(b, big_checkpoint, net, token_file)
+
+    def reading() -> bool:
+        return any(s.bytes_loaded > 0 and s.source.startswith("peer") for s in rb.status().sets)
+
+    wait_until(reading, 60, "B to read from A")
+    rb.stop(signal.SIGKILL)
+    assert not any(
+        p.name == plan_tables(big_checkpoint).set_id for p in sets_root(b.shm_dir).iterdir()
+    )
+    rb = b.restart()
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert "removing partial load" in rb.log
+    assert no_partial_loads(b.shm_dir)
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+    assert ra.proc is not None and ra.proc.poll() is None
+    assert ra.log.count("filling set") == 2
 
 
 # -- object store -------------------------------------------------------------------------
