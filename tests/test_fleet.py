@@ -17,19 +17,25 @@ import importlib
 import os
 import shutil
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from conftest import TESTS, Daemon, wait_until
+from conftest import Daemon, wait_until
+from engramd.demo.fleet_lab import (
+    S3,
+    UCX_TCP,
+    Net,
+    free_port,
+    netns_missing,
+    s3rver,
+    s3rver_missing,
+    veth_pair,
+)
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd_client.core.checkpoint import plan_tables
@@ -37,11 +43,7 @@ from engramd_client.core.layout import sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
 from helpers import attach_error
 
-ROOT = TESTS.parent
-S3RVER = ROOT / ".tools" / "s3rver" / "node_modules" / ".bin" / "s3rver"
 TOKEN = "fleet-token-0123456789abcdef"
-#: Transfers over the network path, with the socket buffers NIXL's TCP needs.
-UCX_ENV = {"UCX_TLS": "tcp", "UCX_TCP_SNDBUF": "8m", "UCX_TCP_RCVBUF": "8m"}
 
 
 def _nixl_missing() -> str:
@@ -55,49 +57,14 @@ def _nixl_missing() -> str:
 pytestmark = pytest.mark.skipif(bool(_nixl_missing()), reason=_nixl_missing() or "-")
 
 
-def _need_netns() -> None:
-    if os.geteuid() != 0:
-        pytest.skip("network namespaces need root (CI runs as root)")
-    if shutil.which("ip") is None:
-        pytest.skip("ip is missing: `make test-tools` installs iproute2")
-
-
-@dataclass
-class Net:
-    """Two namespaces joined by a veth: (name, address) of each end."""
-
-    a: str
-    ip_a: str
-    b: str
-    ip_b: str
-
-
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True)
-
-
 @pytest.fixture
 def net() -> Iterator[Net]:
-    """Namespaces `<tag>a` and `<tag>b`, a veth between them (10.231.N.1 and .2); removed after."""
-    _need_netns()
-    tag = f"edf{os.getpid() % 100000}"
-    subnet = f"10.231.{os.getpid() % 250}"
-    a, b = f"{tag}a", f"{tag}b"
-    made: list[str] = []
-    try:
-        for ns in (a, b):
-            _ip("netns", "add", ns)
-            made.append(ns)
-        _ip("link", "add", f"{tag}x", "netns", a, "type", "veth", "peer", f"{tag}y", "netns", b)
-        for ns, dev, ip in ((a, f"{tag}x", f"{subnet}.1"), (b, f"{tag}y", f"{subnet}.2")):
-            _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
-            _ip("-n", ns, "link", "set", dev, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-        yield Net(a, f"{subnet}.1", b, f"{subnet}.2")
-    finally:
-        for ns in made:
-            # Removing a namespace removes its end of the veth, and so the pair.
-            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
+    """Namespaces `<tag>a` and `<tag>b` joined by a veth; removed after."""
+    missing = netns_missing()
+    if missing:
+        pytest.skip(f"{missing} (CI runs as root and `make test-tools` installs iproute2)")
+    with veth_pair(f"edf{os.getpid() % 100000}") as pair:
+        yield pair
 
 
 @pytest.fixture
@@ -125,13 +92,13 @@ class Node:
         self._started = (args, netns, env)
         python = [sys.executable]
         if netns:
-            python = ["ip", "netns", "exec", netns, sys.executable]
+            python = [*Net.run_in(netns), sys.executable]
         self.daemon = Daemon(
             self.sock_dir / "d.sock",
             self.shm_dir,
             [*args, "--no-huge-tmpfs"],
             self.sock_dir / "daemon.log",
-            {**UCX_ENV, **(env or {})},
+            {**UCX_TCP, **(env or {})},
             python,
         )
         return self.daemon.start(wait=wait)
@@ -370,83 +337,19 @@ def test_receiver_killed_mid_fill(
 # -- object store -------------------------------------------------------------------------
 
 
-@dataclass
-class S3:
-    """An s3rver on this host: its endpoint and bucket."""
-
-    endpoint: str
-    bucket: str
-
-    def put(self, key: str, data: bytes) -> None:
-        """Upload an object (s3rver takes unsigned requests)."""
-        request = urllib.request.Request(
-            f"{self.endpoint}/{self.bucket}/{key}", data=data, method="PUT"
-        )
-        with urllib.request.urlopen(request, timeout=30) as reply:
-            assert reply.status == 200
-
-    def env(self) -> dict[str, str]:
-        """The AWS variables a daemon reads the store with."""
-        return {
-            "AWS_ENDPOINT_URL": self.endpoint,
-            "AWS_ACCESS_KEY_ID": "S3RVER",
-            "AWS_SECRET_ACCESS_KEY": "S3RVER",
-            "AWS_REGION": "us-east-1",
-        }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture
-def s3(tmp_path: Path) -> Iterator[S3]:
-    """s3rver (npm; `make test-tools` installs it) on a free port, bucket "tables"."""
-    if not S3RVER.exists():
-        pytest.skip(f"s3rver is not installed at {S3RVER}: `make test-tools` installs it with npm")
-    port = _free_port()
-    store = S3(f"http://127.0.0.1:{port}", "tables")
-    data = tmp_path / "s3"
-    data.mkdir()
-    proc = subprocess.Popen(
-        [
-            *(str(S3RVER), "-a", "127.0.0.1", "-p", str(port), "-d", str(data)),
-            *("--configure-bucket", store.bucket, "--silent"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-
-    def up() -> bool:
-        assert proc.poll() is None, "s3rver exited"
-        try:
-            with urllib.request.urlopen(f"{store.endpoint}/{store.bucket}", timeout=1):
-                return True
-        except OSError:
-            return False
-
-    try:
-        wait_until(up, 30, "s3rver to answer")
+def s3() -> Iterator[S3]:
+    """s3rver on a free port, bucket "tables" (`make test-tools` installs it with npm)."""
+    missing = s3rver_missing()
+    if missing:
+        pytest.skip(missing)
+    with s3rver() as store:
         yield store
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
-def upload(s3: S3, checkpoint: Path, prefix: str, cut: dict[str, int] | None = None) -> None:
-    """Put the checkpoint's safetensors files under `prefix`; `cut`: files put shortened."""
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        data = f.read_bytes()
-        if cut and f.name in cut:
-            data = data[: cut[f.name]]
-        s3.put(f"{prefix}/{f.name}", data)
 
 
 def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_file: Path) -> None:
     """No peer answers; the object store's files fill the set, straight into its memory."""
-    upload(s3, checkpoint, "models/engram")
+    s3.upload(checkpoint, "models/engram")
     node = nodes("s")
     d = node.start(
         [
@@ -454,7 +357,7 @@ def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_
             str(checkpoint),
             # Nothing listens there: the peer is passed over with its reason.
             "--peers",
-            f"127.0.0.1:{_free_port()}",
+            f"127.0.0.1:{free_port()}",
             "--peer-token-file",
             str(token_file),
             "--object-store",
@@ -478,7 +381,7 @@ def test_a_bad_object_falls_back_to_files(
         for name in shards[1:]:
             s3.put(f"m/{name}", (checkpoint / name).read_bytes())
     else:
-        upload(s3, checkpoint, "m", cut={shards[-1]: (checkpoint / shards[-1]).stat().st_size - 1})
+        s3.upload(checkpoint, "m", cut={shards[-1]: (checkpoint / shards[-1]).stat().st_size - 1})
     node = nodes("s")
     d = node.start(
         ["--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"], env=s3.env()
