@@ -106,9 +106,10 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 	PYTHONPATH=$(CURDIR)/client:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m pytest -m gpu tests/gpu $(ARGS)
 
 # The loaders the load section measures engramd against, into .venv for the bench only.
-bench: setup
+bench: setup test-tools
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"
 	$(PY) -c "import runai_model_streamer, fastsafetensors" 2>/dev/null || $(PIP) -r bench/requirements-anchors.txt
+	$(PY) -c "import boto3" 2>/dev/null || $(PIP) -r bench/requirements-fleet.txt
 	$(PY) -m bench $(ARGS)
 
 proto: setup

@@ -1,8 +1,8 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
     python -m bench [--size-gib 2] [--load-gib 1] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
-                    [--reps 5] [--storm 64] [--cumem-gib 1,8,32]
-                    [--only memory,attach,...,gpu,cumem]
+                    [--fleet-gib 1] [--reps 5] [--storm 64] [--cumem-gib 1,8,32]
+                    [--only memory,attach,...,gpu,cumem,fleet]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -23,6 +23,7 @@ from .attach import attach_and_restart
 from .common import Figure, as_json, checkpoint, machine
 from .cumem import cumem_figures
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
+from .fleet import fleet_fills
 from .gather import gather_throughput
 from .gpu import gpu_figures
 from .hugepages import huge_page_figures
@@ -43,6 +44,7 @@ SECTIONS = [
     "hugepages",
     "gpu",
     "cumem",
+    "fleet",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -70,6 +72,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--cumem-gib", default="1,8,32", help="set sizes (GiB) for the cuMem section"
+    )
+    parser.add_argument(
+        "--fleet-gib", type=float, default=1.0, help="set for the fleet section (default 1)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -140,6 +145,10 @@ def main() -> int:
     if "cumem" in only:
         print("GPU: cuMem import of the daemon's pinned allocation against cudaHostRegister")
         figures += cumem_figures(args.workdir, _floats(args.cumem_gib), args.reps)
+
+    if "fleet" in only:
+        print("fills from a peer over a veth, from an object store, from cold files")
+        figures += fleet_fills(checkpoint(args.workdir, args.fleet_gib), max(3, args.reps // 2))
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ from engramd.errors import DecodeGuard, InvalidRequest, NotAllowed, UnknownSet, 
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
+from engramd.sources.base import SourceFailed
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, close_all
 from engramd_client.core.layout import Manifest
@@ -106,6 +107,12 @@ class Exporter:
         self._held: dict[str, _Exported] = {}
         self._lock = threading.Lock()
 
+    def warm(self) -> None:
+        """Make the serving agent now; raises SourceFailed (NIXL missing, UCX failing)."""
+        with self._lock:
+            if self._agent is None:
+                self._agent = Agent("serve", ["UCX"])
+
     def offer(self, ts: TableSet) -> peer_pb2.SetOffer:
         """Register the copy (once for all its streams) and describe it for a receiver."""
         assert ts.manifest is not None
@@ -144,7 +151,8 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._store = store
         self._token = token.encode()
         self._cap = RateCap(rate)
-        self._exporter = Exporter()
+        #: The serving NIXL agent and what it has registered.
+        self.exporter = Exporter()
         self._pool = BlockingPool("peer", 2)
 
     def _published(self, set_id: str) -> TableSet:
@@ -168,7 +176,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 log.warning("peer %s: wrong token; refused", context.peer())
                 raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
             ts = self._published(first.open.set_id)
-            offer = await self._pool.run(self._exporter.offer, ts)
+            offer = await self._pool.run(self.exporter.offer, ts)
         except Exception as e:
             await abort(context, e)
             return
@@ -181,7 +189,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 await self._cap.take(request.window)
                 yield peer_pb2.FillReply(granted=request.window)
         finally:
-            await self._pool.run(self._exporter.release, ts.copy)
+            await self._pool.run(self.exporter.release, ts.copy)
 
 
 class PeerServer:
@@ -190,12 +198,16 @@ class PeerServer:
     def __init__(self, store: SetStore, address: str, token: str, rate: int) -> None:
         self.address = address
         self._server = grpc.aio.server(interceptors=[DecodeGuard()])
-        peer_pb2_grpc.add_PeerServiceServicer_to_server(
-            PeerService(store, token, rate), self._server
-        )
+        self._service = PeerService(store, token, rate)
+        peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 
     async def start(self) -> None:
-        """Bind and serve; an address that cannot be bound is an error naming it."""
+        """Start the serving agent, bind and serve; an address that cannot be bound, or NIXL
+        that cannot start, is an error naming it."""
+        try:
+            await asyncio.to_thread(self._service.exporter.warm)
+        except SourceFailed as e:
+            raise ValueError(f"--peer-listen {self.address}: {e}") from None
         try:
             self._server.add_insecure_port(self.address)
         except RuntimeError as e:

@@ -50,7 +50,7 @@ from engramd.errors import DecodeGuard, ServiceError
 from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
-from engramd.sets.loader import Fill, LoadProgress
+from engramd.sets.loader import LoadProgress
 from engramd.sets.policy import resolve
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
@@ -81,6 +81,8 @@ class EngramdServer:
         self.config = config
         self.gid = group_id(config.socket_group)
         self.notifier = Notifier()
+        #: Where loads' bytes come from before the files (peers, object store); None: the files.
+        self.sources = _sources(config)
         self.store = SetStore(
             backings_for(config, self.gid, FdStore(self.notifier)),
             config.load_threads,
@@ -91,7 +93,7 @@ class EngramdServer:
             max_leases=config.max_leases,
             placement=config.numa,
             leases_per_uid=config.leases_per_uid,
-            fill=_sources(config),
+            fill=self.sources,
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
@@ -133,6 +135,9 @@ class EngramdServer:
         for path in self._sockets():
             claim_socket(path, self.gid)
         await self.store.adopt_existing(verify=self.config.verify, verifying=self._notify_verify)
+        if self.sources is not None:
+            # Before the configured loads: their fills then pay only for their bytes.
+            await self._readers.run(self.sources.warm)
         for checkpoint in self.config.checkpoints:
             try:
                 # Kept: the workers re-attaching after a restart name this checkpoint.
@@ -315,7 +320,7 @@ def create_server(config: DaemonConfig) -> EngramdServer:
     )
 
 
-def _sources(config: DaemonConfig) -> Fill | None:
+def _sources(config: DaemonConfig) -> SourceChain | None:
     """Where loads' bytes come from before the files: the peers, then the object store."""
     if not config.peers and not config.object_store:
         return None

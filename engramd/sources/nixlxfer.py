@@ -5,8 +5,8 @@ nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[...])),
 create_backend, register_memory / deregister_memory,
 get_agent_metadata / add_remote_agent / remove_remote_agent (the metadata
 travels over engramd's own gRPC, so no listener thread and no etcd),
-get_xfer_descs, initialize_xfer("READ", ...), transfer, check_xfer_state
-and release_xfer_handle. NIXL is imported when a source or the peer port
+get_xfer_descs, initialize_xfer("READ", ...), transfer, check_xfer_state,
+release_xfer_handle. NIXL is imported when a source or the peer port
 first needs it, never by a daemon that uses neither.
 """
 
@@ -29,7 +29,7 @@ class TransferFailed(SourceFailed):
     """A NIXL call failed, a transfer ended in error or outlived its deadline."""
 
 
-class NixlMissing(Exception):
+class NixlMissing(SourceFailed):
     """NIXL cannot be imported here; the message names the fix."""
 
 
@@ -111,21 +111,14 @@ class Agent:
         except Exception as e:
             log.debug("NIXL could not forget agent %s: %s", name, e)
 
-    def read(
+    def post(
         self,
         local: list[tuple[int, int, int]],
         remote: list[tuple[int, int, int]],
         remote_mem: str,
         remote_agent: str,
-        deadline: float,
-        cancel: threading.Event,
-    ) -> None:
-        """READ `remote` descriptors into `local` DRAM ones; returns once every byte arrived.
-
-        Polled busily: a 1 ms sleep between polls cut TCP throughput 2-10x.
-        Raises TransferFailed on an error, past `deadline` (time.monotonic), or
-        once `cancel` is set.
-        """
+    ) -> Any:
+        """Start a READ of `remote` descriptors into `local` DRAM ones; its handle for `wait`."""
         agent = self._agent
         try:
             handle = agent.initialize_xfer(
@@ -138,6 +131,24 @@ class Agent:
             raise TransferFailed(f"NIXL could not prepare the read ({e})") from None
         try:
             state = agent.transfer(handle)
+        except Exception as e:
+            self._release(handle)
+            raise TransferFailed(f"NIXL could not start the read ({e})") from None
+        if state == "ERR":
+            self._release(handle)
+            raise TransferFailed("NIXL reported the read failed")
+        return handle
+
+    def wait(self, handle: Any, deadline: float, cancel: threading.Event) -> None:
+        """Return once the read of `handle` is complete, and release it.
+
+        Polled busily: a 1 ms sleep between polls cut TCP throughput 2-10x.
+        Raises TransferFailed on an error, past `deadline` (time.monotonic), or
+        once `cancel` is set.
+        """
+        agent = self._agent
+        try:
+            state = agent.check_xfer_state(handle)
             while state == "PROC":
                 if cancel.is_set():
                     raise TransferFailed("the load was cancelled")
@@ -151,7 +162,22 @@ class Agent:
         except Exception as e:
             raise TransferFailed(f"the read failed ({e})") from None
         finally:
-            try:
-                agent.release_xfer_handle(handle)
-            except Exception as e:
-                log.debug("NIXL could not release a transfer: %s", e)
+            self._release(handle)
+
+    def read(
+        self,
+        local: list[tuple[int, int, int]],
+        remote: list[tuple[int, int, int]],
+        remote_mem: str,
+        remote_agent: str,
+        deadline: float,
+        cancel: threading.Event,
+    ) -> None:
+        """`post` then `wait`: returns once every byte arrived."""
+        self.wait(self.post(local, remote, remote_mem, remote_agent), deadline, cancel)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            self._agent.release_xfer_handle(handle)
+        except Exception as e:
+            log.debug("NIXL could not release a transfer: %s", e)

@@ -23,6 +23,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from engramd.sources.base import Progress, SourceFailed, spot_check, windows
+from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
 from engramd_client.core.checkpoint import TablePlan, checkpoint_files
@@ -31,6 +32,10 @@ from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 
 #: Windows per NIXL request: the OBJ backend reads a request's ranges on its own threads.
 WINDOWS_PER_READ = 8
+#: Requests in flight: one is digested while the next is read.
+READS_IN_FLIGHT = 2
+#: Threads of the OBJ backend.
+OBJ_THREADS = 4
 #: Seconds one window may take.
 WINDOW_TIMEOUT_S = 60.0
 
@@ -49,7 +54,8 @@ class ObjectStoreSource:
         self.url = url.rstrip("/")
         self._bucket = parsed.netloc
         self._prefix = parsed.path.strip("/")
-        self._params = {"bucket": self._bucket}
+        # num_threads: the backend reads a request's ranges on that many threads.
+        self._params = {"bucket": self._bucket, "num_threads": str(OBJ_THREADS)}
         endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
         if endpoint:
             self._params["endpoint_override"] = endpoint
@@ -72,14 +78,19 @@ class ObjectStoreSource:
     def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> list[str]:
         """Read the set of `plan` into `regions`; the digests. Raises SourceFailed."""
         with self._lock:
-            if self._agent is None:
-                try:
-                    agent = Agent("s3", [])
-                    agent.add_backend("OBJ", self._params)
-                except Exception as e:
-                    raise SourceFailed(str(e)) from None
-                self._agent = agent
-            return self._fill(self._agent, plan, regions, progress)
+            return self._fill(self._started(), plan, regions, progress)
+
+    def warm(self) -> None:
+        """Make the NIXL agent and its OBJ backend now (about a second here), not in a fill."""
+        with self._lock:
+            self._started()
+
+    def _started(self) -> Agent:
+        if self._agent is None:
+            agent = Agent("s3", [])
+            agent.add_backend("OBJ", self._params)
+            self._agent = agent
+        return self._agent
 
     def _fill(
         self, agent: Agent, plan: TablePlan, regions: list[Region], progress: Progress
@@ -94,29 +105,26 @@ class ObjectStoreSource:
         try:
             for path, (name, size) in files.items():
                 self._check_object(agent, path, self.key(name), size, devices[path], progress)
-            pieces = [
-                ((regions[i].address + at, n, 0), (t.offset + at, n, devices[str(t.file)]))
-                for i, t in enumerate(plan.tensors)
-                for at, n in windows(t.nbytes)
-            ]
-            for k in range(0, len(pieces), WINDOWS_PER_READ):
-                batch = pieces[k : k + WINDOWS_PER_READ]
-                try:
-                    agent.read(
-                        [local for local, _ in batch],
-                        [remote for _, remote in batch],
+            pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
+            reads = InOrder(agent, regions, progress, READS_IN_FLIGHT, self.url)
+            try:
+                for k in range(0, len(pieces), WINDOWS_PER_READ):
+                    batch = pieces[k : k + WINDOWS_PER_READ]
+                    handle = agent.post(
+                        [(regions[i].address + at, n, 0) for i, at, n in batch],
+                        [
+                            (plan.tensors[i].offset + at, n, devices[str(plan.tensors[i].file)])
+                            for i, at, n in batch
+                        ],
                         "OBJ",
                         agent.name,
-                        time.monotonic() + WINDOW_TIMEOUT_S * len(batch),
-                        progress.cancel,
                     )
-                except TransferFailed as e:
-                    raise SourceFailed(f"reading from {self.url} failed: {e}") from None
-                progress.add(sum(n for _, n, _ in (local for local, _ in batch)))
-            sums = []
+                    reads.add(handle, batch, time.monotonic() + WINDOW_TIMEOUT_S * len(batch))
+                sums = reads.finish()
+            finally:
+                reads.abandon()
             for entry, region in zip(plan.tensors, regions, strict=True):
                 spot_check(entry, region.view())
-                sums.append(region.digest())
             return sums
         finally:
             agent.deregister(memory)

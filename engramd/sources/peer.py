@@ -24,7 +24,8 @@ from collections.abc import Iterator
 import grpc
 
 from engramd.sources.base import Progress, SourceFailed, spot_check, windows
-from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.sources.inflight import InOrder
+from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.layout import Manifest, ManifestError
@@ -36,6 +37,8 @@ log = logging.getLogger("engramd")
 OFFER_TIMEOUT_S = 10.0
 #: Seconds one window may take when no rate floor is set (a peer gone silent).
 WINDOW_TIMEOUT_S = 60.0
+#: Windows read at once: the next is on the wire while one is digested.
+READS_IN_FLIGHT = 2
 #: Seconds of a fill after which its rate is judged against the floor.
 FLOOR_AFTER_S = 2.0
 
@@ -76,6 +79,16 @@ class PeerSource:
         self._agent: Agent | None = None
         self._lock = threading.Lock()
 
+    def warm(self) -> None:
+        """Make the NIXL agent now (about a second here), not in the first fill."""
+        with self._lock:
+            self._started()
+
+    def _started(self) -> Agent:
+        if self._agent is None:
+            self._agent = Agent("recv", ["UCX"])
+        return self._agent
+
     def addresses(self) -> list[str]:
         """The peers to try, resolved now (a Service's members change)."""
         return addresses(self._peers)
@@ -89,14 +102,10 @@ class PeerSource:
         will not, or sends other bytes; the regions' contents are then undefined.
         """
         with self._lock:
-            if self._agent is None:
-                try:
-                    self._agent = Agent("recv", ["UCX"])
-                except Exception as e:
-                    raise SourceFailed(str(e)) from None
+            agent = self._started()
             channel = grpc.insecure_channel(address)
             try:
-                return self._fill(channel, self._agent, plan, regions, progress)
+                return self._fill(channel, agent, plan, regions, progress)
             finally:
                 channel.close()
 
@@ -141,47 +150,7 @@ class PeerSource:
             pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
             for _, _, n in pieces:
                 requests.put(peer_pb2.FillRequest(window=n))
-            started = time.monotonic()
-            done = 0
-            for index, at, n in pieces:
-                try:
-                    reply = next(replies)
-                except (grpc.RpcError, StopIteration) as e:
-                    reason = _rpc_reason(e) if isinstance(e, grpc.RpcError) else "it ended"
-                    raise SourceFailed(f"the peer's stream broke mid-fill ({reason})") from None
-                if reply.granted != n:
-                    raise SourceFailed("the peer granted another window than asked for")
-                budget = n / self._min_rate if self._min_rate else WINDOW_TIMEOUT_S
-                try:
-                    agent.read(
-                        [(regions[index].address + at, n, 0)],
-                        [(offer.regions[index].address + at, n, 0)],
-                        "DRAM",
-                        remote,
-                        time.monotonic() + max(budget, 1.0) * 4,
-                        progress.cancel,
-                    )
-                except TransferFailed as e:
-                    raise SourceFailed(f"the read from the peer failed: {e}") from None
-                progress.add(n)
-                done += n
-                elapsed = time.monotonic() - started
-                if self._min_rate and elapsed > FLOOR_AFTER_S and done / elapsed < self._min_rate:
-                    raise SourceFailed(
-                        f"too slow: {done / elapsed / 1e6:.0f} MB/s, below the floor of "
-                        f"{self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
-                    )
-            sums = []
-            for entry, region, theirs in zip(plan.tensors, regions, manifest.tensors, strict=True):
-                mine = region.digest()
-                if mine != theirs.checksum:
-                    raise SourceFailed(
-                        f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
-                        f"says {theirs.checksum}: the peer sent other bytes"
-                    )
-                spot_check(entry, region.view())
-                sums.append(mine)
-            return sums
+            return self._read(replies, agent, remote, offer, plan, regions, manifest, progress)
         finally:
             requests.put(None)
             replies.cancel()
@@ -189,6 +158,65 @@ class PeerSource:
                 agent.remove_remote(remote)
             if registered is not None:
                 agent.deregister(registered)
+
+    def _read(
+        self,
+        replies: Iterator[peer_pb2.FillReply],
+        agent: Agent,
+        remote: str,
+        offer: peer_pb2.SetOffer,
+        plan: TablePlan,
+        regions: list[Region],
+        manifest: Manifest,
+        progress: Progress,
+    ) -> list[str]:
+        """Read each granted window, READS_IN_FLIGHT at a time; check the digests."""
+        started = time.monotonic()
+        done = 0
+
+        def landed(n: int) -> None:
+            nonlocal done
+            done += n
+            elapsed = time.monotonic() - started
+            if self._min_rate and elapsed > FLOOR_AFTER_S and done / elapsed < self._min_rate:
+                raise SourceFailed(
+                    f"too slow: {done / elapsed / 1e6:.0f} MB/s, below the floor of "
+                    f"{self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
+                )
+
+        reads = InOrder(agent, regions, progress, READS_IN_FLIGHT, "the peer", landed)
+        try:
+            for index, t in enumerate(plan.tensors):
+                for at, n in windows(t.nbytes):
+                    try:
+                        reply = next(replies)
+                    except (grpc.RpcError, StopIteration) as e:
+                        reason = _rpc_reason(e) if isinstance(e, grpc.RpcError) else "it ended"
+                        raise SourceFailed(f"the peer's stream broke mid-fill ({reason})") from None
+                    if reply.granted != n:
+                        raise SourceFailed("the peer granted another window than asked for")
+                    handle = agent.post(
+                        [(regions[index].address + at, n, 0)],
+                        [(offer.regions[index].address + at, n, 0)],
+                        "DRAM",
+                        remote,
+                    )
+                    budget = n / self._min_rate if self._min_rate else WINDOW_TIMEOUT_S
+                    deadline = time.monotonic() + max(budget, 1.0) * (READS_IN_FLIGHT + 3)
+                    reads.add(handle, [(index, at, n)], deadline)
+            sums = reads.finish()
+        finally:
+            reads.abandon()
+        for entry, region, theirs, mine in zip(
+            plan.tensors, regions, manifest.tensors, sums, strict=True
+        ):
+            if mine != theirs.checksum:
+                raise SourceFailed(
+                    f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
+                    f"says {theirs.checksum}: the peer sent other bytes"
+                )
+            spot_check(entry, region.view())
+        return sums
 
 
 def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:

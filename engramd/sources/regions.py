@@ -12,7 +12,6 @@ import ctypes
 import os
 
 from engramd.backings import StagedSet
-from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.libc import libc, map_read_only
 
 
@@ -32,14 +31,6 @@ class Region:
     def view(self) -> memoryview:
         """The tensor's bytes (valid until `close`)."""
         return memoryview((ctypes.c_char * self.nbytes).from_address(self.address)).cast("B")
-
-    def digest(self) -> str:
-        """The manifest's checksum of the bytes as they are now."""
-        digest = new_digest()
-        data = self.view()
-        for at in range(0, self.nbytes, BUFFER_BYTES):
-            digest.update(data[at : at + BUFFER_BYTES])
-        return label(digest)
 
     def close(self) -> None:
         """Unmap."""
