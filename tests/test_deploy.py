@@ -85,7 +85,16 @@ def test_systemd_unit_matches_the_daemon() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["daemonset.yaml", "sidecar.yaml", "engine-pod.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "daemonset.yaml",
+        "sidecar.yaml",
+        "engine-pod.yaml",
+        "peers-service.yaml",
+        "peer-token-secret.yaml",
+    ],
+)
 def test_manifests_validate(name: str) -> None:
     kubernetes_validate = pytest.importorskip("kubernetes_validate")
     version = kubernetes_validate.latest_version()
@@ -216,3 +225,28 @@ def test_fresh_node_gets_a_socket_folder_the_daemon_can_use(sock_dir: Path, shm_
         assert (shm_dir / "engramd").stat().st_uid == int(user.split(":")[0])
     finally:
         d.stop()
+
+
+def test_daemonset_peers_agree_with_the_service_and_the_secret() -> None:
+    """The peer port, the headless Service over it and the token Secret name one another."""
+    template = _manifest("daemonset.yaml")["spec"]["template"]
+    spec = template["spec"]
+    [daemon] = spec["containers"]
+    args = _args(daemon)
+    service = _manifest("peers-service.yaml")
+    secret = _manifest("peer-token-secret.yaml")
+    host, _, port = args["peer-listen"].rpartition(":")
+    assert host == "$(POD_IP)"
+    ports = {p["name"]: p["containerPort"] for p in daemon["ports"]}
+    [peer] = service["spec"]["ports"]
+    assert peer["port"] == int(port) == ports[peer["targetPort"]]
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
+    name = service["metadata"]["name"]
+    namespace = service["metadata"]["namespace"]
+    assert args["peers"] == f"{name}.{namespace}.svc.cluster.local:{port}"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    token_dir, _, token_key = args["peer-token-file"].rpartition("/")
+    mount = _mounts(daemon)[token_dir]
+    assert volumes[mount]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert token_key in secret["stringData"]
