@@ -17,8 +17,10 @@ import importlib
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -362,13 +364,27 @@ def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_
             str(token_file),
             "--object-store",
             f"s3://{s3.bucket}/models/engram",
+            "--metrics-port",
+            str(metrics_port := free_port()),
         ],
         env=s3.env(),
     )
     s = ready_set(d)
-    assert s.source == f"s3://{s3.bucket}/models/engram", d.log
+    url = f"s3://{s3.bucket}/models/engram"
+    assert s.source == url, d.log
     assert "trying the next source" in d.log
     assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    # Where it came from, and at what rate, in status, its table and the metrics.
+    shown = subprocess.run(
+        [sys.executable, "-m", "engramd", "status", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"{url} {s.bytes / s.load_seconds / 1e9:.2f} GB/s" in " ".join(shown.stdout.split())
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert f'engramd_set_source{{node="",set_id="{s.set_id}",source="{url}"}} 1.0' in metrics
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
