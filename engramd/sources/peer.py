@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 
@@ -35,7 +36,8 @@ log = logging.getLogger("engramd")
 
 #: Seconds a peer has to connect and offer the set.
 OFFER_TIMEOUT_S = 10.0
-#: Seconds one window may take when no rate floor is set (a peer gone silent).
+#: Seconds a window may wait for its grant, or take, when no rate floor is set
+#: (a peer gone silent).
 WINDOW_TIMEOUT_S = 60.0
 #: Windows read at once: the next is on the wire while one is digested.
 READS_IN_FLIGHT = 2
@@ -161,7 +163,7 @@ class PeerSource:
 
     def _read(
         self,
-        replies: Iterator[peer_pb2.FillReply],
+        replies: _Replies,
         agent: Agent,
         remote: str,
         offer: peer_pb2.SetOffer,
@@ -188,11 +190,7 @@ class PeerSource:
         try:
             for index, t in enumerate(plan.tensors):
                 for at, n in windows(t.nbytes):
-                    try:
-                        reply = next(replies)
-                    except (grpc.RpcError, StopIteration) as e:
-                        reason = _rpc_reason(e) if isinstance(e, grpc.RpcError) else "it ended"
-                        raise SourceFailed(f"the peer's stream broke mid-fill ({reason})") from None
+                    reply = _next_grant(replies)
                     if reply.granted != n:
                         raise SourceFailed("the peer granted another window than asked for")
                     handle = agent.post(
@@ -201,8 +199,11 @@ class PeerSource:
                         "DRAM",
                         remote,
                     )
-                    budget = n / self._min_rate if self._min_rate else WINDOW_TIMEOUT_S
-                    deadline = time.monotonic() + max(budget, 1.0) * (READS_IN_FLIGHT + 3)
+                    deadline = time.monotonic() + (
+                        max(n / self._min_rate, 1.0) * (READS_IN_FLIGHT + 3)
+                        if self._min_rate
+                        else WINDOW_TIMEOUT_S
+                    )
                     reads.add(handle, [(index, at, n)], deadline)
             sums = reads.finish()
         finally:
@@ -217,6 +218,16 @@ class PeerSource:
                 )
             spot_check(entry, region.view())
         return sums
+
+
+class _Replies(Protocol):
+    """The reply stream of a Fill call: its messages, and a way to cancel it."""
+
+    def __next__(self) -> peer_pb2.FillReply: ...
+
+    def __iter__(self) -> Iterator[peer_pb2.FillReply]: ...
+
+    def cancel(self) -> bool: ...
 
 
 def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
@@ -234,6 +245,26 @@ def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
     if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
         raise SourceFailed("the peer's regions are not the tensors' sizes")
     return manifest
+
+
+def _next_grant(replies: _Replies) -> peer_pb2.FillReply:
+    """The peer's next grant; a peer silent for WINDOW_TIMEOUT_S has its stream cancelled."""
+    watchdog = threading.Timer(WINDOW_TIMEOUT_S, replies.cancel)
+    watchdog.start()
+    try:
+        return next(replies)
+    except grpc.RpcError as e:
+        code = e.code() if isinstance(e, grpc.Call) else None
+        reason = (
+            f"no grant within {WINDOW_TIMEOUT_S:.0f} s"
+            if code is grpc.StatusCode.CANCELLED
+            else _rpc_reason(e)
+        )
+        raise SourceFailed(f"the peer's stream broke mid-fill ({reason})") from None
+    except StopIteration:
+        raise SourceFailed("the peer's stream ended mid-fill") from None
+    finally:
+        watchdog.cancel()
 
 
 def _rpc_reason(e: grpc.RpcError) -> str:
