@@ -282,6 +282,45 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
     assert [x.set_id for x in rb.status().sets] == [s.set_id]
 
 
+def test_a_peer_below_the_floor_is_left(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A peer serving under --peer-rate 1M, a receiver with --peer-min-rate 4M: files."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file, "--peer-rate", "1M")
+    rb = receiving(b, checkpoint, net, token_file, "--peer-min-rate", "4M")
+    s = ready_set(rb)
+    assert s.source == "files", rb.log
+    assert "too slow" in rb.log and "--peer-min-rate" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--peer-listen", "127.0.0.1:0"], "need --peer-token-file"),
+        (["--peers", "127.0.0.1:1", "--peer-token-file", "/nonexistent"], "No such file"),
+        (["--object-store", "http://bucket/prefix"], "is not s3://bucket/prefix"),
+    ],
+)
+def test_fleet_flags_refused_with_the_fix(nodes: Any, args: list[str], message: str) -> None:
+    """Peer and object-store flags that cannot work stop the daemon with what to do."""
+    node = nodes("x")
+    with pytest.raises(RuntimeError, match="exited with"):
+        node.start(args)
+    assert message in node.daemon.log
+
+
+def test_a_short_token_is_refused(nodes: Any, tmp_path: Path) -> None:
+    """A token a peer could guess is no token: at least 16 characters."""
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    node = nodes("x")
+    with pytest.raises(RuntimeError, match="exited with"):
+        node.start(["--peer-listen", "127.0.0.1:0", "--peer-token-file", str(short)])
+    assert "holds 3 characters; use at least 16" in node.daemon.log
+
+
 def test_a_set_a_worker_loaded_never_leaves_the_node(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path
 ) -> None:
