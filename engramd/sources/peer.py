@@ -40,7 +40,7 @@ OFFER_TIMEOUT_S = 10.0
 #: (a peer gone silent).
 WINDOW_TIMEOUT_S = 60.0
 #: Windows read at once: the next is on the wire while one is digested.
-READS_IN_FLIGHT = 2
+READS_IN_FLIGHT = 4
 #: Seconds of a fill after which its rate is judged against the floor.
 FLOOR_AFTER_S = 2.0
 
