@@ -17,6 +17,7 @@ import importlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,7 @@ from engramd.demo.fleet_lab import (
 )
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd.sources.peer import addresses
 from engramd_client.core.checkpoint import plan_tables
 from engramd_client.core.layout import sets_root
 from engramd_client.core.pb import engramd_pb2 as pb
@@ -212,6 +214,23 @@ def receiving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) 
 # -- peers --------------------------------------------------------------------------------
 
 
+def test_peer_addresses_from_a_list_and_a_name(caplog: pytest.LogCaptureFixture) -> None:
+    """--peers: HOST:PORT entries, comma-separated or repeated; a name is each of its addresses;
+    what cannot be used is skipped with a log line."""
+    found = addresses(["10.1.0.1:7077,10.1.0.2:7077", "localhost:7078", "nope", "10.1.0.1:7077"])
+    resolved = {
+        str(ai[4][0]) for ai in socket.getaddrinfo("localhost", 7078, type=socket.SOCK_STREAM)
+    }
+    expected = ["10.1.0.1:7077", "10.1.0.2:7077"] + [
+        f"[{ip}]:7078" if ":" in ip else f"{ip}:7078" for ip in resolved
+    ]
+    assert sorted(found) == sorted(expected)
+    assert found[:2] == ["10.1.0.1:7077", "10.1.0.2:7077"]
+    assert "peer 'nope' is not HOST:PORT; skipped" in caplog.text
+    assert addresses(["no-such-host.invalid:7077"]) == []
+    assert "does not resolve" in caplog.text
+
+
 def test_fill_from_a_peer_over_tcp(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path
 ) -> None:
@@ -276,7 +295,8 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
     ra.stop(signal.SIGKILL)
     s = ready_set(rb)
     assert s.source == "files", rb.log
-    assert "trying the next source" in rb.log
+    # The broken stream or the failed read, whichever B meets first, and the step after it.
+    assert f"peer {net.ip_a}:7077: the " in rb.log and "; loading from the files" in rb.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
     assert no_partial_loads(b.shm_dir)
     assert [x.set_id for x in rb.status().sets] == [s.set_id]

@@ -10,6 +10,8 @@ is published before a source's bytes passed its checks.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 from engramd.backings import StagedSet
 from engramd.sources.base import Progress, SourceFailed
@@ -49,24 +51,26 @@ class SourceChain:
         except NotImplementedError as e:
             log.info("set %s: %s; loading from the files", plan.set_id, e)
             return None
-        peers = self._peers
+        attempts: list[tuple[str, Callable[[], list[str]]]] = []
+        if self._peers is not None:
+            for address in self._peers.addresses():
+                attempts.append(
+                    (f"peer {address}", partial(self._peers.fill, address, plan, regions, progress))
+                )
+        if self._store is not None:
+            attempts.append((self._store.url, partial(self._store.fill, plan, regions, progress)))
         try:
-            for address in peers.addresses() if peers is not None else []:
-                assert peers is not None
-                source = f"peer {address}"
+            for k, (source, read) in enumerate(attempts):
                 progress.restart(source)
                 try:
-                    return peers.fill(address, plan, regions, progress)
+                    return read()
                 except SourceFailed as e:
-                    log.warning("set %s: %s: %s; trying the next source", plan.set_id, source, e)
-            if self._store is not None:
-                progress.restart(self._store.url)
-                try:
-                    return self._store.fill(plan, regions, progress)
-                except SourceFailed as e:
-                    log.warning(
-                        "set %s: %s: %s; loading from the files", plan.set_id, self._store.url, e
+                    then = (
+                        "trying the next source"
+                        if k + 1 < len(attempts)
+                        else "loading from the files"
                     )
+                    log.warning("set %s: %s: %s; %s", plan.set_id, source, e, then)
             progress.restart("files")
             return None
         finally:

@@ -42,10 +42,17 @@ class InOrder:
         self._in_flight: deque[tuple[list[Window], Any, float]] = deque()
 
     def add(self, handle: Any, windows: list[Window], deadline: float) -> None:
-        """A posted read of `windows`; completes the oldest once `depth` are in flight."""
+        """A posted read of `windows`; completes the oldest reads that are done, and the
+        oldest in any case once `depth` are in flight."""
         self._in_flight.append((windows, handle, deadline))
-        if len(self._in_flight) >= self._depth:
+        while self._in_flight and (len(self._in_flight) >= self._depth or self._oldest_done()):
             self._complete()
+
+    def _oldest_done(self) -> bool:
+        try:
+            return self._agent.done(self._in_flight[0][1])
+        except TransferFailed as e:
+            raise SourceFailed(f"the read from {self._what} failed: {e}") from None
 
     def finish(self) -> list[str]:
         """Complete every read; each tensor's digest (the manifest's format)."""

@@ -164,6 +164,17 @@ class Agent:
         finally:
             self._release(handle)
 
+    def done(self, handle: Any) -> bool:
+        """Whether the read of `handle` is complete, without waiting; raises TransferFailed
+        when it failed."""
+        try:
+            state = self._agent.check_xfer_state(handle)
+        except Exception as e:
+            raise TransferFailed(f"the read failed ({e})") from None
+        if state == "ERR":
+            raise TransferFailed("NIXL reported the read failed")
+        return bool(state == "DONE")
+
     def read(
         self,
         local: list[tuple[int, int, int]],
