@@ -219,9 +219,9 @@ def main() -> None:
         loader.buffered_multi_thread_safetensors_weights_iterator, "__wrapped__"
     )
     if args.decide_only:
-        import engramd_client.engines.sglang as plugin
+        from engramd_client.engines.sglang import deepseek
 
-        out["serve"] = plugin._decide()
+        out["serve"] = deepseek._decide()
         print(json.dumps(out), flush=True)
         os._exit(0)
 
