@@ -94,8 +94,7 @@ def check_ple_seams(ngram_embedding: ModuleType) -> None:
     VLLM.expect(
         {"shard_indices", "padding_size", "tp_rank", "tp_size", "prefix"}
         <= set(base.__init__.__code__.co_names)
-        and params(base._get_indices)
-        == [*split, "tp_rank", "tp_size"]
+        and params(base._get_indices) == [*split, "tp_rank", "tp_size"]
         and callable(getattr(vpe, "pad_vocab_size", None)),
         "VocabParallelEmbedding's vocab split",
     )
