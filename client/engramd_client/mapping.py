@@ -180,7 +180,9 @@ def padded_mapping(
     """
     delta = region.offset - start
     size = delta + region.length + region.pad
-    shared = (delta + region.length) // page * page
+    # Whole pages of the file are shared: huge ones on hugetlbfs, else the CPU's.
+    split = page if _on_hugetlbfs(fd) else mmap.PAGESIZE
+    shared = (delta + region.length) // split * split
     # Room to start the file's mapping at a page of its own size (a huge page on hugetlbfs).
     reserve = size + page
     raw = _libc.mmap(
@@ -210,6 +212,20 @@ def padded_mapping(
     array = (ctypes.c_ubyte * size).from_address(base)
     weakref.finalize(array, _libc.munmap, raw, reserve)
     return array
+
+
+class _Statfs(ctypes.Structure):
+    # struct statfs begins with f_type (a long on Linux); the rest is not read.
+    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 120)]
+
+
+HUGETLBFS_MAGIC = 0x958458F6
+
+
+def _on_hugetlbfs(fd: int) -> bool:
+    """Whether `fd` is a file of a hugetlbfs (mapped only in whole huge pages)."""
+    found = _Statfs()
+    return _libc.fstatfs(fd, ctypes.byref(found)) == 0 and found.f_type == HUGETLBFS_MAGIC
 
 
 def _padding(region: Region) -> torch.Tensor:

@@ -217,15 +217,15 @@ def synthesize_ple(out: str | Path, spec: PleSpec) -> Path:
             files[0].append(_Tensor(f"{table}.weight_scale", "F32", (1,), None))
         if spec.fmt == "NVFP4":
             files[0].append(_Tensor(f"{table}.weight_scale_2", "F32", (1,), None))
-        for index in range(spec.parts):
-            start = index * spec.shard_rows
+        for shard in range(spec.parts):
+            start = shard * spec.shard_rows
             stop = min(start + spec.shard_rows, spec.rows)
             for part, (dtype, width) in spec.widths().items():
                 rows = torch.arange(start, stop)
                 data = expected_ple_rows(spec, layer, part, rows).numpy().tobytes()
                 shape = (stop - start, width if dtype == "U8" else width // DTYPES[dtype][0])
                 files[count % spec.files].append(
-                    _Tensor(f"{table}.shard_{index}.{part}", dtype, shape, iter([data]))
+                    _Tensor(f"{table}.shard_{shard}.{part}", dtype, shape, iter([data]))
                 )
             count += 1
     weight_map: dict[str, str] = {}
