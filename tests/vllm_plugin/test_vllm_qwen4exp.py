@@ -90,6 +90,26 @@ def test_tp_ranks_hold_vllms_vocab_ranges_of_the_daemons_copy(
     assert served.family == "ple"
 
 
+def test_embedding_across_dp_splits_over_every_rank(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
+) -> None:
+    # Two DP replicas of TP 2: vLLM's ETP group is all 4 ranks, a quarter of the table each.
+    model = ple_models["NVFP4"]
+    d = daemons("--checkpoint", str(model.folder))
+    env = {"ENGRAMD_SOCKET": str(d.socket)}
+    runs = run_ple_ranks(model, 4, env, tmp_path, ("--dp", "2", "--no-load"))
+    for rank, done in enumerate(runs):
+        for module, info in result(done)["layers"].items():
+            layer = _layer(module)
+            rows = model.spec.rows_of(layer)
+            assert info["etp"] == [rank, 4]
+            assert (info["start"], info["rows"]) == (rank * rows // 4, rows // 4)
+            for part in model.spec.widths():
+                assert info["sha256"][part] == _expected_sha(
+                    model, layer, part, info["start"], info["rows"]
+                ), (rank, module, part)
+
+
 def test_two_tp1_servers_map_one_file(
     ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
 ) -> None:

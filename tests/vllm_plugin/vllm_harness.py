@@ -9,7 +9,6 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 from __future__ import annotations
 
 import json
-import os
 import pickle
 import subprocess
 from collections.abc import Iterator
@@ -177,8 +176,6 @@ PLE_TEXT: dict[str, Any] = {
 }
 #: engramd's synthetic formats -> Qwen4Exp's `ple_embedding_dtype` (None: unquantized bf16).
 PLE_DTYPES = {"BF16": None, "F8_E4M3": "float8_e4m3fn", "NVFP4": "nvfp4"}
-#: Makes vLLM's model registry (a subprocess) import torchvision on CPU torch.
-SHIMS = Path(__file__).resolve().parent.parent / "shims"
 
 
 @dataclass(frozen=True)
@@ -239,9 +236,6 @@ def make_ple_model(folder: Path, fmt: str) -> PleModel:
 def ple_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PleModel]]:
     """A Qwen4Exp checkpoint per PLE format (bf16, fp8, NVFP4), on a disk that counts reads."""
     base = tmp_path_factory.mktemp("qwen4exp")
-    os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(SHIMS), *filter(None, [os.environ.get("PYTHONPATH")])]
-    )
     with small_readahead_disk(base) as disk:
         yield {fmt: make_ple_model((disk or base) / fmt, fmt) for fmt in PLE_DTYPES}
 

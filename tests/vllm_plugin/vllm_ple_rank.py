@@ -1,6 +1,10 @@
 """One vLLM rank on CPU: loads the plugins, builds Qwen4Exp's PLE n-gram embeddings, loads them.
 
     python vllm_ple_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--no-load]
+        [--dp N]
+
+With `--dp N`, WORLD ranks are N data-parallel replicas of WORLD / N TP
+ranks whose PLE tables are split over all of them (`embedding_across_dp`).
 
 Everything is vLLM's own code (its plugin loader, distributed groups,
 Qwen4ExpNGramEmbedding with its pinned-host tables and embedding methods,
@@ -51,7 +55,7 @@ def cpu_only(private_pin: bool) -> None:
 class Net(nn.Module):
     """The checkpoint's PLE layers under Qwen4Exp's names, each vLLM's own n-gram embedding."""
 
-    def __init__(self, text_config: Any) -> None:
+    def __init__(self, text_config: Any, dp_rank: int) -> None:
         super().__init__()
         from vllm.model_executor.models.utils import PPMissingLayer
         from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
@@ -73,7 +77,7 @@ class Net(nn.Module):
                 int(text_config.ple_embed_dim),
                 ids.index(index + 1),
                 16,
-                data_parallel_rank=0,
+                data_parallel_rank=dp_rank,
                 prefix=f"model.layers.{index}.ple.ple_embedding",
                 params_dtype=torch.bfloat16,
             )
@@ -94,6 +98,7 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--private-pin", action="store_true")
     parser.add_argument("--no-load", action="store_true")
+    parser.add_argument("--dp", type=int, default=1)
     args = parser.parse_args()
 
     from vllm.config.logging import LoggingConfig
@@ -110,8 +115,13 @@ def main() -> None:
 
     with open(args.config, "rb") as f:
         config = pickle.load(f)
-    # As `vllm serve -tp WORLD` configures it: the ETP group is the TP group.
-    config.parallel_config.tensor_parallel_size = args.world
+    # As `vllm serve -tp WORLD/DP -dp DP` configures it; the ETP group is the TP
+    # group, or every rank with embedding_across_dp.
+    tp = args.world // args.dp
+    config.parallel_config.tensor_parallel_size = tp
+    if args.dp > 1:
+        config.parallel_config.data_parallel_size = args.dp
+        config.engram_config.embedding_across_dp = True
     init_distributed_environment(
         world_size=args.world,
         rank=args.rank,
@@ -121,12 +131,12 @@ def main() -> None:
     )
     out: dict[str, Any] = {"rank": args.rank}
     with set_current_vllm_config(config):
-        initialize_model_parallel(tensor_model_parallel_size=args.world)
+        initialize_model_parallel(tensor_model_parallel_size=tp)
         import vllm.models.qwen4_exp.common.ngram_embedding as ple
 
         table_class = ple.Qwen4ExpPLEPinnedHostEmbedding
         out["patched"] = bool(getattr(table_class.allocate_embedding_weight, "__engramd__", False))
-        net = Net(config.model_config.hf_text_config)
+        net = Net(config.model_config.hf_text_config, args.rank // tp)
         layers = {}
         for name, module in net.named_modules():
             if isinstance(module, table_class):
