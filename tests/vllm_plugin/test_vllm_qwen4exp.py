@@ -41,12 +41,7 @@ def _may_read(model: PleModel) -> int:
     """What a rank may read while loading: every tensor but the PLE shards, the shards'
     fingerprint samples (8 x 4 KiB a file), and a readahead window around each touch."""
     files = list(model.folder.glob("*.safetensors"))
-    tables = sum(
-        model.spec.rows_of(layer) * width
-        for layer in model.spec.layers
-        for _, width in model.spec.widths().values()
-    )
-    other = sum(p.stat().st_size for p in files) - tables
+    other = sum(p.stat().st_size for p in files) - model.table_bytes
     return other + len(files) * (8 * 4096 + 2 * max(readahead(model.folder), 4096))
 
 

@@ -186,17 +186,26 @@ class PleModel:
     config: Path
     spec: PleSpec
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of every PLE table (every part) of the checkpoint."""
+        return sum(
+            self.spec.rows_of(layer) * width
+            for layer in self.spec.layers
+            for _, width in self.spec.widths().values()
+        )
 
-def ple_rows() -> tuple[int, ...]:
+
+def ple_rows(text: dict[str, Any]) -> tuple[int, ...]:
     """Each PLE layer's table rows, as vLLM's Qwen4ExpNGramEmbedding lays them out and pads."""
     from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
 
-    heads = (PLE_TEXT["ngram_size"] - 1) * PLE_TEXT["heads_per_ngram"]
-    divisor = PLE_TEXT["make_ngram_vocab_size_divisible_by"]
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    divisor = text["make_ngram_vocab_size_divisible_by"]
     rows = []
-    for dense_id in range(len(PLE_TEXT["ple_layer_ids"])):
+    for dense_id in range(len(text["ple_layer_ids"])):
         _, _, total = Qwen4ExpNGramEmbedding._make_vocab_layout(
-            ngram_vocab_size_base=PLE_TEXT["ngram_vocab_size_base"],
+            ngram_vocab_size_base=text["ngram_vocab_size_base"],
             ngram_heads=heads,
             ple_dense_layer_id=dense_id,
         )
@@ -204,20 +213,24 @@ def ple_rows() -> tuple[int, ...]:
     return tuple(rows)
 
 
-def make_ple_model(folder: Path, fmt: str) -> PleModel:
-    """Write a Qwen4Exp checkpoint of PLE tables in `fmt` and vLLM's config of it."""
+def make_ple_model(folder: Path, fmt: str, vocab_base: int | None = None) -> PleModel:
+    """Write a Qwen4Exp checkpoint of PLE tables in `fmt` and vLLM's config of it.
+
+    `vocab_base`: rows per n-gram head (about), instead of the tests' 500.
+    """
     from vllm.config import DeviceConfig, EngramConfig, LoadConfig, ModelConfig, VllmConfig
 
-    heads = (PLE_TEXT["ngram_size"] - 1) * PLE_TEXT["heads_per_ngram"]
+    text = {**PLE_TEXT, "ngram_vocab_size_base": vocab_base or PLE_TEXT["ngram_vocab_size_base"]}
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
     spec = PleSpec(
-        layers=tuple(i - 1 for i in PLE_TEXT["ple_layer_ids"]),
-        layer_rows=ple_rows(),
-        dim=PLE_TEXT["ple_embed_dim"] // heads,
-        parts=PLE_TEXT["split_ngram_parts"],
+        layers=tuple(i - 1 for i in text["ple_layer_ids"]),
+        layer_rows=ple_rows(text),
+        dim=text["ple_embed_dim"] // heads,
+        parts=text["split_ngram_parts"],
         fmt=fmt,
     )
     synthesize_ple(folder, spec)
-    config = {**PLE_TEXT, "torch_dtype": "bfloat16"}
+    config = {**text, "torch_dtype": "bfloat16"}
     if PLE_DTYPES[fmt]:
         config["ple_embedding_dtype"] = PLE_DTYPES[fmt]
     (folder / "config.json").write_text(json.dumps(config))

@@ -136,7 +136,9 @@ def main() -> None:
 
         table_class = ple.Qwen4ExpPLEPinnedHostEmbedding
         out["patched"] = bool(getattr(table_class.allocate_embedding_weight, "__engramd__", False))
+        started = time.monotonic()
         net = Net(config.model_config.hf_text_config, args.rank // tp)
+        out["build_s"] = time.monotonic() - started
         layers = {}
         for name, module in net.named_modules():
             if isinstance(module, table_class):
@@ -155,6 +157,7 @@ def main() -> None:
                     "etp": [table.tp_rank, table.tp_size],
                     "dtypes": {p: str(t.dtype) for p, t in params.items()},
                     "shapes": {p: list(t.shape) for p, t in params.items()},
+                    "nbytes": {p: t.numel() * t.element_size() for p, t in params.items()},
                     "maps": {p: mapping_of(t.data_ptr()) for p, t in params.items()},
                     "served": list(getattr(table, "_engramd_served", ())),
                     "uva_is_table": table._uva_weight.data_ptr() == table.weight.data_ptr(),
