@@ -215,7 +215,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(self.plans.plan, path, self._config.tensors)
+        plan = await self._readers.run(self.plans.plan, path, self._policy.selection(request))
         self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan, node), plan
 

@@ -16,6 +16,7 @@ from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
 from engramd.host.shmfs import mount_id
 from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.families import AUTO, FAMILIES
 from engramd_client.core.pb import engramd_pb2 as pb
 
 
@@ -40,12 +41,7 @@ class LoadPolicy:
 
         `loaded` are the checkpoints of the sets the daemon holds.
         """
-        if request.tensors and request.tensors != self._selection:
-            raise SelectionRefused(
-                f"engramd loads for workers only its configured selection {self._selection!r}, "
-                f"not {request.tensors!r}; attach with that selection, or have the operator load "
-                "this one (engramd load --tensors)"
-            )
+        self.selection(request)
         path = resolve(request.checkpoint)
         if not self._under_root(path) and str(path) in loaded:
             # The worker's files are not the ones the daemon loaded from this
@@ -63,6 +59,23 @@ class LoadPolicy:
                 f"daemon with --checkpoint {path} or --allow-root <dir>"
             )
         return path
+
+    def selection(self, request: pb.AttachRequest) -> str:
+        """The selection a worker's attach may load with: the configured one.
+
+        With `auto` configured, any family's own selection (the worker's
+        plan names its checkpoint's), else the family of each checkpoint.
+        """
+        allowed = {self._selection}
+        if self._selection == AUTO:
+            allowed |= {f.selection for f in FAMILIES}
+        if request.tensors and request.tensors not in allowed:
+            raise SelectionRefused(
+                f"engramd loads for workers only its configured selection {self._selection!r}, "
+                f"not {request.tensors!r}; attach with that selection, or have the operator load "
+                "this one (engramd load --tensors)"
+            )
+        return request.tensors or self._selection
 
     def check_read(self, checkpoint: str) -> Path:
         """The resolved checkpoint, if the daemon may read it for a worker (as for a load).
@@ -89,7 +102,7 @@ class LoadPolicy:
             # root from elsewhere has the root's path but another mount.
             root = next(r for r in self._allowed if path.is_relative_to(r))
             allowed = mount_id(root)
-            for f in {t.file for t in plan.tensors}:
+            for f in plan.files:
                 if not f.is_relative_to(root):
                     raise NotAllowed(
                         f"{path}: a file of this checkpoint resolves outside the allowed root "

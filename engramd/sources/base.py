@@ -41,8 +41,18 @@ def windows(nbytes: int) -> list[tuple[int, int]]:
     return [(at, min(WINDOW_BYTES, nbytes - at)) for at in range(0, nbytes, WINDOW_BYTES)]
 
 
+def spans(entry: TensorEntry) -> list[tuple[TensorEntry, int]]:
+    """The checkpoint tensors a tensor is made of (one, or its row shards back to back),
+    each with the offset of its first byte in the tensor."""
+    found, at = [], 0
+    for span in entry.spans:
+        found.append((span, at))
+        at += span.nbytes
+    return found
+
+
 def spot_check(entry: TensorEntry, received: memoryview) -> None:
-    """Compare random ranges of a received tensor (and its first and last) with the file.
+    """Compare random ranges of a received tensor (and its first and last) with the files.
 
     The receiver picks the ranges after the bytes arrived, so a source cannot
     know which of its bytes are looked at: a source that changed more than a
@@ -53,14 +63,18 @@ def spot_check(entry: TensorEntry, received: memoryview) -> None:
         return
     starts = {0, max(n - SPOT_BYTES, 0)}
     starts |= {secrets.randbelow(n) for _ in range(SPOT_CHECKS)}
-    fd = open_regular(Path(entry.file))
-    try:
-        for at in sorted(starts):
-            size = min(SPOT_BYTES, n - at)
-            if os.pread(fd, size, entry.offset + at) != received[at : at + size]:
-                raise SourceFailed(
-                    f"tensor {entry.name!r}: bytes {at}-{at + size} differ from {entry.file}: "
-                    "the source sent other bytes than the checkpoint holds"
-                )
-    finally:
-        os.close(fd)
+    for span, start in spans(entry):
+        mine = [at for at in starts if start <= at < start + span.nbytes]
+        if not mine:
+            continue
+        fd = open_regular(Path(span.file))
+        try:
+            for at in sorted(mine):
+                size = min(SPOT_BYTES, start + span.nbytes - at)
+                if os.pread(fd, size, span.offset + at - start) != received[at : at + size]:
+                    raise SourceFailed(
+                        f"tensor {entry.name!r}: bytes {at}-{at + size} differ from "
+                        f"{span.file}: the source sent other bytes than the checkpoint holds"
+                    )
+        finally:
+            os.close(fd)

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from urllib.parse import urlparse
 
-from engramd.sources.base import Progress, SourceFailed, spot_check, windows
+from engramd.sources.base import Progress, SourceFailed, spans, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
@@ -105,21 +105,26 @@ class ObjectStoreSource:
         try:
             for path, (name, size) in files.items():
                 self._check_object(agent, path, self.key(name), size, devices[path], progress)
-            pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
+            # (tensor, offset in it, bytes) and where they are: a table joined from row
+            # shards reads each shard's objects in turn.
+            pieces = [
+                ((i, start + at, n), (span.offset + at, n, devices[str(span.file)]))
+                for i, t in enumerate(plan.tensors)
+                for span, start in spans(t)
+                for at, n in windows(span.nbytes)
+            ]
             reads = InOrder(agent, regions, progress, READS_IN_FLIGHT, self.url)
             try:
                 for k in range(0, len(pieces), WINDOWS_PER_READ):
                     batch = pieces[k : k + WINDOWS_PER_READ]
                     handle = agent.post(
-                        [(regions[i].address + at, n, 0) for i, at, n in batch],
-                        [
-                            (plan.tensors[i].offset + at, n, devices[str(plan.tensors[i].file)])
-                            for i, at, n in batch
-                        ],
+                        [(regions[i].address + at, n, 0) for (i, at, n), _ in batch],
+                        [remote for _, remote in batch],
                         "OBJ",
                         agent.name,
                     )
-                    reads.add(handle, batch, time.monotonic() + WINDOW_TIMEOUT_S * len(batch))
+                    deadline = time.monotonic() + WINDOW_TIMEOUT_S * len(batch)
+                    reads.add(handle, [window for window, _ in batch], deadline)
                 sums = reads.finish()
             finally:
                 reads.abandon()
@@ -186,5 +191,5 @@ def _names(plan: TablePlan) -> dict[str, tuple[str, int]]:
     sizes = {s.path: s.size for s in plan.sources}
     files, _ = checkpoint_files(plan.checkpoint)
     named = {str(f.resolve()): f.name for f in files}
-    used = dict.fromkeys(str(t.file) for t in plan.tensors)
+    used = dict.fromkeys(str(span.file) for t in plan.tensors for span, _ in spans(t))
     return {path: (named.get(path, Path(path).name), sizes[path]) for path in used}

@@ -5,6 +5,11 @@ A checkpoint is one safetensors file or a folder of them (with or without
 (`core/headers.py`). The set id is derived from what the files are and
 which tensors were taken, so copies of one checkpoint on different mounts
 agree.
+
+Row shards of one table (`X.shard_0.Y`, `X.shard_1.Y`, ...: Qwen4Exp's PLE
+n-gram table) are joined into one tensor `X.Y` of the set, the shards' rows
+back to back in shard order: an engine's vocab range crosses shard
+boundaries, and its kernels index one contiguous table.
 """
 
 from __future__ import annotations
@@ -13,10 +18,12 @@ import fnmatch
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engramd_client.core.errors import CheckpointError
+from engramd_client.core.families import AUTO, family_of
 from engramd_client.core.fileid import SourceFile, open_regular
 from engramd_client.core.headers import (
     MAX_HEADER_BYTES,
@@ -26,13 +33,16 @@ from engramd_client.core.headers import (
     read_header,
 )
 
-#: Selection used when none is given: the Engram embedding tables.
-DEFAULT_TENSORS = "*engram.embed.*"
+#: Selection used when none is given: the tables of the checkpoint's family (families.py).
+DEFAULT_TENSORS = AUTO
 
 #: Bumped whenever the on-tmpfs layout changes; part of every set id.
 LAYOUT_VERSION = 1
 
 INDEX_FILE = "model.safetensors.index.json"
+
+#: A row shard of a table: (table).shard_(index).(part).
+_SHARD = re.compile(r"^(.+)\.shard_([0-9]+)\.([^.]+)$")
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,16 @@ class TablePlan:
     def nbytes(self) -> int:
         """The selected tensors' bytes, without padding."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def files(self) -> frozenset[Path]:
+        """The checkpoint files the set's bytes come from."""
+        return frozenset(p.file for t in self.tensors for p in t.spans)
+
+    @property
+    def checkpoint_names(self) -> dict[str, tuple[str, ...]]:
+        """Each set tensor's checkpoint tensors (a joined table's shards, in order)."""
+        return {t.name: tuple(p.name for p in t.spans) for t in self.tensors}
 
 
 def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -104,6 +124,8 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
                     f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
                     "from that file; fetch the checkpoint again"
                 )
+    if selection == AUTO:
+        selection = family_of(root, by_name).selection
     selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
     if not selected:
         raise CheckpointError(
@@ -115,11 +137,59 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
     return TablePlan(
         checkpoint=root,
         selection=selection,
-        tensors=selected,
+        tensors=join_shards(root, selected),
         fingerprint=fingerprint,
         set_id=set_id_of(fingerprint),
         sources=tuple(h.source for h in headers if Path(h.source.path) in used),
     )
+
+
+def join_shards(root: Path, selected: tuple[TensorEntry, ...]) -> tuple[TensorEntry, ...]:
+    """The set's tensors: `selected`, with every table's row shards joined into one.
+
+    Raises CheckpointError for shards that cannot be one table: a missing
+    shard, or shards of different dtypes or row widths.
+    """
+    tables: dict[str, dict[int, TensorEntry]] = {}
+    tensors = {}
+    for t in selected:
+        shard = _SHARD.match(t.name)
+        if shard is None:
+            tensors[t.name] = t
+            continue
+        table, index, part = shard.groups()
+        tables.setdefault(f"{table}.{part}", {})[int(index)] = t
+    for name, shards in tables.items():
+        parts = tuple(shards[i] for i in range(len(shards)) if i in shards)
+        first = parts[0] if parts else None
+        if len(parts) != len(shards) or first is None:
+            missing = min(set(range(len(shards))) - set(shards))
+            raise CheckpointError(
+                f"{root}: the row shards of {name!r} skip shard {missing} "
+                f"({len(shards)} shards, up to shard {max(shards)}); fetch the checkpoint again"
+            )
+        if not first.shape or any(
+            (p.dtype, p.shape[1:]) != (first.dtype, first.shape[1:]) or not p.shape for p in parts
+        ):
+            raise CheckpointError(
+                f"{root}: the row shards of {name!r} differ in dtype or row width "
+                f"({sorted({(p.dtype, p.shape[1:]) for p in parts})}); they cannot be one table"
+            )
+        if name in tensors:
+            raise CheckpointError(
+                f"{root}: {name!r} is both a tensor and the table its row shards make; "
+                "select one of them (tensors=...)"
+            )
+        tensors[name] = TensorEntry(
+            name=name,
+            dtype=first.dtype,
+            shape=(sum(p.shape[0] for p in parts), *first.shape[1:]),
+            file=first.file,
+            offset=first.offset,
+            nbytes=sum(p.nbytes for p in parts),
+            parts=parts,
+        )
+    return tuple(tensors[n] for n in sorted(tensors))
 
 
 def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:
