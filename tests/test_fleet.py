@@ -39,7 +39,7 @@ from engramd.demo.fleet_lab import (
     s3rver_missing,
     veth_pair,
 )
-from engramd.demo.synth import SynthSpec, synthesize
+from engramd.demo.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd.sources.peer import addresses
 from engramd_client.core.checkpoint import plan_tables
@@ -69,6 +69,12 @@ def net() -> Iterator[Net]:
         pytest.skip(f"{missing} (CI runs as root and `make test-tools` installs iproute2)")
     with veth_pair(f"edf{os.getpid() % 100000}") as pair:
         yield pair
+
+
+@pytest.fixture(scope="module")
+def ple_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen4Exp PLE tables in 7 row shards over 2 files: each set tensor is joined from shards."""
+    return synthesize_ple(tmp_path_factory.mktemp("ple") / "qwen", PleSpec())
 
 
 @pytest.fixture
@@ -166,12 +172,16 @@ def set_digests(shm_dir: Path, set_id: str) -> dict[str, str]:
 
 
 def checkpoint_digests(checkpoint: Path) -> dict[str, str]:
-    """sha256 of each selected tensor's bytes as the checkpoint's files hold them."""
+    """sha256 of each selected tensor's bytes as the checkpoint's files hold them (a table
+    joined from row shards: its shards back to back)."""
     out = {}
     for t in plan_tables(checkpoint).tensors:
-        with open(t.file, "rb") as f:
-            f.seek(t.offset)
-            out[t.name] = hashlib.sha256(f.read(t.nbytes)).hexdigest()
+        digest = hashlib.sha256()
+        for span in t.spans:
+            with open(span.file, "rb") as f:
+                f.seek(span.offset)
+                digest.update(f.read(span.nbytes))
+        out[t.name] = digest.hexdigest()
     return out
 
 
@@ -467,3 +477,29 @@ def test_a_bad_object_falls_back_to_files(
     assert f"s3://{s3.bucket}/m/{shards[-1] if damage == 'truncated' else shards[0]}" in d.log
     assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
     assert no_partial_loads(node.shm_dir)
+
+
+def test_joined_shards_from_a_peer(
+    net: Net, nodes: Any, ple_checkpoint: Path, token_file: Path
+) -> None:
+    """PLE tables joined from row shards across files come whole from a peer."""
+    assert any(t.parts for t in plan_tables(ple_checkpoint).tensors)
+    a, b = nodes("a"), nodes("b")
+    serving(a, ple_checkpoint, net, token_file)
+    rb = receiving(b, ple_checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
+
+
+def test_joined_shards_from_the_object_store(s3: S3, nodes: Any, ple_checkpoint: Path) -> None:
+    """Each shard of a joined table is read from its own object, at its own offset."""
+    s3.upload(ple_checkpoint, "qwen")
+    node = nodes("s")
+    d = node.start(
+        ["--checkpoint", str(ple_checkpoint), "--object-store", f"s3://{s3.bucket}/qwen"],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == f"s3://{s3.bucket}/qwen", d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
