@@ -1,7 +1,11 @@
 """The Qwen4Exp PLE tests' harness: a Qwen4Exp-shaped checkpoint whose PLE tables have the
-rows SGLang's Qwen4ExpNGramEmbedding computes, in row shards whose boundaries fall neither
-on the TP split nor on the files' boundaries, and SGLang ranks run as processes
-(ple_rank.py).
+rows SGLang's Qwen4ExpNGramEmbedding computes, in row shards whose boundaries do not fall
+on the TP split, a table's shards spread over two files; and SGLang ranks run as
+processes (ple_rank.py).
+
+SGLang's qwen4_exp module imports nothing on CPU beyond what requirements.txt
+already lists for the Engram tests (tried in `make test-sglang`'s venv: its
+sympy comes with torch, msgspec and triton are listed).
 """
 
 from __future__ import annotations
