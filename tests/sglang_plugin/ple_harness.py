@@ -30,8 +30,9 @@ PLE_LAYER_IDS = (2, 4)
 LAYER_TYPES = ("full_attention", "linear_attention", "full_attention", "linear_attention")
 NGRAM_SIZE = 3
 HEADS_PER_NGRAM = 2
-#: (3 - 1) x 2 = 4 n-gram heads of 256 columns: a row of 256 values.
-PLE_DIM = 1024
+#: (3 - 1) x 2 = 4 n-gram heads of 2048 columns: a row of 2048 values, so the tables
+#: (33 MiB in bf16) dwarf what a rank reads besides them.
+PLE_DIM = 8192
 VOCAB_BASE = 1000
 DIVISIBLE_BY = 128
 #: Row shards per table: ceil(rows / 7)-row shards, which no TP split of 2, 3 or 4 meets.
@@ -187,7 +188,7 @@ def ple_disk(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="session", params=["bf16", "fp8"])
 def ple_model(request: pytest.FixtureRequest, ple_disk: Path) -> Model:
-    """A Qwen4Exp-shaped checkpoint of bf16 or fp8 PLE tables (about 2 or 1 MiB)."""
+    """A Qwen4Exp-shaped checkpoint of bf16 or fp8 PLE tables (about 33 or 17 MiB)."""
     dtype = str(request.param)
     folder = ple_disk / f"ckpt-{dtype}"
     if folder.exists():

@@ -265,17 +265,24 @@ def _attach(dtype: torch.dtype) -> Tables:
     device = None
     if torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"
-    tables = attach_rows(
-        PROCESS.folder,
-        PROCESS.rows,
-        # After the group's decision only engramd's own private copy of exact rows may
-        # stand in: the other ranks built their layers on engramd's answer.
-        strict=True if share_mode() else None,
-        device=device,
-        labels={"engine": "sglang", "tp_rank": str(get_parallel().tp_rank), "family": PLE.name},
-        selection=PLE.selection,
-        pad_rows=True,
-    )
+    # SGLang builds its model under its device as the default: the host tables (and a
+    # private copy) must be made in host memory whatever that default is.
+    with torch.device("cpu"):
+        tables = attach_rows(
+            PROCESS.folder,
+            PROCESS.rows,
+            # After the group's decision only engramd's own private copy of exact rows may
+            # stand in: the other ranks built their layers on engramd's answer.
+            strict=True if share_mode() else None,
+            device=device,
+            labels={
+                "engine": "sglang",
+                "tp_rank": str(get_parallel().tp_rank),
+                "family": PLE.name,
+            },
+            selection=PLE.selection,
+            pad_rows=True,
+        )
     return PROCESS.hold(tables, PLE.tables)
 
 
