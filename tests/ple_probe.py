@@ -36,7 +36,9 @@ def main() -> None:
     parser.add_argument("--share", default="auto")
     args = parser.parse_args()
     fields = json.loads(args.spec)
-    spec = PleSpec(**{**fields, "layers": tuple(fields["layers"])})
+    spec = PleSpec(
+        **{**fields, "layers": tuple(fields["layers"]), "layer_rows": tuple(fields["layer_rows"])}
+    )
     rows = {k: tuple(v) for k, v in json.loads(args.rows).items()}
     share = {"auto": None, "on": True, "off": False}[args.share]
     tables = attach(
@@ -53,7 +55,7 @@ def main() -> None:
         start, stop = rows[name]
         layer = int(name.split(".layers.")[1].split(".")[0])
         part = name.rpartition(".")[2]
-        held = max(0, min(stop, spec.rows) - start)
+        held = max(0, min(stop, spec.rows_of(layer)) - start)
         data = tensor.view(torch.uint8).reshape(stop - start, -1)
         want = expected_ple_rows(spec, layer, part, torch.arange(start, start + held))
         where = mapping_of(tensor.data_ptr())

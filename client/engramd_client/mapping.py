@@ -7,8 +7,11 @@ private anonymous mapping of exactly the tensor's bytes (rounded to a page),
 filled with positional reads from the checkpoint; no caching allocator rounds
 it up. Like the engines' private tables it is the process's own memory (not
 Shmem), on transparent huge pages where the kernel gives them (`use_thp`).
-Every handle kind (handles.py, cumem.py) and `Tables` (tables.py) build on
-these primitives, which import nothing else of the worker's library.
+Rows an engine pads a table with past its end (`pad_rows`) are zero pages
+of the worker's own, right after the shared pages, in one range of
+addresses (`padded_mapping`). Every handle kind (handles.py, cumem.py) and
+`Tables` (tables.py) build on these primitives, which import nothing else
+of the worker's library.
 """
 
 from __future__ import annotations
@@ -92,7 +95,7 @@ class Region:
                 f"rows[{self.name!r}] = ({start}, {stop}) is outside the tensor's "
                 f"{self.shape[0] if self.shape else 0} rows"
             )
-        row_bytes = self.length // end if end else _row_bytes(self)
+        row_bytes = _row_bytes(self)
         held = max(0, min(stop, end) - start)
         return replace(
             self,

@@ -170,6 +170,8 @@ class PleSpec:
     layers: tuple[int, ...] = (0, 2)
     #: Rows of each table (the vocabulary, already padded as vLLM pads it).
     rows: int = 1000
+    #: Rows of each layer's table, where they differ (as many as `layers`).
+    layer_rows: tuple[int, ...] = ()
     #: Values per row.
     dim: int = 64
     #: Row shards per table (`split_ngram_parts`): shard_size = ceil(rows / parts).
@@ -183,10 +185,13 @@ class PleSpec:
     prefix: str = "model"
     architecture: str = "Qwen4ExpForCausalLM"
 
-    @property
-    def shard_rows(self) -> int:
-        """Rows of every shard but the last."""
-        return -(-self.rows // self.parts)
+    def rows_of(self, layer: int) -> int:
+        """Rows of a layer's table."""
+        return self.layer_rows[self.layers.index(layer)] if self.layer_rows else self.rows
+
+    def shard_rows(self, layer: int) -> int:
+        """Rows of every shard of a layer's table but the last."""
+        return -(-self.rows_of(layer) // self.parts)
 
     def table(self, layer: int) -> str:
         """The name of a layer's table, without `.shard_N.weight`."""
@@ -218,8 +223,8 @@ def synthesize_ple(out: str | Path, spec: PleSpec) -> Path:
         if spec.fmt == "NVFP4":
             files[0].append(_Tensor(f"{table}.weight_scale_2", "F32", (1,), None))
         for shard in range(spec.parts):
-            start = shard * spec.shard_rows
-            stop = min(start + spec.shard_rows, spec.rows)
+            start = shard * spec.shard_rows(layer)
+            stop = min(start + spec.shard_rows(layer), spec.rows_of(layer))
             for part, (dtype, width) in spec.widths().items():
                 rows = torch.arange(start, stop)
                 data = expected_ple_rows(spec, layer, part, rows).numpy().tobytes()

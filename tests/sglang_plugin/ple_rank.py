@@ -29,8 +29,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import sglang_plugin.tvshim  # noqa: E402, F401 (before anything imports sglang)
 import torch  # noqa: E402
+import tvshim  # noqa: E402, F401 (before anything imports sglang)
 from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
 from sglang_plugin.sglang_rank import cached_bytes  # noqa: E402
 from torch import nn  # noqa: E402
