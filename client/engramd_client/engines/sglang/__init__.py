@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engramd_client.engines.common import UnknownEngine, say_once, share_mode, when_imported
+from engramd_client.engines.common import UnknownEngine, say_once, when_imported
 from engramd_client.engines.sglang import deepseek, qwen4exp, weights
 from engramd_client.engines.sglang.guard import SGLANG, check_seams, sglang_version
 from engramd_client.engines.sglang.process import log
@@ -45,15 +45,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    if share_mode() is False:
-        say_once(
-            log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside"
-        )
-        return
-    try:
-        SGLANG.check_version(sglang_version())
-    except UnknownEngine as e:
-        say_once(log, logging.WARNING, "unknown", "%s", e)
+    if not SGLANG.may_patch(sglang_version, log):
         return
     when_imported(qwen4exp.QWEN4_EXP, qwen4exp.install)
     from sglang.srt.environ import envs

@@ -19,6 +19,7 @@ from engramd_client.engines.common import (
     decide,
     local_folder,
     probe,
+    serving,
     settle,
     share_mode,
 )
@@ -80,13 +81,7 @@ class Process:
         """Keep `tables` for the process's life; SGLang's iterators skip every tensor they hold."""
         self.tables = tables
         self.served = tables.checkpoint_names
-        log.info(
-            "engramd serves SGLang's %s (%s, %d tensors, %.2f GiB of rows)",
-            what,
-            tables.mode,
-            len(tables),
-            tables.nbytes / 2**30,
-        )
+        serving(log, "SGLang", what, tables)
         return tables
 
 
