@@ -108,6 +108,10 @@ class UntrustedShm(RuntimeError):
     """The shm folder's `engramd/` is not the daemon's own and cannot be made so."""
 
 
+class NotInSocketGroup(RuntimeError):
+    """The daemon's user may not give its sockets and sets the --socket-group it names."""
+
+
 class ShmOnDisk(RuntimeError):
     """The shm folder is on a disk filesystem, and the operator did not accept that."""
 

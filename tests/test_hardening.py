@@ -9,6 +9,7 @@ reloads under running workers, unverified pids. Bad paths.
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import re
 import shutil
@@ -89,7 +90,11 @@ def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir:
     root = sets_root(shm_dir)
     root.mkdir()
     os.chown(root, NOBODY, NOBODY)
-    d = Daemon(sock_dir / "d.sock", shm_dir, [], sock_dir / "daemon.log", python=python)
+    # Its own group as the socket group: whatever groups this machine has (an `engramd`
+    # group 65533 is not in, on a deployed node) play no part.
+    d = Daemon(
+        sock_dir / "d.sock", shm_dir, ["--socket-group", ""], sock_dir / "daemon.log", python=python
+    )
     with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
     assert f"rm -rf {root}" in d.log and "owned by uid 65534" in d.log
@@ -99,6 +104,41 @@ def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir:
         assert root.stat().st_uid == 65533 and (root.stat().st_mode & 0o777) == 0o750
     finally:
         d.stop()
+
+
+def test_daemon_outside_its_socket_group_names_the_group_and_the_fix(
+    sock_dir: Path, shm_dir: Path
+) -> None:
+    group = "engramd-tg"
+    subprocess.run(["groupdel", group], capture_output=True)  # left by an interrupted run
+    python = as_user("65533:65533")
+    subprocess.run(["groupadd", "--system", group], check=True, capture_output=True)
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        shm_dir.chmod(0o1777)
+        os.chown(sock_dir, 65533, 65533)
+        args = ["--socket-group", group]
+        d = Daemon(sock_dir / "d.sock", shm_dir, args, sock_dir / "daemon.log", python=python)
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            d.start()
+        assert f"not a member of its --socket-group {group!r} (gid {gid})" in d.log
+        assert f"usermod -aG {group}" in d.log and "Errno" not in d.log
+        assert not sets_root(shm_dir).exists(), "it refused before making anything"
+        # The same user with that group is served, and gives the group its socket.
+        d = Daemon(
+            sock_dir / "d.sock",
+            shm_dir,
+            args,
+            sock_dir / "daemon.log",
+            python=as_user(f"65533:{gid}"),
+        )
+        d.start()
+        try:
+            assert d.socket.stat().st_gid == gid
+        finally:
+            d.stop()
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
 
 
 @pytest.mark.parametrize("handles", ["fd", "shm"])

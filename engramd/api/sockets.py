@@ -26,6 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
+from engramd.errors import NotInSocketGroup
 
 log = logging.getLogger("engramd")
 
@@ -37,11 +38,16 @@ REQUEST_TIMEOUT_S = 5.0
 
 
 def group_id(name: str) -> int | None:
-    """The gid of group `name`; None (with a warning) when there is none."""
+    """The gid of group `name`; None (with a warning) when there is none.
+
+    Raises NotInSocketGroup when the group exists but the daemon's user may
+    not give files to it: only root, or a member, may chown to a group, and
+    the daemon would otherwise die on its first folder with a bare EPERM.
+    """
     if not name:
         return None
     try:
-        return grp.getgrnam(name).gr_gid
+        gid = grp.getgrnam(name).gr_gid
     except KeyError:
         log.warning(
             "group %r does not exist: the socket and the sets keep the daemon's group; "
@@ -49,6 +55,16 @@ def group_id(name: str) -> int | None:
             name,
         )
         return None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise NotInSocketGroup(
+            f"engramd runs as uid {os.geteuid()} (gid {os.getegid()}), which is not a member of "
+            f"its --socket-group {name!r} (gid {gid}), so it cannot give that group its sockets "
+            f"and sets; add the user to the group (usermod -aG {name} <user>, or "
+            f"SupplementaryGroups={name} in the unit), run it with that group (runAsGroup: "
+            f"{gid}), or pass --socket-group naming a group it is in (--socket-group '' keeps "
+            "its own)"
+        )
+    return gid
 
 
 def secure(path: str, mode: int, gid: int | None) -> None:
