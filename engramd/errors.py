@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from engramd_client.core.beneath import OutsideRoot
 from engramd_client.core.errors import REASON_KEY, CheckpointError, Reason
 
 log = logging.getLogger("engramd")
@@ -120,6 +121,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status code, reason, message) for any exception raised while serving."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.reason, str(exc)
+    if isinstance(exc, OutsideRoot):
+        return grpc.StatusCode.PERMISSION_DENIED, NotAllowed.reason, str(exc)
     if isinstance(exc, CheckpointError):
         return grpc.StatusCode.INVALID_ARGUMENT, Reason.CHECKPOINT, str(exc)
     log.exception("internal error while serving a request", exc_info=exc)

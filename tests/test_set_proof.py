@@ -389,3 +389,69 @@ def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
     workers.append(auto)
     assert auto.hello["mode"] == "private", auto.hello
     assert auto.hello["digests"] == reference_digests(checkpoint)
+
+
+def test_a_name_swapped_under_the_daemon_never_gets_another_users_descriptors(
+    node: Node, tmp_path: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    single = synthesize(tmp_path / "single", SynthSpec(rows=2000, shards=1))
+    [name] = [p.name for p in single.glob("*.safetensors")]
+    private = node.copy_for(ALICE, "private", single)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob's folder under the root: a file of his own under Alice's file name, and a
+    # symlink to Alice's file (which he cannot read); the two trade names in a loop.
+    mine = node.root / f"{BOB}" / "race"
+    mine.mkdir(parents=True)
+    shutil.copy(single / "model.safetensors.index.json", mine)
+    (mine / name).write_bytes(b"\0" * 4096)
+    (mine / "decoy").symlink_to(private / name)
+    for p in (node.root / f"{BOB}", mine, *mine.iterdir()):
+        os.chown(p, BOB, node.gid, follow_symlinks=False)
+    race = _as(
+        node,
+        BOB,
+        str(TESTS / "swap_probe.py"),
+        str(d.socket),
+        alice.hello["set_id"],
+        str(mine),
+        name,
+        "decoy",
+        "20",
+    )
+    assert "won" not in race, race
+    # The attack ran: the daemon followed the symlink, proved Alice's file, and the fd
+    # channel judged Bob against that file, not against his path.
+    refused = sum(n for k, n in race["outcomes"].items() if f"uid {BOB} may not read" in k)
+    assert refused > 0, race
+
+
+def test_a_symlink_out_of_the_root_reveals_nothing_of_its_target(
+    node: Node, tmp_path: Path
+) -> None:
+    d = node.daemon
+    # A root-only file outside the allowed root: its size and first bytes are secrets.
+    secret = tmp_path / "vault" / "shadow"
+    secret.parent.mkdir(mode=0o700)
+    secret.write_bytes(b"root:*:20000:0:99999:7:::\n" + b"x" * 684)
+    secret.chmod(0o600)
+    mine = node.root / f"{BOB}"
+    for name, target in (("there", secret), ("nothing", tmp_path / "vault" / "missing")):
+        (mine / name).mkdir(parents=True)
+        (mine / name / "a.safetensors").symlink_to(target)
+    for p in (mine, *mine.rglob("*")):
+        os.chown(p, BOB, node.gid, follow_symlinks=False)
+    answers = []
+    for name in ("there", "nothing"):
+        answer = _as(
+            node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(mine / name)
+        )
+        assert answer["error"] == "PERMISSION_DENIED", answer
+        assert "outside the allowed root" in answer["message"]
+        answers.append(answer["message"].replace(str(mine / name), "<folder>"))
+    first8 = str(int.from_bytes(secret.read_bytes()[:8], "little"))
+    assert not any(secret_text in answers[0] for secret_text in ("710", first8, "root:"))
+    # A target that exists and one that does not get the same answer.
+    assert answers[0] == answers[1]

@@ -107,7 +107,9 @@ class TableService(pb_grpc.TableServiceServicer):
             route = self._gpu_route(request, ts.backing, kind)
             lease = self._store.leases.add(ts, request, kind, route)
             if plan is not None:
-                lease.readers = tuple(f.path for f in plan.sources)
+                # The files the plan read and the proof judged, held open: the fd
+                # channel judges the peer against these, never a path again.
+                lease.readers = tuple(plan.held.get(f.path) or f.path for f in plan.sources)
         except Exception as e:
             self._store.leases.stats.attach(ok=False)
             await abort(context, e)
@@ -214,8 +216,8 @@ class TableService(pb_grpc.TableServiceServicer):
                 "checkpoint folder, or have the operator load it (--checkpoint, engramd load)"
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
-        path = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(self.plans.plan, path, self._config.tensors)
+        path, beneath = self._policy.check_request(request, loaded)
+        plan = await self._readers.run(self.plans.plan, path, self._config.tensors, beneath)
         self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan, node), plan
 
@@ -225,11 +227,14 @@ class TableService(pb_grpc.TableServiceServicer):
         The daemon reads the worker's files as a load would: its own
         checkpoint's path, a configured one, or one under an allowed root.
         """
-        path = resolve(request.checkpoint)
-        if str(path) != held.checkpoint:
-            path = self._policy.check_read(request.checkpoint)
-        plan = await self._readers.run(self.plans.plan, path, held.selection)
-        if str(path) != held.checkpoint:
+        path, beneath = self._policy.beneath(request.checkpoint) or (
+            resolve(request.checkpoint),
+            None,
+        )
+        if beneath is None and str(path) != held.checkpoint:
+            path, beneath = self._policy.check_read(request.checkpoint)
+        plan = await self._readers.run(self.plans.plan, path, held.selection, beneath)
+        if str(plan.checkpoint) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:
             raise FingerprintDiffers(

@@ -39,6 +39,7 @@ from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import applied
 from engramd.values import Placement
+from engramd_client.core.beneath import Opened
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
@@ -93,13 +94,19 @@ def load_set(
     """
     sources = {s.path: s for s in plan.sources}
     for source in plan.sources:
-        _check_identity(source, os.stat(source.path), "since its headers were read")
+        _check_identity(source, _stat(plan, source), "since its headers were read")
     with applied(placement.for_copy(node)):
         staged = backing.stage(plan, node)
     try:
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
         copies = {
-            i: _TensorCopy(plan.tensors[i], sources[str(plan.tensors[i].file)], staged, i)
+            i: _TensorCopy(
+                plan.tensors[i],
+                sources[str(plan.tensors[i].file)],
+                staged,
+                i,
+                plan.held.get(str(plan.tensors[i].file)),
+            )
             for i in order
         }
         pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
@@ -130,7 +137,7 @@ def load_set(
                 c.close()
         sums = {i: c.checksum() for i, c in copies.items()}
         for source in plan.sources:
-            _check_identity(source, os.stat(source.path), "during the load (replaced)")
+            _check_identity(source, _stat(plan, source), "during the load (replaced)")
         manifest = Manifest(
             set_id=plan.set_id,
             fingerprint=plan.fingerprint,
@@ -160,6 +167,13 @@ def load_set(
         raise
 
 
+def _stat(plan: TablePlan, source: SourceFile) -> os.stat_result:
+    # A file the plan holds open (a worker's, opened beneath its root) is the
+    # one read: its name may lead elsewhere by now, and is never followed again.
+    held = plan.held.get(source.path)
+    return held.file.stat() if held is not None else os.stat(source.path)
+
+
 def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
     now = SourceFile.of(source.path, st)
     if now != source:
@@ -178,9 +192,18 @@ class _Aborted(Exception):
 class _TensorCopy:
     """One tensor's copy, piece by piece on several threads, digested in order."""
 
-    def __init__(self, entry: TensorEntry, source: SourceFile, staged: StagedSet, index: int):
+    def __init__(
+        self,
+        entry: TensorEntry,
+        source: SourceFile,
+        staged: StagedSet,
+        index: int,
+        held: Opened | None = None,
+    ):
         self._entry = entry
         self._source = source
+        #: The file as the plan opened it, if it holds it (read that, never the path).
+        self._held = held
         self._staged = staged
         self._index = index
         self._turn = threading.Condition()
@@ -219,7 +242,7 @@ class _TensorCopy:
         # distant offsets (two tensors of a file) defeat it (measured: cold
         # loads at half the speed).
         entry = self._entry
-        self._fd = open_regular(entry.file)
+        self._fd = self._held.reopen() if self._held is not None else open_regular(entry.file)
         _check_identity(self._source, os.fstat(self._fd), "during the load")
         os.posix_fadvise(self._fd, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
 

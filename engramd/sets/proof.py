@@ -27,6 +27,7 @@ from engramd.checksum import digest_fd
 from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
+from engramd_client.core.beneath import Opened
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
@@ -72,7 +73,7 @@ class Prover:
     def judge(self, plan: TablePlan, manifest: Manifest) -> Proof:
         """Which of the plan's tensors the set's own, unchanged files already prove."""
         loaded = set(manifest.sources)
-        stamped = frozenset(s for s in plan.sources if stamps_writes(s.path))
+        stamped = frozenset(s for s in plan.sources if stamps_writes(_where(plan, s)))
         trusted = {s.path for s in plan.sources if s in loaded and s in stamped}
         unproven = tuple(t for t in plan.tensors if str(t.file) not in trusted)
         sources = {s.path: s for s in plan.sources}
@@ -104,7 +105,8 @@ class Prover:
             with self._lock:
                 digest = self._digests.get(key)
             if digest is None:
-                digest = _digest(source, entry.offset, entry.nbytes)
+                held = proof.plan.held.get(source.path)
+                digest = _digest(source, entry.offset, entry.nbytes, held)
                 if source in proof.stamped:
                     self._keep(key, digest)
                 progress.add(entry.nbytes)
@@ -143,8 +145,16 @@ def _key(source: SourceFile, offset: int, nbytes: int) -> _DigestKey:
     )
 
 
-def _digest(source: SourceFile, offset: int, nbytes: int) -> str:
-    with open(open_regular(Path(source.path)), "rb", buffering=0) as f:
+def _where(plan: TablePlan, source: SourceFile) -> str:
+    """A path to `source` as the plan read it: the file it holds open, if it does."""
+    held = plan.held.get(source.path)
+    return held.magic if held is not None else source.path
+
+
+def _digest(source: SourceFile, offset: int, nbytes: int, held: Opened | None) -> str:
+    # A file the plan holds (opened beneath a root) is digested, never its path again.
+    fd = held.reopen() if held is not None else open_regular(Path(source.path))
+    with open(fd, "rb", buffering=0) as f:
         if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
             raise CheckpointError(
                 f"{source.path} changed since its headers were read; attach again once the "

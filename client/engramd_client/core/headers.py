@@ -22,9 +22,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
+
+if TYPE_CHECKING:
+    from engramd_client.core.beneath import Opened
 
 #: Data samples per file that go into the fingerprint, and their size.
 SAMPLES = 8
@@ -97,37 +101,47 @@ class SafetensorsFile:
     source: SourceFile
 
 
-def read_header(path: Path) -> SafetensorsFile:
+def read_header(path: Path, opened: Opened | None = None) -> SafetensorsFile:
     """Parse and validate the header of one safetensors file.
 
     Any malformed header raises `CheckpointError` naming the file and the
     problem. Parsed headers are kept per file identity (HEADER_CACHE_BYTES);
-    the data samples are read again on every call.
+    the data samples are read again on every call. `opened`: the file as a
+    walk beneath a root found it (core/beneath.py), read from its descriptor.
     """
+    if opened is not None:
+        return _read_header(path, opened.path, opened.fd)
     try:
         real = path.resolve(strict=True)
     except (OSError, RuntimeError) as e:  # missing, or a symlink loop
         raise CheckpointError(f"{path}: cannot resolve: {e}") from None
+    fd = open_regular(real)
     try:
-        with open(open_regular(real), "rb") as f:
-            st = os.fstat(f.fileno())
-            size = st.st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(
-                    f"{path}: {size} bytes is too short for a safetensors file "
-                    "(truncated download or copy?); fetch the file again"
-                )
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CheckpointError(
-                    f"{path}: header length {length} runs past the file's {size} bytes "
-                    "(truncated or not a safetensors file); fetch the file again"
-                )
-            header = f.read(length)
-            if len(header) < length:
-                raise CheckpointError(f"{path}: the file ended inside its header (truncated)")
-            samples = _sample(f.fileno(), 8 + length, size)
+        return _read_header(path, real, fd)
+    finally:
+        os.close(fd)
+
+
+def _read_header(path: Path, real: Path, fd: int) -> SafetensorsFile:
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: {size} bytes is too short for a safetensors file "
+                "(truncated download or copy?); fetch the file again"
+            )
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointError(
+                f"{path}: header length {length} runs past the file's {size} bytes "
+                "(truncated or not a safetensors file); fetch the file again"
+            )
+        header = _pread_all(fd, length, 8)
+        if len(header) < length:
+            raise CheckpointError(f"{path}: the file ended inside its header (truncated)")
+        samples = _sample(fd, 8 + length, size)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
     source = SourceFile.of(real, st)
@@ -139,6 +153,19 @@ def read_header(path: Path) -> SafetensorsFile:
         samples=samples,
         source=source,
     )
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    # One pread returns at most about 2 GiB; a header is at most MAX_HEADER_BYTES.
+    parts = []
+    while n:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 class _HeaderCache:
