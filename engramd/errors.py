@@ -113,6 +113,10 @@ class NotInSocketGroup(RuntimeError):
     """The daemon's user may not give its sockets and sets the --socket-group it names."""
 
 
+class UntrustedSocketFolder(RuntimeError):
+    """The sockets' folder is not the daemon's own, or others may write it."""
+
+
 class ShmOnDisk(RuntimeError):
     """The shm folder is on a disk filesystem, and the operator did not accept that."""
 

@@ -39,7 +39,7 @@ from engramd.api.sockets import (
     claim_socket,
     group_id,
     raise_fd_limit,
-    secure,
+    secure_socket,
     worker_socket_options,
 )
 from engramd.backings import backings_for
@@ -151,9 +151,9 @@ class EngramdServer:
         await self.grpc.start()
         await self.admin.start()
         self.fd_channel.start()
-        secure(self.config.socket, 0o660, self.gid)
-        secure(self.config.fd_socket, 0o660, self.gid)
-        secure(self.config.admin_socket, 0o600, None)
+        secure_socket(self.config.socket, 0o660, self.gid)
+        secure_socket(self.config.fd_socket, 0o660, self.gid)
+        secure_socket(self.config.admin_socket, 0o600, None)
         if self.probes is not None:
             address = f"{_host(self.config.health_address)}:{self.config.health_port}"
             self.probes.add_insecure_port(address)
