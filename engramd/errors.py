@@ -105,6 +105,13 @@ class Draining(ServiceError):
     reason = Reason.DRAINING
 
 
+class ReadersBusy(ServiceError):
+    """One owner's files already hold the daemon's share of large header reads."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.BUSY
+
+
 class UntrustedShm(RuntimeError):
     """The shm folder's `engramd/` is not the daemon's own and cannot be made so."""
 

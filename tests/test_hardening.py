@@ -325,8 +325,11 @@ def test_leases_are_bounded(checkpoint: Path, daemons: Any, workers: list[Worker
     assert d.status().sets[0].lease_count == 2
 
 
-def test_fifo_shards_are_refused_at_once(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
-    root = tmp_path / "root"
+def test_fifo_shards_are_refused_at_once(
+    checkpoint: Path, daemons: Any, open_dirs: tuple[Path, Path, Path]
+) -> None:
+    # A folder any member may list: a FIFO there is no secret, and the error names it.
+    root = open_dirs[0] / "root"
     for i in range(12):  # more than every pool has threads
         (root / f"fifo{i}").mkdir(parents=True)
         os.mkfifo(root / f"fifo{i}" / "a.safetensors")
@@ -675,3 +678,62 @@ def test_no_lease_on_a_set_that_left_the_store(
             d.server.store.leases.add(
                 ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), HandleKind.FD
             )
+
+
+def test_a_kept_plan_is_handed_out_while_every_checkpoint_reader_is_taken(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engramd.api import service as service_module
+    from engramd.sets import plans as plans_module
+
+    # One member's checkpoints on a mount that hangs (which cannot exist here: a read
+    # that waits for the test stands in for it) take every reader of checkpoints.
+    readers = service_module._CHECKPOINT_READERS
+    small = synthesize(tmp_path / "small", SynthSpec(rows=2000))
+    root = tmp_path / "root"
+    for i in range(readers):
+        shutil.copytree(small, root / f"hung{i}")
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    real = plans_module.plan_tables
+
+    def hung(path: Path, *args: Any) -> Any:
+        if path.name.startswith("hung"):
+            entered.release()
+            assert release.wait(60), "the test never released the hung reads"
+        return real(path, *args)
+
+    monkeypatch.setattr(plans_module, "plan_tables", hung)
+    config = in_process_config(
+        sock_dir, shm_dir, checkpoints=[str(checkpoint)], allow_roots=[str(root)]
+    )
+    with InProcessDaemon(config) as d, grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as ch:
+        wait_until(lambda: d.server.ready, 30, "the configured set")
+        stub = pb_grpc.TableServiceStub(ch)
+        stuck = [
+            stub.Attach(
+                pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / f"hung{i}"), pid=1),
+                timeout=60,
+            )
+            for i in range(readers)
+        ]
+        try:
+            for _ in range(readers):
+                assert entered.acquire(timeout=30), "the hung reads did not start"
+            # A worker of the configured checkpoint: its plan is kept, and checked on
+            # threads of its own, not behind the readers.
+            request = pb.AttachRequest(
+                set_id=plan_tables(checkpoint).set_id,
+                checkpoint=str(checkpoint),
+                pid=os.getpid(),
+                accept=[pb.HANDLE_KIND_FD],
+            )
+            call = stub.Attach(request, timeout=10)
+            try:
+                assert next(iter(call)).WhichOneof("event") == "attached"
+            finally:
+                call.cancel()
+        finally:
+            release.set()
+            for c in stuck:
+                c.cancel()

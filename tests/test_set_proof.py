@@ -455,3 +455,34 @@ def test_a_symlink_out_of_the_root_reveals_nothing_of_its_target(
     assert not any(secret_text in answers[0] for secret_text in ("710", first8, "root:"))
     # A target that exists and one that does not get the same answer.
     assert answers[0] == answers[1]
+
+
+def test_a_caller_learns_nothing_of_files_it_may_not_read(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    private = node.copy_for(ALICE, "private", checkpoint)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob names Alice's checkpoint with her set's id: he gets a lease (the worker socket
+    # cannot tell who asks) but not her files' names, sizes and inodes, then no descriptor.
+    named = _as(
+        node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), alice.hello["set_id"], str(private)
+    )
+    assert named["error"] == "NotAllowed", named
+    assert named["sources"] == [], named
+    # Alice's broken copy (a truncated shard): Bob learns neither its size nor its bytes.
+    broken = node.copy_for(ALICE, "broken", checkpoint)
+    shard = broken / SHARD
+    size = shard.stat().st_size // 2
+    os.truncate(shard, size)
+    refused = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(broken))
+    assert refused["error"] == "INVALID_ARGUMENT", refused
+    assert SHARD not in refused["message"] and "truncated" not in refused["message"], refused
+    assert "daemon's log alone" in refused["message"]
+    # Alice's own worker is told in full by her own read of the files.
+    strict = Worker(broken, d.socket, share="on", user=node.user(ALICE))
+    workers.append(strict)
+    assert strict.hello["error"] == "CheckpointError", strict.hello
+    assert "truncated file" in strict.hello["message"]

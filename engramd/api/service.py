@@ -7,6 +7,7 @@ import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 
@@ -32,13 +33,14 @@ from engramd.host.blocking import BlockingPool
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
 from engramd.sets.plans import PlanCache
-from engramd.sets.policy import LoadPolicy, open_to_group, resolve
+from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
+from engramd_client.core.beneath import OutsideRoot, Root
 from engramd_client.core.checkpoint import TablePlan, is_set_id
-from engramd_client.core.errors import CAUSES
+from engramd_client.core.errors import CAUSES, CheckpointError
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
@@ -55,6 +57,7 @@ _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 # network mount, so they never share threads with the daemon's own work.
 _CHECKPOINT_READERS = 8
 _PROVERS = 2
+_CHECKERS = 4
 #: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
 CUDA_KINDS = frozenset({HandleKind.CUMEM, HandleKind.CUMEM_FABRIC})
 #: Handle kinds a worker maps by path, with no credentials the daemon could check.
@@ -79,6 +82,9 @@ class TableService(pb_grpc.TableServiceServicer):
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
+        # Kept plans and proofs by identity: stats only, never behind the readers, which
+        # one member's checkpoints (huge headers, a hung mount) may hold for long.
+        self._checks = BlockingPool("checkpoint-checks", _CHECKERS)
         #: The daemon's plans of checkpoints: workers attaching together name the same one.
         self.plans = PlanCache()
         # Digests of workers' copies read every selected byte, as loads do: as
@@ -116,7 +122,12 @@ class TableService(pb_grpc.TableServiceServicer):
             return
         self._store.leases.stats.attach(ok=True)
         try:
-            yield pb.AttachEvent(attached=self._attachment(ts, lease, kind))
+            # The files a lease was proven with are told only where every member of the
+            # group may read them: the kernel names the caller only on the fd channel.
+            reveal = ts.published or await self._readers.run(
+                open_to_group, lease.readers, self._group
+            )
+            yield pb.AttachEvent(attached=self._attachment(ts, lease, kind, reveal))
             await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
@@ -217,7 +228,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path, beneath = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(self.plans.plan, path, self._config.tensors, beneath)
+        plan = await self._planned(path, self._config.tensors, beneath)
         self._policy.check_plan(path, plan, request.set_id)
         return await self._store.ensure(plan, node), plan
 
@@ -233,7 +244,7 @@ class TableService(pb_grpc.TableServiceServicer):
         )
         if beneath is None and str(path) != held.checkpoint:
             path, beneath = self._policy.check_read(request.checkpoint)
-        plan = await self._readers.run(self.plans.plan, path, held.selection, beneath)
+        plan = await self._planned(path, held.selection, beneath)
         if str(plan.checkpoint) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:
@@ -243,16 +254,47 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         return plan
 
+    async def _planned(self, path: Path, selection: str, beneath: Root | None) -> TablePlan:
+        """The plan of a worker's checkpoint: kept (checked off the readers), or read now."""
+        kept = await self._checks.run(self.plans.kept, path, selection, beneath)
+        if kept is not None:
+            return kept
+        return await self._readers.run(self._plan, path, selection, beneath)
+
+    def _plan(self, path: Path, selection: str, beneath: Root | None) -> TablePlan:
+        """The plan of a worker's checkpoint (on a reader thread), its errors told only to
+        those who could see what they name.
+
+        The worker socket cannot tell who asks: an error about a checkpoint
+        not every member of the socket group may read (a size, a header's
+        length, its first bytes) goes to the daemon's log, and the caller
+        learns only that the checkpoint is unusable.
+        """
+        try:
+            return self.plans.plan(path, selection, beneath)
+        except OutsideRoot:
+            raise
+        except CheckpointError as e:
+            if beneath is None or checkpoint_open_to_group(path, beneath, self._group):
+                raise
+            log.info("a worker's checkpoint %s cannot be used: %s", path, e)
+            raise CheckpointError(
+                f"engramd cannot use the checkpoint at {path} (a file is missing, unreadable or "
+                "not safetensors); its files are not open to every member of the socket group, "
+                "so the daemon's log alone names the problem; the worker's own read of its "
+                "files (engramd_client.plan_tables) names it too"
+            ) from None
+
     async def _prove(self, ts: TableSet, plan: TablePlan) -> AsyncIterator[pb.LoadProgress]:
         """Progress of proving the worker's files hold the set's bytes; raises when they do not."""
         assert ts.manifest is not None
-        proof = await self._readers.run(self.prover.judge, plan, ts.manifest)
+        proof = await self._checks.run(self.prover.judge, plan, ts.manifest)
         if not proof.unproven:
             return
         progress = LoadProgress(proof.nbytes)
         if not proof.nbytes:
             # Every digest is kept: a comparison, no reads, no wait behind digests.
-            await self._readers.run(self.prover.prove, proof, ts.manifest, progress)
+            await self._checks.run(self.prover.prove, proof, ts.manifest, progress)
             return
         task = asyncio.ensure_future(
             self._provers.run(self.prover.prove, proof, ts.manifest, progress)
@@ -268,10 +310,12 @@ class TableService(pb_grpc.TableServiceServicer):
             progress.cancel.set()
         task.result()
 
-    def _attachment(self, ts: TableSet, lease: Lease, kind: HandleKind) -> pb.Attachment:
+    def _attachment(
+        self, ts: TableSet, lease: Lease, kind: HandleKind, sources: bool
+    ) -> pb.Attachment:
         assert ts.manifest is not None
         fd_socket = self._config.fd_socket if kind in ON_FD_CHANNEL else None
-        return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket)
+        return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket, sources)
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext

@@ -97,16 +97,17 @@ def _cumem(where: CuMemRange) -> pb.CuMemHandle:
 
 
 def attachment(
-    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None
+    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None, sources: bool = True
 ) -> pb.Attachment:
-    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used)."""
+    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used);
+    the checkpoint files it was loaded from only with `sources`."""
     assert ts.manifest is not None
     out = pb.Attachment(
         set_id=ts.set_id,
         fingerprint=ts.fingerprint,
         nonce=ts.manifest.nonce,
         lease_id=lease.lease_id,
-        sources=source_files(ts.manifest),
+        sources=source_files(ts.manifest) if sources else [],
         tensors=[tensor_handle(h) for h in handles],
         gpu_route=lease.gpu_route,  # type: ignore[arg-type]
     )

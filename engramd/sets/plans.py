@@ -19,10 +19,12 @@ import contextlib
 import os
 import stat
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engramd.errors import ReadersBusy
 from engramd.sets.proof import stamps_writes
 from engramd_client.core.beneath import Root
 from engramd_client.core.checkpoint import (
@@ -37,6 +39,14 @@ from engramd_client.core.fileid import SourceFile
 
 #: Plans kept (checkpoint and selection each); a plan is a few KiB per selected tensor.
 PLANS_KEPT = 64
+#: The longest safetensors header read for a worker's checkpoint (the reference reader
+#: takes 100 MB, the operator's loads too): a shard's header is a few hundred KiB.
+WORKER_HEADER_BYTES = 16 << 20
+#: A header this long or longer costs about 10x its size to read and parse.
+LARGE_HEADER_BYTES = 1 << 20
+#: Large headers of one owner's files read at once for workers' attaches: a member's
+#: own files are his to make, so his checkpoints cannot take every reader.
+LARGE_HEADERS_PER_UID = 2
 
 
 #: A kept plan's key: the checkpoint as named, the selection, whether it was opened beneath a root.
@@ -76,6 +86,7 @@ class PlanCache:
         self._lock = threading.Lock()
         #: One planning at a time per checkpoint: a storm's first attaches wait for it.
         self._planning: dict[_Key, threading.Lock] = {}
+        self._large = _LargeHeaders(LARGE_HEADERS_PER_UID)
 
     def plan(self, checkpoint: Path, selection: str, beneath: Root | None = None) -> TablePlan:
         """The plan of `checkpoint` under `selection`; blocks (run it on a thread).
@@ -100,6 +111,17 @@ class PlanCache:
                 with self._lock:
                     self._planning.pop(key, None)
 
+    def kept(
+        self, checkpoint: Path, selection: str, beneath: Root | None = None
+    ) -> TablePlan | None:
+        """The kept plan of `checkpoint`, if every file's identity still holds; None otherwise.
+
+        Stats and walks only, no reads of the files: the daemon runs it on
+        threads of its own, so a kept plan is handed out while every reader of
+        checkpoints is busy (or stuck).
+        """
+        return self._valid((str(checkpoint), selection, beneath is not None), beneath)
+
     def _valid(self, key: _Key, beneath: Root | None) -> TablePlan | None:
         with self._lock:
             kept = self._plans.get(key)
@@ -117,7 +139,12 @@ class PlanCache:
 
     def _plan(self, key: _Key, checkpoint: Path, selection: str, beneath: Root | None) -> TablePlan:
         before = _snapshot(checkpoint, beneath)
-        plan = plan_tables(checkpoint, selection, beneath)
+        if beneath is None:
+            plan = plan_tables(checkpoint, selection)
+        else:
+            plan = plan_tables(
+                checkpoint, selection, beneath, WORKER_HEADER_BYTES, self._large.admit
+            )
         if before is None or before != _snapshot(checkpoint, beneath):
             return plan  # changed while it was read: good for this attach only
         if beneath is not None:
@@ -132,6 +159,39 @@ class PlanCache:
             while len(self._plans) > self._kept:
                 self._plans.popitem(last=False)
         return plan
+
+
+class _LargeHeaders:
+    """Large headers being read for workers, counted by their files' owner."""
+
+    def __init__(self, per_uid: int) -> None:
+        self._per_uid = per_uid
+        self._reading: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def admit(self, st: os.stat_result, length: int) -> Iterator[None]:
+        """Read a header of `length` bytes of the file `st` within its owner's share."""
+        if length < LARGE_HEADER_BYTES:
+            yield
+            return
+        uid = st.st_uid
+        with self._lock:
+            if self._reading[uid] >= self._per_uid:
+                raise ReadersBusy(
+                    f"engramd is reading {self._reading[uid]} headers of {LARGE_HEADER_BYTES >> 20}"
+                    f" MiB or more of files of uid {uid} for workers' attaches, the most it reads "
+                    "at once for one owner; attach again once those are read, or have the "
+                    "operator load the checkpoint (engramd load)"
+                )
+            self._reading[uid] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading[uid] -= 1
+                if not self._reading[uid]:
+                    del self._reading[uid]
 
 
 def _snapshot(checkpoint: Path, beneath: Root | None) -> _Snapshot | None:

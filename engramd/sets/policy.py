@@ -7,6 +7,7 @@ and judges the files the daemon would really read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable, Collection, Sequence
@@ -15,7 +16,8 @@ from pathlib import Path
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
 from engramd_client.core.beneath import Opened, Root
-from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.checkpoint import INDEX_FILE, TablePlan
+from engramd_client.core.errors import CheckpointError
 from engramd_client.core.pb import engramd_pb2 as pb
 
 
@@ -168,7 +170,7 @@ def _every_path_grants(
     return bool(files)
 
 
-def open_to_group(files: list[str], gid: int | None) -> bool:
+def open_to_group(files: Sequence[str | Opened], gid: int | None) -> bool:
     """True when every member of group `gid` (any user in it) may read all of `files`.
 
     Judged from mode bits along each path: "other" bits, or group bits where
@@ -184,6 +186,28 @@ def open_to_group(files: list[str], gid: int | None) -> bool:
         )
 
     return _every_path_grants(files, grants)
+
+
+def checkpoint_open_to_group(path: Path, beneath: Root, gid: int | None) -> bool:
+    """True when every member of group `gid` may list the checkpoint at `path` and read each
+    of its files, as a walk beneath `beneath` finds them (reading none of their bytes).
+
+    What such a member could learn by itself (names, sizes, types, bytes) an
+    error may tell; of any other checkpoint, an error on the worker socket
+    (which cannot tell who asks) names nothing. Unusable counts as closed.
+    """
+    try:
+        top = beneath.open(path, readable=False)
+        items: list[str | Opened] = [top]
+        if stat.S_ISDIR(top.file.stat().st_mode):
+            for name in beneath.listdir(top):
+                if name == INDEX_FILE or name.endswith(".safetensors"):
+                    # A FIFO or a symlink out of the root shows as such in a listing.
+                    with contextlib.suppress(CheckpointError):
+                        items.append(beneath.open(Path(name), top, readable=False))
+    except (OSError, CheckpointError):
+        return False
+    return open_to_group(items, gid)
 
 
 def may_read(files: Sequence[str | Opened], uid: int, gids: Collection[int]) -> bool:

@@ -23,6 +23,7 @@ from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
 from engramd_client.core.headers import (
     MAX_HEADER_BYTES,
+    Admit,
     SafetensorsFile,
     TensorEntry,
     bounded_int,
@@ -145,12 +146,15 @@ def plan_tables(
     checkpoint: str | os.PathLike[str],
     selection: str = DEFAULT_TENSORS,
     beneath: Root | None = None,
+    max_header: int = MAX_HEADER_BYTES,
+    admit: Admit | None = None,
 ) -> TablePlan:
     """Read the headers of a checkpoint and select the tensors of its table set.
 
     With `beneath` (the daemon, for a worker's checkpoint) every file is
     opened by a walk beneath that root before a byte of it is read, and the
-    plan holds the files it read (`TablePlan.held`).
+    plan holds the files it read (`TablePlan.held`). `max_header` and
+    `admit`: as read_header's.
     """
     opened: tuple[Opened, ...] = ()
     if beneath is None:
@@ -164,7 +168,7 @@ def plan_tables(
         found = files_beneath(Path(checkpoint), beneath)
         root, weight_map, opened = found.top.path, found.weight_map, found.files
         files = list(found.names)
-        headers = [read_header(p, o) for p, o in zip(files, opened, strict=True)]
+        headers = [read_header(p, o, max_header, admit) for p, o in zip(files, opened, strict=True)]
     by_name: dict[str, TensorEntry] = {}
     file_of: dict[str, str] = {}
     for h in headers:
