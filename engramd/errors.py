@@ -105,11 +105,18 @@ class Draining(ServiceError):
     reason = Reason.DRAINING
 
 
+class QuotaExceeded(ServiceError):
+    """Sets workers loaded from one uid's files would take more than its share."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.QUOTA
+
+
 class ReadersBusy(ServiceError):
     """One owner's files already hold the daemon's share of large header reads."""
 
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.BUSY
+    reason = Reason.READERS
 
 
 class UntrustedShm(RuntimeError):

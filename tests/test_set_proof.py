@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs
+from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
 from engramd_client.core.checkpoint import plan_tables
@@ -79,7 +79,8 @@ class Node:
 
 
 @pytest.fixture
-def node(checkpoint: Path) -> Iterator[Node]:
+def node(checkpoint: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    """The daemon, with the serve flags a test gives (indirect parametrization) added."""
     if os.geteuid() != 0:
         pytest.skip("creating a group and dropping to other users needs root")
     subprocess.run(["groupdel", GROUP], capture_output=True)  # left by an interrupted run
@@ -93,7 +94,7 @@ def node(checkpoint: Path) -> Iterator[Node]:
     d = Daemon(
         top / "run" / "d.sock",
         shm,
-        ["--allow-root", str(root), "--socket-group", GROUP],
+        ["--allow-root", str(root), "--socket-group", GROUP, *getattr(request, "param", [])],
         top / "log",
     ).start()
     try:
@@ -486,3 +487,47 @@ def test_a_caller_learns_nothing_of_files_it_may_not_read(
     workers.append(strict)
     assert strict.hello["error"] == "CheckpointError", strict.hello
     assert "truncated file" in strict.hello["message"]
+
+
+@pytest.mark.parametrize(
+    "node",
+    [["--memory-budget", "64M", "--worker-set-grace", "2", "--sweep-interval", "0.1"]],
+    indirect=True,
+)
+def test_one_users_checkpoints_take_only_their_share_and_leave_when_unleased(
+    node: Node, tmp_path: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    ckpts = [synthesize(tmp_path / f"c{i}", SynthSpec(rows=4000, seed=i)) for i in range(4)]
+    nbytes = plan_tables(ckpts[0]).nbytes
+    # Room for two of Bob's sets in his share, not three (the budget itself holds many).
+    share = 2.5 * nbytes / (64 << 20)
+    d.stop()
+    d.args += ["--worker-share-per-uid", f"{share:.6f}"]
+    d.start()
+    status = d.status().daemon
+    assert status.worker_set_grace_s == 2 and abs(status.worker_share_per_uid - share) < 1e-6
+    bobs = [node.copy_for(BOB, f"b{i}", ckpts[i]) for i in range(3)]
+    held = []
+    for folder in bobs[:2]:
+        w = Worker(folder, d.socket, share="on", user=node.user(BOB))
+        workers.append(w)
+        assert w.hello["mode"] == "shared", w.hello
+        held.append(w)
+    third = Worker(bobs[2], d.socket, share="on", user=node.user(BOB))
+    workers.append(third)
+    assert "--worker-share-per-uid" in third.hello.get("message", ""), third.hello
+    assert f"files of uid {BOB}" in third.hello["message"]
+    # Alice's files are charged to her, not to Bob.
+    alice = Worker(node.copy_for(ALICE, "a", ckpts[3]), d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob's workers exit: his sets are dropped once unleased for the grace; Alice's stays.
+    for w in held:
+        assert w.exit() == 0
+    wait_until(lambda: len(d.status().sets) == 1, 30, "Bob's unleased sets to be dropped")
+    assert [s.set_id for s in d.status().sets] == [alice.hello["set_id"]]
+    assert "--worker-set-grace" in d.log
+    again = Worker(bobs[2], d.socket, share="on", user=node.user(BOB))
+    workers.append(again)
+    assert again.hello["mode"] == "shared", again.hello

@@ -86,6 +86,7 @@ class EngramdServer:
             max_leases=config.max_leases,
             placement=config.numa,
             leases_per_uid=config.leases_per_uid,
+            worker_share_per_uid=config.worker_share_per_uid,
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
         self.ready = False
@@ -242,6 +243,7 @@ class EngramdServer:
         while True:
             await asyncio.sleep(self.config.sweep_interval)
             self.store.leases.sweep_dead()
+            await self.store.drop_abandoned(self.config.worker_set_grace)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

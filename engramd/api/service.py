@@ -230,7 +230,8 @@ class TableService(pb_grpc.TableServiceServicer):
         path, beneath = self._policy.check_request(request, loaded)
         plan = await self._planned(path, self._config.tensors, beneath)
         self._policy.check_plan(path, plan, request.set_id)
-        return await self._store.ensure(plan, node), plan
+        charges = await self._checks.run(_charges, plan)
+        return await self._store.ensure(plan, node, charges), plan
 
     async def _plan_for_held(self, request: pb.AttachRequest, held: TableSet) -> TablePlan:
         """The worker's plan of its checkpoint, for a set the daemon holds under its id.
@@ -365,6 +366,8 @@ class TableService(pb_grpc.TableServiceServicer):
             self._ready(),
             self._config.allow_writable_gpu_mappings,
             shown,
+            self._config.worker_share_per_uid,
+            self._config.worker_set_grace,
         )
 
     async def _group_readable(self) -> Callable[[TableSet], bool]:
@@ -383,6 +386,17 @@ class TableService(pb_grpc.TableServiceServicer):
             lambda: {key for key, files in pending.items() if open_to_group(files, self._group)}
         )
         return lambda ts: ts.published or ts.key in readable
+
+
+def _charges(plan: TablePlan) -> dict[int, int]:
+    """A worker's load: its bytes by the uid that owns the files they come from (held open)."""
+    charges: dict[int, int] = {}
+    for t in plan.tensors:
+        held = plan.held.get(str(t.file))
+        if held is not None:
+            uid = held.file.stat().st_uid
+            charges[uid] = charges.get(uid, 0) + t.nbytes
+    return charges
 
 
 def _validate(request: pb.AttachRequest) -> None:

@@ -176,6 +176,8 @@ def status_reply(
     ready: bool,
     writable_gpu_mappings: bool = False,
     shown: Callable[[TableSet], bool] | None = None,
+    worker_share_per_uid: float = 0.0,
+    worker_set_grace_s: float = 0.0,
 ) -> pb.StatusReply:
     """What the node holds; sets that `shown` refuses are listed without id, path or leases."""
     usages = [(b, b.usage()) for b in store.backings]
@@ -189,6 +191,8 @@ def status_reply(
             socket=socket,
             ready=ready,
             writable_gpu_mappings=writable_gpu_mappings,
+            worker_share_per_uid=worker_share_per_uid,
+            worker_set_grace_s=worker_set_grace_s,
         ),
         shm=pb.ShmInfo(
             dir=u.where,

@@ -75,6 +75,9 @@ class TableSet:
     last_used: float = field(default_factory=time.monotonic)
     #: Not evicted as idle before this time (adopted sets: their workers re-attach).
     idle_after: float = 0.0
+    #: A set a worker's attach loaded: its bytes by the uid that owns the checkpoint files
+    #: they came from (--worker-share-per-uid); empty for the operator's sets.
+    charges: dict[int, int] = field(default_factory=dict)
     #: Set once the load ends, ready or failed.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 
