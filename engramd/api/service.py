@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -389,12 +390,16 @@ class TableService(pb_grpc.TableServiceServicer):
 
 
 def _charges(plan: TablePlan) -> dict[int, int]:
-    """A worker's load: its bytes by the uid that owns the files they come from (held open)."""
+    """A worker's load: its bytes by the uid that owns the files they come from (held open).
+
+    Files of root and of the daemon's own user are the operator's: charged to no one.
+    """
+    operator = {0, os.geteuid()}
     charges: dict[int, int] = {}
     for t in plan.tensors:
         held = plan.held.get(str(t.file))
-        if held is not None:
-            uid = held.file.stat().st_uid
+        uid = held.file.stat().st_uid if held is not None else 0
+        if uid not in operator:
             charges[uid] = charges.get(uid, 0) + t.nbytes
     return charges
 

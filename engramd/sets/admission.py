@@ -46,7 +46,7 @@ class Admission:
         limit = int(self._share * whole)
         held: Counter[int] = Counter()
         for ts in self._sets.all():
-            if ts.state is not SetState.FAILED and not ts.published:
+            if ts.state is not SetState.FAILED and not ts.published and ts.charges:
                 held.update(ts.charges)
         for uid, nbytes in sorted(charges.items()):
             if held[uid] + nbytes > limit:

@@ -169,7 +169,7 @@ class SetStore:
         sizes = [t.nbytes for t in plan.tensors]
         needed = self._admission.needed(sizes)
         what = f"set {copy_name(plan.set_id, node)} ({plan.checkpoint})"
-        if charges:
+        if charges is not None:
             self._admission.check_share(charges, what)
         while True:
             victims = self._admission.victims(needed, what)
@@ -201,7 +201,7 @@ class SetStore:
             progress=LoadProgress(plan.nbytes),
             # A copy for another node of a set the operator loaded is the operator's too.
             published=self.sets.published(plan.set_id),
-            charges=dict(charges or {}),
+            charges=None if charges is None else dict(charges),
         )
         self.sets.add(ts)
         self._spawn(self._load(ts, plan))
@@ -370,7 +370,7 @@ class SetStore:
         now = time.monotonic()
         for ts in self.sets.all():
             if (
-                ts.charges
+                ts.charges is not None
                 and not ts.published
                 and ts.state is SetState.READY
                 and not self.leases.count(ts)
