@@ -19,6 +19,7 @@ import errno
 import os
 import stat
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,8 +65,9 @@ class Held:
         """The file as the kernel sees it now (it is the same file whatever its path became)."""
         return os.fstat(self.fd)
 
-    def __del__(self) -> None:
-        os.close(self.fd)
+    def __del__(self, _close: Callable[[int], None] = os.close) -> None:
+        # os.close bound at definition: at interpreter exit the module may be gone.
+        _close(self.fd)
 
 
 @dataclass(frozen=True, eq=False)
