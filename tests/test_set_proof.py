@@ -122,16 +122,18 @@ def test_planted_bytes_reach_no_other_copy(
     assert alice.hello["mode"] == "shared", alice.hello
     assert alice.hello["digests"] == planted
 
-    # Bob's own clean copy, same set id: never served Alice's bytes.
+    # Bob's own clean copy, same set id: never served Alice's bytes, and not shut out
+    # by them either: his files get a set of their own.
     mine = node.copy_for(BOB, "clean", checkpoint)
     strict = Worker(mine, d.socket, share="on", user=node.user(BOB))
     workers.append(strict)
-    assert strict.hello["error"] == "FingerprintMismatch", strict.hello
-    assert "does not hold the bytes" in strict.hello["message"]
+    assert strict.hello["mode"] == "shared", strict.hello
+    assert strict.hello["digests"] == clean
+    assert strict.hello["set_id"] != alice.hello["set_id"]
     auto = Worker(mine, d.socket, user=node.user(BOB))
     workers.append(auto)
-    assert auto.hello["mode"] == "private"
-    assert auto.hello["digests"] == clean
+    assert auto.hello["mode"] == "shared", auto.hello
+    assert auto.hello["digests"] == clean and auto.hello["set_id"] == strict.hello["set_id"]
     # Nor by the bare set id: Alice's attach loaded it, the operator did not.
     by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
     workers.append(by_id)
@@ -143,9 +145,10 @@ def test_planted_bytes_reach_no_other_copy(
     workers.append(twin)
     assert twin.hello["mode"] == "shared", twin.hello
     assert twin.hello["digests"] == planted
-    # Meanwhile the daemon served everyone else: one set, Alice's and the twin's leases.
-    [s] = d.status().sets
-    assert s.lease_count == 2
+    # Meanwhile the daemon served everyone: Alice's set (her lease and the twin's), and
+    # Bob's clean one (his two workers').
+    leases = {s.set_id: s.lease_count for s in d.status().sets}
+    assert leases == {alice.hello["set_id"]: 2, strict.hello["set_id"]: 2}
     again = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
     workers.append(again)
     assert again.hello["mode"] == "shared"

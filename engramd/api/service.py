@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import re
@@ -40,7 +41,7 @@ from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
 from engramd_client.core.beneath import OutsideRoot, Root
-from engramd_client.core.checkpoint import TablePlan, is_set_id
+from engramd_client.core.checkpoint import TablePlan, is_set_id, set_id_of
 from engramd_client.core.errors import CAUSES, CheckpointError
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
@@ -108,8 +109,20 @@ class TableService(pb_grpc.TableServiceServicer):
             if ts.error is not None:
                 raise ts.error
             if plan is not None:
-                async for progress in self._prove(ts, plan):
-                    yield pb.AttachEvent(progress=progress)
+                try:
+                    async for progress in self._prove(ts, plan):
+                        yield pb.AttachEvent(progress=progress)
+                except FingerprintDiffers:
+                    twin = await self._twin(ts, plan, request)
+                    if twin is None:
+                        raise
+                    ts = twin
+                    async for progress in load_progress(ts):
+                        yield pb.AttachEvent(progress=progress)
+                    if ts.error is not None:
+                        raise ts.error from None
+                    async for progress in self._prove(ts, plan):
+                        yield pb.AttachEvent(progress=progress)
             kind = self._handle_kind(request, [ts.backing], ts)
             route = self._gpu_route(request, ts.backing, kind)
             lease = self._store.leases.add(ts, request, kind, route)
@@ -255,6 +268,34 @@ class TableService(pb_grpc.TableServiceServicer):
                 "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
             )
         return plan
+
+    async def _twin(
+        self, ts: TableSet, plan: TablePlan, request: pb.AttachRequest
+    ) -> TableSet | None:
+        """The set of the worker's own bytes, where they differ from the set held under its id.
+
+        Two checkpoints that share headers and samples but not every byte
+        share a set id: one loaded first must not deny the other (a planted
+        twin would shut out the clean copy). A worker's files under an allowed
+        root that the held set's own files are not get a set of their own,
+        named by the set id and the files' identities, within their owner's
+        share; None where that does not apply (the set's own files changed, a
+        configured checkpoint, a re-attach), and the refusal stands.
+        """
+        assert ts.manifest is not None
+        loaded = {s.path for s in ts.manifest.sources}
+        if request.reattach or not plan.held or any(s.path in loaded for s in plan.sources):
+            return None
+        files = ",".join(f"{s.dev}:{s.ino}:{s.ctime_ns}" for s in plan.sources)
+        own = dataclasses.replace(plan, set_id=set_id_of(f"{plan.fingerprint}:{files}"))
+        log.info(
+            "the files of %s hold other bytes than set %s under its id: they get set %s",
+            plan.checkpoint,
+            ts.set_id,
+            own.set_id,
+        )
+        charges = await self._checks.run(_charges, plan)
+        return await self._store.ensure(own, ts.node, charges)
 
     async def _planned(self, path: Path, selection: str, beneath: Root | None) -> TablePlan:
         """The plan of a worker's checkpoint: kept (checked off the readers), or read now."""
