@@ -114,8 +114,12 @@ class DaemonConfig:
         option="--checkpoint",
         parse=path,
     )
-    #: fnmatch selection of the tensors that make a set.
-    tensors: str = setting(DEFAULT_TENSORS, "Tensors that make a set (fnmatch).")
+    #: fnmatch selection of the tensors that make a set; auto: each checkpoint's family's.
+    tensors: str = setting(
+        DEFAULT_TENSORS,
+        "Tensors that make a set (fnmatch); auto: the n-gram tables of the checkpoint's "
+        "family (DeepSeek-V4.1 Engram, Qwen4Exp PLE).",
+    )
     #: Unix socket of the TableService and the health service (0660).
     socket: str = setting(DEFAULT_SOCKET, "The daemon's Unix socket.")
     #: Unix socket of the AdminService (load, drop, verify; 0600); "": admin.sock beside `socket`.

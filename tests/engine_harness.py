@@ -103,6 +103,17 @@ def io_read_bytes() -> int:
     raise AssertionError("no read_bytes in /proc/self/io")
 
 
+def disk_read_bytes(folder: Path) -> int:
+    """Bytes read so far from the block device that holds `folder` (its sectors read).
+
+    Unlike a process's read_bytes, it counts only what came from that disk:
+    not the engine's own modules imported on the way.
+    """
+    dev = os.stat(folder).st_dev
+    stat = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    return int(stat[2]) * 512
+
+
 def drop_cache(folder: Path) -> None:
     """Evict the checkpoint's pages, so every byte read is counted as read from disk."""
     for path in folder.glob("*.safetensors"):

@@ -62,14 +62,17 @@ def attach(
     labels: Mapping[str, str] | None = None,
     populate: bool = False,
     device: str | None = None,
+    pad_rows: bool = False,
 ) -> Tables:
-    """Attach to the node's copy of a checkpoint's Engram tables, or load them privately.
+    """Attach to the node's copy of a checkpoint's n-gram tables, or load them privately.
 
     Args:
         checkpoint: the checkpoint folder (or one .safetensors file) as this
             worker sees it, or the id of a set the operator loaded (then no private
             fallback is possible).
-        tensors: fnmatch selection of tensor names, the daemon's default.
+        tensors: fnmatch selection of tensor names; "auto" (the default): the tables
+            of the checkpoint's family (engramd_client.core.families). Row shards of one
+            table (`X.shard_N.Y`) are one tensor `X.Y`.
         rows: {name: (start, stop)} maps only those rows of a tensor (a TP shard).
         share: None for auto (or ENGRAMD_SHARE), True strict, False private.
         socket: the daemon's socket; default ENGRAMD_SOCKET, then /run/engramd/engramd.sock.
@@ -83,6 +86,8 @@ def attach(
             through the host's page tables), a writable shared mapping where the
             device cannot register read-only memory and the daemon allows it, else a
             private registered copy (auto; strict raises DeviceError).
+        pad_rows: a range of `rows` may run past its table's end (an engine's padding
+            rows): those rows read as zeros, the worker's own memory.
 
     Raises:
         CheckpointError: the checkpoint cannot be read at all.
@@ -98,7 +103,7 @@ def attach(
         check_device(index)
         # What the device says decides the route before anything is attached or registered.
         route = device_caps(index).route()
-    tables = _attach(config, checkpoint, tensors, rows, labels, populate, index, route)
+    tables = _attach(config, checkpoint, tensors, rows, labels, populate, index, route, pad_rows)
     if index is not None and tables.device is None:
         try:
             tables.register_on(index, tables.gpu_route or PRIVATE_ROUTE)
@@ -117,6 +122,7 @@ def _attach(
     populate: bool,
     index: int | None,
     route: int,
+    pad_rows: bool,
 ) -> Tables:
     target = os.fspath(checkpoint)
     plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
@@ -125,10 +131,17 @@ def _attach(
     if config.share is False:
         if plan is None:
             raise ValueError(f"share=False needs a checkpoint folder, not the set id {target}")
-        return Tables.private(plan, rows, reason=None, thp=config.private_thp)
+        return Tables.private(plan, rows, reason=None, thp=config.private_thp, pad_rows=pad_rows)
     try:
         tables = _attach_shared(
-            config, target if plan is None else plan, rows, labels or {}, populate, index, route
+            config,
+            target if plan is None else plan,
+            rows,
+            labels or {},
+            populate,
+            index,
+            route,
+            pad_rows,
         )
     except ShareError as e:
         if config.share or plan is None:
@@ -140,7 +153,9 @@ def _attach(
         if not isinstance(e, DaemonUnavailable | NotAllowed):
             # The daemon answered but cannot serve: count it where operators look.
             report_fallback(config, e.cause, plan.set_id, plan.nbytes)
-        tables = Tables.private(plan, rows, reason=reason, thp=config.private_thp)
+        tables = Tables.private(
+            plan, rows, reason=reason, thp=config.private_thp, pad_rows=pad_rows
+        )
     tables.reattach = functools.partial(
         attach,
         checkpoint,
@@ -151,6 +166,7 @@ def _attach(
         labels=labels,
         populate=populate,
         device=config.device,
+        pad_rows=pad_rows,
     )
     return tables
 
@@ -168,19 +184,20 @@ def _attach_shared(
     populate: bool,
     index: int | None,
     route: int,
+    pad_rows: bool,
 ) -> Tables:
     probe_socket(config.socket, config.connect_timeout_s)
     # cuMem allocations are GPU memory, or host memory only the driver can map.
     handles = tuple(h for h in config.handles if index is not None or h not in CUDA_HANDLE_KINDS)
     try:
-        return _attach_as(config, target, rows, labels, populate, handles, index, route)
+        return _attach_as(config, target, rows, labels, populate, handles, index, route, pad_rows)
     except FdChannelUnreachable as unreachable:
         # FABRIC handles and paths need no fd channel (paths: the daemon's /dev/shm).
         paths = tuple(h for h in handles if h not in ON_FD_CHANNEL)
         if not paths:
             raise
         try:
-            return _attach_as(config, target, rows, labels, populate, paths, index, route)
+            return _attach_as(config, target, rows, labels, populate, paths, index, route, pad_rows)
         except SegmentNotVisible as e:
             raise SegmentNotVisible(f"{unreachable}; and by path: {e}") from None
         except ShareError:
@@ -196,6 +213,7 @@ def _attach_as(
     handles: tuple[str, ...],
     index: int | None,
     route: int,
+    pad_rows: bool,
 ) -> Tables:
     plan = target if isinstance(target, TablePlan) else None
     request = pb.AttachRequest(
@@ -221,15 +239,21 @@ def _attach_as(
         # Who serves the socket, as the kernel says, before anything it handed out is mapped.
         owner = daemon_uid(config.socket, config.connect_timeout_s)
         if any(h.WhichOneof("handle") == "cumem" for h in attachment.tensors):
-            return _imported_tables(attachment, rows, config, index, lease)
+            return _imported_tables(attachment, rows, config, index, lease, plan)
         writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
         if writable and attachment.gpu_route != route:
             raise NoGpuRoute(_no_gpu_route(index, attachment))
-        tensors = _map(attachment, rows, populate, config, owner, writable)
+        tensors = _map(attachment, rows, populate, config, owner, writable, pad_rows)
     except BaseException:
         lease.close()
         raise
-    tables = Tables(tensors, mode="shared", set_id=attachment.set_id, lease=lease)
+    tables = Tables(
+        tensors,
+        mode="shared",
+        set_id=attachment.set_id,
+        lease=lease,
+        parts=plan.checkpoint_names if plan else None,
+    )
     # A daemon that records no route (engramd 0.2) left the worker's own choice standing.
     tables.gpu_route = ROUTES.get(attachment.gpu_route) or ROUTES.get(route, "")
     return tables
@@ -254,6 +278,7 @@ def _imported_tables(
     config: ClientConfig,
     index: int | None,
     lease: Lease,
+    plan: TablePlan | None,
 ) -> Tables:
     """Tables over the set's cuMem allocation, imported for the worker's device.
 
@@ -275,7 +300,13 @@ def _imported_tables(
     finally:
         for fd in descriptors.values():
             os.close(fd)
-    tables = Tables(imported.cpu, mode="shared", set_id=attachment.set_id, lease=lease)
+    tables = Tables(
+        imported.cpu,
+        mode="shared",
+        set_id=attachment.set_id,
+        lease=lease,
+        parts=plan.checkpoint_names if plan else None,
+    )
     tables.set_views(imported.cuda, index, imported.release)
     tables.gpu_route = ROUTES[pb.GPU_ROUTE_CUMEM_IMPORT]
     return tables
@@ -310,7 +341,8 @@ def _map(
     populate: bool,
     config: ClientConfig,
     owner: int,
-    writable: bool = False,
+    writable: bool,
+    pad_rows: bool,
 ) -> dict[str, torch.Tensor]:
     mappers: dict[str, HandleMapper] = {}
     tensors = {}
@@ -325,7 +357,7 @@ def _map(
             if which not in mappers:
                 mappers[which] = MAPPERS[which][1](config, owner)
             mapper = mappers[which]
-            region = mapper.region(handle).cut(rows)
+            region = mapper.region(handle).cut(rows, pad_rows)
             fd = mapper.open(attachment, handle)
             tensors[handle.name] = map_fd(fd, region, populate, writable)
     finally:

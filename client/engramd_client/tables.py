@@ -34,9 +34,11 @@ class Tables(Mapping[str, torch.Tensor]):
         set_id: str,
         reason: str | None = None,
         lease: Lease | None = None,
+        parts: Mapping[str, tuple[str, ...]] | None = None,
     ) -> None:
         self._tensors = tensors
         self._lease = lease
+        self._parts = dict(parts or {})
         #: "shared" or "private".
         self.mode = mode
         #: Why the tables are private (the warning's text), or None.
@@ -55,12 +57,28 @@ class Tables(Mapping[str, torch.Tensor]):
 
     @classmethod
     def private(
-        cls, plan: TablePlan, rows: RowRanges | None, reason: str | None, thp: bool = True
+        cls,
+        plan: TablePlan,
+        rows: RowRanges | None,
+        reason: str | None,
+        thp: bool = True,
+        pad_rows: bool = False,
     ) -> Tables:
         """Private copies of a plan's tensors, read from the checkpoint (on THP with `thp`)."""
         check_row_names(rows, [t.name for t in plan.tensors])
-        tensors = {t.name: load_private(t, rows, thp) for t in plan.tensors}
-        return cls(tensors, mode="private", set_id=plan.set_id, reason=reason)
+        tensors = {t.name: load_private(t, rows, thp, pad_rows) for t in plan.tensors}
+        return cls(
+            tensors,
+            mode="private",
+            set_id=plan.set_id,
+            reason=reason,
+            parts=plan.checkpoint_names,
+        )
+
+    @property
+    def checkpoint_names(self) -> frozenset[str]:
+        """The checkpoint's names of the tensors these tables hold (a joined table's shards)."""
+        return frozenset(p for name in self._names for p in self._parts.get(name, (name,)))
 
     @property
     def lease_id(self) -> str | None:

@@ -242,7 +242,7 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
         path, beneath = self._policy.check_request(request, loaded)
-        plan = await self._planned(path, self._config.tensors, beneath)
+        plan = await self._planned(path, self._policy.selection(request), beneath)
         self._policy.check_plan(path, plan, request.set_id)
         charges = await self._checks.run(_charges, plan)
         return await self._store.ensure(plan, node, charges), plan
@@ -437,11 +437,12 @@ def _charges(plan: TablePlan) -> dict[int, int]:
     """
     operator = {0, os.geteuid()}
     charges: dict[int, int] = {}
-    for t in plan.tensors:
-        held = plan.held.get(str(t.file))
+    # Span by span: a joined table's shards may lie in files of different owners.
+    for span in (p for t in plan.tensors for p in t.spans):
+        held = plan.held.get(str(span.file))
         uid = held.file.stat().st_uid if held is not None else 0
         if uid not in operator:
-            charges[uid] = charges.get(uid, 0) + t.nbytes
+            charges[uid] = charges.get(uid, 0) + span.nbytes
     return charges
 
 

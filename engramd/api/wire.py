@@ -13,6 +13,7 @@ from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, 
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
+from engramd_client.core.families import family_of_selection
 from engramd_client.core.layout import Manifest
 from engramd_client.core.pb import engramd_pb2 as pb
 
@@ -153,6 +154,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         bytes_per_node=ts.nodes,
         numa_node=ts.node,
         huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
+        family=family.name if (family := family_of_selection(ts.selection)) else "",
     )
 
 

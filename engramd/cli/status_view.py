@@ -137,6 +137,7 @@ _ROUTE = {
 def _sets(reply: pb.StatusReply) -> Table:
     table = Table(
         "SET",
+        "TABLES",
         "STATE",
         "BACKING",
         "PAGES",
@@ -147,12 +148,13 @@ def _sets(reply: pb.StatusReply) -> Table:
         "CHECKPOINT",
         box=box.SIMPLE,
     )
-    for column in table.columns[3:8]:
+    for column in table.columns[4:9]:
         column.justify = "right"
     table.columns[0].min_width = len("0" * 20 + "-node0")
     for s in reply.sets:
         table.add_row(
             copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None),
+            s.family or "custom",
             s.state + ("*" if s.adopted else ""),
             s.backing,
             _set_pages(s),

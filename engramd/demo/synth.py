@@ -154,3 +154,93 @@ def synthesize(out: str | Path, spec: SynthSpec) -> Path:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
     return folder
+
+
+#: Qwen4Exp's PLE table formats: the weight's dtype and row bytes per value, and NVFP4's
+#: block scales (one F8_E4M3 per 16 values).
+PLE_FORMATS = ("BF16", "F8_E4M3", "NVFP4")
+NVFP4_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class PleSpec:
+    """Shape of a synthetic Qwen4Exp checkpoint: PLE n-gram tables in row shards."""
+
+    #: Decoder layers that carry a PLE table.
+    layers: tuple[int, ...] = (0, 2)
+    #: Rows of each table (the vocabulary, already padded as vLLM pads it).
+    rows: int = 1000
+    #: Rows of each layer's table, where they differ (as many as `layers`).
+    layer_rows: tuple[int, ...] = ()
+    #: Values per row.
+    dim: int = 64
+    #: Row shards per table (`split_ngram_parts`): shard_size = ceil(rows / parts).
+    parts: int = 7
+    #: PLE_FORMATS.
+    fmt: str = "BF16"
+    #: Files the shards are spread over.
+    files: int = 2
+    seed: int = 0
+    #: What the names start with (Qwen4ExpForConditionalGeneration: model.language_model).
+    prefix: str = "model"
+    architecture: str = "Qwen4ExpForCausalLM"
+
+    def rows_of(self, layer: int) -> int:
+        """Rows of a layer's table."""
+        return self.layer_rows[self.layers.index(layer)] if self.layer_rows else self.rows
+
+    def shard_rows(self, layer: int) -> int:
+        """Rows of every shard of a layer's table but the last."""
+        return -(-self.rows_of(layer) // self.parts)
+
+    def table(self, layer: int) -> str:
+        """The name of a layer's table, without `.shard_N.weight`."""
+        return f"{self.prefix}.layers.{layer}.ple.ple_embedding.ngram_embedding"
+
+    def widths(self) -> dict[str, tuple[str, int]]:
+        """Each sharded part (weight, NVFP4's weight_scale): its dtype and bytes per row."""
+        if self.fmt == "NVFP4":
+            return {"weight": ("U8", self.dim // 2), "weight_scale": ("F8_E4M3", self.dim // 16)}
+        return {"weight": (self.fmt, self.dim * DTYPES[self.fmt][0])}
+
+
+def expected_ple_rows(spec: PleSpec, layer: int, part: str, rows: torch.Tensor) -> torch.Tensor:
+    """The bytes (uint8, [len(rows), row bytes]) of rows of a synthetic PLE table's `part`."""
+    return expected_rows(spec.seed, layer, part, rows, spec.widths()[part][1])
+
+
+def synthesize_ple(out: str | Path, spec: PleSpec) -> Path:
+    """Write a Qwen4Exp-style checkpoint with PLE tables in row shards into folder `out`."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    files: list[list[_Tensor]] = [[] for _ in range(spec.files)]
+    files[0].append(_Tensor(f"{spec.prefix}.embed_tokens.weight", "BF16", (1024, 64), None))
+    count = 0
+    for layer in spec.layers:
+        table = spec.table(layer)
+        if spec.fmt == "F8_E4M3":
+            files[0].append(_Tensor(f"{table}.weight_scale", "F32", (1,), None))
+        if spec.fmt == "NVFP4":
+            files[0].append(_Tensor(f"{table}.weight_scale_2", "F32", (1,), None))
+        for shard in range(spec.parts):
+            start = shard * spec.shard_rows(layer)
+            stop = min(start + spec.shard_rows(layer), spec.rows_of(layer))
+            for part, (dtype, width) in spec.widths().items():
+                rows = torch.arange(start, stop)
+                data = expected_ple_rows(spec, layer, part, rows).numpy().tobytes()
+                shape = (stop - start, width if dtype == "U8" else width // DTYPES[dtype][0])
+                files[count % spec.files].append(
+                    _Tensor(f"{table}.shard_{shard}.{part}", dtype, shape, iter([data]))
+                )
+            count += 1
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, tensors in enumerate(files):
+        name = f"model-{i + 1:05d}-of-{spec.files:05d}.safetensors"
+        total += write_safetensors(folder / name, tensors)
+        weight_map.update({t.name: name for t in tensors})
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2))
+    config = {"architectures": [spec.architecture], "ple_layer_ids": [i + 1 for i in spec.layers]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -29,10 +29,13 @@
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import os
 import secrets
 import threading
 import time
+from collections.abc import Mapping
 
 from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
@@ -99,16 +102,7 @@ def load_set(
         staged = backing.stage(plan, node)
     try:
         order = sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
-        copies = {
-            i: _TensorCopy(
-                plan.tensors[i],
-                sources[str(plan.tensors[i].file)],
-                staged,
-                i,
-                plan.held.get(str(plan.tensors[i].file)),
-            )
-            for i in order
-        }
+        copies = {i: _TensorCopy(plan.tensors[i], sources, staged, i, plan.held) for i in order}
         pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
         buffers = threading.local()
         failures: list[BaseException] = []
@@ -190,20 +184,26 @@ class _Aborted(Exception):
 
 
 class _TensorCopy:
-    """One tensor's copy, piece by piece on several threads, digested in order."""
+    """One tensor's copy, piece by piece on several threads, digested in order.
+
+    A table joined from row shards reads its shards back to back: a piece
+    may end one shard and start the next.
+    """
 
     def __init__(
         self,
         entry: TensorEntry,
-        source: SourceFile,
+        sources: dict[str, SourceFile],
         staged: StagedSet,
         index: int,
-        held: Opened | None = None,
+        held: Mapping[str, Opened],
     ):
         self._entry = entry
-        self._source = source
-        #: The file as the plan opened it, if it holds it (read that, never the path).
-        self._held = held
+        self._spans = [
+            _Span(p, sources[str(p.file)], at, held.get(str(p.file)))
+            for p, at in _starts(entry.spans)
+        ]
+        self._starts = [span.start for span in self._spans]
         self._staged = staged
         self._index = index
         self._turn = threading.Condition()
@@ -211,7 +211,6 @@ class _TensorCopy:
         self._digested = 0
         self._aborted = False
         self._digest = new_digest()
-        self._fd = -1
 
     def pieces(self) -> range:
         """Offsets of the tensor's pieces, in order."""
@@ -222,10 +221,14 @@ class _TensorCopy:
         entry = self._entry
         n = min(BUFFER_BYTES, entry.nbytes - at)
         data = buffer[:n]
-        with self._turn:
-            if self._fd < 0:
-                self._open()
-        self._read(data, at)
+        first = bisect.bisect_right(self._starts, at) - 1
+        for span in itertools.takewhile(lambda s: s.start < at + n, self._spans[first:]):
+            begin, end = max(at, span.start), min(at + n, span.start + span.entry.nbytes)
+            with self._turn:
+                span.open()
+            span.read(data[begin - at : end - at], begin - span.start)
+            with self._turn:
+                span.count(end - begin)
         with self._turn:
             self._turn.wait_for(lambda: self._digested == at or self._aborted)
             if self._aborted:
@@ -236,27 +239,6 @@ class _TensorCopy:
         self._staged.write(self._index, data, at)
         return n
 
-    def _open(self) -> None:
-        # A descriptor of its own per tensor: the kernel keeps readahead state
-        # per open file, and threads streaming one shared descriptor at
-        # distant offsets (two tensors of a file) defeat it (measured: cold
-        # loads at half the speed).
-        entry = self._entry
-        self._fd = self._held.reopen() if self._held is not None else open_regular(entry.file)
-        _check_identity(self._source, os.fstat(self._fd), "during the load")
-        os.posix_fadvise(self._fd, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
-
-    def _read(self, data: memoryview, at: int) -> None:
-        done = 0
-        while done < len(data):
-            n = os.preadv(self._fd, [data[done:]], self._entry.offset + at + done)
-            if n == 0:
-                raise CheckpointError(
-                    f"{self._entry.file}: tensor {self._entry.name!r}: the file ended while it "
-                    "was being loaded (truncated or rewritten); fetch the file again"
-                )
-            done += n
-
     def abort(self) -> None:
         """Wake every thread waiting for its turn here: another piece of the load failed."""
         with self._turn:
@@ -264,17 +246,87 @@ class _TensorCopy:
             self._turn.notify_all()
 
     def close(self) -> None:
-        """Check the source file is still the one planned, and close its descriptor."""
-        if self._fd < 0:
-            return
+        """Check the source files are still the ones planned, and close their descriptors."""
         try:
-            if not self._aborted:
-                _check_identity(self._source, os.fstat(self._fd), "during the load")
+            for span in self._spans:
+                span.close(check=not self._aborted)
         finally:
-            os.close(self._fd)
-            self._fd = -1
+            for span in self._spans:
+                span.close(check=False)
 
     def checksum(self) -> str:
         """The manifest's digest of the whole tensor (every piece copied)."""
         assert self._digested == self._entry.nbytes
         return label(self._digest)
+
+
+def _starts(spans: tuple[TensorEntry, ...]) -> list[tuple[TensorEntry, int]]:
+    """Each span with the offset of its first byte in the tensor."""
+    starts, at = [], 0
+    for span in spans:
+        starts.append((span, at))
+        at += span.nbytes
+    return starts
+
+
+class _Span:
+    """The bytes of one checkpoint tensor in the tensor being copied, and its descriptor."""
+
+    def __init__(
+        self, entry: TensorEntry, source: SourceFile, start: int, held: Opened | None
+    ) -> None:
+        self.entry = entry
+        self.source = source
+        #: The file as the plan opened it, if it holds it (read that, never the path).
+        self.held = held
+        #: Offset of the span's first byte in the tensor.
+        self.start = start
+        #: Bytes of the span read so far.
+        self.done = 0
+        self.fd = -1
+
+    def open(self) -> None:
+        """Open the span's file, once (under the tensor's lock)."""
+        # A descriptor of its own per tensor: the kernel keeps readahead state
+        # per open file, and threads streaming one shared descriptor at
+        # distant offsets (two tensors of a file) defeat it (measured: cold
+        # loads at half the speed).
+        if self.fd >= 0:
+            return
+        entry = self.entry
+        self.fd = self.held.reopen() if self.held is not None else open_regular(entry.file)
+        _check_identity(self.source, os.fstat(self.fd), "during the load")
+        os.posix_fadvise(self.fd, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
+
+    def read(self, data: memoryview, at: int) -> None:
+        """Fill `data` from the span's byte `at` on."""
+        done = 0
+        while done < len(data):
+            n = os.preadv(self.fd, [data[done:]], self.entry.offset + at + done)
+            if n == 0:
+                raise CheckpointError(
+                    f"{self.entry.file}: tensor {self.entry.name!r}: the file ended while it "
+                    "was being loaded (truncated or rewritten); fetch the file again"
+                )
+            done += n
+
+    def count(self, n: int) -> None:
+        """Count `n` bytes read; once all are, check the file and close it.
+
+        A table of many shards would otherwise hold a descriptor per shard
+        until its last piece is copied.
+        """
+        self.done += n
+        if self.done == self.entry.nbytes:
+            self.close(check=True)
+
+    def close(self, check: bool) -> None:
+        """Close the descriptor; with `check`, first check the file is still the one planned."""
+        if self.fd < 0:
+            return
+        try:
+            if check:
+                _check_identity(self.source, os.fstat(self.fd), "during the load")
+        finally:
+            os.close(self.fd)
+            self.fd = -1

@@ -154,8 +154,11 @@ class PlanCache:
         if not stamped:
             return plan
         with self._lock:
-            self._plans[key] = _Kept(plan, before)
-            self._plans.move_to_end(key)
+            # Under the selection it resolved to as well (auto: its family's), which
+            # is what workers' attaches name.
+            for name in dict.fromkeys((key, (key[0], plan.selection, key[2]))):
+                self._plans[name] = _Kept(plan, before)
+                self._plans.move_to_end(name)
             while len(self._plans) > self._kept:
                 self._plans.popitem(last=False)
         return plan

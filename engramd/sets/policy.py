@@ -18,6 +18,7 @@ from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, Selec
 from engramd_client.core.beneath import Opened, Root
 from engramd_client.core.checkpoint import INDEX_FILE, TablePlan
 from engramd_client.core.errors import CheckpointError
+from engramd_client.core.families import AUTO, FAMILIES
 from engramd_client.core.pb import engramd_pb2 as pb
 
 
@@ -45,12 +46,7 @@ class LoadPolicy:
 
         `loaded` are the checkpoints of the sets the daemon holds.
         """
-        if request.tensors and request.tensors != self._selection:
-            raise SelectionRefused(
-                f"engramd loads for workers only its configured selection {self._selection!r}, "
-                f"not {request.tensors!r}; attach with that selection, or have the operator load "
-                "this one (engramd load --tensors)"
-            )
+        self.selection(request)
         beneath = self.beneath(request.checkpoint)
         if beneath is not None:
             return beneath
@@ -67,6 +63,23 @@ class LoadPolicy:
         if str(path) not in self._configured:
             raise NotAllowed(self._refusal(request.checkpoint))
         return path, None
+
+    def selection(self, request: pb.AttachRequest) -> str:
+        """The selection a worker's attach may load with: the configured one.
+
+        With `auto` configured, any family's own selection (the worker's
+        plan names its checkpoint's), else the family of each checkpoint.
+        """
+        allowed = {self._selection}
+        if self._selection == AUTO:
+            allowed |= {f.selection for f in FAMILIES}
+        if request.tensors and request.tensors not in allowed:
+            raise SelectionRefused(
+                f"engramd loads for workers only its configured selection {self._selection!r}, "
+                f"not {request.tensors!r}; attach with that selection, or have the operator load "
+                "this one (engramd load --tensors)"
+            )
+        return request.tensors or self._selection
 
     def check_read(self, checkpoint: str) -> tuple[Path, Root | None]:
         """The checkpoint and its root (as for a load), if the daemon may read it for a worker.

@@ -20,10 +20,11 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd.checksum import digest_fd
+from engramd.checksum import chunks, label, new_digest
 from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
@@ -41,7 +42,7 @@ UNSTAMPED_FILESYSTEMS = frozenset({TMPFS_MAGIC, RAMFS_MAGIC, HUGETLBFS_MAGIC})
 #: Digests kept (a tensor range of a file identity each, ~200 bytes apiece).
 DIGESTS_KEPT = 65536
 
-_DigestKey = tuple[int, int, int, int, int, int, int]
+_DigestKey = tuple[int, ...]
 
 
 def stamps_writes(path: str) -> bool:
@@ -75,14 +76,16 @@ class Prover:
         loaded = set(manifest.sources)
         stamped = frozenset(s for s in plan.sources if stamps_writes(_where(plan, s)))
         trusted = {s.path for s in plan.sources if s in loaded and s in stamped}
-        unproven = tuple(t for t in plan.tensors if str(t.file) not in trusted)
+        unproven = tuple(
+            t for t in plan.tensors if not all(str(p.file) in trusted for p in t.spans)
+        )
         sources = {s.path: s for s in plan.sources}
         with self._lock:
             kept = {
                 t.name
                 for t in unproven
-                if sources[str(t.file)] in stamped
-                and _key(sources[str(t.file)], t.offset, t.nbytes) in self._digests
+                if all(sources[str(p.file)] in stamped for p in t.spans)
+                and _key(sources, t) in self._digests
             }
         return Proof(
             plan=plan,
@@ -100,30 +103,31 @@ class Prover:
         sources = {s.path: s for s in proof.plan.sources}
         loaded = {s.path for s in manifest.sources}
         for entry in proof.unproven:
-            source = sources[str(entry.file)]
-            key = _key(source, entry.offset, entry.nbytes)
+            files = [sources[str(p.file)] for p in entry.spans]
+            key = _key(sources, entry)
             with self._lock:
                 digest = self._digests.get(key)
             if digest is None:
-                held = proof.plan.held.get(source.path)
-                digest = _digest(source, entry.offset, entry.nbytes, held)
-                if source in proof.stamped:
+                digest = _digest(sources, entry, proof.plan.held)
+                if all(f in proof.stamped for f in files):
                     self._keep(key, digest)
                 progress.add(entry.nbytes)
-            if digest != checksums.get(entry.name) and source.path in loaded:
+            if digest == checksums.get(entry.name):
+                continue
+            changed = next((f.path for f in files if f.path in loaded), None)
+            if changed is not None:
                 raise FingerprintDiffers(
-                    f"{source.path} changed on disk after engramd loaded it (tensor "
+                    f"{changed} changed on disk after engramd loaded it (tensor "
                     f"{entry.name!r} no longer holds the set's bytes): its copy holds the earlier "
                     f"bytes; `engramd load {proof.plan.checkpoint}` loads the new version"
                 )
-            if digest != checksums.get(entry.name):
-                # No set id here: the caller learns only that its bytes differ.
-                raise FingerprintDiffers(
-                    f"{entry.file}: tensor {entry.name!r} does not hold the bytes of the set "
-                    "engramd holds under this id (the files share headers and samples but "
-                    "not every byte); engramd serves a set only for files proven to hold its "
-                    "bytes: the operator may drop that set (engramd drop) and load this copy"
-                )
+            # No set id here: the caller learns only that its bytes differ.
+            raise FingerprintDiffers(
+                f"{entry.file}: tensor {entry.name!r} does not hold the bytes of the set "
+                "engramd holds under this id (the files share headers and samples but "
+                "not every byte); engramd serves a set only for files proven to hold its "
+                "bytes: the operator may drop that set (engramd drop) and load this copy"
+            )
 
     def _keep(self, key: _DigestKey, digest: str) -> None:
         with self._lock:
@@ -133,16 +137,13 @@ class Prover:
                 self._digests.popitem(last=False)
 
 
-def _key(source: SourceFile, offset: int, nbytes: int) -> _DigestKey:
-    return (
-        source.dev,
-        source.ino,
-        source.size,
-        source.mtime_ns,
-        source.ctime_ns,
-        offset,
-        nbytes,
-    )
+def _key(sources: dict[str, SourceFile], entry: TensorEntry) -> _DigestKey:
+    """A tensor's bytes by the identity of each file they lie in, and where."""
+    key: list[int] = []
+    for span in entry.spans:
+        f = sources[str(span.file)]
+        key += (f.dev, f.ino, f.size, f.mtime_ns, f.ctime_ns, span.offset, span.nbytes)
+    return tuple(key)
 
 
 def _where(plan: TablePlan, source: SourceFile) -> str:
@@ -151,20 +152,31 @@ def _where(plan: TablePlan, source: SourceFile) -> str:
     return held.magic if held is not None else source.path
 
 
-def _digest(source: SourceFile, offset: int, nbytes: int, held: Opened | None) -> str:
-    # A file the plan holds (opened beneath a root) is digested, never its path again.
-    fd = held.reopen() if held is not None else open_regular(Path(source.path))
-    with open(fd, "rb", buffering=0) as f:
-        if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
-            raise CheckpointError(
-                f"{source.path} changed since its headers were read; attach again once the "
-                "file is final"
-            )
-        os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_SEQUENTIAL)
-        digest = digest_fd(f.fileno(), offset, nbytes)
-        if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
-            raise CheckpointError(
-                f"{source.path} changed while engramd compared it with its set; attach again "
-                "once the file is final"
-            )
-    return digest
+def _digest(sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[str, Opened]) -> str:
+    """The manifest checksum of a tensor's bytes ("short" where a file ends first).
+
+    A file the plan holds (opened beneath a root) is digested, never its path again.
+    """
+    digest = new_digest()
+    for span in entry.spans:
+        source = sources[str(span.file)]
+        opened = held.get(source.path)
+        fd = opened.reopen() if opened is not None else open_regular(Path(source.path))
+        with open(fd, "rb", buffering=0) as f:
+            if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
+                raise CheckpointError(
+                    f"{source.path} changed since its headers were read; attach again once the "
+                    "file is final"
+                )
+            os.posix_fadvise(f.fileno(), span.offset, span.nbytes, os.POSIX_FADV_SEQUENTIAL)
+            try:
+                for chunk in chunks(f.fileno(), span.offset, span.nbytes):
+                    digest.update(chunk)
+            except EOFError:
+                return "short"
+            if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
+                raise CheckpointError(
+                    f"{source.path} changed while engramd compared it with its set; attach "
+                    "again once the file is final"
+                )
+    return label(digest)

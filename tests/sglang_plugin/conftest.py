@@ -1,6 +1,6 @@
 """The SGLang plugin's fixtures (sglang_harness.py)."""
 
-import sglang_plugin.tvshim  # noqa: F401 (before anything imports sglang)
+import tvshim  # noqa: F401 (before anything imports sglang)
 from sglang_plugin.sglang_harness import model, served
 
 __all__ = ["model", "served"]

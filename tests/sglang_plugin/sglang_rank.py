@@ -26,8 +26,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-import sglang_plugin.tvshim  # noqa: E402, F401 (before anything imports sglang)
 import torch  # noqa: E402
+import tvshim  # noqa: E402, F401 (before anything imports sglang)
 from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
 from sglang_plugin.sglang_harness import engram_config  # noqa: E402
 from torch import nn  # noqa: E402
@@ -219,9 +219,9 @@ def main() -> None:
         loader.buffered_multi_thread_safetensors_weights_iterator, "__wrapped__"
     )
     if args.decide_only:
-        import engramd_client.engines.sglang as plugin
+        from engramd_client.engines.sglang import deepseek
 
-        out["serve"] = plugin._decide()
+        out["serve"] = deepseek._decide()
         print(json.dumps(out), flush=True)
         os._exit(0)
 

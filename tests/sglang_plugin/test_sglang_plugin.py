@@ -174,7 +174,7 @@ def test_a_changed_seam_registers_nothing() -> None:
     from sglang.srt.model_loader import weight_utils
 
     from engramd_client.engines.common import UnknownEngine
-    from engramd_client.engines.sglang_guard import check_seams
+    from engramd_client.engines.sglang.guard import check_seams
 
     check_seams(engram, weight_utils, registry, envs)
     original = engram.EngramEmbedding._load_rows

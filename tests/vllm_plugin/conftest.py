@@ -1,5 +1,16 @@
-"""The vLLM plugin's fixtures (vllm_harness.py)."""
+"""The vLLM plugin's fixtures (vllm_harness.py), and torchvision on CPU torch (tvshim.py)
+in this process and every process it starts (vLLM's model registry inspects models in a
+subprocess of its own)."""
 
-from vllm_plugin.vllm_harness import model, served
+import os
+from pathlib import Path
 
-__all__ = ["model", "served"]
+import tvshim  # noqa: F401 (before vLLM imports torchvision)
+from vllm_plugin.vllm_harness import model, ple_models, served
+
+SHIMS = Path(__file__).resolve().parent.parent / "shims"
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [str(SHIMS), *filter(None, [os.environ.get("PYTHONPATH")])]
+)
+
+__all__ = ["model", "ple_models", "served"]

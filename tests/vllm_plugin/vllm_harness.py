@@ -1,5 +1,6 @@
-"""The vLLM plugin's tests' harness: a DeepSeek-V4.1-shaped checkpoint, vLLM's config
-of it, and ranks of vLLM run as processes (vllm_rank.py).
+"""The vLLM plugin's tests' harness: DeepSeek-V4.1- and Qwen4Exp-shaped checkpoints,
+vLLM's configs of them, and ranks of vLLM run as processes (vllm_rank.py,
+vllm_ple_rank.py).
 
 These tests run in their own venv (`make test-vllm`: vLLM 0.33.0 without its
 CUDA dependencies, CPU torch); the main suite does not collect this folder.
@@ -19,9 +20,10 @@ import pytest
 import torch
 from engine_harness import run_rank_processes, small_readahead_disk
 
-from engramd.demo.synth import SynthSpec, synthesize
+from engramd.demo.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
 
 RANK = Path(__file__).resolve().parent / "vllm_rank.py"
+PLE_RANK = Path(__file__).resolve().parent / "vllm_ple_rank.py"
 
 #: DeepSeek-V4.1's Engram shape, small: 3 Engram layers of (3 - 1) x 5 = 10 prime-sized
 #: hash heads (10 heads over 4 TP ranks: vLLM gives 3/3/3/1), 256-wide fp8 rows.
@@ -147,3 +149,116 @@ def run_ranks(
 def served(model: Model, daemons: Any) -> Iterator[Any]:
     """A daemon serving the checkpoint (loaded at start)."""
     yield daemons("--checkpoint", str(model.folder))
+
+
+#: Qwen4Exp's PLE shape, small: PLE on decoder layers 1 and 3 (ple_layer_ids 2, 4), 2 n-gram
+#: heads of a prime near 500 rows each, 64 values per head: vLLM pads each table to a
+#: multiple of 64 (1024 and 1088 rows) and splits it in 7 row shards (147 and 156 rows),
+#: whose boundaries no rank range of TP 2 or 4 falls on.
+PLE_TEXT: dict[str, Any] = {
+    "model_type": "qwen4_exp_text",
+    "architectures": ["Qwen4ExpForCausalLM"],
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "eos_token_id": 2,
+    "max_position_embeddings": 2048,
+    "layer_types": ["full_attention", "linear_attention"] * 2,
+    "ple_layer_ids": [2, 4],
+    "ple_embed_dim": 128,
+    "ngram_size": 2,
+    "heads_per_ngram": 2,
+    "ngram_vocab_size_base": 500,
+    "make_ngram_vocab_size_divisible_by": 64,
+    "split_ngram_parts": 7,
+}
+#: engramd's synthetic formats -> Qwen4Exp's `ple_embedding_dtype` (None: unquantized bf16).
+PLE_DTYPES = {"BF16": None, "F8_E4M3": "float8_e4m3fn", "NVFP4": "nvfp4"}
+
+
+@dataclass(frozen=True)
+class PleModel:
+    """A synthetic Qwen4Exp checkpoint, its PLE tables' spec and vLLM's pickled config."""
+
+    folder: Path
+    config: Path
+    spec: PleSpec
+
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of every PLE table (every part) of the checkpoint."""
+        return sum(
+            self.spec.rows_of(layer) * width
+            for layer in self.spec.layers
+            for _, width in self.spec.widths().values()
+        )
+
+
+def ple_rows(text: dict[str, Any]) -> tuple[int, ...]:
+    """Each PLE layer's table rows, as vLLM's Qwen4ExpNGramEmbedding lays them out and pads."""
+    from vllm.models.qwen4_exp.nvidia.ngram_embedding import Qwen4ExpNGramEmbedding
+
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    divisor = text["make_ngram_vocab_size_divisible_by"]
+    rows = []
+    for dense_id in range(len(text["ple_layer_ids"])):
+        _, _, total = Qwen4ExpNGramEmbedding._make_vocab_layout(
+            ngram_vocab_size_base=text["ngram_vocab_size_base"],
+            ngram_heads=heads,
+            ple_dense_layer_id=dense_id,
+        )
+        rows.append(-(-total // divisor) * divisor)
+    return tuple(rows)
+
+
+def make_ple_model(folder: Path, fmt: str, vocab_base: int | None = None) -> PleModel:
+    """Write a Qwen4Exp checkpoint of PLE tables in `fmt` and vLLM's config of it.
+
+    `vocab_base`: rows per n-gram head (about), instead of the tests' 500.
+    """
+    from vllm.config import DeviceConfig, EngramConfig, LoadConfig, ModelConfig, VllmConfig
+
+    text = {**PLE_TEXT, "ngram_vocab_size_base": vocab_base or PLE_TEXT["ngram_vocab_size_base"]}
+    heads = (text["ngram_size"] - 1) * text["heads_per_ngram"]
+    spec = PleSpec(
+        layers=tuple(i - 1 for i in text["ple_layer_ids"]),
+        layer_rows=ple_rows(text),
+        dim=text["ple_embed_dim"] // heads,
+        parts=text["split_ngram_parts"],
+        fmt=fmt,
+    )
+    synthesize_ple(folder, spec)
+    config = {**text, "torch_dtype": "bfloat16"}
+    if PLE_DTYPES[fmt]:
+        config["ple_embedding_dtype"] = PLE_DTYPES[fmt]
+    (folder / "config.json").write_text(json.dumps(config))
+    vllm_config = VllmConfig(
+        model_config=ModelConfig(model=str(folder), skip_tokenizer_init=True),
+        engram_config=EngramConfig(),
+        load_config=LoadConfig(),
+        device_config=DeviceConfig("cpu"),
+    )
+    pickled = folder.parent / f"vllm_config_{fmt}.pkl"
+    pickled.write_bytes(pickle.dumps(vllm_config))
+    return PleModel(folder, pickled, spec)
+
+
+@pytest.fixture(scope="session")
+def ple_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PleModel]]:
+    """A Qwen4Exp checkpoint per PLE format (bf16, fp8, NVFP4), on a disk that counts reads."""
+    base = tmp_path_factory.mktemp("qwen4exp")
+    with small_readahead_disk(base) as disk:
+        yield {fmt: make_ple_model((disk or base) / fmt, fmt) for fmt in PLE_DTYPES}
+
+
+def run_ple_ranks(
+    model: PleModel,
+    world: int,
+    env: dict[str, str],
+    tmp: Path,
+    extra: tuple[str, ...] = (),
+) -> list[subprocess.CompletedProcess[str]]:
+    """Run `world` vLLM ranks building the PLE layers (vllm_ple_rank.py) as one TP group."""
+    return run_rank_processes(PLE_RANK, world, tmp, str(model.config), env, extra, 600)

@@ -189,11 +189,12 @@ def main() -> None:
             # TP group; in a served model, the Engram DP group).
             from vllm.distributed import get_tp_group
 
-            import engramd_client.engines.vllm as plugin
+            from engramd_client.core.families import ENGRAM
+            from engramd_client.engines.vllm.process import PROCESS
 
             group = get_tp_group()
-            out["serve"] = plugin._decide(
-                leader=group.rank_in_group == 0, broadcast=group.broadcast_object
+            out["serve"] = PROCESS.decide(
+                ENGRAM, leader=group.rank_in_group == 0, broadcast=group.broadcast_object
             )
             print(json.dumps(out), flush=True)
             os._exit(0)

@@ -5,14 +5,21 @@ A checkpoint is one safetensors file or a folder of them (with or without
 (`core/headers.py`). The set id is derived from what the files are and
 which tensors were taken, so copies of one checkpoint on different mounts
 agree.
+
+Row shards of one table (`X.shard_0.Y`, `X.shard_1.Y`, ...: Qwen4Exp's PLE
+n-gram table) are joined into one tensor `X.Y` of the set, the shards' rows
+back to back in shard order: an engine's vocab range crosses shard
+boundaries, and its kernels index one contiguous table.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -20,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from engramd_client.core.errors import CheckpointError
+from engramd_client.core.families import AUTO, CONFIG_FILE, architectures_of, family_of
 from engramd_client.core.fileid import SourceFile, open_regular
 from engramd_client.core.headers import (
     MAX_HEADER_BYTES,
@@ -33,13 +41,16 @@ from engramd_client.core.headers import (
 if TYPE_CHECKING:
     from engramd_client.core.beneath import Opened, Root
 
-#: Selection used when none is given: the Engram embedding tables.
-DEFAULT_TENSORS = "*engram.embed.*"
+#: Selection used when none is given: the tables of the checkpoint's family (families.py).
+DEFAULT_TENSORS = AUTO
 
 #: Bumped whenever the on-tmpfs layout changes; part of every set id.
 LAYOUT_VERSION = 1
 
 INDEX_FILE = "model.safetensors.index.json"
+
+#: A row shard of a table: (table).shard_(index).(part).
+_SHARD = re.compile(r"^(.+)\.shard_([0-9]+)\.([^.]+)$")
 
 
 @dataclass(frozen=True)
@@ -61,6 +72,16 @@ class TablePlan:
     def nbytes(self) -> int:
         """The selected tensors' bytes, without padding."""
         return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def files(self) -> frozenset[Path]:
+        """The checkpoint files the set's bytes come from."""
+        return frozenset(p.file for t in self.tensors for p in t.spans)
+
+    @property
+    def checkpoint_names(self) -> dict[str, tuple[str, ...]]:
+        """Each set tensor's checkpoint tensors (a joined table's shards, in order)."""
+        return {t.name: tuple(p.name for p in t.spans) for t in self.tensors}
 
 
 def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | None]:
@@ -96,6 +117,8 @@ class FilesBeneath:
     names: tuple[Path, ...]
     #: Each of them as the walk found and opened it (symlinks followed), in that order.
     files: tuple[Opened, ...]
+    #: The architectures its config.json names, read beneath the root ([]: none).
+    architectures: list[str] = field(default_factory=list)
 
 
 def files_beneath(checkpoint: Path, beneath: Root) -> FilesBeneath:
@@ -114,7 +137,13 @@ def files_beneath(checkpoint: Path, beneath: Root) -> FilesBeneath:
         if not listed:
             raise CheckpointError(f"{checkpoint}: no *.safetensors files in this folder")
     files = tuple(beneath.open(Path(name), top) for name in listed)
-    return FilesBeneath(top, index, weight_map, tuple(top.path / n for n in listed), files)
+    named: list[str] = []
+    # A config.json that leaves the root, or is no file, decides nothing: the tensors do.
+    with contextlib.suppress(CheckpointError):
+        if CONFIG_FILE in names:
+            named = architectures_of(beneath.open(Path(CONFIG_FILE), top).fd)
+    paths = tuple(top.path / n for n in listed)
+    return FilesBeneath(top, index, weight_map, paths, files, named)
 
 
 def _weight_map(index_path: Path, fd: int) -> dict[str, str]:
@@ -157,6 +186,7 @@ def plan_tables(
     `admit`: as read_header's.
     """
     opened: tuple[Opened, ...] = ()
+    named: list[str] | None = None
     if beneath is None:
         try:
             root = Path(checkpoint).resolve()
@@ -167,6 +197,7 @@ def plan_tables(
     else:
         found = files_beneath(Path(checkpoint), beneath)
         root, weight_map, opened = found.top.path, found.weight_map, found.files
+        named = found.architectures
         files = list(found.names)
         headers = [read_header(p, o, max_header, admit) for p, o in zip(files, opened, strict=True)]
     by_name: dict[str, TensorEntry] = {}
@@ -181,6 +212,8 @@ def plan_tables(
                     f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
                     "from that file; fetch the checkpoint again"
                 )
+    if selection == AUTO:
+        selection = family_of(root, by_name, named).selection
     selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
     if not selected:
         raise CheckpointError(
@@ -192,12 +225,60 @@ def plan_tables(
     return TablePlan(
         checkpoint=root,
         selection=selection,
-        tensors=selected,
+        tensors=join_shards(root, selected),
         fingerprint=fingerprint,
         set_id=set_id_of(fingerprint),
         sources=tuple(h.source for h in headers if Path(h.source.path) in used),
         held={str(o.path): o for o in opened if o.path in used},
     )
+
+
+def join_shards(root: Path, selected: tuple[TensorEntry, ...]) -> tuple[TensorEntry, ...]:
+    """The set's tensors: `selected`, with every table's row shards joined into one.
+
+    Raises CheckpointError for shards that cannot be one table: a missing
+    shard, or shards of different dtypes or row widths.
+    """
+    tables: dict[str, dict[int, TensorEntry]] = {}
+    tensors = {}
+    for t in selected:
+        shard = _SHARD.match(t.name)
+        if shard is None:
+            tensors[t.name] = t
+            continue
+        table, index, part = shard.groups()
+        tables.setdefault(f"{table}.{part}", {})[int(index)] = t
+    for name, shards in tables.items():
+        parts = tuple(shards[i] for i in range(len(shards)) if i in shards)
+        first = parts[0] if parts else None
+        if len(parts) != len(shards) or first is None:
+            missing = min(set(range(len(shards))) - set(shards))
+            raise CheckpointError(
+                f"{root}: the row shards of {name!r} skip shard {missing} "
+                f"({len(shards)} shards, up to shard {max(shards)}); fetch the checkpoint again"
+            )
+        if not first.shape or any(
+            (p.dtype, p.shape[1:]) != (first.dtype, first.shape[1:]) or not p.shape for p in parts
+        ):
+            raise CheckpointError(
+                f"{root}: the row shards of {name!r} differ in dtype or row width "
+                f"({sorted({(p.dtype, p.shape[1:]) for p in parts})}); they cannot be one table"
+            )
+        if name in tensors:
+            raise CheckpointError(
+                f"{root}: {name!r} is both a tensor and the table its row shards make; "
+                "select one of them (tensors=...)"
+            )
+        tensors[name] = TensorEntry(
+            name=name,
+            dtype=first.dtype,
+            shape=(sum(p.shape[0] for p in parts), *first.shape[1:]),
+            file=first.file,
+            offset=first.offset,
+            nbytes=sum(p.nbytes for p in parts),
+            parts=parts,
+        )
+    return tuple(tensors[n] for n in sorted(tensors))
 
 
 def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:

@@ -87,6 +87,14 @@ class TensorEntry:
     #: Absolute byte offset of the tensor's data in `file`.
     offset: int
     nbytes: int
+    #: A table joined from row shards (checkpoint.py): the shards, in row order;
+    #: `file` and `offset` are then the first shard's.
+    parts: tuple[TensorEntry, ...] = ()
+
+    @property
+    def spans(self) -> tuple[TensorEntry, ...]:
+        """The checkpoint tensors whose bytes, back to back, are this tensor's."""
+        return self.parts or (self,)
 
 
 @dataclass(frozen=True)

@@ -11,29 +11,35 @@
   and the engine keeps its own tables.
 - The compatibility guard: the engine's version and the signatures the
   adapter relies on, checked before anything is patched.
+- The import hook that patches an engine module right after it is imported
+  (`when_imported`), and the engine functions an adapter replaced, kept to
+  call through (`CallThrough`).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import inspect
 import logging
 import os
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NoReturn, Protocol
+from types import ModuleType
+from typing import Any, NoReturn, Protocol
 
 from engramd_client.core import errors
-from engramd_client.core.checkpoint import DEFAULT_TENSORS, checkpoint_files
+from engramd_client.core.checkpoint import checkpoint_files
 from engramd_client.core.config import ClientConfig
 from engramd_client.core.errors import EngramdError, SelectionRefused, ShareError
 from engramd_client.core.headers import read_header
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
 
-#: The selection the adapters attach with: the daemon's default (--tensors).
-SELECTION = DEFAULT_TENSORS
 #: Load formats whose weights go through the engines' safetensors iterators, which the
 #: adapters make skip the served tensors; others (dummy writes the tables) are not served.
 SERVED_LOAD_FORMATS = frozenset({"auto", "safetensors"})
@@ -95,6 +101,77 @@ class Engine:
             raise self.unknown(what)
 
 
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs `then(module)` right after `name` is executed, before its importers continue."""
+
+    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.then = then
+
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None,
+        target: ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        execute = spec.loader.exec_module
+        then = self.then
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            then(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+def when_imported(name: str, then: Callable[[ModuleType], None]) -> None:
+    """Call `then(module)` once `name` is imported: now, if it is already.
+
+    Engines import a model family's modules only for that family's models:
+    an adapter patches them then, not before.
+    """
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+    if not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, then))
+
+
+#: Marks a function an adapter put in the engine's place.
+MARK = "__engramd__"
+
+
+class CallThrough:
+    """The engine functions an adapter replaced, each kept under its replacement to call."""
+
+    def __init__(self) -> None:
+        self._original: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+    def replace(self, owner: Any, name: str, replacement: Callable[..., Any]) -> Callable[..., Any]:
+        """Put `replacement` where `owner.name` was; returns the engine's function."""
+        original: Callable[..., Any] = getattr(owner, name)
+        self._original[replacement] = original
+        setattr(replacement, MARK, True)
+        setattr(owner, name, replacement)
+        return original
+
+    def call(self, replacement: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """Call the engine's function that `replacement` stands in for."""
+        return self._original[replacement](*args, **kwargs)
+
+
+def replaced(function: object) -> bool:
+    """Whether `function` is one an adapter put in the engine's place."""
+    return bool(getattr(function, MARK, False))
+
+
 def params(function: Callable[..., object]) -> list[str]:
     """The names of `function`'s parameters, as an adapter checks a seam's signature."""
     return list(inspect.signature(function).parameters)
@@ -127,10 +204,11 @@ def checkpoint_names(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def check_selection(
-    folder: str | os.PathLike[str], engine_tables: Pattern, selection: str = SELECTION
+    folder: str | os.PathLike[str], engine_tables: Pattern, selection: str
 ) -> list[str]:
-    """The tensors engramd would serve, when they are exactly the engine's Engram tables.
+    """The tensors engramd would serve, when they are exactly the engine's n-gram tables.
 
+    Compares checkpoint names (a joined table's shards, not the table).
     Raises SelectionRefused naming the tensors only one side names: serving
     fewer would leave the engine to read the rest, serving more would map
     tensors the engine loads as ordinary weights.
@@ -139,13 +217,14 @@ def check_selection(
     ours = {n for n in names if fnmatch.fnmatchcase(n, selection)}
     theirs = {n for n in names if engine_tables.search(n)}
     if not theirs:
-        raise SelectionRefused(f"{folder} holds no tensor the engine loads as an Engram table")
+        raise SelectionRefused(f"{folder} holds no tensor the engine loads as an n-gram table")
     if ours != theirs:
         raise SelectionRefused(
-            f"engramd's selection {selection!r} and the engine's Engram tables differ in "
+            f"engramd's selection {selection!r} and the engine's n-gram tables differ in "
             f"{folder}: only engramd's: {sorted(ours - theirs)[:4]}, only the engine's: "
-            f"{sorted(theirs - ours)[:4]}; engramd serves a checkpoint whose Engram tables "
-            "are named layers.L.engram.embed.weight / .scale"
+            f"{sorted(theirs - ours)[:4]}; engramd serves a checkpoint whose tables are named "
+            "as DeepSeek-V4.1's (layers.L.engram.embed.weight / .scale) or Qwen4Exp's "
+            "(...ple.ple_embedding.ngram_embedding.shard_N.weight)"
         )
     return sorted(ours)
 
@@ -171,16 +250,16 @@ class Refusal:
         raise kind(self.message)
 
 
-def probe(folder: str | os.PathLike[str], engine_tables: Pattern) -> None:
+def probe(folder: str | os.PathLike[str], engine_tables: Pattern, selection: str) -> None:
     """Ask the daemon for the checkpoint's tables once (they load if they must), then let go.
 
     Raises the EngramdError that says why engramd cannot serve them here.
     """
     from engramd_client.share import attach
 
-    check_selection(folder, engine_tables)
+    check_selection(folder, engine_tables, selection)
     # No device: an answer needs no CUDA views (ENGRAMD_DEVICE would register every row).
-    tables = attach(folder, tensors=SELECTION, share=True, device="")
+    tables = attach(folder, tensors=selection, share=True, device="")
     tables.close()
 
 
@@ -209,7 +288,7 @@ def decide(
 
 
 def settle(
-    refusal: Refusal | None, strict: bool | None, engine_path: str, log: logging.Logger
+    refusal: Refusal | None, strict: bool | None, tables: str, engine_path: str, log: logging.Logger
 ) -> bool:
     """Whether to serve: strict raises the refusal; auto warns once that `engine_path` runs."""
     if refusal is None:
@@ -220,7 +299,8 @@ def settle(
         log,
         logging.WARNING,
         "refusal",
-        "engramd does not serve the Engram tables here: %s. %s",
+        "engramd does not serve the %s here: %s. %s",
+        tables,
         refusal.message,
         engine_path,
     )
@@ -260,9 +340,11 @@ def attach_rows(
     strict: bool | None,
     device: str | None,
     labels: Mapping[str, str],
+    selection: str,
+    pad_rows: bool = False,
 ) -> Tables:
     """The selection's tables, each mapped only over its `rows` (None: whole), with CUDA
-    views on `device`.
+    views on `device`; with `pad_rows`, rows past a table's end are zeros.
 
     `strict` None: engramd's own private fallback (exact rows, one warning)
     where this one process cannot attach after its group chose engramd.
@@ -270,5 +352,11 @@ def attach_rows(
     from engramd_client.share import attach
 
     return attach(
-        folder, tensors=SELECTION, rows=rows, share=strict, device=device or "", labels=labels
+        folder,
+        tensors=selection,
+        rows=rows,
+        share=strict,
+        device=device or "",
+        labels=labels,
+        pad_rows=pad_rows,
     )

@@ -291,7 +291,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +317,7 @@ class SetInfo(_message.Message):
     BYTES_PER_NODE_FIELD_NUMBER: _ClassVar[int]
     NUMA_NODE_FIELD_NUMBER: _ClassVar[int]
     HUGE_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -335,7 +336,8 @@ class SetInfo(_message.Message):
     bytes_per_node: _containers.ScalarMap[int, int]
     numa_node: int
     huge_page_bytes: int
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ...) -> None: ...
+    family: str
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")

@@ -1,7 +1,7 @@
 """SGLang's safetensors weight iterators, made to skip the tensors engramd serves.
 
 Both iterators are replaced through SGLang's HookRegistry. Once engramd
-serves a process's Engram tables, each served tensor is yielded as an empty
+serves a process's n-gram tables, each served tensor is yielded as an empty
 meta tensor without being read, so SGLang's `load_weights` still routes it
 to the layer's `_load_rows` (which keeps the daemon's copy) and counts it
 loaded. Until then, and for reads that take whole files anyway, SGLang's
@@ -13,46 +13,29 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from engramd_client.engines.common import say_once
-
-log = logging.getLogger("sglang.engramd")
+from engramd_client.engines.sglang.process import PROCESS, log
 
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
 ITERATORS = ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator")
 
 
-@dataclass
-class _Reads:
-    """What this process's weight reads skip, and SGLang's iterators to call through."""
+def hooks(weight_utils: ModuleType) -> list[tuple[str, Callable[..., Any], str]]:
+    """The hooks (target, hook, HookType name) of both iterators; SGLang's own are kept.
 
-    #: Checkpoint names of the tensors engramd serves here.
-    served: frozenset[str] = frozenset()
-    #: SGLang's iterators the plugin replaced, by name.
-    original: dict[str, Callable[..., Any]] = field(default_factory=dict)
-
-
-_reads = _Reads()
-
-
-def hooks(weight_utils: ModuleType, replace: Any) -> list[tuple[str, Callable[..., Any], Any]]:
-    """The hooks (target, hook, `replace`) of both iterators; SGLang's own are kept to call."""
-    _reads.original = {name: getattr(weight_utils, name) for name in ITERATORS}
+    Until a family's adapter holds tables (PROCESS.served), SGLang's own iterators run.
+    """
+    PROCESS.iterators = {name: getattr(weight_utils, name) for name in ITERATORS}
     return [
-        (f"{WEIGHT_UTILS}.{ITERATORS[0]}", _safetensors_iterator, replace),
-        (f"{WEIGHT_UTILS}.{ITERATORS[1]}", _buffered_iterator, replace),
+        (f"{WEIGHT_UTILS}.{ITERATORS[0]}", _safetensors_iterator, "REPLACE"),
+        (f"{WEIGHT_UTILS}.{ITERATORS[1]}", _buffered_iterator, "REPLACE"),
     ]
-
-
-def skip(names: Iterable[str]) -> None:
-    """From now on, yield the tensors of these checkpoint names without reading them."""
-    _reads.served = frozenset(names)
 
 
 def _skipping(
@@ -65,7 +48,7 @@ def _skipping(
     import safetensors
     from sglang.srt.model_loader import weight_utils
 
-    served = _reads.served
+    served = PROCESS.served
 
     def load(path: str) -> dict[str, torch.Tensor]:
         with safetensors.safe_open(path, framework="pt", device="cpu") as f:
@@ -95,7 +78,7 @@ def _skipping(
 
 def _reads_served(disable_mmap: bool, prefetch: bool) -> bool:
     """Whether SGLang's own iterator must run: nothing served, or reads that cannot skip."""
-    if not _reads.served:
+    if not PROCESS.served:
         return True
     if disable_mmap or prefetch:
         say_once(
@@ -117,7 +100,7 @@ def _safetensors_iterator(
     prefetch_num_threads: int = 4,
     drop_cache_after_load: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    original = _reads.original[ITERATORS[0]]
+    original = PROCESS.iterators[ITERATORS[0]]
     if _reads_served(disable_mmap, prefetch):
         return original(
             hf_weights_files, disable_mmap, prefetch, prefetch_num_threads, drop_cache_after_load
@@ -133,7 +116,7 @@ def _buffered_iterator(
     prefetch_num_threads: int = 4,
     drop_cache_after_load: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    original = _reads.original[ITERATORS[1]]
+    original = PROCESS.iterators[ITERATORS[1]]
     if _reads_served(disable_mmap, prefetch):
         return original(
             hf_weights_files,

@@ -1,0 +1,94 @@
+"""What one SGLang process decided and holds, whichever model family it builds.
+
+SGLang's ranks are processes and it loads plugins once per process:
+`PROCESS` is this process's one state. Its decision is one per TP group:
+the group's rank 0 asks the daemon and SGLang's group broadcasts the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from engramd_client.core.families import Family
+from engramd_client.engines.common import Pattern, decide, local_folder, probe, settle, share_mode
+from engramd_client.engines.sglang.guard import SGLANG
+from engramd_client.tables import Tables
+
+#: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
+log = logging.getLogger("sglang.engramd")
+
+
+@dataclass
+class Process:
+    """What this process decided and holds."""
+
+    #: None until decided; then whether engramd serves this process's tables.
+    serve: bool | None = None
+    #: The checkpoint folder the tables come from.
+    folder: str = ""
+    #: The daemon's tables for this process's rows (kept for the process's life).
+    tables: Tables | None = None
+    #: Checkpoint names of the tensors engramd serves here: SGLang's iterators skip them.
+    served: frozenset[str] = frozenset()
+    #: SGLang's weight iterators the plugin replaced, by name, to call through.
+    iterators: dict[str, Callable[..., Any]] = field(default_factory=dict)
+
+    def decide(self, family: Family, engine_tables: Pattern, own: str, group: Any = None) -> bool:
+        """Whether engramd serves this process's `family` tables: once, the same on `group`.
+
+        `engine_tables`: the checkpoint names SGLang loads as the family's
+        tables; `own`: the tables SGLang allocates instead (for the warning);
+        `group`: SGLang's GroupCoordinator whose ranks must agree (None: this
+        process alone).
+        """
+        if self.serve is not None:
+            return self.serve
+        from sglang.srt.runtime_context import get_model
+
+        if not SGLANG.serves_load_format(str(get_model().load_format), log):
+            self.serve = False
+            return False
+        refusal = decide(
+            lambda: probe(checkpoint_folder(), engine_tables, family.selection),
+            leader=group is None or group.rank_in_group == 0,
+            broadcast=None if group is None else lambda r: group.broadcast_object(r, src=0),
+        )
+        self.serve = settle(refusal, share_mode(), family.tables, engine_path(own), log)
+        if self.serve:
+            self.folder = checkpoint_folder()
+        return self.serve
+
+    def hold(self, tables: Tables, what: str) -> Tables:
+        """Keep `tables` for the process's life; SGLang's iterators skip every tensor they hold."""
+        self.tables = tables
+        self.served = tables.checkpoint_names
+        log.info(
+            "engramd serves SGLang's %s (%s, %d tensors, %.2f GiB of rows)",
+            what,
+            tables.mode,
+            len(tables),
+            tables.nbytes / 2**30,
+        )
+        return tables
+
+
+PROCESS = Process()
+
+
+def checkpoint_folder() -> str:
+    """The folder of the model SGLang loads (a folder, or a Hub id already cached)."""
+    from sglang.srt.runtime_context import get_model
+
+    model = get_model()
+    return local_folder(str(model.model_path), model.revision, model.download_dir)
+
+
+def engine_path(own: str) -> str:
+    """What runs instead of engramd (SGLang's `own` tables), and how to change that."""
+    return (
+        f"SGLang allocates its own {own}; start engramd on the node and mount its socket "
+        "folder, or set ENGRAMD_SHARE=off to silence this"
+    )

@@ -1,0 +1,105 @@
+"""The vLLM plugin's compatibility guard: the version and every seam the plugin relies on.
+
+Each check raises UnknownEngine naming the seam that differs; the plugin
+then patches nothing of that family and vLLM runs its own path.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from engramd_client.engines.common import Engine, params
+
+#: vLLM as the guard names it, with the versions whose seams this plugin was written
+#: against and tested with.
+VLLM = Engine("vLLM", frozenset({"0.33.0"}))
+
+
+def vllm_version() -> str:
+    """The running vLLM's version (`vllm.version.__version__`)."""
+    from vllm import version
+
+    return str(version.__version__)
+
+
+def check_loader_seams(weight_utils: ModuleType, default_loader: ModuleType) -> None:
+    """The weight loading both families rely on: the iterators' filter, the loaded-names count."""
+    VLLM.expect(
+        params(weight_utils.should_skip_weight) == ["weight_name", "local_expert_ids"]
+        # Compiled with the `regex` package: anything with search() will do.
+        and callable(getattr(getattr(weight_utils, "_ENGRAM_WEIGHT_RE", None), "search", None)),
+        "weight_utils",
+    )
+    loader = getattr(default_loader, "DefaultModelLoader", None)
+    VLLM.expect(
+        loader is not None
+        and params(loader.track_weights_loading)
+        == ["self", "model", "loaded_weights", "quantized"],
+        "DefaultModelLoader",
+    )
+
+
+def check_engram_seams(engram: ModuleType) -> None:
+    """DeepSeek-V4.1's Engram layer and table, as deepseek.py uses them."""
+    table = getattr(engram, "ParallelEngramEmbedding", None)
+    layer = getattr(engram, "Engram", None)
+    VLLM.expect(table is not None and layer is not None, "Engram module")
+    assert table is not None and layer is not None
+    VLLM.expect(params(layer._create_embedding) == ["self", "layout", "layer_hash_index"], "Engram")
+    VLLM.expect(params(table._allocate_weights) == ["self"], "ParallelEngramEmbedding")
+    names = set(table.__init__.__code__.co_names)
+    needed = {"vocab_start_idx", "vocab_end_idx", "part_num_embeddings", "cpu_offload"}
+    needed |= {"peer_rows", "dim", "block_size", "_views", "_view_src", "_get_shard_info"}
+    needed |= {"_allocate_weights", "_weight_loader", "weight", "weight_scale_inv"}
+    VLLM.expect(needed <= names, "ParallelEngramEmbedding attributes")
+    VLLM.expect(
+        {"_views", "_view_src", "_shared_memory"} <= set(table._storage.__code__.co_names),
+        "ParallelEngramEmbedding._storage",
+    )
+    VLLM.expect(
+        {"layer_ids", "primes"} <= set(engram.EngramLayout.__init__.__code__.co_names),
+        "EngramLayout",
+    )
+    VLLM.expect(
+        params(engram.can_share_engram_tables) == ["layout", "block_size"],
+        "can_share_engram_tables",
+    )
+    VLLM.expect(
+        callable(getattr(engram, "get_engram_dp_size", None))
+        and callable(getattr(engram, "get_engram_dp_group", None)),
+        "Engram DP group",
+    )
+
+
+def check_ple_seams(ngram_embedding: ModuleType) -> None:
+    """Qwen4Exp's PLE table in pinned host memory, as qwen4exp.py uses it."""
+    from vllm.model_executor.layers import vocab_parallel_embedding as vpe
+
+    table = getattr(ngram_embedding, "Qwen4ExpPLEPinnedHostEmbedding", None)
+    VLLM.expect(table is not None, "Qwen4Exp PLE module")
+    assert table is not None
+    VLLM.expect(
+        params(table.allocate_embedding_weight)
+        == ["self", "num_embeddings", "embedding_dim", "dtype"],
+        "Qwen4ExpPLEPinnedHostEmbedding.allocate_embedding_weight",
+    )
+    VLLM.expect(
+        {"_uva_weight", "get_accelerator_view_from_cpu_tensor", "weight"}
+        <= set(table.__init__.__code__.co_names)
+        and callable(getattr(ngram_embedding, "get_accelerator_view_from_cpu_tensor", None)),
+        "Qwen4ExpPLEPinnedHostEmbedding's UVA view",
+    )
+    base = vpe.VocabParallelEmbedding
+    split = ["vocab_size_padded", "org_vocab_size_padded", "vocab_size", "org_vocab_size"]
+    VLLM.expect(
+        {"shard_indices", "padding_size", "tp_rank", "tp_size", "prefix"}
+        <= set(base.__init__.__code__.co_names)
+        and params(base._get_indices) == [*split, "tp_rank", "tp_size"]
+        and callable(getattr(vpe, "pad_vocab_size", None)),
+        "VocabParallelEmbedding's vocab split",
+    )
+    nvfp4 = getattr(ngram_embedding, "Qwen4ExpPLENvFp4EmbeddingMethod", None)
+    VLLM.expect(
+        nvfp4 is not None and "_uva_weight_scale" in nvfp4.create_weights.__code__.co_names,
+        "Qwen4ExpPLENvFp4EmbeddingMethod",
+    )

@@ -1,0 +1,189 @@
+"""What one vLLM process decided and holds, and the weight-loading hooks both families share.
+
+vLLM's ranks are processes, and vLLM loads general plugins several times in
+each: `PROCESS` is this process's one state, whichever model family it
+builds. Its loader hooks make vLLM's safetensors iterators skip the tensors
+engramd serves (`weight_utils.should_skip_weight`) and count the served
+parameters loaded (`DefaultModelLoader.track_weights_loading`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engramd_client.core.families import Family
+from engramd_client.engines.common import (
+    CallThrough,
+    Pattern,
+    Refusal,
+    decide,
+    local_folder,
+    probe,
+    replaced,
+    say_once,
+    settle,
+    share_mode,
+)
+from engramd_client.engines.vllm.guard import VLLM, check_loader_seams
+from engramd_client.tables import Tables
+
+#: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
+log = logging.getLogger("vllm.engramd")
+
+LOADER_MODULES = (
+    "vllm.model_executor.model_loader.weight_utils",
+    "vllm.model_executor.model_loader.default_loader",
+)
+
+#: Set on a layer whose tables engramd serves: its parameters count as loaded.
+SERVED_MARK = "_engramd_served"
+
+
+@dataclass
+class Process:
+    """What this process decided and holds."""
+
+    #: None until decided; then whether engramd serves this process's tables.
+    serve: bool | None = None
+    #: The checkpoint folder the tables come from.
+    folder: str = ""
+    #: The daemon's tables for this process's rows (kept for the process's life).
+    tables: Tables | None = None
+    #: Checkpoint names of the tensors engramd serves here: vLLM skips reading them.
+    served: frozenset[str] = frozenset()
+    #: The rows [start, stop) of each table this process holds.
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: vLLM's functions the plugin replaced, to call through.
+    calls: CallThrough = field(default_factory=CallThrough)
+    #: vLLM's own pattern of n-gram table names (`_ENGRAM_WEIGHT_RE`).
+    pattern: Pattern | None = None
+
+    def install_loader(self) -> bool:
+        """Hook vLLM's weight loading once; False (one warning) where its seams differ."""
+        weight_utils, default_loader = (importlib.import_module(m) for m in LOADER_MODULES)
+        if replaced(weight_utils.should_skip_weight):
+            return True
+        check_loader_seams(weight_utils, default_loader)
+        self.pattern = weight_utils._ENGRAM_WEIGHT_RE
+        self.calls.replace(
+            default_loader.DefaultModelLoader, "track_weights_loading", _track_weights_loading
+        )
+        self.calls.replace(weight_utils, "should_skip_weight", _should_skip_weight)
+        return True
+
+    def decide(
+        self,
+        family: Family,
+        leader: bool = True,
+        broadcast: Callable[[Refusal | None], Refusal | None] | None = None,
+        engine_tables: Pattern | None = None,
+    ) -> bool:
+        """Whether engramd serves this process's `family` tables (decided once per process).
+
+        The leader asks the daemon for the checkpoint's tables; `broadcast`
+        (vLLM's collective) hands its answer to every rank of the group.
+        `engine_tables`: the checkpoint names vLLM loads as the family's
+        tables, where vLLM's own pattern does not name them all.
+        """
+        if self.serve is not None:
+            return self.serve
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config()
+        if not VLLM.serves_load_format(str(config.load_config.load_format), log):
+            self.serve = False
+            return False
+        pattern = engine_tables or self.pattern
+        assert pattern is not None
+
+        def ask() -> None:
+            probe(checkpoint_folder(config), pattern, family.selection)
+
+        refusal = decide(ask, leader=leader, broadcast=broadcast)
+        self.serve = settle(refusal, share_mode(), family.tables, engine_path(family), log)
+        if self.serve:
+            self.folder = checkpoint_folder(config)
+        return self.serve
+
+    def hold(self, tables: Tables, what: str) -> Tables:
+        """Keep `tables` for the process's life; vLLM's loader skips every tensor they hold."""
+        self.tables = tables
+        self.served = tables.checkpoint_names
+        log.info(
+            "engramd serves vLLM's %s (%s, %d tensors, %.2f GiB of rows)",
+            what,
+            tables.mode,
+            len(tables),
+            tables.nbytes / 2**30,
+        )
+        return tables
+
+
+PROCESS = Process()
+
+
+def engine_path(family: Family) -> str:
+    """What runs instead of engramd, and how to change that, for the one warning."""
+    return (
+        f"vLLM allocates its own {family.tables} (as its dp_shared_memory / use_thp "
+        "settings say); start engramd on the node and mount its socket folder, or set "
+        "ENGRAMD_SHARE=off to silence this"
+    )
+
+
+def checkpoint_folder(config: Any) -> str:
+    """The folder of the model vLLM loads (its weights folder, or a Hub id already cached)."""
+    model_config = config.model_config
+    name = str(getattr(model_config, "model_weights", None) or model_config.model)
+    return local_folder(name, model_config.revision, config.load_config.download_dir)
+
+
+def cuda_device() -> str | None:
+    """The CUDA device this rank computes on, for the tables' CUDA views; None without one."""
+    if torch.cuda.is_available():
+        return f"cuda:{torch.accelerator.current_device_index()}"
+    return None
+
+
+def tp_labels() -> dict[str, str]:
+    """The lease's labels in `engramd status`: the engine and this rank's TP rank."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return {"engine": "vllm", "tp_rank": str(get_tensor_model_parallel_rank())}
+
+
+def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
+    """A served layer's weight loader: the bytes are the daemon's already.
+
+    Reached only by iterators that ignore should_skip_weight (fastsafetensors,
+    multi-threaded loads).
+    """
+    say_once(
+        log,
+        logging.INFO,
+        "read",
+        "this load format read a table engramd serves from the checkpoint; the layer keeps "
+        "engramd's copy (auto or safetensors loads skip reading it)",
+    )
+
+
+def _should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> bool:
+    if weight_name in PROCESS.served:
+        return True
+    return bool(PROCESS.calls.call(_should_skip_weight, weight_name, local_expert_ids))
+
+
+def _track_weights_loading(
+    self: Any, model: torch.nn.Module, loaded_weights: set[str] | None, quantized: bool = False
+) -> None:
+    if loaded_weights is not None:
+        for name, module in model.named_modules():
+            for param in getattr(module, SERVED_MARK, ()):
+                loaded_weights.add(f"{name}.{param}" if name else param)
+    PROCESS.calls.call(_track_weights_loading, self, model, loaded_weights, quantized=quantized)

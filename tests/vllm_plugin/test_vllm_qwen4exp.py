@@ -1,0 +1,150 @@
+"""engramd's vLLM plugin serving Qwen4Exp's PLE n-gram tables, against the real vLLM 0.33.0.
+
+Each test runs real vLLM ranks (tests/vllm_plugin/vllm_ple_rank.py): vLLM's
+plugin loader, a gloo TP group, vLLM's own Qwen4ExpNGramEmbedding layers
+(pinned-host tables, every embedding method) and its DefaultModelLoader
+with weight tracking, over Qwen4Exp-shaped checkpoints whose row shards do
+not fall on the ranks' vocab ranges.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_harness import readahead, result
+from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, run_ple_ranks
+
+from engramd.demo.synth import expected_ple_rows
+
+WARNING = "engramd does not serve the PLE n-gram tables here"
+
+
+def _layer(module: str) -> int:
+    return int(module.split(".")[2])
+
+
+def _expected_sha(model: PleModel, layer: int, part: str, start: int, rows: int) -> str:
+    """sha256 of a rank's table: the checkpoint's rows from `start`, padding rows zero."""
+    held = max(0, min(start + rows, model.spec.rows_of(layer)) - start)
+    data = expected_ple_rows(model.spec, layer, part, torch.arange(start, start + held))
+    width = model.spec.widths()[part][1]
+    padded = torch.cat([data, torch.zeros(rows - held, width, dtype=torch.uint8)])
+    return hashlib.sha256(padded.numpy().tobytes()).hexdigest()
+
+
+def _may_read(model: PleModel) -> int:
+    """What a rank may read while loading: every tensor but the PLE shards, the shards'
+    fingerprint samples (8 x 4 KiB a file), and a readahead window around each touch."""
+    files = list(model.folder.glob("*.safetensors"))
+    other = sum(p.stat().st_size for p in files) - model.table_bytes
+    return other + len(files) * (8 * 4096 + 2 * max(readahead(model.folder), 4096))
+
+
+def _output(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("fmt", list(PLE_DTYPES))
+def test_tp_ranks_hold_vllms_vocab_ranges_of_the_daemons_copy(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path, fmt: str
+) -> None:
+    model = ple_models[fmt]
+    d = daemons("--checkpoint", str(model.folder))
+    runs = run_ple_ranks(model, 2, {"ENGRAMD_SOCKET": str(d.socket)}, tmp_path)
+    parts = list(model.spec.widths())
+    for rank, done in enumerate(runs):
+        out = result(done)
+        assert out["patched"]
+        assert len(out["layers"]) == len(model.spec.layers)
+        for module, info in out["layers"].items():
+            layer = _layer(module)
+            rows = model.spec.rows_of(layer)
+            # vLLM's own split of the padded vocabulary over the ETP group.
+            assert info["etp"] == [rank, 2]
+            assert (info["start"], info["rows"]) == (rank * rows // 2, rows // 2)
+            assert info["served"] == parts and list(info["maps"]) == parts
+            for part in parts:
+                # A read-only mapping of the daemon's copy, across shard boundaries.
+                assert info["maps"][part].split()[1] == "r--s", info["maps"][part]
+                assert str(d.shm_dir) in info["maps"][part]
+                assert info["sha256"][part] == _expected_sha(
+                    model, layer, part, info["start"], info["rows"]
+                ), (rank, module, part)
+            assert info["anonymous_kib"] == 0
+            if fmt == "F8_E4M3":
+                # The global scale stays vLLM's, loaded from the checkpoint.
+                assert info["global_scale"] != torch.finfo(torch.float32).min
+        # No PLE shard was read by vLLM's loader.
+        assert out["read_bytes"] <= _may_read(model), out["read_bytes"]
+    (served,) = d.status().sets
+    assert served.family == "ple"
+
+
+def test_embedding_across_dp_splits_over_every_rank(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
+) -> None:
+    # Two DP replicas of TP 2: vLLM's ETP group is all 4 ranks, a quarter of the table each.
+    model = ple_models["NVFP4"]
+    d = daemons("--checkpoint", str(model.folder))
+    env = {"ENGRAMD_SOCKET": str(d.socket)}
+    runs = run_ple_ranks(model, 4, env, tmp_path, ("--dp", "2", "--no-load"))
+    for rank, done in enumerate(runs):
+        for module, info in result(done)["layers"].items():
+            layer = _layer(module)
+            rows = model.spec.rows_of(layer)
+            assert info["etp"] == [rank, 4]
+            assert (info["start"], info["rows"]) == (rank * rows // 4, rows // 4)
+            for part in model.spec.widths():
+                assert info["sha256"][part] == _expected_sha(
+                    model, layer, part, info["start"], info["rows"]
+                ), (rank, module, part)
+
+
+def test_two_tp1_servers_map_one_file(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
+) -> None:
+    model = ple_models["BF16"]
+    d = daemons("--checkpoint", str(model.folder))
+    env = {"ENGRAMD_SOCKET": str(d.socket)}
+    inodes = []
+    for server in ("a", "b"):
+        (tmp_path / server).mkdir()
+        (done,) = run_ple_ranks(model, 1, env, tmp_path / server, ("--no-load",))
+        info = next(iter(result(done)["layers"].values()))
+        inodes.append(info["maps"]["weight"].split()[4])
+    assert inodes[0] == inodes[1]
+
+
+def test_without_a_daemon_vllm_loads_its_own_tables_with_one_warning(
+    ple_models: dict[str, PleModel], tmp_path: Path
+) -> None:
+    model = ple_models["F8_E4M3"]
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
+    (done,) = run_ple_ranks(model, 1, env, tmp_path, ("--private-pin",))
+    out = result(done)
+    assert _output(done).count(WARNING) == 1
+    for module, info in out["layers"].items():
+        assert info["served"] == []
+        assert " r--s " not in info["maps"]["weight"]
+        # vLLM's own loader filled its own table from the shards.
+        assert info["sha256"]["weight"] == _expected_sha(
+            model, _layer(module), "weight", 0, info["rows"]
+        )
+
+
+def test_share_off_stands_aside(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
+) -> None:
+    model = ple_models["BF16"]
+    d = daemons("--checkpoint", str(model.folder))
+    env = {"ENGRAMD_SOCKET": str(d.socket), "ENGRAMD_SHARE": "off"}
+    (done,) = run_ple_ranks(model, 1, env, tmp_path, ("--private-pin",))
+    out = result(done)
+    assert not out["patched"]
+    assert all(info["served"] == [] for info in out["layers"].values())
+    assert d.status().sets[0].lease_count == 0
