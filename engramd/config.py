@@ -262,6 +262,21 @@ class DaemonConfig:
     fd_connections_per_uid: int = setting(
         8, "fd channel connections one uid holds at once (0: only the channel's 64).", min=0
     )
+    #: Of what the daemon may hold (--memory-budget, else its first backing's size), the
+    #: fraction that sets workers' attaches loaded from one uid's files may take.
+    worker_share_per_uid: float = setting(
+        0.25,
+        "Fraction of what engramd may hold (--memory-budget, else the shm folder's size) that "
+        "sets workers' attaches load from one uid's checkpoint files may take (0: no limit).",
+        min=0,
+    )
+    #: Seconds a set a worker's attach loaded stays held with no lease before it is dropped.
+    worker_set_grace: float = setting(
+        600.0,
+        "Seconds a set a worker's attach loaded stays held with no lease before it is dropped "
+        "(0: kept until evicted or dropped).",
+        min=0,
+    )
     #: Seconds a worker-socket connection may stay idle (no call in flight, or no
     #: handshake) before the daemon closes it.
     idle_timeout: float = setting(

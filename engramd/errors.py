@@ -15,6 +15,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from engramd_client.core.beneath import OutsideRoot
 from engramd_client.core.errors import REASON_KEY, CheckpointError, Reason
 
 log = logging.getLogger("engramd")
@@ -104,8 +105,30 @@ class Draining(ServiceError):
     reason = Reason.DRAINING
 
 
+class QuotaExceeded(ServiceError):
+    """Sets workers loaded from one uid's files would take more than its share."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.QUOTA
+
+
+class ReadersBusy(ServiceError):
+    """One owner's files already hold the daemon's share of large header reads."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = Reason.READERS
+
+
 class UntrustedShm(RuntimeError):
     """The shm folder's `engramd/` is not the daemon's own and cannot be made so."""
+
+
+class NotInSocketGroup(RuntimeError):
+    """The daemon's user may not give its sockets and sets the --socket-group it names."""
+
+
+class UntrustedSocketFolder(RuntimeError):
+    """The sockets' folder is not the daemon's own, or others may write it."""
 
 
 class ShmOnDisk(RuntimeError):
@@ -116,6 +139,8 @@ def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status code, reason, message) for any exception raised while serving."""
     if isinstance(exc, ServiceError):
         return exc.code, exc.reason, str(exc)
+    if isinstance(exc, OutsideRoot):
+        return grpc.StatusCode.PERMISSION_DENIED, NotAllowed.reason, str(exc)
     if isinstance(exc, CheckpointError):
         return grpc.StatusCode.INVALID_ARGUMENT, Reason.CHECKPOINT, str(exc)
     log.exception("internal error while serving a request", exc_info=exc)

@@ -5,7 +5,8 @@
 Names the checkpoint without planning it first (a user who cannot read the
 folder can still name it), accepts descriptors only, holds the lease while
 it collects them from the fd channel the attachment names. Prints
-{"files": [...]} or {"error": class or status name, "message": ...}. Run
+{"files": [...]} or {"error": class or status name, "message": ...}, with
+"sources" (the checkpoint files the attachment named) once attached. Run
 as another user (tests/run_as.py) to see what the daemon grants that user.
 """
 
@@ -35,18 +36,19 @@ def main() -> int:
         except grpc.RpcError as e:
             say({"error": e.code().name, "message": e.details()})
             return 0
+        sources = [s.path for s in attached.sources]
         try:
             fds = collect(
                 attached.fd_channel.socket, attached.lease_id, attached.fd_channel.secret, 10
             )
         except EngramdError as e:
-            say({"error": type(e).__name__, "message": str(e)})
+            say({"error": type(e).__name__, "message": str(e), "sources": sources})
             return 0
         finally:
             call.cancel()
     for fd in fds.values():
         os.close(fd)
-    say({"files": sorted(fds)})
+    say({"files": sorted(fds), "sources": sources})
     return 0
 
 

@@ -177,16 +177,33 @@ def test_worker_gets_a_clear_error(breakage: Breakage, words: str, broken: Any) 
 
 
 def test_daemon_answers_invalid_argument_and_keeps_serving(
-    checkpoint: Path, broken: Any, daemons: Any, workers: list[Worker], tmp_path: Path
+    checkpoint: Path,
+    broken: Any,
+    daemons: Any,
+    workers: list[Worker],
+    open_dirs: tuple[Path, Path, Path],
 ) -> None:
-    d = daemons("--checkpoint", str(checkpoint), "--allow-root", str(tmp_path))
+    top = open_dirs[0]
+    d = daemons("--checkpoint", str(checkpoint), "--allow-root", str(top))
     for breakage, words in BREAKAGES:
-        folder = broken(breakage)
+        # Files every member of the socket group may read: the error names the problem.
+        folder = top / breakage.__name__
+        shutil.copytree(broken(breakage), folder)
+        for p in (folder, *folder.iterdir()):
+            p.chmod(0o755 if p.is_dir() else 0o644)
         err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=str(folder)))
         assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, breakage
         assert reason(err) == "checkpoint"
         assert words in str(err.details())
         assert str(folder) in str(err.details())
+        # Files some member may not read: the worker socket cannot tell who asks, so the
+        # problem (a size, a header's length, bytes) is named in the daemon's log only.
+        folder.chmod(0o700)
+        err = attach_error(d, pb.AttachRequest(set_id="0" * 20, checkpoint=str(folder)))
+        assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT, breakage
+        told = str(err.details()).replace(str(folder), "<folder>")
+        assert words not in told and "daemon's log alone" in told
+        assert words in d.log
     w = Worker(checkpoint, d.socket, share="on")
     workers.append(w)
     assert w.hello["mode"] == "shared"

@@ -78,3 +78,34 @@ def test_idle_threads_exit_and_a_later_call_starts_one(monkeypatch: pytest.Monke
     # Each burst ran on at most `size` threads; the later one on threads started anew.
     assert 1 <= len(set(first)) <= 3 and 1 <= len(set(later)) <= 3
     assert not set(first) & set(later)
+
+
+def test_calls_given_up_never_push_the_pool_past_its_size() -> None:
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    ran: list[int] = []
+
+    def hang(i: int) -> None:
+        ran.append(i)
+        entered.release()
+        release.wait(30)
+
+    async def main() -> int:
+        pool = BlockingPool("given-up", 2)
+        running = [asyncio.ensure_future(pool.run(hang, i)) for i in range(2)]
+        for _ in range(2):
+            await asyncio.to_thread(entered.acquire, True, 30)
+        # Their callers hang up (a worker gone): the calls still run, and keep their slots.
+        for task in running:
+            task.cancel()
+        queued = [asyncio.ensure_future(pool.run(hang, i)) for i in range(2, 6)]
+        await asyncio.sleep(0)  # let them queue for a slot
+        for task in queued:
+            task.cancel()
+        await asyncio.gather(*running, *queued, return_exceptions=True)
+        release.set()
+        # The slots come back once the running calls return; the queued ones never ran.
+        return await pool.run(lambda: len(ran))
+
+    assert asyncio.run(main()) == 2
+    assert ran == [0, 1]

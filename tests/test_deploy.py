@@ -210,7 +210,10 @@ def test_fresh_node_gets_a_socket_folder_the_daemon_can_use(sock_dir: Path, shm_
     shm_dir.chmod(0o1777)
     (shm_dir / "engramd").mkdir()
     os.chown(shm_dir / "engramd", 65534, 65534)
-    d = Daemon(run / "engramd.sock", shm_dir, [], sock_dir / "daemon.log", python=python)
+    # The image's `engramd` group is the daemon's own (runAsGroup): its own group here,
+    # whatever groups this machine has.
+    args = ["--socket-group", ""]
+    d = Daemon(run / "engramd.sock", shm_dir, args, sock_dir / "daemon.log", python=python)
     with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
     script = prepare["command"][-1].replace("/run/engramd", str(run))

@@ -9,6 +9,7 @@ reloads under running workers, unverified pids. Bad paths.
 from __future__ import annotations
 
 import contextlib
+import grp
 import os
 import re
 import shutil
@@ -89,7 +90,11 @@ def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir:
     root = sets_root(shm_dir)
     root.mkdir()
     os.chown(root, NOBODY, NOBODY)
-    d = Daemon(sock_dir / "d.sock", shm_dir, [], sock_dir / "daemon.log", python=python)
+    # Its own group as the socket group: whatever groups this machine has (an `engramd`
+    # group 65533 is not in, on a deployed node) play no part.
+    d = Daemon(
+        sock_dir / "d.sock", shm_dir, ["--socket-group", ""], sock_dir / "daemon.log", python=python
+    )
     with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
     assert f"rm -rf {root}" in d.log and "owned by uid 65534" in d.log
@@ -99,6 +104,41 @@ def test_daemon_user_refuses_a_folder_another_user_made(sock_dir: Path, shm_dir:
         assert root.stat().st_uid == 65533 and (root.stat().st_mode & 0o777) == 0o750
     finally:
         d.stop()
+
+
+def test_daemon_outside_its_socket_group_names_the_group_and_the_fix(
+    sock_dir: Path, shm_dir: Path
+) -> None:
+    group = "engramd-tg"
+    subprocess.run(["groupdel", group], capture_output=True)  # left by an interrupted run
+    python = as_user("65533:65533")
+    subprocess.run(["groupadd", "--system", group], check=True, capture_output=True)
+    try:
+        gid = grp.getgrnam(group).gr_gid
+        shm_dir.chmod(0o1777)
+        os.chown(sock_dir, 65533, 65533)
+        args = ["--socket-group", group]
+        d = Daemon(sock_dir / "d.sock", shm_dir, args, sock_dir / "daemon.log", python=python)
+        with pytest.raises(RuntimeError, match="exited with 1"):
+            d.start()
+        assert f"not a member of its --socket-group {group!r} (gid {gid})" in d.log
+        assert f"usermod -aG {group}" in d.log and "Errno" not in d.log
+        assert not sets_root(shm_dir).exists(), "it refused before making anything"
+        # The same user with that group is served, and gives the group its socket.
+        d = Daemon(
+            sock_dir / "d.sock",
+            shm_dir,
+            args,
+            sock_dir / "daemon.log",
+            python=as_user(f"65533:{gid}"),
+        )
+        d.start()
+        try:
+            assert d.socket.stat().st_gid == gid
+        finally:
+            d.stop()
+    finally:
+        subprocess.run(["groupdel", group], capture_output=True)
 
 
 @pytest.mark.parametrize("handles", ["fd", "shm"])
@@ -285,8 +325,11 @@ def test_leases_are_bounded(checkpoint: Path, daemons: Any, workers: list[Worker
     assert d.status().sets[0].lease_count == 2
 
 
-def test_fifo_shards_are_refused_at_once(checkpoint: Path, daemons: Any, tmp_path: Path) -> None:
-    root = tmp_path / "root"
+def test_fifo_shards_are_refused_at_once(
+    checkpoint: Path, daemons: Any, open_dirs: tuple[Path, Path, Path]
+) -> None:
+    # A folder any member may list: a FIFO there is no secret, and the error names it.
+    root = open_dirs[0] / "root"
     for i in range(12):  # more than every pool has threads
         (root / f"fifo{i}").mkdir(parents=True)
         os.mkfifo(root / f"fifo{i}" / "a.safetensors")
@@ -635,3 +678,62 @@ def test_no_lease_on_a_set_that_left_the_store(
             d.server.store.leases.add(
                 ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), HandleKind.FD
             )
+
+
+def test_a_kept_plan_is_handed_out_while_every_checkpoint_reader_is_taken(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engramd.api import service as service_module
+    from engramd.sets import plans as plans_module
+
+    # One member's checkpoints on a mount that hangs (which cannot exist here: a read
+    # that waits for the test stands in for it) take every reader of checkpoints.
+    readers = service_module._CHECKPOINT_READERS
+    small = synthesize(tmp_path / "small", SynthSpec(rows=2000))
+    root = tmp_path / "root"
+    for i in range(readers):
+        shutil.copytree(small, root / f"hung{i}")
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    real = plans_module.plan_tables
+
+    def hung(path: Path, *args: Any) -> Any:
+        if path.name.startswith("hung"):
+            entered.release()
+            assert release.wait(60), "the test never released the hung reads"
+        return real(path, *args)
+
+    monkeypatch.setattr(plans_module, "plan_tables", hung)
+    config = in_process_config(
+        sock_dir, shm_dir, checkpoints=[str(checkpoint)], allow_roots=[str(root)]
+    )
+    with InProcessDaemon(config) as d, grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as ch:
+        wait_until(lambda: d.server.ready, 30, "the configured set")
+        stub = pb_grpc.TableServiceStub(ch)
+        stuck = [
+            stub.Attach(
+                pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / f"hung{i}"), pid=1),
+                timeout=60,
+            )
+            for i in range(readers)
+        ]
+        try:
+            for _ in range(readers):
+                assert entered.acquire(timeout=30), "the hung reads did not start"
+            # A worker of the configured checkpoint: its plan is kept, and checked on
+            # threads of its own, not behind the readers.
+            request = pb.AttachRequest(
+                set_id=plan_tables(checkpoint).set_id,
+                checkpoint=str(checkpoint),
+                pid=os.getpid(),
+                accept=[pb.HANDLE_KIND_FD],
+            )
+            call = stub.Attach(request, timeout=10)
+            try:
+                assert next(iter(call)).WhichOneof("event") == "attached"
+            finally:
+                call.cancel()
+        finally:
+            release.set()
+            for c in stuck:
+                c.cancel()

@@ -7,16 +7,23 @@ are planned again, and a changed file is then caught by the proof.
 
 from __future__ import annotations
 
+import json
 import mmap
 import os
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 
 from conftest import mounted_tmpfs, wait_until
-from engramd.sets.plans import PlanCache
+from engramd.demo.synth import SynthSpec, synthesize
+from engramd.errors import ReadersBusy
+from engramd.sets.plans import LARGE_HEADER_BYTES, WORKER_HEADER_BYTES, PlanCache
+from engramd_client.core import headers
+from engramd_client.core.beneath import Root
 from engramd_client.core.checkpoint import DEFAULT_TENSORS, plan_tables
 from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
 from engramd_client.core.pb import engramd_pb2 as pb
@@ -133,3 +140,80 @@ def test_the_first_attach_to_a_configured_checkpoint_reads_no_header(
     assert attach_error(d, request) is None
     # The daemon's plan from its start is kept: not one data sample is read again.
     assert bytes_read(d.proc.pid) - before < SAMPLE_BYTES * SAMPLES
+
+
+def _padded(checkpoint: Path, to: Path, header_bytes: int) -> Path:
+    """A copy of `checkpoint` whose first shard's header is padded to about `header_bytes`."""
+    shutil.copytree(checkpoint, to)
+    shard = sorted(to.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    doc = json.loads(data[8 : 8 + length])
+    doc["__metadata__"] = {**doc.get("__metadata__", {}), "pad": "x" * header_bytes}
+    header = json.dumps(doc).encode()
+    shard.write_bytes(len(header).to_bytes(8, "little") + header + data[8 + length :])
+    return to
+
+
+def test_a_workers_checkpoint_gets_a_tighter_header_limit(
+    daemons: Any, tmp_path: Path, open_dirs: tuple[Path, Path, Path]
+) -> None:
+    # Files any member may read: the refusal names the problem.
+    top = open_dirs[0]
+    small = synthesize(tmp_path / "small", SynthSpec(rows=2000))
+    padded = _padded(small, top / "padded", WORKER_HEADER_BYTES + 1)
+    for p in (padded, *padded.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    d = daemons("--allow-root", str(top))
+    err = attach_error(
+        d, pb.AttachRequest(set_id=plan_tables(padded).set_id, checkpoint=str(padded))
+    )
+    assert err is not None and err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"longer than the {WORKER_HEADER_BYTES} engramd reads" in str(err.details())
+    assert "engramd load" in str(err.details())
+
+
+def test_large_headers_of_one_owner_are_read_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    small = synthesize(tmp_path / "small", SynthSpec(rows=2000))
+    root = tmp_path / "root"
+    mine = [_padded(small, root / f"mine{i}", LARGE_HEADER_BYTES) for i in range(3)]
+    theirs = _padded(small, root / "theirs", LARGE_HEADER_BYTES)
+    for folder, uid in [*((m, 60152) for m in mine), (theirs, 60151)]:
+        for p in (folder, *folder.iterdir()):
+            os.chown(p, uid, uid)
+    # Parses that wait for the test: the reads they stand for are slow, not hung.
+    entered = threading.Semaphore(0)
+    release = threading.Event()
+    cache = headers._HEADERS
+    real = cache.parsed
+
+    def slow(source: Any, header: bytes, parse: Any) -> Any:
+        if len(header) >= LARGE_HEADER_BYTES:
+            entered.release()
+            assert release.wait(60), "the test never released the parses"
+        return real(source, header, parse)
+
+    monkeypatch.setattr(cache, "parsed", slow)
+    plans = PlanCache()
+    results: list[Any] = []
+
+    def plan(folder: Path) -> None:
+        results.append(plans.plan(folder, DEFAULT_TENSORS, Root(root)))
+
+    threads = [threading.Thread(target=plan, args=(m,)) for m in (*mine[:2], theirs)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in threads:
+            assert entered.acquire(timeout=30), "the large headers were not read at once"
+        # A third large header of the same owner is refused at once; another owner's was not.
+        with pytest.raises(ReadersBusy, match="files of uid 60152"):
+            plans.plan(mine[2], DEFAULT_TENSORS, Root(root))
+    finally:
+        release.set()
+        for t in threads:
+            t.join(30)
+    assert len(results) == 3
+    assert plans.plan(mine[2], DEFAULT_TENSORS, Root(root)).set_id == results[0].set_id

@@ -21,6 +21,7 @@ import torch
 from conftest import wait_until
 from engramd.demo.synth import PleSpec, SynthSpec, expected_ple_rows, synthesize, synthesize_ple
 from engramd_client import attach
+from engramd_client.core.beneath import Root
 from engramd_client.core.checkpoint import plan_tables
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.families import ENGRAM, PLE
@@ -199,3 +200,46 @@ def test_status_names_each_sets_family(ple: Path, checkpoint: Path, daemons: Any
     d = daemons("--checkpoint", str(ple), "--checkpoint", str(checkpoint))
     wait_until(lambda: len(d.status().sets) == 2, 30, "both sets")
     assert sorted(s.family for s in d.status().sets) == ["engram", "ple"]
+
+
+def test_a_workers_attach_loads_shards_of_two_files_beneath_its_root(
+    tmp_path: Path, daemons: Any, shm_dir: Path
+) -> None:
+    spec = dataclasses.replace(SPEC, parts=3)
+    root = tmp_path / "models"
+    ckpt = synthesize_ple(root / "qwen4exp", spec)
+    # The second file lies in another folder of the root, reached by a symlink the walk
+    # follows inside it: each span is read from the file the walk held, not a name.
+    second = sorted(ckpt.glob("*.safetensors"))[1]
+    (root / "blobs").mkdir()
+    second.rename(root / "blobs" / second.name)
+    second.symlink_to(Path("..") / "blobs" / second.name)
+    plan = plan_tables(ckpt, PLE.selection, Root(root))
+    for t in plan.tensors:
+        files = {p.file for p in t.spans}
+        assert len(files) == 2, t.name
+        assert all(str(f) in plan.held for f in files), (files, list(plan.held))
+    d = daemons("--allow-root", str(root))
+    whole = _ranges(spec, 1, PADDED)[0]
+    out = _probe(ckpt, spec, whole, "--socket", str(d.socket), "--share", "on")
+    assert out["mode"] == "shared"
+    for name in whole:
+        assert out[name]["same_bytes"] and out[name]["padding_zero"], name
+        fields = out[name]["map"].split()
+        assert fields[1] == "r--s" and str(shm_dir) in out[name]["map"], out[name]["map"]
+    (ple_set,) = d.status().sets
+    assert ple_set.family == "ple" and ple_set.tensors == 2
+
+
+def test_auto_beneath_a_root_reads_no_config_outside_it(tmp_path: Path) -> None:
+    root = tmp_path / "models"
+    ckpt = synthesize(root / "engram", SynthSpec(rows=64, layers=1))
+    outside = tmp_path / "config.json"
+    outside.write_text(json.dumps({"architectures": ["Qwen4ExpForCausalLM"]}))
+    (ckpt / "config.json").unlink(missing_ok=True)
+    (ckpt / "config.json").symlink_to(outside)
+    # The operator's own path is followed: its config names Qwen4Exp, whose tables it lacks.
+    with pytest.raises(CheckpointError, match="no tensor matches"):
+        plan_tables(ckpt)
+    # Beneath a root, a config.json leading out of it decides nothing: the tensor names do.
+    assert plan_tables(ckpt, "auto", Root(root)).selection == ENGRAM.selection

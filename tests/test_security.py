@@ -200,3 +200,57 @@ def test_memory_budget_and_idle_eviction(
     assert _attach_code(d, two, plan_tables(two).set_id) is None
     assert [s.checkpoint for s in d.status().sets] == [str(two)]
     assert "evicting idle set" in d.log
+
+
+@pytest.mark.parametrize("owner, mode", [(0, 0o777), (65534, 0o755), (0, 0o770)])
+def test_daemon_refuses_a_socket_folder_others_may_write(
+    sock_dir: Path, shm_dir: Path, owner: int, mode: int
+) -> None:
+    run = sock_dir / "run"
+    run.mkdir()
+    os.chown(run, owner, owner)
+    run.chmod(mode)
+    d = Daemon(run / "d.sock", shm_dir, [], sock_dir / "daemon.log")
+    with pytest.raises(RuntimeError, match="exited with 1"):
+        d.start()
+    assert f"the socket folder {run} must be engramd's own and writable by no one else" in d.log
+    assert not any(p.is_socket() for p in run.iterdir())
+
+
+def test_a_worker_maps_nothing_from_whoever_may_write_the_socket_folder(
+    users: None, checkpoint: Path, sock_dir: Path, workers: list[Worker]
+) -> None:
+    # The operator's socket folder, writable by everyone (an emptyDir's 0777):
+    # a member of the group stands in for the daemon there with one of his own.
+    sock_dir.chmod(0o755)
+    run = sock_dir / "run"
+    run.mkdir(mode=0o777)
+    run.chmod(0o777)
+    public = sock_dir / "models" / "ckpt"
+    shutil.copytree(checkpoint, public)
+    for p in (public.parent, *public.parent.rglob("*")):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    member = pwd.getpwnam(MEMBER)
+    mine = sock_dir / "member"
+    mine.mkdir()
+    os.chown(mine, member.pw_uid, member.pw_gid)
+    planted = Daemon(
+        mine / "d.sock",
+        mine,
+        ["--checkpoint", str(public), "--socket-group", "", "--backing", "memfd"],
+        sock_dir / "member.log",
+        python=as_user(MEMBER),
+    ).start()
+    try:
+        for name in ("d.sock", "fds.sock"):
+            (run / name).symlink_to(mine / name)
+        strict = Worker(public, run / "d.sock", share="on")
+        workers.append(strict)
+        assert strict.hello["error"] == "SegmentNotVisible", strict.hello
+        assert "can stand in for the daemon" in strict.hello["message"]
+        assert "mode 0777" in strict.hello["message"]
+        auto = Worker(public, run / "d.sock")
+        workers.append(auto)
+        assert auto.hello["mode"] == "private", auto.hello
+    finally:
+        planted.stop()

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs
+from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
 from engramd_client.core.checkpoint import plan_tables
@@ -79,7 +79,8 @@ class Node:
 
 
 @pytest.fixture
-def node(checkpoint: Path) -> Iterator[Node]:
+def node(checkpoint: Path, request: pytest.FixtureRequest) -> Iterator[Node]:
+    """The daemon, with the serve flags a test gives (indirect parametrization) added."""
     if os.geteuid() != 0:
         pytest.skip("creating a group and dropping to other users needs root")
     subprocess.run(["groupdel", GROUP], capture_output=True)  # left by an interrupted run
@@ -93,7 +94,7 @@ def node(checkpoint: Path) -> Iterator[Node]:
     d = Daemon(
         top / "run" / "d.sock",
         shm,
-        ["--allow-root", str(root), "--socket-group", GROUP],
+        ["--allow-root", str(root), "--socket-group", GROUP, *getattr(request, "param", [])],
         top / "log",
     ).start()
     try:
@@ -121,16 +122,18 @@ def test_planted_bytes_reach_no_other_copy(
     assert alice.hello["mode"] == "shared", alice.hello
     assert alice.hello["digests"] == planted
 
-    # Bob's own clean copy, same set id: never served Alice's bytes.
+    # Bob's own clean copy, same set id: never served Alice's bytes, and not shut out
+    # by them either: his files get a set of their own.
     mine = node.copy_for(BOB, "clean", checkpoint)
     strict = Worker(mine, d.socket, share="on", user=node.user(BOB))
     workers.append(strict)
-    assert strict.hello["error"] == "FingerprintMismatch", strict.hello
-    assert "does not hold the bytes" in strict.hello["message"]
+    assert strict.hello["mode"] == "shared", strict.hello
+    assert strict.hello["digests"] == clean
+    assert strict.hello["set_id"] != alice.hello["set_id"]
     auto = Worker(mine, d.socket, user=node.user(BOB))
     workers.append(auto)
-    assert auto.hello["mode"] == "private"
-    assert auto.hello["digests"] == clean
+    assert auto.hello["mode"] == "shared", auto.hello
+    assert auto.hello["digests"] == clean and auto.hello["set_id"] == strict.hello["set_id"]
     # Nor by the bare set id: Alice's attach loaded it, the operator did not.
     by_id = Worker(plan_tables(checkpoint).set_id, d.socket, share="on", user=node.user(BOB))
     workers.append(by_id)
@@ -142,9 +145,10 @@ def test_planted_bytes_reach_no_other_copy(
     workers.append(twin)
     assert twin.hello["mode"] == "shared", twin.hello
     assert twin.hello["digests"] == planted
-    # Meanwhile the daemon served everyone else: one set, Alice's and the twin's leases.
-    [s] = d.status().sets
-    assert s.lease_count == 2
+    # Meanwhile the daemon served everyone: Alice's set (her lease and the twin's), and
+    # Bob's clean one (his two workers').
+    leases = {s.set_id: s.lease_count for s in d.status().sets}
+    assert leases == {alice.hello["set_id"]: 2, strict.hello["set_id"]: 2}
     again = Worker(poisoned, d.socket, share="on", user=node.user(ALICE))
     workers.append(again)
     assert again.hello["mode"] == "shared"
@@ -389,3 +393,144 @@ def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
     workers.append(auto)
     assert auto.hello["mode"] == "private", auto.hello
     assert auto.hello["digests"] == reference_digests(checkpoint)
+
+
+def test_a_name_swapped_under_the_daemon_never_gets_another_users_descriptors(
+    node: Node, tmp_path: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    single = synthesize(tmp_path / "single", SynthSpec(rows=2000, shards=1))
+    [name] = [p.name for p in single.glob("*.safetensors")]
+    private = node.copy_for(ALICE, "private", single)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob's folder under the root: a file of his own under Alice's file name, and a
+    # symlink to Alice's file (which he cannot read); the two trade names in a loop.
+    mine = node.root / f"{BOB}" / "race"
+    mine.mkdir(parents=True)
+    shutil.copy(single / "model.safetensors.index.json", mine)
+    (mine / name).write_bytes(b"\0" * 4096)
+    (mine / "decoy").symlink_to(private / name)
+    for p in (node.root / f"{BOB}", mine, *mine.iterdir()):
+        os.chown(p, BOB, node.gid, follow_symlinks=False)
+    race = _as(
+        node,
+        BOB,
+        str(TESTS / "swap_probe.py"),
+        str(d.socket),
+        alice.hello["set_id"],
+        str(mine),
+        name,
+        "decoy",
+        "20",
+    )
+    assert "won" not in race, race
+    # The attack ran: the daemon followed the symlink, proved Alice's file, and the fd
+    # channel judged Bob against that file, not against his path.
+    refused = sum(n for k, n in race["outcomes"].items() if f"uid {BOB} may not read" in k)
+    assert refused > 0, race
+
+
+def test_a_symlink_out_of_the_root_reveals_nothing_of_its_target(
+    node: Node, tmp_path: Path
+) -> None:
+    d = node.daemon
+    # A root-only file outside the allowed root: its size and first bytes are secrets.
+    secret = tmp_path / "vault" / "shadow"
+    secret.parent.mkdir(mode=0o700)
+    secret.write_bytes(b"root:*:20000:0:99999:7:::\n" + b"x" * 684)
+    secret.chmod(0o600)
+    mine = node.root / f"{BOB}"
+    for name, target in (("there", secret), ("nothing", tmp_path / "vault" / "missing")):
+        (mine / name).mkdir(parents=True)
+        (mine / name / "a.safetensors").symlink_to(target)
+    for p in (mine, *mine.rglob("*")):
+        os.chown(p, BOB, node.gid, follow_symlinks=False)
+    answers = []
+    for name in ("there", "nothing"):
+        answer = _as(
+            node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(mine / name)
+        )
+        assert answer["error"] == "PERMISSION_DENIED", answer
+        assert "outside the allowed root" in answer["message"]
+        answers.append(answer["message"].replace(str(mine / name), "<folder>"))
+    first8 = str(int.from_bytes(secret.read_bytes()[:8], "little"))
+    assert not any(secret_text in answers[0] for secret_text in ("710", first8, "root:"))
+    # A target that exists and one that does not get the same answer.
+    assert answers[0] == answers[1]
+
+
+def test_a_caller_learns_nothing_of_files_it_may_not_read(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    private = node.copy_for(ALICE, "private", checkpoint)
+    alice = Worker(private, d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob names Alice's checkpoint with her set's id: he gets a lease (the worker socket
+    # cannot tell who asks) but not her files' names, sizes and inodes, then no descriptor.
+    named = _as(
+        node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), alice.hello["set_id"], str(private)
+    )
+    assert named["error"] == "NotAllowed", named
+    assert named["sources"] == [], named
+    # Alice's broken copy (a truncated shard): Bob learns neither its size nor its bytes.
+    broken = node.copy_for(ALICE, "broken", checkpoint)
+    shard = broken / SHARD
+    size = shard.stat().st_size // 2
+    os.truncate(shard, size)
+    refused = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(broken))
+    assert refused["error"] == "INVALID_ARGUMENT", refused
+    assert SHARD not in refused["message"] and "truncated" not in refused["message"], refused
+    assert "daemon's log alone" in refused["message"]
+    # Alice's own worker is told in full by her own read of the files.
+    strict = Worker(broken, d.socket, share="on", user=node.user(ALICE))
+    workers.append(strict)
+    assert strict.hello["error"] == "CheckpointError", strict.hello
+    assert "truncated file" in strict.hello["message"]
+
+
+@pytest.mark.parametrize(
+    "node",
+    [["--memory-budget", "64M", "--worker-set-grace", "2", "--sweep-interval", "0.1"]],
+    indirect=True,
+)
+def test_one_users_checkpoints_take_only_their_share_and_leave_when_unleased(
+    node: Node, tmp_path: Path, workers: list[Worker]
+) -> None:
+    d = node.daemon
+    ckpts = [synthesize(tmp_path / f"c{i}", SynthSpec(rows=4000, seed=i)) for i in range(4)]
+    nbytes = plan_tables(ckpts[0]).nbytes
+    # Room for two of Bob's sets in his share, not three (the budget itself holds many).
+    share = 2.5 * nbytes / (64 << 20)
+    d.stop()
+    d.args += ["--worker-share-per-uid", f"{share:.6f}"]
+    d.start()
+    status = d.status().daemon
+    assert status.worker_set_grace_s == 2 and abs(status.worker_share_per_uid - share) < 1e-6
+    bobs = [node.copy_for(BOB, f"b{i}", ckpts[i]) for i in range(3)]
+    held = []
+    for folder in bobs[:2]:
+        w = Worker(folder, d.socket, share="on", user=node.user(BOB))
+        workers.append(w)
+        assert w.hello["mode"] == "shared", w.hello
+        held.append(w)
+    third = Worker(bobs[2], d.socket, share="on", user=node.user(BOB))
+    workers.append(third)
+    assert "--worker-share-per-uid" in third.hello.get("message", ""), third.hello
+    assert f"files of uid {BOB}" in third.hello["message"]
+    # Alice's files are charged to her, not to Bob.
+    alice = Worker(node.copy_for(ALICE, "a", ckpts[3]), d.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    # Bob's workers exit: his sets are dropped once unleased for the grace; Alice's stays.
+    for w in held:
+        assert w.exit() == 0
+    wait_until(lambda: len(d.status().sets) == 1, 30, "Bob's unleased sets to be dropped")
+    assert [s.set_id for s in d.status().sets] == [alice.hello["set_id"]]
+    assert "--worker-set-grace" in d.log
+    again = Worker(bobs[2], d.socket, share="on", user=node.user(BOB))
+    workers.append(again)
+    assert again.hello["mode"] == "shared", again.hello

@@ -333,7 +333,9 @@ def test_load_policy(checkpoint: Path, tmp_path: Path) -> None:
     root.mkdir()
     policy = LoadPolicy(DaemonConfig(allow_roots=[str(root)], checkpoints=[str(checkpoint)]))
     inside = pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / "m"))
-    assert policy.check_request(inside, loaded=[]) == root / "m"
+    path, beneath = policy.check_request(inside, loaded=[])
+    # Under a root: the path as written, its files to be opened beneath that root.
+    assert path == root / "m" and beneath is not None and beneath.path == root
     with pytest.raises(SelectionRefused):
         policy.check_request(pb.AttachRequest(checkpoint=str(root / "m"), tensors="*"), [])
     with pytest.raises(NotAllowed, match="allowed roots"):

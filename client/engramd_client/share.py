@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from engramd_client.core.channel import probe_socket
+from engramd_client.core.channel import daemon_uid, probe_socket
 from engramd_client.core.checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
 from engramd_client.core.config import CUDA_HANDLE_KINDS, ClientConfig
 from engramd_client.core.errors import (
@@ -236,12 +236,13 @@ def _attach_as(
             check_row_names(rows, [h.name for h in attachment.tensors])
         else:
             _check_sources(plan, attachment)
+        # Who serves the socket, as the kernel says, before anything it handed out is mapped.
+        owner = daemon_uid(config.socket, config.connect_timeout_s)
         if any(h.WhichOneof("handle") == "cumem" for h in attachment.tensors):
             return _imported_tables(attachment, rows, config, index, lease, plan)
         writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
         if writable and attachment.gpu_route != route:
             raise NoGpuRoute(_no_gpu_route(index, attachment))
-        owner = os.stat(config.socket).st_uid
         tensors = _map(attachment, rows, populate, config, owner, writable, pad_rows)
     except BaseException:
         lease.close()

@@ -41,7 +41,7 @@ from engramd.api.sockets import (
     claim_socket,
     group_id,
     raise_fd_limit,
-    secure,
+    secure_socket,
     worker_socket_options,
 )
 from engramd.backings import backings_for
@@ -93,6 +93,7 @@ class EngramdServer:
             max_leases=config.max_leases,
             placement=config.numa,
             leases_per_uid=config.leases_per_uid,
+            worker_share_per_uid=config.worker_share_per_uid,
             fill=self.sources,
         )
         #: Every configured set is ready (health SERVING, systemd READY=1).
@@ -167,9 +168,9 @@ class EngramdServer:
         await self.grpc.start()
         await self.admin.start()
         self.fd_channel.start()
-        secure(self.config.socket, 0o660, self.gid)
-        secure(self.config.fd_socket, 0o660, self.gid)
-        secure(self.config.admin_socket, 0o600, None)
+        secure_socket(self.config.socket, 0o660, self.gid)
+        secure_socket(self.config.fd_socket, 0o660, self.gid)
+        secure_socket(self.config.admin_socket, 0o600, None)
         if self.probes is not None:
             address = f"{_host(self.config.health_address)}:{self.config.health_port}"
             self.probes.add_insecure_port(address)
@@ -260,6 +261,7 @@ class EngramdServer:
         while True:
             await asyncio.sleep(self.config.sweep_interval)
             self.store.leases.sweep_dead()
+            await self.store.drop_abandoned(self.config.worker_set_grace)
 
     async def _set_health(self, status: int) -> None:
         for name in ("", SERVICE_NAME):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import grpc
 
@@ -32,13 +35,14 @@ from engramd.host.blocking import BlockingPool
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
 from engramd.sets.plans import PlanCache
-from engramd.sets.policy import LoadPolicy, open_to_group, resolve
+from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan, is_set_id
-from engramd_client.core.errors import CAUSES
+from engramd_client.core.beneath import OutsideRoot, Root
+from engramd_client.core.checkpoint import TablePlan, is_set_id, set_id_of
+from engramd_client.core.errors import CAUSES, CheckpointError
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 
@@ -55,6 +59,7 @@ _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 # network mount, so they never share threads with the daemon's own work.
 _CHECKPOINT_READERS = 8
 _PROVERS = 2
+_CHECKERS = 4
 #: Handle kinds of GPU-readable cuMem allocations: only workers with a device accept them.
 CUDA_KINDS = frozenset({HandleKind.CUMEM, HandleKind.CUMEM_FABRIC})
 #: Handle kinds a worker maps by path, with no credentials the daemon could check.
@@ -79,6 +84,9 @@ class TableService(pb_grpc.TableServiceServicer):
         self._started = time.monotonic()
         self._policy = LoadPolicy(config)
         self._readers = BlockingPool("checkpoint", _CHECKPOINT_READERS)
+        # Kept plans and proofs by identity: stats only, never behind the readers, which
+        # one member's checkpoints (huge headers, a hung mount) may hold for long.
+        self._checks = BlockingPool("checkpoint-checks", _CHECKERS)
         #: The daemon's plans of checkpoints: workers attaching together name the same one.
         self.plans = PlanCache()
         # Digests of workers' copies read every selected byte, as loads do: as
@@ -101,20 +109,39 @@ class TableService(pb_grpc.TableServiceServicer):
             if ts.error is not None:
                 raise ts.error
             if plan is not None:
-                async for progress in self._prove(ts, plan):
-                    yield pb.AttachEvent(progress=progress)
+                try:
+                    async for progress in self._prove(ts, plan):
+                        yield pb.AttachEvent(progress=progress)
+                except FingerprintDiffers:
+                    twin = await self._twin(ts, plan, request)
+                    if twin is None:
+                        raise
+                    ts = twin
+                    async for progress in load_progress(ts):
+                        yield pb.AttachEvent(progress=progress)
+                    if ts.error is not None:
+                        raise ts.error from None
+                    async for progress in self._prove(ts, plan):
+                        yield pb.AttachEvent(progress=progress)
             kind = self._handle_kind(request, [ts.backing], ts)
             route = self._gpu_route(request, ts.backing, kind)
             lease = self._store.leases.add(ts, request, kind, route)
             if plan is not None:
-                lease.readers = tuple(f.path for f in plan.sources)
+                # The files the plan read and the proof judged, held open: the fd
+                # channel judges the peer against these, never a path again.
+                lease.readers = tuple(plan.held.get(f.path) or f.path for f in plan.sources)
         except Exception as e:
             self._store.leases.stats.attach(ok=False)
             await abort(context, e)
             return
         self._store.leases.stats.attach(ok=True)
         try:
-            yield pb.AttachEvent(attached=self._attachment(ts, lease, kind))
+            # The files a lease was proven with are told only where every member of the
+            # group may read them: the kernel names the caller only on the fd channel.
+            reveal = ts.published or await self._readers.run(
+                open_to_group, lease.readers, self._group
+            )
+            yield pb.AttachEvent(attached=self._attachment(ts, lease, kind, reveal))
             await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
@@ -214,10 +241,11 @@ class TableService(pb_grpc.TableServiceServicer):
                 "checkpoint folder, or have the operator load it (--checkpoint, engramd load)"
             )
         loaded = [s.checkpoint for s in self._store.sets.all() if s.state is not SetState.FAILED]
-        path = self._policy.check_request(request, loaded)
-        plan = await self._readers.run(self.plans.plan, path, self._policy.selection(request))
+        path, beneath = self._policy.check_request(request, loaded)
+        plan = await self._planned(path, self._policy.selection(request), beneath)
         self._policy.check_plan(path, plan, request.set_id)
-        return await self._store.ensure(plan, node), plan
+        charges = await self._checks.run(_charges, plan)
+        return await self._store.ensure(plan, node, charges), plan
 
     async def _plan_for_held(self, request: pb.AttachRequest, held: TableSet) -> TablePlan:
         """The worker's plan of its checkpoint, for a set the daemon holds under its id.
@@ -225,11 +253,14 @@ class TableService(pb_grpc.TableServiceServicer):
         The daemon reads the worker's files as a load would: its own
         checkpoint's path, a configured one, or one under an allowed root.
         """
-        path = resolve(request.checkpoint)
-        if str(path) != held.checkpoint:
-            path = self._policy.check_read(request.checkpoint)
-        plan = await self._readers.run(self.plans.plan, path, held.selection)
-        if str(path) != held.checkpoint:
+        path, beneath = self._policy.beneath(request.checkpoint) or (
+            resolve(request.checkpoint),
+            None,
+        )
+        if beneath is None and str(path) != held.checkpoint:
+            path, beneath = self._policy.check_read(request.checkpoint)
+        plan = await self._planned(path, held.selection, beneath)
+        if str(plan.checkpoint) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:
             raise FingerprintDiffers(
@@ -238,16 +269,75 @@ class TableService(pb_grpc.TableServiceServicer):
             )
         return plan
 
+    async def _twin(
+        self, ts: TableSet, plan: TablePlan, request: pb.AttachRequest
+    ) -> TableSet | None:
+        """The set of the worker's own bytes, where they differ from the set held under its id.
+
+        Two checkpoints that share headers and samples but not every byte
+        share a set id: one loaded first must not deny the other (a planted
+        twin would shut out the clean copy). A worker's files under an allowed
+        root that the held set's own files are not get a set of their own,
+        named by the set id and the files' identities, within their owner's
+        share; None where that does not apply (the set's own files changed, a
+        configured checkpoint, a re-attach), and the refusal stands.
+        """
+        assert ts.manifest is not None
+        loaded = {s.path for s in ts.manifest.sources}
+        if request.reattach or not plan.held or any(s.path in loaded for s in plan.sources):
+            return None
+        files = ",".join(f"{s.dev}:{s.ino}:{s.ctime_ns}" for s in plan.sources)
+        own = dataclasses.replace(plan, set_id=set_id_of(f"{plan.fingerprint}:{files}"))
+        log.info(
+            "the files of %s hold other bytes than set %s under its id: they get set %s",
+            plan.checkpoint,
+            ts.set_id,
+            own.set_id,
+        )
+        charges = await self._checks.run(_charges, plan)
+        return await self._store.ensure(own, ts.node, charges)
+
+    async def _planned(self, path: Path, selection: str, beneath: Root | None) -> TablePlan:
+        """The plan of a worker's checkpoint: kept (checked off the readers), or read now."""
+        kept = await self._checks.run(self.plans.kept, path, selection, beneath)
+        if kept is not None:
+            return kept
+        return await self._readers.run(self._plan, path, selection, beneath)
+
+    def _plan(self, path: Path, selection: str, beneath: Root | None) -> TablePlan:
+        """The plan of a worker's checkpoint (on a reader thread), its errors told only to
+        those who could see what they name.
+
+        The worker socket cannot tell who asks: an error about a checkpoint
+        not every member of the socket group may read (a size, a header's
+        length, its first bytes) goes to the daemon's log, and the caller
+        learns only that the checkpoint is unusable.
+        """
+        try:
+            return self.plans.plan(path, selection, beneath)
+        except OutsideRoot:
+            raise
+        except CheckpointError as e:
+            if beneath is None or checkpoint_open_to_group(path, beneath, self._group):
+                raise
+            log.info("a worker's checkpoint %s cannot be used: %s", path, e)
+            raise CheckpointError(
+                f"engramd cannot use the checkpoint at {path} (a file is missing, unreadable or "
+                "not safetensors); its files are not open to every member of the socket group, "
+                "so the daemon's log alone names the problem; the worker's own read of its "
+                "files (engramd_client.plan_tables) names it too"
+            ) from None
+
     async def _prove(self, ts: TableSet, plan: TablePlan) -> AsyncIterator[pb.LoadProgress]:
         """Progress of proving the worker's files hold the set's bytes; raises when they do not."""
         assert ts.manifest is not None
-        proof = await self._readers.run(self.prover.judge, plan, ts.manifest)
+        proof = await self._checks.run(self.prover.judge, plan, ts.manifest)
         if not proof.unproven:
             return
         progress = LoadProgress(proof.nbytes)
         if not proof.nbytes:
             # Every digest is kept: a comparison, no reads, no wait behind digests.
-            await self._readers.run(self.prover.prove, proof, ts.manifest, progress)
+            await self._checks.run(self.prover.prove, proof, ts.manifest, progress)
             return
         task = asyncio.ensure_future(
             self._provers.run(self.prover.prove, proof, ts.manifest, progress)
@@ -263,10 +353,12 @@ class TableService(pb_grpc.TableServiceServicer):
             progress.cancel.set()
         task.result()
 
-    def _attachment(self, ts: TableSet, lease: Lease, kind: HandleKind) -> pb.Attachment:
+    def _attachment(
+        self, ts: TableSet, lease: Lease, kind: HandleKind, sources: bool
+    ) -> pb.Attachment:
         assert ts.manifest is not None
         fd_socket = self._config.fd_socket if kind in ON_FD_CHANNEL else None
-        return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket)
+        return attachment(ts, lease, ts.backing.handles(ts.manifest, kind), fd_socket, sources)
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
@@ -316,6 +408,8 @@ class TableService(pb_grpc.TableServiceServicer):
             self._ready(),
             self._config.allow_writable_gpu_mappings,
             shown,
+            self._config.worker_share_per_uid,
+            self._config.worker_set_grace,
         )
 
     async def _group_readable(self) -> Callable[[TableSet], bool]:
@@ -334,6 +428,22 @@ class TableService(pb_grpc.TableServiceServicer):
             lambda: {key for key, files in pending.items() if open_to_group(files, self._group)}
         )
         return lambda ts: ts.published or ts.key in readable
+
+
+def _charges(plan: TablePlan) -> dict[int, int]:
+    """A worker's load: its bytes by the uid that owns the files they come from (held open).
+
+    Files of root and of the daemon's own user are the operator's: charged to no one.
+    """
+    operator = {0, os.geteuid()}
+    charges: dict[int, int] = {}
+    # Span by span: a joined table's shards may lie in files of different owners.
+    for span in (p for t in plan.tensors for p in t.spans):
+        held = plan.held.get(str(span.file))
+        uid = held.file.stat().st_uid if held is not None else 0
+        if uid not in operator:
+            charges[uid] = charges.get(uid, 0) + span.nbytes
+    return charges
 
 
 def _validate(request: pb.AttachRequest) -> None:

@@ -17,6 +17,7 @@ import logging
 import os
 import resource
 import socket
+import stat
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
+from engramd.errors import NotInSocketGroup, UntrustedSocketFolder
 
 log = logging.getLogger("engramd")
 
@@ -37,11 +39,16 @@ REQUEST_TIMEOUT_S = 5.0
 
 
 def group_id(name: str) -> int | None:
-    """The gid of group `name`; None (with a warning) when there is none."""
+    """The gid of group `name`; None (with a warning) when there is none.
+
+    Raises NotInSocketGroup when the group exists but the daemon's user may
+    not give files to it: only root, or a member, may chown to a group, and
+    the daemon would otherwise die on its first folder with a bare EPERM.
+    """
     if not name:
         return None
     try:
-        return grp.getgrnam(name).gr_gid
+        gid = grp.getgrnam(name).gr_gid
     except KeyError:
         log.warning(
             "group %r does not exist: the socket and the sets keep the daemon's group; "
@@ -49,21 +56,78 @@ def group_id(name: str) -> int | None:
             name,
         )
         return None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise NotInSocketGroup(
+            f"engramd runs as uid {os.geteuid()} (gid {os.getegid()}), which is not a member of "
+            f"its --socket-group {name!r} (gid {gid}), so it cannot give that group its sockets "
+            f"and sets; add the user to the group (usermod -aG {name} <user>, or "
+            f"SupplementaryGroups={name} in the unit), run it with that group (runAsGroup: "
+            f"{gid}), or pass --socket-group naming a group it is in (--socket-group '' keeps "
+            "its own)"
+        )
+    return gid
 
 
-def secure(path: str, mode: int, gid: int | None) -> None:
-    """Give `path` `mode` and, where given, group `gid`."""
-    os.chmod(path, mode)
+def secure_socket(path: str, mode: int, gid: int | None) -> None:
+    """Give the socket the daemon bound at `path` `mode` and, where given, group `gid`.
+
+    Through a descriptor of the very socket (opened without following a
+    symlink, checked to be a socket of the daemon's own), never by path:
+    whatever is at the name by then is changed only if it is that socket.
+    """
+    fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.geteuid():
+            raise UntrustedSocketFolder(
+                f"{path} is no longer the socket engramd bound (someone replaced it); "
+                f"{_FIX_FOLDER.format(folder=Path(path).parent)}"
+            )
+        _secure_fd(fd, mode, gid)
+    finally:
+        os.close(fd)
+
+
+def _secure_fd(fd: int, mode: int, gid: int | None) -> None:
+    # chmod(2) has no descriptor form for O_PATH descriptors; the kernel follows
+    # /proc/self/fd/N to the very inode, whatever its name has become.
+    os.chmod(f"/proc/self/fd/{fd}", mode)
     if gid is not None:
-        os.chown(path, -1, gid)
+        os.chown(f"/proc/self/fd/{fd}", -1, gid)
+
+
+_FIX_FOLDER = (
+    "the socket folder {folder} must be engramd's own and writable by no one else, or "
+    "whoever may write it can stand in for the daemon: let engramd make it, or give it to "
+    "engramd's user (chown <user> {folder}; chmod 0750 {folder}; the unit's "
+    "RuntimeDirectory=, the DaemonSet's init container)"
+)
 
 
 def claim_socket(path: str, gid: int | None) -> None:
-    """Make the socket's folder (0750) and remove a stale socket; refuse if a daemon answers."""
+    """Make the socket's folder (0750), or check it is the daemon's own and writable by no
+    one else; remove a stale socket; refuse if a daemon answers."""
     folder = Path(path).parent
-    if not folder.exists():
+    made = not folder.exists()
+    if made:
         folder.mkdir(mode=0o750, parents=True)
-        secure(str(folder), 0o750, gid)
+    fd = os.open(folder, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid():
+            raise UntrustedSocketFolder(
+                f"{folder} belongs to uid {st.st_uid}, not to engramd's user (uid "
+                f"{os.geteuid()}); {_FIX_FOLDER.format(folder=folder)}"
+            )
+        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise UntrustedSocketFolder(
+                f"{folder} may be written by others than its owner (mode "
+                f"{stat.S_IMODE(st.st_mode):04o}); {_FIX_FOLDER.format(folder=folder)}"
+            )
+        if made:
+            _secure_fd(fd, 0o750, gid)
+    finally:
+        os.close(fd)
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         probe.connect(path)

@@ -98,16 +98,17 @@ def _cumem(where: CuMemRange) -> pb.CuMemHandle:
 
 
 def attachment(
-    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None
+    ts: TableSet, lease: Lease, handles: list[Handle], fd_socket: str | None, sources: bool = True
 ) -> pb.Attachment:
-    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used)."""
+    """The answer to an attach: the set, the lease, its handles, and the fd channel (if used);
+    the checkpoint files it was loaded from only with `sources`."""
     assert ts.manifest is not None
     out = pb.Attachment(
         set_id=ts.set_id,
         fingerprint=ts.fingerprint,
         nonce=ts.manifest.nonce,
         lease_id=lease.lease_id,
-        sources=source_files(ts.manifest),
+        sources=source_files(ts.manifest) if sources else [],
         tensors=[tensor_handle(h) for h in handles],
         gpu_route=lease.gpu_route,  # type: ignore[arg-type]
     )
@@ -178,6 +179,8 @@ def status_reply(
     ready: bool,
     writable_gpu_mappings: bool = False,
     shown: Callable[[TableSet], bool] | None = None,
+    worker_share_per_uid: float = 0.0,
+    worker_set_grace_s: float = 0.0,
 ) -> pb.StatusReply:
     """What the node holds; sets that `shown` refuses are listed without id, path or leases."""
     usages = [(b, b.usage()) for b in store.backings]
@@ -191,6 +194,8 @@ def status_reply(
             socket=socket,
             ready=ready,
             writable_gpu_mappings=writable_gpu_mappings,
+            worker_share_per_uid=worker_share_per_uid,
+            worker_set_grace_s=worker_set_grace_s,
         ),
         shm=pb.ShmInfo(
             dir=u.where,

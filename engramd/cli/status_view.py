@@ -209,6 +209,21 @@ def _whole(table: Table) -> Table:
     return table
 
 
+def _worker_loads(d: pb.DaemonInfo) -> str:
+    """What sets workers' attaches load may hold, and for how long unleased."""
+    share = (
+        f"at most {d.worker_share_per_uid:.0%} of what engramd may hold from one uid's files"
+        if d.worker_share_per_uid
+        else "no share per uid"
+    )
+    grace = (
+        f"dropped {d.worker_set_grace_s:.0f} s after their last lease"
+        if d.worker_set_grace_s
+        else "kept with no lease"
+    )
+    return f"sets workers' attaches load: {share}, {grace}"
+
+
 def render(reply: pb.StatusReply, width: int = 0) -> str:
     """A readable summary of the node: rich tables, `width` columns wide (0: as wide as needed).
 
@@ -221,6 +236,7 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
             f"{'ready' if d.ready else 'not ready'}"
         ),
         _backings(reply),
+        Text(_worker_loads(d)),
     ]
     if d.writable_gpu_mappings:
         parts.append(

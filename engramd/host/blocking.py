@@ -44,35 +44,50 @@ class BlockingPool:
         self._idle = 0
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """`fn(*args)` on a daemon thread; waits for a free slot first."""
+        """`fn(*args)` on a daemon thread; waits for a free slot first.
+
+        A call given up (its task cancelled) before its thread took it up is
+        dropped; one given up while it runs keeps its slot until it returns,
+        so callers that hang up never push the pool past its size.
+        """
         if self._slots is None:
             self._slots = asyncio.Semaphore(self._size)
-        async with self._slots:
-            loop = asyncio.get_running_loop()
-            done: asyncio.Future[T] = loop.create_future()
+        slots = self._slots
+        await slots.acquire()
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
 
-            def settle(result: T | None, error: BaseException | None) -> None:
-                if done.cancelled():
-                    return
-                if error is not None:
-                    done.set_exception(error)
-                else:
-                    done.set_result(result)  # type: ignore[arg-type]
+        def settle(result: T | None, error: BaseException | None) -> None:
+            slots.release()
+            if done.cancelled():
+                return
+            if error is not None:
+                done.set_exception(error)
+            else:
+                done.set_result(result)  # type: ignore[arg-type]
 
-            def job() -> None:
+        def job() -> None:
+            result: T | None = None
+            error: BaseException | None = None
+            # Read from this thread: at worst a call given up this instant still runs.
+            if not done.cancelled():
                 try:
-                    result, error = fn(*args), None
+                    result = fn(*args)
                 except BaseException as e:
-                    result, error = None, e
-                # Idle before the result is seen: the next call takes this thread.
-                with self._lock:
-                    self._idle += 1
-                # A closed loop: the daemon stopped without waiting for this result.
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(settle, result, error)
+                    error = e
+            # Idle before the result is seen: the next call takes this thread.
+            with self._lock:
+                self._idle += 1
+            # A closed loop: the daemon stopped without waiting for this result.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(settle, result, error)
 
+        try:
             self._submit(job)
-            return await done
+        except BaseException:
+            slots.release()
+            raise
+        return await done
 
     def _submit(self, job: Callable[[], None]) -> None:
         # Each job gets an idle thread promised to it, or a new one: it never

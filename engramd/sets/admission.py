@@ -7,9 +7,10 @@ each backing's own capacity are judged here, before a byte is copied.
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 from engramd.backings import Backing
-from engramd.errors import BudgetExceeded, ShmFull
+from engramd.errors import BudgetExceeded, QuotaExceeded, ShmFull
 from engramd.sets.leases import LeaseBook
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
@@ -20,12 +21,42 @@ class Admission:
     """Places sets in the first backing that holds them, within the memory budget."""
 
     def __init__(
-        self, backings: list[Backing], sets: SetRegistry, budget: int = 0, evict_idle: bool = False
+        self,
+        backings: list[Backing],
+        sets: SetRegistry,
+        budget: int = 0,
+        evict_idle: bool = False,
+        share_per_uid: float = 0.0,
     ) -> None:
         self._backings = backings
         self._sets = sets
         self._budget = budget
         self._evict_idle = evict_idle
+        self._share = share_per_uid
+
+    def check_share(self, charges: dict[int, int], what: str) -> None:
+        """Raise QuotaExceeded when a worker's load of `charges` (bytes by the uid owning
+        their files) would take a uid past its share (--worker-share-per-uid).
+
+        Sets the operator published count for no one: only workers' loads are charged.
+        """
+        if not self._share or not charges:
+            return
+        whole = self._budget or self._backings[0].usage().total
+        limit = int(self._share * whole)
+        held: Counter[int] = Counter()
+        for ts in self._sets.all():
+            if ts.state is not SetState.FAILED and not ts.published and ts.charges:
+                held.update(ts.charges)
+        for uid, nbytes in sorted(charges.items()):
+            if held[uid] + nbytes > limit:
+                raise QuotaExceeded(
+                    f"{what} needs {gib(nbytes)} more of sets workers' attaches loaded from "
+                    f"files of uid {uid}, which hold {gib(held[uid])} of its share of "
+                    f"{gib(limit)} ({self._share:g} of {gib(whole)}, --worker-share-per-uid); "
+                    "sets no worker holds are dropped after --worker-set-grace, or the "
+                    "operator may load the checkpoint for all (engramd load)"
+                )
 
     def needed(self, sizes: list[int]) -> int:
         """The most any backing would take for tensors of these sizes."""

@@ -19,6 +19,7 @@ from engramd.backings.handles import HandleKind
 from engramd.errors import TooManyLeases, UnknownSet
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetKey, TableSet, set_key
+from engramd_client.core.beneath import Opened
 from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.core.process import pid_namespace, start_ticks
 
@@ -101,8 +102,9 @@ class Lease:
     collects: bool = False
     started: float = field(default_factory=time.monotonic)
     #: The checkpoint files the worker attached with (the set's own, or proven to hold
-    #: its bytes): a set no operator published goes to a uid that may read them.
-    readers: tuple[str, ...] = ()
+    #: its bytes): a set no operator published goes to a uid that may read them. Held
+    #: open where the daemon opened them beneath a root (judged by descriptor), else paths.
+    readers: tuple[str | Opened, ...] = ()
     #: Set when the daemon ends the lease (sweep, drop or shutdown).
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.

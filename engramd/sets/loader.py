@@ -39,13 +39,14 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import applied
 from engramd.values import Placement
+from engramd_client.core.beneath import Opened
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
@@ -115,7 +116,7 @@ def load_set(
     """
     sources = {s.path: s for s in plan.sources}
     for source in plan.sources:
-        _check_identity(source, os.stat(source.path), "since its headers were read")
+        _check_identity(source, _stat(plan, source), "since its headers were read")
     with applied(placement.for_copy(node)):
         staged = backing.stage(plan, node)
     try:
@@ -126,7 +127,7 @@ def load_set(
             if filled is not None
             else sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
         )
-        copies = {i: _TensorCopy(plan.tensors[i], sources, staged, i) for i in order}
+        copies = {i: _TensorCopy(plan.tensors[i], sources, staged, i, plan.held) for i in order}
         pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
         buffers = threading.local()
         failures: list[BaseException] = []
@@ -155,7 +156,7 @@ def load_set(
                 c.close()
         sums = filled or [copies[i].checksum() for i in range(len(plan.tensors))]
         for source in plan.sources:
-            _check_identity(source, os.stat(source.path), "during the load (replaced)")
+            _check_identity(source, _stat(plan, source), "during the load (replaced)")
         manifest = Manifest(
             set_id=plan.set_id,
             fingerprint=plan.fingerprint,
@@ -185,6 +186,13 @@ def load_set(
         raise
 
 
+def _stat(plan: TablePlan, source: SourceFile) -> os.stat_result:
+    # A file the plan holds open (a worker's, opened beneath its root) is the
+    # one read: its name may lead elsewhere by now, and is never followed again.
+    held = plan.held.get(source.path)
+    return held.file.stat() if held is not None else os.stat(source.path)
+
+
 def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
     now = SourceFile.of(source.path, st)
     if now != source:
@@ -208,10 +216,18 @@ class _TensorCopy:
     """
 
     def __init__(
-        self, entry: TensorEntry, sources: dict[str, SourceFile], staged: StagedSet, index: int
+        self,
+        entry: TensorEntry,
+        sources: dict[str, SourceFile],
+        staged: StagedSet,
+        index: int,
+        held: Mapping[str, Opened],
     ):
         self._entry = entry
-        self._spans = [_Span(p, sources[str(p.file)], at) for p, at in _starts(entry.spans)]
+        self._spans = [
+            _Span(p, sources[str(p.file)], at, held.get(str(p.file)))
+            for p, at in _starts(entry.spans)
+        ]
         self._starts = [span.start for span in self._spans]
         self._staged = staged
         self._index = index
@@ -281,9 +297,13 @@ def _starts(spans: tuple[TensorEntry, ...]) -> list[tuple[TensorEntry, int]]:
 class _Span:
     """The bytes of one checkpoint tensor in the tensor being copied, and its descriptor."""
 
-    def __init__(self, entry: TensorEntry, source: SourceFile, start: int) -> None:
+    def __init__(
+        self, entry: TensorEntry, source: SourceFile, start: int, held: Opened | None
+    ) -> None:
         self.entry = entry
         self.source = source
+        #: The file as the plan opened it, if it holds it (read that, never the path).
+        self.held = held
         #: Offset of the span's first byte in the tensor.
         self.start = start
         #: Bytes of the span read so far.
@@ -299,7 +319,7 @@ class _Span:
         if self.fd >= 0:
             return
         entry = self.entry
-        self.fd = open_regular(entry.file)
+        self.fd = self.held.reopen() if self.held is not None else open_regular(entry.file)
         _check_identity(self.source, os.fstat(self.fd), "during the load")
         os.posix_fadvise(self.fd, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
 

@@ -19,17 +19,38 @@ import contextlib
 import os
 import stat
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from engramd.errors import ReadersBusy
 from engramd.sets.proof import stamps_writes
-from engramd_client.core.checkpoint import INDEX_FILE, TablePlan, checkpoint_files, plan_tables
+from engramd_client.core.beneath import Root
+from engramd_client.core.checkpoint import (
+    INDEX_FILE,
+    TablePlan,
+    checkpoint_files,
+    files_beneath,
+    plan_tables,
+)
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile
 
 #: Plans kept (checkpoint and selection each); a plan is a few KiB per selected tensor.
 PLANS_KEPT = 64
+#: The longest safetensors header read for a worker's checkpoint (the reference reader
+#: takes 100 MB, the operator's loads too): a shard's header is a few hundred KiB.
+WORKER_HEADER_BYTES = 16 << 20
+#: A header this long or longer costs about 10x its size to read and parse.
+LARGE_HEADER_BYTES = 1 << 20
+#: Large headers of one owner's files read at once for workers' attaches: a member's
+#: own files are his to make, so his checkpoints cannot take every reader.
+LARGE_HEADERS_PER_UID = 2
+
+
+#: A kept plan's key: the checkpoint as named, the selection, whether it was opened beneath a root.
+_Key = tuple[str, str, bool]
 
 
 @dataclass(frozen=True)
@@ -61,35 +82,52 @@ class PlanCache:
 
     def __init__(self, kept: int = PLANS_KEPT) -> None:
         self._kept = kept
-        self._plans: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
+        self._plans: OrderedDict[_Key, _Kept] = OrderedDict()
         self._lock = threading.Lock()
         #: One planning at a time per checkpoint: a storm's first attaches wait for it.
-        self._planning: dict[tuple[str, str], threading.Lock] = {}
+        self._planning: dict[_Key, threading.Lock] = {}
+        self._large = _LargeHeaders(LARGE_HEADERS_PER_UID)
 
-    def plan(self, checkpoint: Path, selection: str) -> TablePlan:
-        """The plan of resolved `checkpoint` under `selection`; blocks (run it on a thread)."""
-        key = (str(checkpoint), selection)
-        hit = self._valid(key)
+    def plan(self, checkpoint: Path, selection: str, beneath: Root | None = None) -> TablePlan:
+        """The plan of `checkpoint` under `selection`; blocks (run it on a thread).
+
+        With `beneath`, its files are opened beneath that root (a worker's
+        checkpoint: `checkpoint` as written); without, `checkpoint` is resolved
+        and the operator's.
+        """
+        key = (str(checkpoint), selection, beneath is not None)
+        hit = self._valid(key, beneath)
         if hit is not None:
             return hit
         with self._lock:
             planning = self._planning.setdefault(key, threading.Lock())
         with planning:
-            hit = self._valid(key)
+            hit = self._valid(key, beneath)
             if hit is not None:
                 return hit
             try:
-                return self._plan(key, checkpoint, selection)
+                return self._plan(key, checkpoint, selection, beneath)
             finally:
                 with self._lock:
                     self._planning.pop(key, None)
 
-    def _valid(self, key: tuple[str, str]) -> TablePlan | None:
+    def kept(
+        self, checkpoint: Path, selection: str, beneath: Root | None = None
+    ) -> TablePlan | None:
+        """The kept plan of `checkpoint`, if every file's identity still holds; None otherwise.
+
+        Stats and walks only, no reads of the files: the daemon runs it on
+        threads of its own, so a kept plan is handed out while every reader of
+        checkpoints is busy (or stuck).
+        """
+        return self._valid((str(checkpoint), selection, beneath is not None), beneath)
+
+    def _valid(self, key: _Key, beneath: Root | None) -> TablePlan | None:
         with self._lock:
             kept = self._plans.get(key)
         if kept is None:
             return None
-        if _stat_all(Path(key[0]), kept.snapshot.listed) != kept.snapshot:
+        if _stat_all(Path(key[0]), kept.snapshot.listed, beneath) != kept.snapshot:
             with self._lock:
                 if self._plans.get(key) is kept:
                     del self._plans[key]
@@ -99,17 +137,26 @@ class PlanCache:
                 self._plans.move_to_end(key)
         return kept.plan
 
-    def _plan(self, key: tuple[str, str], checkpoint: Path, selection: str) -> TablePlan:
-        before = _snapshot(checkpoint)
-        plan = plan_tables(checkpoint, selection)
-        if before is None or before != _snapshot(checkpoint):
+    def _plan(self, key: _Key, checkpoint: Path, selection: str, beneath: Root | None) -> TablePlan:
+        before = _snapshot(checkpoint, beneath)
+        if beneath is None:
+            plan = plan_tables(checkpoint, selection)
+        else:
+            plan = plan_tables(
+                checkpoint, selection, beneath, WORKER_HEADER_BYTES, self._large.admit
+            )
+        if before is None or before != _snapshot(checkpoint, beneath):
             return plan  # changed while it was read: good for this attach only
-        if not all(stamps_writes(name) for name in before.listed):
+        if beneath is not None:
+            stamped = all(stamps_writes(held.magic) for held in plan.held.values())
+        else:
+            stamped = all(stamps_writes(name) for name in before.listed)
+        if not stamped:
             return plan
         with self._lock:
             # Under the selection it resolved to as well (auto: its family's), which
             # is what workers' attaches name.
-            for name in dict.fromkeys((key, (key[0], plan.selection))):
+            for name in dict.fromkeys((key, (key[0], plan.selection, key[2]))):
                 self._plans[name] = _Kept(plan, before)
                 self._plans.move_to_end(name)
             while len(self._plans) > self._kept:
@@ -117,20 +164,59 @@ class PlanCache:
         return plan
 
 
-def _snapshot(checkpoint: Path) -> _Snapshot | None:
+class _LargeHeaders:
+    """Large headers being read for workers, counted by their files' owner."""
+
+    def __init__(self, per_uid: int) -> None:
+        self._per_uid = per_uid
+        self._reading: Counter[int] = Counter()
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def admit(self, st: os.stat_result, length: int) -> Iterator[None]:
+        """Read a header of `length` bytes of the file `st` within its owner's share."""
+        if length < LARGE_HEADER_BYTES:
+            yield
+            return
+        uid = st.st_uid
+        with self._lock:
+            if self._reading[uid] >= self._per_uid:
+                raise ReadersBusy(
+                    f"engramd is reading {self._reading[uid]} headers of {LARGE_HEADER_BYTES >> 20}"
+                    f" MiB or more of files of uid {uid} for workers' attaches, the most it reads "
+                    "at once for one owner; attach again once those are read, or have the "
+                    "operator load the checkpoint (engramd load)"
+                )
+            self._reading[uid] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reading[uid] -= 1
+                if not self._reading[uid]:
+                    del self._reading[uid]
+
+
+def _snapshot(checkpoint: Path, beneath: Root | None) -> _Snapshot | None:
     """The identities a plan of `checkpoint` depends on; None when a file cannot be stat'ed."""
     try:
-        listed, _ = checkpoint_files(checkpoint)
+        if beneath is None:
+            listed, _ = checkpoint_files(checkpoint)
+        else:
+            listed = list(files_beneath(checkpoint, beneath).names)
     except CheckpointError:
         return None
-    return _stat_all(checkpoint, tuple(str(p) for p in listed))
+    return _stat_all(checkpoint, tuple(str(p) for p in listed), beneath)
 
 
-def _stat_all(checkpoint: Path, listed: tuple[str, ...]) -> _Snapshot | None:
+def _stat_all(checkpoint: Path, listed: tuple[str, ...], beneath: Root | None) -> _Snapshot | None:
     """The identities of `checkpoint`, its index and the `listed` files now; None when one is gone.
 
     An unchanged folder (and index) lists the same files: the list is not read again.
+    With `beneath`, each is found by a walk beneath that root, as a plan opens them.
     """
+    if beneath is not None:
+        return _stat_beneath(checkpoint, listed, beneath)
     try:
         st = os.stat(checkpoint)
         index = None
@@ -145,5 +231,26 @@ def _stat_all(checkpoint: Path, listed: tuple[str, ...]) -> _Snapshot | None:
             for name in listed
         )
     except OSError:
+        return None
+    return _Snapshot(SourceFile.of(checkpoint, st), index, files)
+
+
+def _stat_beneath(checkpoint: Path, listed: tuple[str, ...], beneath: Root) -> _Snapshot | None:
+    try:
+        top = beneath.open(checkpoint, readable=False)
+        st = top.file.stat()
+        index = None
+        if stat.S_ISDIR(st.st_mode):
+            with contextlib.suppress(CheckpointError):
+                found = beneath.open(Path(INDEX_FILE), top, readable=False)
+                index = SourceFile.of(checkpoint / INDEX_FILE, found.file.stat())
+            opened = [beneath.open(Path(Path(n).name), top, readable=False) for n in listed]
+        else:
+            opened = [top]
+        files = tuple(
+            (SourceFile.of(name, o.file.stat()), str(o.path))
+            for name, o in zip(listed, opened, strict=True)
+        )
+    except (OSError, CheckpointError):
         return None
     return _Snapshot(SourceFile.of(checkpoint, st), index, files)

@@ -7,6 +7,7 @@ and judges the files the daemon would really read.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from collections.abc import Callable, Collection, Sequence
@@ -14,8 +15,9 @@ from pathlib import Path
 
 from engramd.config import DaemonConfig
 from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
-from engramd.host.shmfs import mount_id
-from engramd_client.core.checkpoint import TablePlan
+from engramd_client.core.beneath import Opened, Root
+from engramd_client.core.checkpoint import INDEX_FILE, TablePlan
+from engramd_client.core.errors import CheckpointError
 from engramd_client.core.families import AUTO, FAMILIES
 from engramd_client.core.pb import engramd_pb2 as pb
 
@@ -36,14 +38,20 @@ class LoadPolicy:
         self._allowed = [Path(p).resolve() for p in config.allow_roots]
         self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
 
-    def check_request(self, request: pb.AttachRequest, loaded: list[str]) -> Path:
-        """The resolved checkpoint a worker may have loaded; raises the refusal otherwise.
+    def check_request(
+        self, request: pb.AttachRequest, loaded: list[str]
+    ) -> tuple[Path, Root | None]:
+        """The checkpoint a worker may have loaded, and the root its files are opened beneath
+        (None: a configured checkpoint); raises the refusal otherwise.
 
         `loaded` are the checkpoints of the sets the daemon holds.
         """
         self.selection(request)
+        beneath = self.beneath(request.checkpoint)
+        if beneath is not None:
+            return beneath
         path = resolve(request.checkpoint)
-        if not self._under_root(path) and str(path) in loaded:
+        if str(path) in loaded:
             # The worker's files are not the ones the daemon loaded from this
             # path: the checkpoint changed on disk, or the worker sees other
             # files there. Never hand out the old bytes.
@@ -52,13 +60,9 @@ class LoadPolicy:
                 f"on disk, or the worker sees other files there; `engramd load {path}` loads the "
                 "new version, or give the daemon and the worker the same files"
             )
-        if str(path) not in self._configured and not self._under_root(path):
-            roots = ", ".join(map(str, self._allowed)) or "none"
-            raise NotAllowed(
-                f"engramd may not load {path} for a worker (allowed roots: {roots}); start the "
-                f"daemon with --checkpoint {path} or --allow-root <dir>"
-            )
-        return path
+        if str(path) not in self._configured:
+            raise NotAllowed(self._refusal(request.checkpoint))
+        return path, None
 
     def selection(self, request: pb.AttachRequest) -> str:
         """The selection a worker's attach may load with: the configured one.
@@ -77,51 +81,67 @@ class LoadPolicy:
             )
         return request.tensors or self._selection
 
-    def check_read(self, checkpoint: str) -> Path:
-        """The resolved checkpoint, if the daemon may read it for a worker (as for a load).
+    def check_read(self, checkpoint: str) -> tuple[Path, Root | None]:
+        """The checkpoint and its root (as for a load), if the daemon may read it for a worker.
 
         Proving a worker's copy reads its files in full, as a load would: the
-        same roots apply, and `check_plan` judges each file.
+        same roots apply, and its files are opened beneath them.
         """
+        beneath = self.beneath(checkpoint)
+        if beneath is not None:
+            return beneath
         path = resolve(checkpoint)
-        if str(path) not in self._configured and not self._under_root(path):
+        if str(path) not in self._configured:
             roots = ", ".join(map(str, self._allowed)) or "none"
             raise NotAllowed(
-                f"engramd holds this set from other files than {path}, and may not read {path} "
-                f"to compare it (allowed roots: {roots}); attach with the checkpoint the "
-                "operator loaded, or start the daemon with --allow-root <dir>"
+                f"engramd holds this set from other files than {checkpoint}, and may not read "
+                f"{checkpoint} to compare it (allowed roots: {roots}); attach with the checkpoint "
+                "the operator loaded, or start the daemon with --allow-root <dir>"
             )
-        return path
+        return path, None
 
-    def check_plan(self, path: Path, plan: TablePlan, set_id: str) -> None:
-        """Refuse a plan whose files leave the root, or whose set is not the worker's."""
-        if str(path) not in self._configured:
-            # Every file, not just the folder: a shard that is a symlink to
-            # another user's checkpoint resolves outside the root. resolve()
-            # undoes symlinks and "..", not bind mounts: a file bound into the
-            # root from elsewhere has the root's path but another mount.
-            root = next(r for r in self._allowed if path.is_relative_to(r))
-            allowed = mount_id(root)
-            for f in plan.files:
-                if not f.is_relative_to(root):
+    def beneath(self, checkpoint: str) -> tuple[Path, Root] | None:
+        """The checkpoint's path and the allowed root it names a place under; None: none.
+
+        Judged on the path as written ("." and ".." taken away), never by
+        following it: the walk beneath the root follows its symlinks, and
+        only while they stay inside.
+        """
+        if not checkpoint.startswith("/"):
+            return None
+        path = Path(os.path.normpath(checkpoint))
+        for allowed in self._allowed:
+            if path.is_relative_to(allowed):
+                try:
+                    return path, Root(allowed)
+                except OSError as e:
                     raise NotAllowed(
-                        f"{path}: a file of this checkpoint resolves outside the allowed root "
-                        f"{root} (a symlink?); engramd loads for workers only files inside it"
-                    )
-                if mount_id(f) != allowed:
-                    raise NotAllowed(
-                        f"{f} is on another mount than the allowed root {root} (a bind mount?); "
-                        "engramd loads for workers only files on the root's own mount"
-                    )
+                        f"the allowed root {allowed} cannot be opened ({e.strerror}); the "
+                        "operator should make it or change --allow-root"
+                    ) from None
+        return None
+
+    def _refusal(self, checkpoint: str) -> str:
+        # The path as the worker wrote it: where it leads is not the worker's to learn.
+        roots = ", ".join(map(str, self._allowed)) or "none"
+        return (
+            f"engramd may not load {checkpoint} for a worker (allowed roots: {roots}); start the "
+            f"daemon with --checkpoint {checkpoint} or --allow-root <dir>"
+        )
+
+    @staticmethod
+    def check_plan(path: Path, plan: TablePlan, set_id: str) -> None:
+        """Refuse a plan whose set is not the one the worker named.
+
+        Its files lie inside their root: the walk that opened them proved it
+        (engramd_client.core.beneath), symlinks, ".." and bind mounts included.
+        """
         if plan.set_id != set_id:
             # No set id here: a caller must not learn the id of files it cannot read.
             raise FingerprintDiffers(
                 f"the daemon's copy of {path} differs from the worker's: the files' names, "
                 "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
             )
-
-    def _under_root(self, path: Path) -> bool:
-        return any(path.is_relative_to(r) for r in self._allowed)
 
 
 #: The mode bits (owner, group, others) that let a user read a file, and search a folder.
@@ -130,17 +150,26 @@ SEARCH = (stat.S_IXUSR, stat.S_IXGRP, stat.S_IXOTH)
 
 
 def _every_path_grants(
-    files: Sequence[str], grants: Callable[[os.stat_result, tuple[int, int, int]], bool]
+    files: Sequence[str | Opened], grants: Callable[[os.stat_result, tuple[int, int, int]], bool]
 ) -> bool:
     """True when `grants` allows reading each of `files` and searching every folder above it.
 
-    Each folder is judged once, however many of the files it holds. Paths the
+    A file the daemon holds open (`Opened`) is judged by its descriptors: the
+    file itself and each folder its walk went through, as they are now,
+    whatever their names became. A path is judged by stat'ing it and its
+    folders, each folder once, however many of the files it holds. Paths the
     daemon cannot stat count as closed; no files at all count as closed too.
     """
     judged: set[Path] = set()
     try:
-        for name in files:
-            path = Path(name)
+        for item in files:
+            if isinstance(item, Opened):
+                if not grants(item.file.stat(), READ):
+                    return False
+                if not all(grants(folder.stat(), SEARCH) for folder in item.folders):
+                    return False
+                continue
+            path = Path(item)
             if not grants(os.stat(path), READ):
                 return False
             for folder in path.parents:
@@ -154,7 +183,7 @@ def _every_path_grants(
     return bool(files)
 
 
-def open_to_group(files: list[str], gid: int | None) -> bool:
+def open_to_group(files: Sequence[str | Opened], gid: int | None) -> bool:
     """True when every member of group `gid` (any user in it) may read all of `files`.
 
     Judged from mode bits along each path: "other" bits, or group bits where
@@ -172,7 +201,29 @@ def open_to_group(files: list[str], gid: int | None) -> bool:
     return _every_path_grants(files, grants)
 
 
-def may_read(files: Sequence[str], uid: int, gids: Collection[int]) -> bool:
+def checkpoint_open_to_group(path: Path, beneath: Root, gid: int | None) -> bool:
+    """True when every member of group `gid` may list the checkpoint at `path` and read each
+    of its files, as a walk beneath `beneath` finds them (reading none of their bytes).
+
+    What such a member could learn by itself (names, sizes, types, bytes) an
+    error may tell; of any other checkpoint, an error on the worker socket
+    (which cannot tell who asks) names nothing. Unusable counts as closed.
+    """
+    try:
+        top = beneath.open(path, readable=False)
+        items: list[str | Opened] = [top]
+        if stat.S_ISDIR(top.file.stat().st_mode):
+            for name in beneath.listdir(top):
+                if name == INDEX_FILE or name.endswith(".safetensors"):
+                    # A FIFO or a symlink out of the root shows as such in a listing.
+                    with contextlib.suppress(CheckpointError):
+                        items.append(beneath.open(Path(name), top, readable=False))
+    except (OSError, CheckpointError):
+        return False
+    return open_to_group(items, gid)
+
+
+def may_read(files: Sequence[str | Opened], uid: int, gids: Collection[int]) -> bool:
     """True when user `uid` with groups `gids` may read every one of `files`.
 
     Judged from mode bits along each path as the kernel judges plain modes:

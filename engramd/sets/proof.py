@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from engramd.checksum import chunks, label, new_digest
 from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
+from engramd_client.core.beneath import Opened
 from engramd_client.core.checkpoint import TablePlan
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
@@ -72,7 +74,7 @@ class Prover:
     def judge(self, plan: TablePlan, manifest: Manifest) -> Proof:
         """Which of the plan's tensors the set's own, unchanged files already prove."""
         loaded = set(manifest.sources)
-        stamped = frozenset(s for s in plan.sources if stamps_writes(s.path))
+        stamped = frozenset(s for s in plan.sources if stamps_writes(_where(plan, s)))
         trusted = {s.path for s in plan.sources if s in loaded and s in stamped}
         unproven = tuple(
             t for t in plan.tensors if not all(str(p.file) in trusted for p in t.spans)
@@ -106,7 +108,7 @@ class Prover:
             with self._lock:
                 digest = self._digests.get(key)
             if digest is None:
-                digest = _digest(sources, entry)
+                digest = _digest(sources, entry, proof.plan.held)
                 if all(f in proof.stamped for f in files):
                     self._keep(key, digest)
                 progress.add(entry.nbytes)
@@ -144,12 +146,23 @@ def _key(sources: dict[str, SourceFile], entry: TensorEntry) -> _DigestKey:
     return tuple(key)
 
 
-def _digest(sources: dict[str, SourceFile], entry: TensorEntry) -> str:
-    """The manifest checksum of a tensor's bytes ("short" where a file ends first)."""
+def _where(plan: TablePlan, source: SourceFile) -> str:
+    """A path to `source` as the plan read it: the file it holds open, if it does."""
+    held = plan.held.get(source.path)
+    return held.magic if held is not None else source.path
+
+
+def _digest(sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[str, Opened]) -> str:
+    """The manifest checksum of a tensor's bytes ("short" where a file ends first).
+
+    A file the plan holds (opened beneath a root) is digested, never its path again.
+    """
     digest = new_digest()
     for span in entry.spans:
         source = sources[str(span.file)]
-        with open(open_regular(Path(source.path)), "rb", buffering=0) as f:
+        opened = held.get(source.path)
+        fd = opened.reopen() if opened is not None else open_regular(Path(source.path))
+        with open(fd, "rb", buffering=0) as f:
             if SourceFile.of(source.path, os.fstat(f.fileno())) != source:
                 raise CheckpointError(
                     f"{source.path} changed since its headers were read; attach again once the "

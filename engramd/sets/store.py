@@ -54,6 +54,7 @@ class SetStore:
         max_leases: int = 0,
         placement: Placement = DEFAULT_PLACEMENT,
         leases_per_uid: int = 0,
+        worker_share_per_uid: float = 0.0,
         fill: Fill | None = None,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
@@ -67,7 +68,9 @@ class SetStore:
         #: The sets by (set id, backing, node): one checkpoint's copies in two backings, or
         #: on two nodes, are two sets.
         self.sets = SetRegistry(backings, placement)
-        self._admission = Admission(backings, self.sets, memory_budget, evict_idle)
+        self._admission = Admission(
+            backings, self.sets, memory_budget, evict_idle, worker_share_per_uid
+        )
         #: The workers' leases of the sets.
         self.leases = LeaseBook(self.sets, max_leases, leases_per_uid)
         # Loads, and the daemon's own file work (pin, verify, unlink), each on
@@ -153,11 +156,15 @@ class SetStore:
         """Every copy of the set of `plan` (one per node with --numa per-node), as `ensure`."""
         return [await self.ensure(plan, node) for node in self._placement.copy_nodes]
 
-    async def ensure(self, plan: TablePlan, node: int | None = None) -> TableSet:
+    async def ensure(
+        self, plan: TablePlan, node: int | None = None, charges: dict[int, int] | None = None
+    ) -> TableSet:
         """The set of `plan` (its copy for `node`), starting its load unless it is loading or ready.
 
         Nothing is evicted unless the load can then go ahead: the budget and
         the shm folder's capacity are judged first, counting what eviction frees.
+        `charges`: a worker's load, its bytes by the uid owning their files
+        (within --worker-share-per-uid; dropped after --worker-set-grace unleased).
         """
         ts = self.sets.get(plan.set_id, node)
         if ts is not None and ts.state is not SetState.FAILED:
@@ -165,6 +172,8 @@ class SetStore:
         sizes = [t.nbytes for t in plan.tensors]
         needed = self._admission.needed(sizes)
         what = f"set {copy_name(plan.set_id, node)} ({plan.checkpoint})"
+        if charges is not None:
+            self._admission.check_share(charges, what)
         while True:
             victims = self._admission.victims(needed, what)
             backing = self._admission.place(sizes, what, victims, node)
@@ -195,6 +204,7 @@ class SetStore:
             progress=LoadProgress(plan.nbytes),
             # A copy for another node of a set the operator loaded is the operator's too.
             published=self.sets.published(plan.set_id),
+            charges=None if charges is None else dict(charges),
         )
         self.sets.add(ts)
         self._spawn(self._load(ts, plan))
@@ -354,6 +364,33 @@ class SetStore:
                 ts.pins.error,
                 FIX_MEMLOCK,
             )
+
+    async def drop_abandoned(self, grace_s: float) -> None:
+        """Drop the sets workers' attaches loaded that no worker has held for `grace_s` seconds.
+
+        The operator's sets (published) and sets adopted at start are kept.
+        """
+        if not grace_s:
+            return
+        now = time.monotonic()
+        for ts in self.sets.all():
+            if (
+                ts.charges is not None
+                and not ts.published
+                and ts.state is SetState.READY
+                and not self.leases.count(ts)
+                and now - ts.last_used > grace_s
+                and self.sets.holds(ts)
+            ):
+                log.info(
+                    "dropping set %s (%s, %s): a worker's attach loaded it and no worker has "
+                    "held it for %.0f s (--worker-set-grace)",
+                    ts.copy,
+                    ts.checkpoint,
+                    gib(ts.nbytes),
+                    grace_s,
+                )
+                await self._drop([ts])
 
     # -- shutdown -------------------------------------------------------------
 

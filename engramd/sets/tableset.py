@@ -75,6 +75,10 @@ class TableSet:
     last_used: float = field(default_factory=time.monotonic)
     #: Not evicted as idle before this time (adopted sets: their workers re-attach).
     idle_after: float = 0.0
+    #: A set a worker's attach loaded: its bytes by the uid that owns the checkpoint files
+    #: they came from (--worker-share-per-uid; root's and the daemon's own files are the
+    #: operator's, charged to no one). None: the operator's set, or one adopted at start.
+    charges: dict[int, int] | None = None
     #: Set once the load ends, ready or failed.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

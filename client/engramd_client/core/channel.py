@@ -7,7 +7,10 @@ signal mask.
 
 from __future__ import annotations
 
+import os
 import socket
+import stat
+import struct
 
 import grpc
 
@@ -16,7 +19,7 @@ import grpc
 import grpc._channel
 
 from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import DaemonUnavailable, NotAllowed
+from engramd_client.core.errors import DaemonUnavailable, NotAllowed, SegmentNotVisible
 
 _FIX_START = "start engramd (systemctl start engramd) or point ENGRAMD_SOCKET at its socket"
 
@@ -47,6 +50,42 @@ def probe_socket(path: str, timeout_s: float) -> None:
         raise DaemonUnavailable(f"cannot connect to {path}: {e}; {_FIX_START}") from None
     finally:
         sock.close()
+
+
+def daemon_uid(path: str, timeout_s: float) -> int:
+    """The uid of the process serving the socket at `path`, as the kernel names it.
+
+    The owner of a socket file says who bound it, not who serves behind the
+    name now; SO_PEERCRED of a connection says who listens. That process is
+    the daemon only if no one else may have put it there: the socket's
+    folder must belong to it (or root) and be writable by no one else.
+    Raises SegmentNotVisible otherwise, before the worker maps anything.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout_s)
+    try:
+        sock.connect(path)
+        _, uid, _ = struct.unpack(
+            "3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        )
+        st = os.stat(folder)
+    except OSError as e:
+        raise DaemonUnavailable(f"cannot connect to {path}: {e}; {_FIX_START}") from None
+    finally:
+        sock.close()
+    why = ""
+    if st.st_uid not in (uid, 0):
+        why = f"belongs to uid {st.st_uid}, not to the daemon's (uid {uid}) or root"
+    elif st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        why = f"may be written by others than its owner (mode {stat.S_IMODE(st.st_mode):04o})"
+    if why:
+        raise SegmentNotVisible(
+            f"engramd's socket folder {folder} {why}: whoever may write it can stand in for "
+            f"the daemon, so this worker maps nothing it hands out; make the folder the "
+            "daemon's own, 0750 (engramd refuses to serve from any other)"
+        )
+    return int(uid)
 
 
 def open_channel(config: ClientConfig) -> grpc.Channel:

@@ -14,24 +14,32 @@ boundaries, and its kernels index one contiguous table.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import AUTO, family_of
+from engramd_client.core.families import AUTO, CONFIG_FILE, architectures_of, family_of
 from engramd_client.core.fileid import SourceFile, open_regular
 from engramd_client.core.headers import (
     MAX_HEADER_BYTES,
+    Admit,
     SafetensorsFile,
     TensorEntry,
     bounded_int,
     read_header,
 )
+
+if TYPE_CHECKING:
+    from engramd_client.core.beneath import Opened, Root
 
 #: Selection used when none is given: the tables of the checkpoint's family (families.py).
 DEFAULT_TENSORS = AUTO
@@ -56,6 +64,9 @@ class TablePlan:
     set_id: str
     #: The files the selected tensors live in, as they were when planned.
     sources: tuple[SourceFile, ...] = ()
+    #: A plan made beneath a root (the daemon's, for workers): each source's file, by its
+    #: path, as the walk opened it and the headers were read from it, held open.
+    held: Mapping[str, Opened] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -81,37 +92,114 @@ def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | Non
         raise CheckpointError(f"{checkpoint}: no such checkpoint file or folder")
     index_path = checkpoint / INDEX_FILE
     if index_path.exists():
+        fd = open_regular(index_path)
         try:
-            with open(open_regular(index_path), "rb") as f:
-                text = f.read(MAX_HEADER_BYTES + 1)
-            if len(text) > MAX_HEADER_BYTES:
-                raise ValueError(f"larger than {MAX_HEADER_BYTES} bytes")
-            weight_map = json.loads(text, parse_int=bounded_int)["weight_map"]
-            if not isinstance(weight_map, dict) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-            ):
-                raise TypeError("weight_map is not an object of strings")
-        except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
-            raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
-        names = sorted(set(weight_map.values()))
-        for name in names:
-            if Path(name).name != name:
-                raise CheckpointError(f"{index_path}: file {name!r} is not inside the folder")
-        return [checkpoint / n for n in names], weight_map
+            weight_map = _weight_map(index_path, fd)
+        finally:
+            os.close(fd)
+        return [checkpoint / n for n in _listed(index_path, weight_map)], weight_map
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{checkpoint}: no *.safetensors files in this folder")
     return files, None
 
 
-def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TENSORS) -> TablePlan:
-    """Read the headers of a checkpoint and select the tensors of its table set."""
+@dataclass(frozen=True, eq=False)
+class FilesBeneath:
+    """A checkpoint's files as a walk beneath a root found them, each held open."""
+
+    #: The checkpoint (folder or file) where the walk found it.
+    top: Opened
+    #: Its index, if it has one.
+    index: Opened | None
+    weight_map: dict[str, str] | None
+    #: Its safetensors files as it names them (the folder's path joined with each name).
+    names: tuple[Path, ...]
+    #: Each of them as the walk found and opened it (symlinks followed), in that order.
+    files: tuple[Opened, ...]
+    #: The architectures its config.json names, read beneath the root ([]: none).
+    architectures: list[str] = field(default_factory=list)
+
+
+def files_beneath(checkpoint: Path, beneath: Root) -> FilesBeneath:
+    """The files of `checkpoint` (as checkpoint_files lists them), opened beneath `beneath`."""
+    top = beneath.open(checkpoint)
+    if not stat.S_ISDIR(top.file.stat().st_mode):
+        return FilesBeneath(top, None, None, (top.path,), (top,))
+    names = beneath.listdir(top)
+    index = weight_map = None
+    if INDEX_FILE in names:
+        index = beneath.open(Path(INDEX_FILE), top)
+        weight_map = _weight_map(index.path, index.fd)
+        listed = _listed(index.path, weight_map)
+    else:
+        listed = sorted(n for n in names if fnmatch.fnmatchcase(n, "*.safetensors"))
+        if not listed:
+            raise CheckpointError(f"{checkpoint}: no *.safetensors files in this folder")
+    files = tuple(beneath.open(Path(name), top) for name in listed)
+    named: list[str] = []
+    # A config.json that leaves the root, or is no file, decides nothing: the tensors do.
+    with contextlib.suppress(CheckpointError):
+        if CONFIG_FILE in names:
+            named = architectures_of(beneath.open(Path(CONFIG_FILE), top).fd)
+    paths = tuple(top.path / n for n in listed)
+    return FilesBeneath(top, index, weight_map, paths, files, named)
+
+
+def _weight_map(index_path: Path, fd: int) -> dict[str, str]:
     try:
-        root = Path(checkpoint).resolve()
-    except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL byte
-        raise CheckpointError(f"{checkpoint!r}: not a usable checkpoint path ({e})") from None
-    files, weight_map = checkpoint_files(root)
-    headers = [read_header(p) for p in files]
+        with open(os.dup(fd), "rb") as f:
+            f.seek(0)
+            text = f.read(MAX_HEADER_BYTES + 1)
+        if len(text) > MAX_HEADER_BYTES:
+            raise ValueError(f"larger than {MAX_HEADER_BYTES} bytes")
+        weight_map = json.loads(text, parse_int=bounded_int)["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise TypeError("weight_map is not an object of strings")
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+        raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
+    return weight_map
+
+
+def _listed(index_path: Path, weight_map: dict[str, str]) -> list[str]:
+    names = sorted(set(weight_map.values()))
+    for name in names:
+        if Path(name).name != name:
+            raise CheckpointError(f"{index_path}: file {name!r} is not inside the folder")
+    return names
+
+
+def plan_tables(
+    checkpoint: str | os.PathLike[str],
+    selection: str = DEFAULT_TENSORS,
+    beneath: Root | None = None,
+    max_header: int = MAX_HEADER_BYTES,
+    admit: Admit | None = None,
+) -> TablePlan:
+    """Read the headers of a checkpoint and select the tensors of its table set.
+
+    With `beneath` (the daemon, for a worker's checkpoint) every file is
+    opened by a walk beneath that root before a byte of it is read, and the
+    plan holds the files it read (`TablePlan.held`). `max_header` and
+    `admit`: as read_header's.
+    """
+    opened: tuple[Opened, ...] = ()
+    named: list[str] | None = None
+    if beneath is None:
+        try:
+            root = Path(checkpoint).resolve()
+        except (OSError, RuntimeError, ValueError) as e:  # a symlink loop, a NUL byte
+            raise CheckpointError(f"{checkpoint!r}: not a usable checkpoint path ({e})") from None
+        files, weight_map = checkpoint_files(root)
+        headers = [read_header(p) for p in files]
+    else:
+        found = files_beneath(Path(checkpoint), beneath)
+        root, weight_map, opened = found.top.path, found.weight_map, found.files
+        named = found.architectures
+        files = list(found.names)
+        headers = [read_header(p, o, max_header, admit) for p, o in zip(files, opened, strict=True)]
     by_name: dict[str, TensorEntry] = {}
     file_of: dict[str, str] = {}
     for h in headers:
@@ -125,7 +213,7 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
                     "from that file; fetch the checkpoint again"
                 )
     if selection == AUTO:
-        selection = family_of(root, by_name).selection
+        selection = family_of(root, by_name, named).selection
     selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
     if not selected:
         raise CheckpointError(
@@ -141,6 +229,7 @@ def plan_tables(checkpoint: str | os.PathLike[str], selection: str = DEFAULT_TEN
         fingerprint=fingerprint,
         set_id=set_id_of(fingerprint),
         sources=tuple(h.source for h in headers if Path(h.source.path) in used),
+        held={str(o.path): o for o in opened if o.path in used},
     )
 
 

@@ -36,6 +36,10 @@ class Reason(enum.StrEnum):
     NOT_VISIBLE = "not-visible"
     #: The fd channel: too many connections (of this uid, or in all); paths may still work.
     BUSY = "busy"
+    #: Sets workers loaded from one uid's files would pass its share (--worker-share-per-uid).
+    QUOTA = "quota"
+    #: One owner's files already hold the large header reads the daemon does at once.
+    READERS = "readers"
 
 
 class EngramdError(Exception):
@@ -132,6 +136,7 @@ class DaemonError(ShareError):
 BY_REASON: dict[str, type[ShareError]] = {
     Reason.CAPACITY: ShmCapacityError,
     Reason.BUDGET: ShmCapacityError,
+    Reason.QUOTA: ShmCapacityError,
     Reason.FINGERPRINT: FingerprintMismatch,
     Reason.NOT_ALLOWED: NotAllowed,
     Reason.SELECTION: SelectionRefused,

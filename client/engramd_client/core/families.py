@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,20 +75,41 @@ def architectures(folder: Path) -> list[str]:
     """config.json's `architectures` of a checkpoint folder; [] where it names none."""
     try:
         with open(folder / CONFIG_FILE, "rb") as f:
-            doc = json.loads(f.read(_MAX_CONFIG_BYTES))
-    except (OSError, ValueError, RecursionError):
+            return architectures_in(f.read(_MAX_CONFIG_BYTES))
+    except OSError:
+        return []
+
+
+def architectures_of(fd: int) -> list[str]:
+    """config.json's `architectures`, read from a descriptor of it; [] where it names none."""
+    try:
+        with open(os.dup(fd), "rb") as f:
+            f.seek(0)
+            return architectures_in(f.read(_MAX_CONFIG_BYTES))
+    except OSError:
+        return []
+
+
+def architectures_in(text: bytes) -> list[str]:
+    """The `architectures` a config.json's text names; [] where it names none."""
+    try:
+        doc = json.loads(text)
+    except (ValueError, RecursionError):
         return []
     found = doc.get("architectures") if isinstance(doc, dict) else None
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
-def family_of(folder: Path, names: Iterable[str]) -> Family:
+def family_of(folder: Path, names: Iterable[str], named: Iterable[str] | None = None) -> Family:
     """The family of a checkpoint: its architecture's, else the one whose tensors it holds.
 
-    Raises CheckpointError when the checkpoint holds neither (or both,
-    with no architecture to decide).
+    `named`: the architectures of its config.json where the caller read it
+    (beneath a root); None reads `folder`'s. Raises CheckpointError when the
+    checkpoint holds neither family (or both, with no architecture to decide).
     """
-    named = set(architectures(folder) if folder.is_dir() else [])
+    if named is None:
+        named = architectures(folder) if folder.is_dir() else []
+    named = set(named)
     for family in FAMILIES:
         if named & family.architectures:
             return family

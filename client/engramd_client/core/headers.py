@@ -12,6 +12,8 @@ then the data; offsets count from the end of the header.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -20,11 +22,16 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engramd_client.core.errors import CheckpointError
 from engramd_client.core.fileid import SourceFile, open_regular
+
+if TYPE_CHECKING:
+    from engramd_client.core.beneath import Opened
 
 #: Data samples per file that go into the fingerprint, and their size.
 SAMPLES = 8
@@ -105,48 +112,92 @@ class SafetensorsFile:
     source: SourceFile
 
 
-def read_header(path: Path) -> SafetensorsFile:
+#: Given the file's stat and its header's length, a context the header is read and parsed
+#: in (the daemon's cap on large headers read at once); it may refuse by raising.
+Admit = Callable[[os.stat_result, int], AbstractContextManager[object]]
+
+
+def read_header(
+    path: Path,
+    opened: Opened | None = None,
+    max_header: int = MAX_HEADER_BYTES,
+    admit: Admit | None = None,
+) -> SafetensorsFile:
     """Parse and validate the header of one safetensors file.
 
     Any malformed header raises `CheckpointError` naming the file and the
     problem. Parsed headers are kept per file identity (HEADER_CACHE_BYTES);
-    the data samples are read again on every call.
+    the data samples are read again on every call. `opened`: the file as a
+    walk beneath a root found it (core/beneath.py), read from its descriptor.
+    A header longer than `max_header` is refused before it is read.
     """
+    if opened is not None:
+        return _read_header(path, opened.path, opened.fd, max_header, admit)
     try:
         real = path.resolve(strict=True)
     except (OSError, RuntimeError) as e:  # missing, or a symlink loop
         raise CheckpointError(f"{path}: cannot resolve: {e}") from None
+    fd = open_regular(real)
     try:
-        with open(open_regular(real), "rb") as f:
-            st = os.fstat(f.fileno())
-            size = st.st_size
-            head = f.read(8)
-            if len(head) < 8:
-                raise CheckpointError(
-                    f"{path}: {size} bytes is too short for a safetensors file "
-                    "(truncated download or copy?); fetch the file again"
-                )
-            (length,) = struct.unpack("<Q", head)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CheckpointError(
-                    f"{path}: header length {length} runs past the file's {size} bytes "
-                    "(truncated or not a safetensors file); fetch the file again"
-                )
-            header = f.read(length)
+        return _read_header(path, real, fd, max_header, admit)
+    finally:
+        os.close(fd)
+
+
+def _read_header(
+    path: Path, real: Path, fd: int, max_header: int, admit: Admit | None
+) -> SafetensorsFile:
+    try:
+        st = os.fstat(fd)
+        size = st.st_size
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(
+                f"{path}: {size} bytes is too short for a safetensors file "
+                "(truncated download or copy?); fetch the file again"
+            )
+        (length,) = struct.unpack("<Q", head)
+        if length > MAX_HEADER_BYTES or 8 + length > size:
+            raise CheckpointError(
+                f"{path}: header length {length} runs past the file's {size} bytes "
+                "(truncated or not a safetensors file); fetch the file again"
+            )
+        if length > max_header:
+            raise CheckpointError(
+                f"{path}: its header of {length} bytes is longer than the {max_header} engramd "
+                "reads for a worker's attach; have the operator load the checkpoint "
+                "(engramd load, --checkpoint)"
+            )
+        with admit(st, length) if admit is not None else contextlib.nullcontext():
+            header = _pread_all(fd, length, 8)
             if len(header) < length:
                 raise CheckpointError(f"{path}: the file ended inside its header (truncated)")
-            samples = _sample(f.fileno(), 8 + length, size)
+            samples = _sample(fd, 8 + length, size)
+            source = SourceFile.of(real, st)
+            tensors = _HEADERS.parsed(source, header, lambda: _parse(path, real, header, size))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror}") from e
-    source = SourceFile.of(real, st)
     return SafetensorsFile(
         path=path,
         size=size,
         header=header,
-        tensors=_HEADERS.parsed(source, header, lambda: _parse(path, real, header, size)),
+        tensors=tensors,
         samples=samples,
         source=source,
     )
+
+
+def _pread_all(fd: int, n: int, offset: int) -> bytes:
+    # One pread returns at most about 2 GiB; a header is at most MAX_HEADER_BYTES.
+    parts = []
+    while n:
+        part = os.pread(fd, n, offset)
+        if not part:
+            break
+        parts.append(part)
+        n -= len(part)
+        offset += len(part)
+    return b"".join(parts)
 
 
 class _HeaderCache:
@@ -162,17 +213,24 @@ class _HeaderCache:
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._held = 0
-        self._entries: OrderedDict[SourceFile, tuple[bytes, dict[str, TensorEntry]]] = OrderedDict()
+        self._entries: OrderedDict[_Identity, tuple[bytes, dict[str, TensorEntry]]] = OrderedDict()
         self._lock = threading.Lock()
         self._parsing = threading.Lock()
 
     def _kept(self, source: SourceFile, header: bytes) -> dict[str, TensorEntry] | None:
+        key = _identity(source)
         with self._lock:
-            hit = self._entries.get(source)
+            hit = self._entries.get(key)
             if hit is None or hit[0] != header:
                 return None
-            self._entries.move_to_end(source)
-            return hit[1]
+            self._entries.move_to_end(key)
+            tensors = hit[1]
+        # Kept by the file, not its name: a hard link of it is not parsed again,
+        # and its entries name the path it was read through this time.
+        real = Path(source.path)
+        if all(t.file == real for t in tensors.values()):
+            return tensors
+        return {name: dataclasses.replace(t, file=real) for name, t in tensors.items()}
 
     def parsed(
         self, source: SourceFile, header: bytes, parse: Callable[[], dict[str, TensorEntry]]
@@ -190,14 +248,22 @@ class _HeaderCache:
             tensors = parse()
         if len(header) <= self._limit:
             with self._lock:
-                old = self._entries.pop(source, None)
+                old = self._entries.pop(_identity(source), None)
                 self._held -= len(old[0]) if old else 0
-                self._entries[source] = (header, tensors)
+                self._entries[_identity(source)] = (header, tensors)
                 self._held += len(header)
                 while self._held > self._limit:
                     _, (dropped, _) = self._entries.popitem(last=False)
                     self._held -= len(dropped)
         return tensors
+
+
+#: A file as the header cache knows it: device, inode, size, mtime, ctime (no name).
+_Identity = tuple[int, int, int, int, int]
+
+
+def _identity(source: SourceFile) -> _Identity:
+    return (source.dev, source.ino, source.size, source.mtime_ns, source.ctime_ns)
 
 
 _HEADERS = _HeaderCache(HEADER_CACHE_BYTES)

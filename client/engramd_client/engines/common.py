@@ -87,6 +87,27 @@ class Engine:
         )
         return False
 
+    def may_patch(self, version: Callable[[], str], log: logging.Logger) -> bool:
+        """Whether the plugin may patch this engine: not ENGRAMD_SHARE=off, a known version.
+
+        Where it may not, one line says why.
+        """
+        if share_mode() is False:
+            say_once(
+                log,
+                logging.INFO,
+                "off",
+                "ENGRAMD_SHARE=off: engramd's %s plugin stands aside",
+                self.name,
+            )
+            return False
+        try:
+            self.check_version(version())
+        except UnknownEngine as e:
+            say_once(log, logging.WARNING, "unknown", "%s", e)
+            return False
+        return True
+
     def unknown(self, what: str) -> UnknownEngine:
         """The error for a seam (`what` of the engine) that is not as the adapter knows it."""
         return UnknownEngine(
@@ -305,6 +326,18 @@ def settle(
         engine_path,
     )
     return False
+
+
+def serving(log: logging.Logger, engine: str, what: str, tables: Tables) -> None:
+    """The one line that says engramd serves an engine's tables in this process."""
+    log.info(
+        "engramd serves %s's %s (%s, %d tensors, %.2f GiB of rows)",
+        engine,
+        what,
+        tables.mode,
+        len(tables),
+        tables.nbytes / 2**30,
+    )
 
 
 def table_names(layer_id: int) -> tuple[str, str]:

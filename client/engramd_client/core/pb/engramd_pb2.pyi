@@ -231,20 +231,24 @@ class StatusReply(_message.Message):
     def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ...) -> None: ...
 
 class DaemonInfo(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings")
+    __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings", "worker_share_per_uid", "worker_set_grace_s")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     SOCKET_FIELD_NUMBER: _ClassVar[int]
     READY_FIELD_NUMBER: _ClassVar[int]
     WRITABLE_GPU_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SHARE_PER_UID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_SET_GRACE_S_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
     socket: str
     ready: bool
     writable_gpu_mappings: bool
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ..., writable_gpu_mappings: _Optional[bool] = ...) -> None: ...
+    worker_share_per_uid: float
+    worker_set_grace_s: float
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ..., writable_gpu_mappings: _Optional[bool] = ..., worker_share_per_uid: _Optional[float] = ..., worker_set_grace_s: _Optional[float] = ...) -> None: ...
 
 class ShmInfo(_message.Message):
     __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages", "page_size")

@@ -8,6 +8,10 @@ memory here:
 
 - DeepSeek-V4.1's Engram host tables (deepseek.py,
   `SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE`);
+- Qwen4Exp's PLE n-gram tables (qwen4exp.py, `--ple-offload-embedding`
+  with the `pinned` backend): a server flag, not known when plugins load,
+  so its module is patched when SGLang imports it (`when_imported`; SGLang
+  imports its model modules as it resolves the architecture), not before;
 
 and, for both, SGLang's safetensors iterators (weights.py), which skip
 the tensors engramd serves. HookRegistry only logs a hook it cannot apply,
@@ -27,8 +31,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from engramd_client.engines.common import UnknownEngine, say_once, share_mode
-from engramd_client.engines.sglang import deepseek, weights
+from engramd_client.engines.common import UnknownEngine, say_once, when_imported
+from engramd_client.engines.sglang import deepseek, qwen4exp, weights
 from engramd_client.engines.sglang.guard import SGLANG, check_seams, sglang_version
 from engramd_client.engines.sglang.process import log
 
@@ -41,18 +45,15 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    if share_mode() is False:
-        say_once(
-            log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside"
-        )
+    if not SGLANG.may_patch(sglang_version, log):
         return
+    when_imported(qwen4exp.QWEN4_EXP, qwen4exp.install)
     from sglang.srt.environ import envs
 
     if not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():
-        # SGLang keeps the tables in GPU memory: nothing to serve, nothing imported.
+        # SGLang keeps the Engram tables in GPU memory: nothing to serve, nothing imported.
         return
     try:
-        SGLANG.check_version(sglang_version())
         hooks = seams()
     except UnknownEngine as e:
         say_once(log, logging.WARNING, "unknown", "%s", e)

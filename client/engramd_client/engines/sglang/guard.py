@@ -84,3 +84,47 @@ def check_seams(
         ),
         "Engram settings (sglang.srt.environ)",
     )
+
+
+def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
+    """Raise UnknownEngine unless Qwen4Exp's PLE host table is allocated as qwen4exp.py knows.
+
+    `qwen4_exp`: sglang.srt.models.qwen4_exp; `vocab`: its VocabParallelEmbedding's module.
+    """
+    embedding = getattr(qwen4_exp, "Qwen4ExpNGramEmbedding", None)
+    host = getattr(qwen4_exp, "Qwen4ExpPinnedHostEmbedding", None)
+    allocate = getattr(qwen4_exp, "allocate_ple_host_table", None)
+    SGLANG.expect(
+        embedding is not None
+        and host is not None
+        and callable(allocate)
+        and callable(getattr(qwen4_exp, "_use_attn_tp_ngram", None)),
+        "Qwen4Exp PLE module",
+    )
+    assert embedding is not None and host is not None and allocate is not None
+    SGLANG.expect(
+        params(embedding.__init__)[:6]
+        == ["self", "config", "embedding_dim", "ple_layer_index", "quant_config", "prefix"]
+        and {"Qwen4ExpPinnedHostEmbedding", "VocabParallelEmbedding", "ple_offload_embedding"}
+        <= _names(embedding.__init__),
+        "Qwen4ExpNGramEmbedding",
+    )
+    SGLANG.expect(
+        params(allocate) == ["shape", "dtype", "backend", "table_dir", "tag"], "the PLE allocator"
+    )
+    # The allocator is told the rank's vocab range only through its tag, rows{start}-{end}.
+    SGLANG.expect(
+        {"allocate_ple_host_table", "shard_indices", "org_vocab_start_index", "org_vocab_end_index"}
+        <= _names(host.__init__)
+        and "rows" in host.__init__.__code__.co_consts
+        and {"weight", "data_ptr"} <= _names(host.gather),
+        "Qwen4ExpPinnedHostEmbedding",
+    )
+    base = getattr(vocab, "VocabParallelEmbedding", None)
+    SGLANG.expect(
+        base is not None
+        and params(base.__init__)[:3] == ["self", "num_embeddings", "embedding_dim"]
+        and {"params_dtype", "use_attn_tp_group"} <= set(params(base.__init__))
+        and {"shard_indices", "num_embeddings_per_partition"} <= _names(base.__init__),
+        "VocabParallelEmbedding's vocab split",
+    )

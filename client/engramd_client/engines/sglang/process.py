@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engramd_client.core.families import Family
-from engramd_client.engines.common import Pattern, decide, local_folder, probe, settle, share_mode
+from engramd_client.engines.common import (
+    CallThrough,
+    Pattern,
+    decide,
+    local_folder,
+    probe,
+    serving,
+    settle,
+    share_mode,
+)
 from engramd_client.engines.sglang.guard import SGLANG
 from engramd_client.tables import Tables
 
@@ -31,10 +40,17 @@ class Process:
     folder: str = ""
     #: The daemon's tables for this process's rows (kept for the process's life).
     tables: Tables | None = None
+    #: The rows [start, stop) of each table this process holds (a range may run past the
+    #: table's end: SGLang's padding).
+    rows: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Each held table's rows in the checkpoint.
+    table_rows: dict[str, int] = field(default_factory=dict)
     #: Checkpoint names of the tensors engramd serves here: SGLang's iterators skip them.
     served: frozenset[str] = frozenset()
     #: SGLang's weight iterators the plugin replaced, by name, to call through.
     iterators: dict[str, Callable[..., Any]] = field(default_factory=dict)
+    #: SGLang's functions the plugin replaced on import (not through HookRegistry), to call.
+    calls: CallThrough = field(default_factory=CallThrough)
 
     def decide(self, family: Family, engine_tables: Pattern, own: str, group: Any = None) -> bool:
         """Whether engramd serves this process's `family` tables: once, the same on `group`.
@@ -65,13 +81,7 @@ class Process:
         """Keep `tables` for the process's life; SGLang's iterators skip every tensor they hold."""
         self.tables = tables
         self.served = tables.checkpoint_names
-        log.info(
-            "engramd serves SGLang's %s (%s, %d tensors, %.2f GiB of rows)",
-            what,
-            tables.mode,
-            len(tables),
-            tables.nbytes / 2**30,
-        )
+        serving(log, "SGLang", what, tables)
         return tables
 
 

@@ -22,9 +22,7 @@ aside for any load format but auto and safetensors.
 
 from __future__ import annotations
 
-import logging
-
-from engramd_client.engines.common import UnknownEngine, say_once, share_mode, when_imported
+from engramd_client.engines.common import when_imported
 from engramd_client.engines.vllm import deepseek, qwen4exp
 from engramd_client.engines.vllm.guard import VLLM, vllm_version
 from engramd_client.engines.vllm.process import log
@@ -38,13 +36,7 @@ def register() -> None:
     if _registered:
         return
     _registered = True
-    if share_mode() is False:
-        say_once(log, logging.INFO, "off", "ENGRAMD_SHARE=off: engramd's vLLM plugin stands aside")
-        return
-    try:
-        VLLM.check_version(vllm_version())
-    except UnknownEngine as e:
-        say_once(log, logging.WARNING, "unknown", "%s", e)
+    if not VLLM.may_patch(vllm_version, log):
         return
     when_imported(deepseek.ENGRAM_MODULE, deepseek.install)
     when_imported(qwen4exp.PLE_MODULE, qwen4exp.install)

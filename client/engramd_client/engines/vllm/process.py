@@ -27,6 +27,7 @@ from engramd_client.engines.common import (
     probe,
     replaced,
     say_once,
+    serving,
     settle,
     share_mode,
 )
@@ -115,13 +116,7 @@ class Process:
         """Keep `tables` for the process's life; vLLM's loader skips every tensor they hold."""
         self.tables = tables
         self.served = tables.checkpoint_names
-        log.info(
-            "engramd serves vLLM's %s (%s, %d tensors, %.2f GiB of rows)",
-            what,
-            tables.mode,
-            len(tables),
-            tables.nbytes / 2**30,
-        )
+        serving(log, "vLLM", what, tables)
         return tables
 
 

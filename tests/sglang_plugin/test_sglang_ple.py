@@ -1,0 +1,256 @@
+"""engramd's SGLang plugin serving Qwen4Exp's PLE n-gram tables, against the real SGLang
+0.5.23 on CPU.
+
+Each test runs real SGLang ranks (tests/sglang_plugin/ple_rank.py): SGLang's own
+`load_plugins()` loads the plugin, which patches SGLang's qwen4_exp module when it is
+imported; a real gloo TP GroupCoordinator and SGLang's Qwen4ExpNGramEmbedding (with
+`--ple-offload-embedding`: its Qwen4ExpPinnedHostEmbedding) are built over a
+Qwen4Exp-shaped checkpoint, and Qwen4ExpForConditionalGeneration's own load_weights
+loads it through SGLang's default safetensors iterator. Only the pinning of SGLang's
+own host tables (which needs a CUDA runtime) is replaced.
+"""
+
+from __future__ import annotations
+
+import itertools
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engine_harness import readahead, result
+from sglang_plugin.ple_harness import (
+    DTYPES,
+    FP8_SCALE,
+    PLE_LAYER_IDS,
+    SPLIT_NGRAM_PARTS,
+    Model,
+    run_ple_ranks,
+    run_servers,
+)
+
+WARNING = "engramd does not serve the PLE n-gram tables here"
+LAYERS = [str(layer_id - 1) for layer_id in PLE_LAYER_IDS]
+
+
+@pytest.fixture
+def ple_served(ple_model: Model, daemons: Any) -> Any:
+    """A daemon serving the checkpoint (loaded at start; its family chosen by the daemon)."""
+    return daemons("--checkpoint", str(ple_model.folder))
+
+
+def _may_cache(model: Model) -> int:
+    """PLE shard bytes that may be in the page cache after a rank's load: the tables'
+    fingerprint samples (8 x 4 KiB a file, engramd's), and one readahead window (and a
+    page) at each end of every ordinary tensor the rank reads beside the shards."""
+    files = list(model.folder.glob("*.safetensors"))
+    window = max(readahead(model.folder), 4096) + 4096
+    others = len(PLE_LAYER_IDS) * (2 if model.dtype == "fp8" else 1)
+    return len(files) * 8 * 4096 + 2 * others * window
+
+
+def _output(done: subprocess.CompletedProcess[str]) -> str:
+    return done.stdout + done.stderr
+
+
+def _check_served(
+    model: Model, out: dict[str, Any], shm: Path, rank: int, world: int, alone: bool = True
+) -> None:
+    """The rank's PLE tables: SGLang's rows, the checkpoint's bytes, the daemon's pages.
+
+    `alone`: no other process reads the checkpoint while this rank loads (the page
+    cache then tells what it read).
+    """
+    assert out["patched"] and out["iterator_patched"], out
+    for index, layer in enumerate(LAYERS):
+        info = out["layers"][layer]
+        rows = model.rows[index]
+        assert info["type"] == "Qwen4ExpPinnedHostEmbedding"
+        assert info["org_vocab_size"] == rows
+        assert info["shape"] == [info["end"] - info["start"], model.width]
+        assert info["dtype"] == str(DTYPES[model.dtype])
+        # Byte for byte the checkpoint's rows, in the daemon's read-only shared pages.
+        assert info["same_bytes"], info
+        assert str(shm) in info["map"] and info["map"].split()[1] == "r--s", info["map"]
+        assert info["anonymous_kib"] == 0
+        if info["end"] > rows:
+            # SGLang's padding past the checkpoint's end: zeros, and not the daemon's pages.
+            assert rank == world - 1
+            assert info["padding_zero"]
+            assert str(shm) not in info["padding_map"], info["padding_map"]
+        assert info["value_proj_loaded"]
+        assert info["weight_scale"] == (FP8_SCALE if model.dtype == "fp8" else 1.0)
+    # SGLang's loader counted every table loaded and read none of their shards: the process
+    # read far less than the tables, and their pages stayed out of the page cache (mincore).
+    assert out["loaded"] == sorted(
+        [f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight" for layer in LAYERS]
+        + [f"model.layers.{layer}.ple.value_proj.weight" for layer in LAYERS]
+        + (
+            [
+                f"model.layers.{layer}.ple.ple_embedding.ngram_embedding.weight_scale"
+                for layer in LAYERS
+            ]
+            if model.dtype == "fp8"
+            else []
+        )
+    )
+    assert out["read_bytes"] < model.table_bytes / 4, out["read_bytes"]
+    if alone:
+        assert out["table_bytes_cached"] <= _may_cache(model), out["table_bytes_cached"]
+
+
+def test_tp3_ranks_hold_sglangs_rows_of_the_daemons_copy(
+    ple_model: Model, ple_served: Any, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    runs = run_ple_ranks(ple_model, 3, env, tmp_path)
+    ranks = [result(d) for d in runs]
+    for rank, out in enumerate(ranks):
+        _check_served(ple_model, out, ple_served.shm_dir, rank, 3)
+        assert "Some weights are not initialized" not in _output(runs[rank])
+    padded = []
+    for index, layer in enumerate(LAYERS):
+        spans = [(o["layers"][layer]["start"], o["layers"][layer]["end"]) for o in ranks]
+        assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+        assert spans[-1][1] >= ple_model.rows[index]
+        padded.append(spans[-1][1] > ple_model.rows[index])
+        # The split falls inside row shards.
+        size = ple_model.shard_size(index)
+        assert all(start % size for start, _ in spans[1:]), (spans, size)
+    # Layer 1's 4096 rows do not split in 3 x 64: SGLang padded them to 64 x 3, and the last
+    # rank holds 128 rows past the checkpoint's end; layer 3's 4224 rows split evenly.
+    assert padded == [True, False], padded
+    # One copy for the three ranks, of the family the daemon chose from the checkpoint.
+    (info,) = ple_served.status().sets
+    assert info.family == "ple"
+    assert info.tensors == len(PLE_LAYER_IDS)
+
+
+def test_two_tp1_engines_map_one_file(ple_model: Model, ple_served: Any, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    outs = [result(d) for d in run_servers(ple_model, 2, env, tmp_path)]
+    for out in outs:
+        # The other engine compares its tables with the checkpoint meanwhile (reading the
+        # shards): each engine's own reads are its read_bytes.
+        _check_served(ple_model, out, ple_served.shm_dir, 0, 1, alone=False)
+    for layer in LAYERS:
+        # The same file (path and inode) behind both engines' tables.
+        first, second = (out["layers"][layer]["map"].split() for out in outs)
+        assert first[3:] == second[3:], (first, second)
+    assert len(ple_served.status().sets) == 1
+
+
+def test_whole_file_reads_never_write_the_served_table(
+    ple_model: Model, ple_served: Any, tmp_path: Path
+) -> None:
+    # disable_mmap: SGLang's own iterator reads whole files, the shards too; the rows it
+    # read reach the layers as empty placeholders, so the read-only pages stay untouched.
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    (done,) = run_ple_ranks(ple_model, 1, env, tmp_path, ("--whole-files",))
+    out = result(done)
+    for layer in LAYERS:
+        info = out["layers"][layer]
+        assert info["same_bytes"] and info["map"].split()[1] == "r--s"
+    assert "SGLang reads whole checkpoint files here" in _output(done)
+
+
+def test_share_off_stands_aside(ple_model: Model, ple_served: Any, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket), "ENGRAMD_SHARE": "off"}
+    (done,) = run_ple_ranks(ple_model, 1, env, tmp_path)
+    out = result(done)
+    assert not out["patched"] and not out["iterator_patched"]
+    for info in out["layers"].values():
+        assert info["same_bytes"]  # SGLang's loader filled its own table
+        assert str(ple_served.shm_dir) not in info["map"]
+    assert out["read_bytes"] >= ple_model.table_bytes, out["read_bytes"]
+    assert _output(done).count("ENGRAMD_SHARE=off: engramd's SGLang plugin stands aside") == 1
+    assert len(ple_served.status().sets[0].leases) == 0
+
+
+def test_daemon_down_runs_sglangs_own_path_with_one_warning(
+    ple_model: Model, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
+    (done,) = run_ple_ranks(ple_model, 1, env, tmp_path)
+    out = result(done)
+    assert out["patched"]
+    for info in out["layers"].values():
+        assert info["same_bytes"]  # SGLang's loader filled its own tables
+        assert "engramd" not in info["map"]
+    # SGLang read the tables itself: the measurement sees reads where they happen.
+    assert out["read_bytes"] >= ple_model.table_bytes / 2, out["read_bytes"]
+    log = _output(done)
+    assert log.count(WARNING) == 1, log[-3000:]
+    assert "SGLang allocates its own PLE n-gram host tables" in log
+
+
+def test_strict_with_daemon_down_fails_start_up(ple_model: Model, tmp_path: Path) -> None:
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock"), "ENGRAMD_SHARE": "on"}
+    (done,) = run_ple_ranks(ple_model, 1, env, tmp_path, ("--no-load",))
+    assert done.returncode != 0
+    assert "DaemonUnavailable" in done.stderr, done.stderr[-3000:]
+
+
+def test_file_backend_stands_aside_with_one_line(
+    ple_model: Model, ple_served: Any, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    extra = ("--backend", "file", "--offload-dir", str(tmp_path / "ple"))
+    (done,) = run_ple_ranks(ple_model, 1, env, tmp_path, extra)
+    out = result(done)
+    for info in out["layers"].values():
+        # SGLang's own sparse file, filled by its loader.
+        assert str(tmp_path / "ple") in info["map"] and info["same_bytes"]
+    log = _output(done)
+    assert log.count("--ple-offload-backend file: engramd's SGLang plugin stands aside") == 1
+    assert WARNING not in log
+    assert len(ple_served.status().sets[0].leases) == 0
+
+
+def test_a_checkpoint_sglang_would_place_otherwise_is_not_served(
+    ple_model: Model, daemons: Any, tmp_path: Path
+) -> None:
+    # The same checkpoint, told its tables were split in 5 parts: SGLang would place shard N
+    # at N x ceil(rows / 5), not where the 7 shards joined back to back put it.
+    import json
+    import shutil
+
+    folder = tmp_path / "ckpt"
+    shutil.copytree(ple_model.folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["text_config"]["split_ngram_parts"] = 5
+    (folder / "config.json").write_text(json.dumps(config))
+    served = daemons("--checkpoint", str(folder))
+    moved = Model(folder, ple_model.dtype, ple_model.rows)
+    (done,) = run_ple_ranks(
+        moved, 1, {"ENGRAMD_SOCKET": str(served.socket)}, tmp_path, ("--no-load",)
+    )
+    out = result(done)
+    for info in out["layers"].values():
+        assert str(served.shm_dir) not in info["map"]
+    log = _output(done)
+    assert log.count(WARNING) == 1, log[-3000:]
+    size, rows = ple_model.shard_size(0), ple_model.rows[0]
+    shards = [size] * (SPLIT_NGRAM_PARTS - 1) + [rows - size * (SPLIT_NGRAM_PARTS - 1)]
+    assert f"hold {shards} rows, and SGLang places shard N at row N x {-(-rows // 5)}" in log
+
+
+def test_a_changed_seam_registers_nothing() -> None:
+    import sglang.srt.layers.vocab_parallel_embedding as vocab
+    import sglang.srt.models.qwen4_exp as qwen4_exp
+
+    from engramd_client.engines.common import UnknownEngine
+    from engramd_client.engines.sglang.guard import check_ple_seams
+
+    check_ple_seams(qwen4_exp, vocab)
+    original = qwen4_exp.allocate_ple_host_table
+
+    def renamed(shape: Any, dtype: Any, backend: str = "pinned", directory: Any = None) -> None:
+        return None
+
+    try:
+        qwen4_exp.allocate_ple_host_table = renamed
+        with pytest.raises(UnknownEngine, match="the PLE allocator"):
+            check_ple_seams(qwen4_exp, vocab)
+    finally:
+        qwen4_exp.allocate_ple_host_table = original
