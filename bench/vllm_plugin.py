@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from engramd.demo.daemon_process import DaemonProcess
+from engramd.host.hugeroot import remove_shm_folder
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))
@@ -145,7 +146,8 @@ def compare(family: Family, args: argparse.Namespace, base: Path) -> dict[str, A
                 sides[side].append(summary(family, runs, set_bytes if side == "plugin" else 0))
     finally:
         daemon.stop()
-        shutil.rmtree(shm, ignore_errors=True)
+        # And the huge-page tmpfs a daemon run as root mounts there.
+        remove_shm_folder(shm)
         shutil.rmtree(sock, ignore_errors=True)
     figures = {
         side: {k: statistics.median(r[k] for r in reps) for k in reps[0]}
