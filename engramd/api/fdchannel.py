@@ -172,6 +172,11 @@ class FdChannel:
         assert self._sock is not None
         loop = asyncio.get_running_loop()
         while True:
+            # One accept per turn of the event loop: sock_accept completes at once
+            # while connections wait, and a user who reconnects as fast as it is
+            # refused would otherwise keep the loop (every attach, every other
+            # exchange) to itself.
+            await asyncio.sleep(0)
             try:
                 conn, _ = await loop.sock_accept(self._sock)
             except OSError as e:
