@@ -118,7 +118,7 @@ proto: setup
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy engramd client/engramd_client tests tools bench examples
+	$(PY) -m mypy engramd engramd_shared client/engramd_client tests tools bench examples
 
 format: setup
 	$(PY) -m ruff format .

@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from engramd.demo.daemon_process import DaemonProcess
+from engramd.testing.daemon_process import DaemonProcess
 from engramd_client import attach
 
 from .common import Figure, compare, daemon, percentile, shm_folder

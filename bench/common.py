@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engramd.demo.daemon_process import DaemonProcess
-from engramd.demo.synth import SCALE_GROUP, SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
+from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.synth import SCALE_GROUP, SynthSpec, synthesize
 
 GiB = 1 << 30
 MiB = 1 << 20

@@ -27,8 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engramd.demo.daemon_process import DaemonProcess
-from engramd.demo.fleet_lab import (
+from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.fleet_lab import (
     UCX_TCP,
     Net,
     netns_missing,
@@ -36,7 +36,7 @@ from engramd.demo.fleet_lab import (
     s3rver_missing,
     veth_pair,
 )
-from engramd_client.core.checkpoint import plan_tables
+from engramd_shared.checkpoint import plan_tables
 
 from .common import Figure, compare, drop_page_cache, shm_folder
 

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from engramd.demo.daemon_process import DaemonProcess
-from engramd.demo.engram_hash import EngramHash, byte_rows, gather
+from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.engram_hash import EngramHash, byte_rows, gather
 from engramd_client import Tables, attach
-from engramd_client.core.checkpoint import plan_tables
+from engramd_shared.checkpoint import plan_tables
 
 from .common import Figure, compare, daemon, paired_ratio, shm_folder
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engramd_client import Tables, attach, plan_tables
-from engramd_client.core.checkpoint import TablePlan
+from engramd_shared.checkpoint import TablePlan
 
 from .attach import wait_locked
 from .common import Figure, GiB, MiB, checkpoint, compare, daemon, huge_tmpfs, shm_folder, timed

@@ -35,7 +35,7 @@ from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.core.checkpoint import TablePlan
+from engramd_shared.checkpoint import TablePlan
 
 from .common import Figure, GiB, compare, huge_tmpfs, shm_folder, timed
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import psutil
 
-from engramd.demo.child import JsonLinesChild
+from engramd.testing.child import JsonLinesChild
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import engramd
 import engramd_client
-from engramd.demo.daemon_process import DaemonProcess
+from engramd.testing.daemon_process import DaemonProcess
 from engramd_client import attach
 
 from .attach import wait_locked

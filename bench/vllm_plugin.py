@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engramd.demo.daemon_process import DaemonProcess
 from engramd.host.hugeroot import remove_shm_folder
+from engramd.testing.daemon_process import DaemonProcess
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
 sys.path.insert(0, str(TESTS))

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import Tables, attach
 
 PAGE = 4096

@@ -17,8 +17,8 @@ from typing import Any
 
 from engramd.units import parse_size
 from engramd.values import BACKING_NAMES, BackingSpec, Placement
-from engramd_client.core.checkpoint import DEFAULT_TENSORS
-from engramd_client.core.config import DEFAULT_SOCKET
+from engramd_shared.checkpoint import DEFAULT_TENSORS
+from engramd_shared.config import DEFAULT_SOCKET
 
 #: The key of a field's Setting in its metadata.
 SETTING = "setting"

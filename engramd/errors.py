@@ -1,8 +1,9 @@
-"""The daemon's errors, and the one place that turns any exception into a gRPC status.
+"""The one place that turns any exception into a gRPC status, and the daemon's start-up errors.
 
-Each error carries its status code and a short reason that travels in the
-trailing metadata (`engramd-reason`), so the client can raise one exception
-class per cause without parsing messages.
+The errors the daemon reports are engramd_shared.errors' classes, each keyed
+by a reason that travels in the trailing metadata (`engramd-reason`), so the
+client raises the same class without parsing messages; CODES gives each
+reason its status code.
 """
 
 from __future__ import annotations
@@ -15,108 +16,31 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from engramd_client.core.beneath import OutsideRoot
-from engramd_client.core.errors import REASON_KEY, CheckpointError, Reason
+from engramd_shared.errors import REASON_KEY, EngramdError, InvalidRequest, Reason
 
 log = logging.getLogger("engramd")
 
 
-class ServiceError(Exception):
-    """An error the daemon reports to its caller; the message says what to do."""
-
-    code = grpc.StatusCode.INTERNAL
-    reason: Reason = Reason.INTERNAL
-
-
-class InvalidRequest(ServiceError):
-    """A request with malformed fields."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-    reason = Reason.INVALID_REQUEST
-
-
-class SelectionRefused(ServiceError):
-    """A worker asked the daemon to load another selection of tensors than it is configured for."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-    reason = Reason.SELECTION
-
-
-class TooManyLeases(ServiceError):
-    """The daemon holds as many leases as it is configured to."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.LEASES
-
-
-class UnknownSet(ServiceError):
-    """No such set, and nothing to load it from."""
-
-    code = grpc.StatusCode.NOT_FOUND
-    reason = Reason.UNKNOWN_SET
-
-
-class NotAllowed(ServiceError):
-    """The caller may not make the daemon load this checkpoint."""
-
-    code = grpc.StatusCode.PERMISSION_DENIED
-    reason = Reason.NOT_ALLOWED
-
-
-class ShmFull(ServiceError):
-    """The shm folder cannot hold the set."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.CAPACITY
-
-
-class BudgetExceeded(ServiceError):
-    """The set would take the daemon past its memory budget."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.BUDGET
-
-
-class FingerprintDiffers(ServiceError):
-    """The daemon's copy of the checkpoint is not the worker's."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = Reason.FINGERPRINT
-
-
-class LoadFailed(ServiceError):
-    """A load stopped for a reason other than capacity or a bad checkpoint."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = Reason.LOAD_FAILED
-
-
-class DropRefused(ServiceError):
-    """A drop of a set that is loading, or leased without `force`: nothing was dropped."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-    reason = Reason.DROP_REFUSED
-
-
-class Draining(ServiceError):
-    """The daemon is stopping."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-    reason = Reason.DRAINING
-
-
-class QuotaExceeded(ServiceError):
-    """Sets workers loaded from one uid's files would take more than its share."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.QUOTA
-
-
-class ReadersBusy(ServiceError):
-    """One owner's files already hold the daemon's share of large header reads."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-    reason = Reason.READERS
+#: The status each reason gets: the one place a cause becomes a gRPC code.
+CODES: dict[Reason, grpc.StatusCode] = {
+    Reason.INTERNAL: grpc.StatusCode.INTERNAL,
+    Reason.INVALID_REQUEST: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.CHECKPOINT: grpc.StatusCode.INVALID_ARGUMENT,
+    Reason.SELECTION: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.LEASES: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.UNKNOWN_SET: grpc.StatusCode.NOT_FOUND,
+    Reason.NOT_ALLOWED: grpc.StatusCode.PERMISSION_DENIED,
+    Reason.CAPACITY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.BUDGET: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.FINGERPRINT: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.LOAD_FAILED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.DROP_REFUSED: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.DRAINING: grpc.StatusCode.UNAVAILABLE,
+    Reason.NOT_VISIBLE: grpc.StatusCode.FAILED_PRECONDITION,
+    Reason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Reason.READERS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
 
 
 class UntrustedShm(RuntimeError):
@@ -137,12 +61,8 @@ class ShmOnDisk(RuntimeError):
 
 def to_status(exc: BaseException) -> tuple[grpc.StatusCode, str, str]:
     """(status code, reason, message) for any exception raised while serving."""
-    if isinstance(exc, ServiceError):
-        return exc.code, exc.reason, str(exc)
-    if isinstance(exc, OutsideRoot):
-        return grpc.StatusCode.PERMISSION_DENIED, NotAllowed.reason, str(exc)
-    if isinstance(exc, CheckpointError):
-        return grpc.StatusCode.INVALID_ARGUMENT, Reason.CHECKPOINT, str(exc)
+    if isinstance(exc, EngramdError) and exc.reason != Reason.INTERNAL:
+        return CODES[exc.reason], exc.reason, str(exc)
     log.exception("internal error while serving a request", exc_info=exc)
     return (
         grpc.StatusCode.INTERNAL,

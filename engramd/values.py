@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.core.topology import NODES, nodes
+from engramd_shared.topology import NODES, nodes
 
 #: Every `--backing` value: the names engramd.backings registers (BACKINGS, then COMBINED).
 #: Written out here so that the CLI's help need not import the backings, whose CUDA

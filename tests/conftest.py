@@ -23,10 +23,10 @@ from typing import Any
 
 import pytest
 
-from engramd.demo.child import JsonLinesChild
-from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
-from engramd_client.core.layout import sets_root
+from engramd.testing.child import JsonLinesChild
+from engramd.testing.synth import SynthSpec, synthesize
+from engramd_shared.layout import sets_root
 from harness.daemon_process import DaemonProcess as Daemon
 
 TESTS = Path(__file__).resolve().parent

@@ -29,17 +29,17 @@ import sys
 import numpy
 import torch
 
-from engramd.demo.child import say
-from engramd_client.core import cudadriver
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.cudadriver import Mapped
-from engramd_client.core.errors import DeviceError
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd.testing.child import say
 from engramd_client.cumem import map_allocation, tensor_at
 from engramd_client.fdchannel import collect
 from engramd_client.handles import channel_path
 from engramd_client.lease import Lease
 from engramd_client.mapping import torch_dtype
+from engramd_shared import cudadriver
+from engramd_shared.config import ClientConfig
+from engramd_shared.cudadriver import Mapped
+from engramd_shared.errors import DeviceError
+from engramd_shared.pb import engramd_pb2 as pb
 
 
 def _from_device(pointer: int, length: int) -> bytes:

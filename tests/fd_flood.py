@@ -15,7 +15,7 @@ import select
 import socket
 import sys
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 
 #: How long one connect may block (a full backlog) before the flood moves on.
 CONNECT_TIMEOUT_S = 0.2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import EngramdError
 from engramd_client.fdchannel import collect
 

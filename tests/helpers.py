@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 
 from engramd.api.server import EngramdServer, create_server
 from engramd.config import DaemonConfig
-from engramd_client.core.errors import REASON_KEY
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.errors import REASON_KEY
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from harness.daemon_process import DaemonProcess
 
 T = TypeVar("T")

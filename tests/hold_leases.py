@@ -16,10 +16,10 @@ import sys
 
 import grpc
 
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 
 def main() -> int:

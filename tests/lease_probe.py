@@ -17,11 +17,11 @@ import sys
 
 import grpc
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import EngramdError
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 
 def main() -> int:

@@ -22,9 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_harness import mapping_of
 
-from engramd.demo.synth import PleSpec, expected_ple_rows
+from engramd.testing.synth import PleSpec, expected_ple_rows
 from engramd_client import attach
-from engramd_client.core.families import PLE
+from engramd_shared.families import PLE
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import sys
 import torch
 from cuda.bindings import runtime
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import EngramdError, attach, cuda, cumem
 
 # CPU torch has no CUDA device (it cannot exist here): torch is told one exists, and a

@@ -41,7 +41,7 @@ PRELOAD = (
     "engramd.cli.commands",
     "engramd.api.server",
     "engramd.cli.status_view",
-    "engramd.demo.synth",
+    "engramd.testing.synth",
 )
 
 

@@ -21,11 +21,11 @@ import time
 
 import grpc
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import EngramdError
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100

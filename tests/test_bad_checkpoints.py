@@ -15,9 +15,9 @@ import pytest
 
 from conftest import Worker
 from engramd_client import CheckpointError, attach
-from engramd_client.core.headers import SafetensorsFile, TensorEntry, _HeaderCache, read_header
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.headers import SafetensorsFile, TensorEntry, _HeaderCache, read_header
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reason
 
 SHARD = "model-00001-of-00002.safetensors"

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from engramd_client.core import beneath
-from engramd_client.core.beneath import OutsideRoot, Root
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.errors import CheckpointError
+from engramd_shared import beneath
+from engramd_shared.beneath import OutsideRoot, Root
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.errors import CheckpointError
 
 
 @pytest.fixture(params=["openat2", "walk"])

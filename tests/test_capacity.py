@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import Worker, mounted_tmpfs
 from engramd_client import plan_tables
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, reason
 
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from conftest import Worker
 from engramd.config import flags
-from engramd.demo.synth import expected_rows
+from engramd.testing.synth import expected_rows
 
 
 def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -29,13 +29,12 @@ from engramd.backings import CudaHostBacking
 from engramd.backings.cudacopy import read_only_handle
 from engramd.backings.handles import HandleKind
 from engramd.cli.status_view import render
-from engramd.demo.child import JsonLinesChild
-from engramd.errors import InvalidRequest
+from engramd.testing.child import JsonLinesChild
 from engramd.values import BackingSpec
-from engramd_client.core import cudadriver
-from engramd_client.core.errors import DeviceError, NoCpuView
-from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.tables import Tables
+from engramd_shared import cudadriver
+from engramd_shared.errors import DeviceError, InvalidRequest, NoCpuView
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import reference_digests
 
 

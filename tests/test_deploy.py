@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from conftest import Daemon, as_user
-from engramd_client.core.config import DEFAULT_SOCKET
+from engramd_shared.config import DEFAULT_SOCKET
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 SOCKET_DIR = str(Path(DEFAULT_SOCKET).parent)

@@ -20,11 +20,8 @@ import torch
 from test_cli import engramd
 
 from engramd.cli.status_view import render
-from engramd.demo.child import JsonLinesChild
+from engramd.testing.child import JsonLinesChild
 from engramd_client import ClientConfig, DeviceError, attach
-from engramd_client.core.errors import NoGpuRoute
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.cuda import (
     HOST_REGISTER_MAPPED,
     HOST_REGISTER_PORTABLE,
@@ -35,6 +32,9 @@ from engramd_client.cuda import (
     register_flags,
 )
 from engramd_client.cumem import tensor_at
+from engramd_shared.errors import NoGpuRoute
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, reference_digests
 
 GiB = 1 << 30

@@ -23,20 +23,20 @@ from safetensors.torch import load_file
 from conftest import Daemon, Worker, mounted_tmpfs, wait_until
 from engramd.backings import StagedSet, TmpfsBacking
 from engramd.checksum import BUFFER_BYTES, digest_fd
-from engramd.demo.synth import SynthSpec, synthesize
-from engramd.errors import ShmFull
 from engramd.sets.loader import LoadProgress, load_set
+from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.layout import (
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.layout import (
     LOADING_MARK,
     Manifest,
     check_complete,
     read_manifest,
     sets_root,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reason
 
 
@@ -117,7 +117,7 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
         filler.write_bytes(b"\1" * (shutil.disk_usage(shm).free - plan.nbytes // 2))
         backing = TmpfsBacking(str(shm), None)
         backing.claim()
-        with pytest.raises(ShmFull, match="ran out of space while reserving"):
+        with pytest.raises(ShmCapacityError, match="ran out of space while reserving"):
             load_set(plan, backing, 2, LoadProgress(plan.nbytes))
         assert [p.name for p in (shm / "engramd").iterdir()] == []
         filler.unlink()

@@ -19,9 +19,9 @@ import pytest
 
 from conftest import Daemon, wait_until
 from engramd.backings.memfd import SEALS
-from engramd_client.core.errors import NotAllowed
-from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.fdchannel import collect
+from engramd_shared.errors import NotAllowed
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import RawLease, open_fds
 
 

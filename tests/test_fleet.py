@@ -29,7 +29,9 @@ from typing import Any
 import pytest
 
 from conftest import Daemon, wait_until
-from engramd.demo.fleet_lab import (
+from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd.sources.peer import addresses
+from engramd.testing.fleet_lab import (
     S3,
     UCX_TCP,
     Net,
@@ -39,12 +41,10 @@ from engramd.demo.fleet_lab import (
     s3rver_missing,
     veth_pair,
 )
-from engramd.demo.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
-from engramd.host.hugeroot import remove_shm_folder, unmount_below
-from engramd.sources.peer import addresses
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd.testing.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error
 
 TOKEN = "fleet-token-0123456789abcdef"

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 from conftest import Daemon
 from engramd.host.hugeroot import remove_shm_folder
 from engramd_client import CheckpointError
-from engramd_client.core.headers import read_header
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.headers import read_header
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 #: What a malformed request may be answered with: a proper refusal, never a
 #: crash (UNKNOWN, INTERNAL), a hang (DEADLINE_EXCEEDED) or a dead daemon.

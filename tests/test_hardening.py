@@ -29,17 +29,16 @@ import pytest
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
 from engramd.backings.handles import HandleKind
-from engramd.demo.synth import SynthSpec, synthesize
-from engramd.errors import UnknownSet
 from engramd.sets import store as store_module
 from engramd.sets.loader import LoadProgress, load_set
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.core.process import pid_namespace, start_ticks
+from engramd.testing.synth import SynthSpec, synthesize
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.errors import CheckpointError, UnknownSet
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.process import pid_namespace, start_ticks
 from helpers import InProcessDaemon, attach_error, in_process_config, reason, reference_digests
 
 NOBODY = 65534

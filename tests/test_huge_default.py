@@ -21,14 +21,14 @@ import pytest
 
 from conftest import Worker, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
-from engramd.errors import ShmFull
 from engramd.host.hugeroot import claim_huge_root, unmount_below
 from engramd.host.pagesize import census
 from engramd.host.shmfs import find_mount, is_mount_point, mounts_below, shmem_enabled
 from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests
 
 MiB = 1 << 20
@@ -256,7 +256,7 @@ def test_a_writer_that_fills_the_shm_folder_after_the_check_fails_the_reservatio
             # Another writer takes the shm folder's space after the check: engramd's mount
             # would still hold the set, the shm folder it counts against no longer does.
             (shm / "other-writer").write_bytes(b"\1" * (8 * MiB))
-            with pytest.raises(ShmFull, match="ran out of space while reserving"):
+            with pytest.raises(ShmCapacityError, match="ran out of space while reserving"):
                 load_set(plan, backing, 2, LoadProgress(plan.nbytes))
             assert list(sets_root(shm).iterdir()) == []
             (shm / "other-writer").unlink()

@@ -22,11 +22,11 @@ from conftest import Worker, huge_pages, mounted_hugetlbfs
 from engramd.backings import HugetlbfsBacking
 from engramd.backings.memfd import SEALS
 from engramd.config import DaemonConfig
-from engramd.errors import ShmFull
 from engramd.host.hugepages import pool
 from engramd_client import plan_tables
-from engramd_client.core.layout import PACKED_NAME, read_manifest, sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.layout import PACKED_NAME, read_manifest, sets_root
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests
 
 MiB = 1 << 20
@@ -45,7 +45,7 @@ def test_hugetlbfs_backing_bookkeeping(checkpoint: Path) -> None:
         # Packed: the small scale tensors share pages with the big tables.
         footprint = backing.footprint(sizes)
         assert footprint % (2 * MiB) == 0 and footprint < sum(backing.reserved(n) for n in sizes)
-        with pytest.raises(ShmFull, match="nr_hugepages"):
+        with pytest.raises(ShmCapacityError, match="nr_hugepages"):
             backing.check_capacity(usage.free + 2 * MiB, "set x")
         free_before = pool(2 * MiB).free
         manifest = _copy_in(backing, plan)

@@ -29,7 +29,11 @@ from harness.daemon_process import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 #: Each import package, and the folder of the checkout it comes from.
-SOURCES = {"engramd": ROOT / "engramd", "engramd_client": ROOT / "client" / "engramd_client"}
+SOURCES = {
+    "engramd": ROOT / "engramd",
+    "engramd_shared": ROOT / "engramd_shared",
+    "engramd_client": ROOT / "client" / "engramd_client",
+}
 TORCH = "torch==2.13.0"
 #: What a worker runs in the venv: attach shared, print where the client came from and digests.
 WORKER = """
@@ -107,7 +111,9 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def test_every_module_imports_from_the_installed_wheel(venv: Path, tmp_path: Path) -> None:
     modules = expected_modules()
     # The tree's packages as listed by setuptools, so the test cannot be blind to one.
-    assert {"engramd.backings", "engramd.demo", "engramd_client.core.pb"} <= set(modules)
+    assert {"engramd.backings", "engramd.demo", "engramd.testing", "engramd_shared.pb"} <= set(
+        modules
+    )
     script = (
         "import importlib, json, sys\n"
         "print(json.dumps({m: importlib.import_module(m).__file__ for m in sys.argv[1:]}))\n"

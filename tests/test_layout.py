@@ -13,7 +13,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = {"engramd": ROOT / "engramd", "engramd_client": ROOT / "client" / "engramd_client"}
+SOURCES = {
+    "engramd": ROOT / "engramd",
+    "engramd_shared": ROOT / "engramd_shared",
+    "engramd_client": ROOT / "client" / "engramd_client",
+}
 
 #: The daemon's floors, lowest first: a module imports its own floor and those below.
 FLOORS = [
@@ -30,13 +34,13 @@ FLOORS = [
     ("engramd.sources",),
     ("engramd.sets",),
     ("engramd.api",),
-    ("engramd.cli", "engramd.demo", "engramd.__main__"),
+    ("engramd.cli", "engramd.demo", "engramd.testing", "engramd.__main__"),
 ]
-#: The room of the client package that the daemon shares with workers.
-CORE = "engramd_client.core"
+#: What the daemon and its workers agree on: both import it, it imports neither.
+SHARED = "engramd_shared"
 #: Where a worker runs, inside the daemon package: the demo's replicas use the
 #: worker's library like any worker.
-WORKER_SIDE = ("engramd.demo",)
+WORKER_SIDE = ("engramd.demo", "engramd.testing")
 
 
 def module_name(path: Path) -> str:
@@ -98,17 +102,13 @@ GRAPH = {name: {resolve(t) for t in imports(name, path)} for name, path in ALL.i
 
 
 @pytest.mark.parametrize("name", sorted(n for n in ALL if n.startswith("engramd.")))
-def test_the_daemon_imports_only_down_and_only_the_clients_core(name: str) -> None:
+def test_the_daemon_imports_only_down_and_never_the_worker_side(name: str) -> None:
     mine = floor_of(name)
     for target in GRAPH[name]:
         if target == "engramd" or target.startswith("engramd."):
             assert floor_of(target) <= mine, f"{name} imports {target} from a floor above"
-        elif (
-            within(target, ["engramd_client"])
-            and not within(name, WORKER_SIDE)
-            and target != "engramd_client"
-        ):
-            assert within(target, [CORE]), f"{name} imports {target}, outside {CORE}"
+        elif within(target, ["engramd_client"]):
+            assert within(name, WORKER_SIDE), f"{name} imports the worker's {target}"
         assert not within(target, ["torch"]) or within(name, WORKER_SIDE), f"{name} imports torch"
 
 
@@ -117,18 +117,20 @@ def test_the_backings_describe_handles_and_leave_the_wire_to_the_api(name: str) 
     # Backings hand out plain descriptions (backings/handles.py); api/wire.py
     # alone turns them, and their kinds, into engramd.v1 messages.
     for target in imports(name, ALL[name]):
-        assert not within(target, [f"{CORE}.pb"]), f"{name} imports the wire's messages"
+        assert not within(target, [f"{SHARED}.pb"]), f"{name} imports the wire's messages"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ALL if within(n, [SHARED])))
+def test_the_shared_package_stands_alone(name: str) -> None:
+    for target in GRAPH[name]:
+        assert not within(target, ["engramd", "engramd_client"]), f"{name} imports {target}"
+        assert not within(target, ["torch"]), f"{name} imports torch"
 
 
 @pytest.mark.parametrize("name", sorted(n for n in ALL if n.startswith("engramd_client")))
-def test_the_client_never_imports_the_daemon_and_its_core_stands_alone(name: str) -> None:
+def test_the_client_never_imports_the_daemon(name: str) -> None:
     for target in GRAPH[name]:
         assert not within(target, ["engramd"]), f"{name} imports the daemon ({target})"
-        if within(name, [CORE]):
-            assert not within(target, ["torch"]), f"{name} imports torch"
-            assert not within(target, ["engramd_client"]) or within(target, [CORE]), (
-                f"{name} imports {target}, outside {CORE}"
-            )
 
 
 def test_the_clients_modules_import_one_another_without_a_circle() -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from conftest import Daemon, Worker, wait_until
-from engramd_client.core.layout import sets_root
+from engramd_shared.layout import sets_root
 
 
 def lease_pids(d: Any) -> set[int]:

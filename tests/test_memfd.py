@@ -20,9 +20,9 @@ from fdstore_harness import FdStoreHarness
 from conftest import Worker, mounted_tmpfs, wait_until
 from engramd.backings.memfd import SEALS
 from engramd.cli.status_view import render
-from engramd.demo.synth import SynthSpec, synthesize
+from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, reason, reference_digests, shmem_bytes
 
 

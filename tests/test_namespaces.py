@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import Worker
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import reference_digests, shmem_bytes
 
 

@@ -22,7 +22,6 @@ import grpc
 import pytest
 
 from conftest import Daemon, Worker, wait_until
-from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host import numa as numa_module
 from engramd.host.numa import (
     MPOL_BIND,
@@ -33,12 +32,13 @@ from engramd.host.numa import (
     mode_and_nodes,
     node_mask,
 )
+from engramd.testing.synth import SynthSpec, synthesize
 from engramd.values import NumaError, Placement
 from engramd_client import plan_tables
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.core.topology import local_node, nodes
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.topology import local_node, nodes
 from helpers import (
     InProcessDaemon,
     attach_error,

@@ -23,12 +23,12 @@ from conftest import Worker, wait_until
 from engramd.config import admin_socket_for
 from engramd.host.shmfs import mount_of
 from engramd_client import plan_tables
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import Reason
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import Reason
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reason
 
 

@@ -27,13 +27,13 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import ShareError
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import FdChannelUnreachable, collect
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import ShareError
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import RawLease, reference_digests
 
 GROUP = "engramd-pg"

@@ -19,14 +19,14 @@ import grpc
 import pytest
 
 from conftest import mounted_tmpfs, wait_until
-from engramd.demo.synth import SynthSpec, synthesize
-from engramd.errors import ReadersBusy
 from engramd.sets.plans import LARGE_HEADER_BYTES, WORKER_HEADER_BYTES, PlanCache
-from engramd_client.core import headers
-from engramd_client.core.beneath import Root
-from engramd_client.core.checkpoint import DEFAULT_TENSORS, plan_tables
-from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd.testing.synth import SynthSpec, synthesize
+from engramd_shared import headers
+from engramd_shared.beneath import Root
+from engramd_shared.checkpoint import DEFAULT_TENSORS, plan_tables
+from engramd_shared.errors import ReadersBusy
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, bytes_read, reason
 
 SHARD = "model-00002-of-00002.safetensors"

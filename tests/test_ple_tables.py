@@ -2,7 +2,7 @@
 one read-only mapping of the daemon's copy, padding rows past its end zero.
 
 Real daemons and worker processes (tests/ple_probe.py) over synthetic
-Qwen4Exp checkpoints (engramd.demo.synth.synthesize_ple) whose shard
+Qwen4Exp checkpoints (engramd.testing.synth.synthesize_ple) whose shard
 boundaries do not fall on the ranks' ranges.
 """
 
@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from conftest import wait_until
-from engramd.demo.synth import PleSpec, SynthSpec, expected_ple_rows, synthesize, synthesize_ple
+from engramd.testing.synth import PleSpec, SynthSpec, expected_ple_rows, synthesize, synthesize_ple
 from engramd_client import attach
-from engramd_client.core.beneath import Root
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import ENGRAM, PLE
-from engramd_client.core.headers import read_header
+from engramd_shared.beneath import Root
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import ENGRAM, PLE
+from engramd_shared.headers import read_header
 
 PROBE = Path(__file__).resolve().parent / "ple_probe.py"
 #: 1000 rows in 7 shards of 143; 4 ranks of a vocabulary padded to 1024 hold 256 each.
@@ -102,13 +102,13 @@ def test_auto_picks_each_checkpoints_family(ple: Path, checkpoint: Path, tmp_pat
 
 
 def test_a_missing_shard_or_a_mismatched_one_is_refused(tmp_path: Path) -> None:
-    from engramd.demo.synth import write_safetensors
+    from engramd.testing.synth import write_safetensors
 
     ckpt = synthesize_ple(tmp_path / "gap", dataclasses.replace(SPEC, layers=(0,), files=1))
     header = read_header(next(ckpt.glob("*.safetensors")))
     # Rewrite the one file without shard 3.
     path = next(ckpt.glob("*.safetensors"))
-    from engramd.demo.synth import _Tensor
+    from engramd.testing.synth import _Tensor
 
     kept = []
     with open(path, "rb") as f:

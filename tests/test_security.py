@@ -16,12 +16,12 @@ import grpc
 import pytest
 
 from conftest import TESTS, Daemon, Worker, as_user, wait_until
-from engramd.demo.synth import SynthSpec, synthesize
+from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
-from engramd_client.core.layout import sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import RawLease, attach_error, reason
 
 GROUP = "engramd-t"

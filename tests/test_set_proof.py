@@ -25,13 +25,13 @@ import grpc
 import pytest
 
 from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs, wait_until
-from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
-from engramd_client.core.layout import MANIFEST_NAME, sets_root
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd.testing.synth import SynthSpec, synthesize
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.layout import MANIFEST_NAME, sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, bytes_read, reason, reference_digests
 
 GROUP = "engramd-tp"

@@ -7,10 +7,10 @@ import json
 import os
 from pathlib import Path
 
+import grpc
 import pytest
 
 from conftest import mounted_tmpfs
-from engramd import errors as daemon_errors
 from engramd.api.wire import set_info, tensor_handle
 from engramd.backings import BACKINGS, Backing, MemfdBacking, TmpfsBacking
 from engramd.backings.handles import HandleKind
@@ -18,7 +18,7 @@ from engramd.backings.memfd import SEALS
 from engramd.checksum import digest_fd
 from engramd.cli.status_view import as_dict, render
 from engramd.config import DaemonConfig
-from engramd.errors import FingerprintDiffers, NotAllowed, SelectionRefused, ShmFull
+from engramd.errors import CODES, to_status
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import MemoryLimit, memory_limit
 from engramd.host.sdnotify import Notifier
@@ -27,20 +27,31 @@ from engramd.sets.policy import LoadPolicy
 from engramd.sets.tableset import SetState, TableSet
 from engramd.text import escape
 from engramd.units import gib, parse_size
-from engramd_client.core.checkpoint import TablePlan, plan_tables
-from engramd_client.core.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
-from engramd_client.core.errors import BY_REASON, Reason
-from engramd_client.core.fileid import SourceFile
-from engramd_client.core.layout import (
+from engramd_client.handles import KINDS, MAPPERS
+from engramd_client.mapping import Region
+from engramd_shared.beneath import OutsideRoot
+from engramd_shared.checkpoint import TablePlan, plan_tables
+from engramd_shared.config import CUDA_HANDLE_KINDS, DEFAULT_SOCKET, HANDLE_KINDS, ClientConfig
+from engramd_shared.errors import (
+    BY_REASON,
+    BudgetExceeded,
+    EngramdError,
+    FingerprintMismatch,
+    NotAllowed,
+    Reason,
+    SelectionRefused,
+    ShareError,
+    ShmCapacityError,
+)
+from engramd_shared.fileid import SourceFile
+from engramd_shared.layout import (
     LOADING_MARK,
     Manifest,
     ManifestError,
     ManifestTensor,
     sets_root,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.handles import KINDS, MAPPERS
-from engramd_client.mapping import Region
+from engramd_shared.pb import engramd_pb2 as pb
 
 
 def test_sizes() -> None:
@@ -158,15 +169,26 @@ def test_status_is_bounded_and_prints_safely() -> None:
     assert escape("a\tb\x1b[2J\x85") == "a\\x09b\\x1b[2J\\x85"
 
 
-def test_every_reason_is_in_the_one_list() -> None:
-    errors = [
-        c
-        for c in vars(daemon_errors).values()
-        if isinstance(c, type) and issubclass(c, daemon_errors.ServiceError)
-    ]
-    reasons = [c.reason for c in errors]
-    assert set(reasons) <= set(Reason) and set(BY_REASON) <= set(Reason)
+def test_every_reason_names_one_class_and_one_status() -> None:
+    def family(cls: type[EngramdError]) -> list[type[EngramdError]]:
+        return [cls, *(c for sub in cls.__subclasses__() for c in family(sub))]
+
+    # A worker raises the daemon's own class for each refusal, and it is a ShareError:
+    # auto mode loads its own tables instead.
+    refusals = [c for c in family(ShareError) if "reason" in vars(c)]
+    reasons = [c.reason for c in refusals]
     assert len(reasons) == len(set(reasons)), "two errors share a reason"
+    assert all(BY_REASON[c.reason] is c for c in refusals)
+    assert set(CODES) == set(Reason), "a reason without a gRPC status (engramd/errors.py CODES)"
+    assert {c.reason for c in family(EngramdError)} <= set(Reason)
+    assert BY_REASON[Reason.BUDGET] is BudgetExceeded and issubclass(
+        BudgetExceeded, ShmCapacityError
+    )
+    assert Reason.CHECKPOINT not in BY_REASON and Reason.INTERNAL not in BY_REASON
+    assert to_status(OutsideRoot("x"))[:2] == (
+        grpc.StatusCode.PERMISSION_DENIED,
+        Reason.NOT_ALLOWED,
+    )
 
 
 def test_tmpfs_backing_bookkeeping(checkpoint: Path) -> None:
@@ -185,9 +207,9 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
     assert usage.where == str(shm_dir) and usage.page_size in (4096, 2 << 20)
     assert usage.total == 64 << 20 and usage.free <= 56 << 20
     assert backing.reserved(1) == usage.page_size and backing.reserved(0) == 0
-    with pytest.raises(ShmFull, match="in all"):
+    with pytest.raises(ShmCapacityError, match="in all"):
         backing.check_capacity(usage.total + 1, "set x")
-    with pytest.raises(ShmFull, match="free"):
+    with pytest.raises(ShmCapacityError, match="free"):
         backing.check_capacity(usage.free + (1 << 20), "set x")
     backing.check_capacity(usage.free + (1 << 20), "set x", reclaimable=2 << 20)
     (shm_dir / "other-writer").unlink()
@@ -260,7 +282,7 @@ def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:
     assert not backing.survives_restart and backing.handle_kinds == {HandleKind.FD}
     usage = backing.usage()
     assert usage.total >= usage.free > 0 and usage.used == 0
-    with pytest.raises(ShmFull, match="in all"):
+    with pytest.raises(ShmCapacityError, match="in all"):
         backing.check_capacity(usage.total + 1, "set x")
     plan = plan_tables(checkpoint)
     backing.stage(plan).discard()
@@ -342,11 +364,11 @@ def test_load_policy(checkpoint: Path, tmp_path: Path) -> None:
         policy.check_request(pb.AttachRequest(checkpoint=str(tmp_path / "elsewhere")), [])
     # A configured checkpoint whose files differ from the loaded copy: changed on disk.
     configured = pb.AttachRequest(checkpoint=str(checkpoint))
-    with pytest.raises(FingerprintDiffers, match="changed on disk"):
+    with pytest.raises(FingerprintMismatch, match="changed on disk"):
         policy.check_request(configured, loaded=[str(checkpoint.resolve())])
     plan = plan_tables(checkpoint)
     policy.check_plan(checkpoint.resolve(), plan, plan.set_id)
-    with pytest.raises(FingerprintDiffers) as info:
+    with pytest.raises(FingerprintMismatch) as info:
         policy.check_plan(checkpoint.resolve(), plan, "1" * 20)
     assert plan.set_id not in str(info.value)
 

@@ -24,7 +24,7 @@ import time
 import psutil
 import torch
 
-from engramd.demo.child import say
+from engramd.testing.child import say
 from engramd_client import EngramdError, Tables, attach
 
 
@@ -38,7 +38,7 @@ def digests(tables: Tables) -> dict[str, str]:
 
 def lookups(tables: Tables, seconds: float) -> dict[str, int]:
     """Gather and check rows of an `engramd synth` checkpoint's tables (seed 0)."""
-    from engramd.demo.synth import expected_rows
+    from engramd.testing.synth import expected_rows
 
     g = torch.Generator().manual_seed(os.getpid())
     count = bad = 0

@@ -1,4 +1,4 @@
-"""Generate the Python protobuf and gRPC stubs from proto/ into the client package.
+"""Generate the Python protobuf and gRPC stubs from proto/ into engramd_shared/pb.
 
 `make proto` runs this; tests/test_proto_stubs.py runs `generate()` into a
 temporary folder and fails when the committed stubs differ.
@@ -15,7 +15,7 @@ from grpc_tools import protoc
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
 PROTOS = ["engramd/v1/engramd.proto", "engramd/v1/peer.proto"]
-OUT = ROOT / "client" / "engramd_client" / "core" / "pb"
+OUT = ROOT / "engramd_shared" / "pb"
 
 
 def generate(out: pathlib.Path) -> list[pathlib.Path]:
@@ -36,7 +36,7 @@ def generate(out: pathlib.Path) -> list[pathlib.Path]:
         for src in sorted(pathlib.Path(tmp).rglob("*.py*")):
             # protoc writes package-absolute imports (`from engramd.v1 import`),
             # which would resolve to the daemon package; the stubs live flat
-            # inside engramd_client.core.pb, so make them relative.
+            # inside engramd_shared.pb, so make them relative.
             text = src.read_text().replace("from engramd.v1 import", "from . import")
             dst = out / src.name
             dst.write_text(text)

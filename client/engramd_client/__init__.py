@@ -15,9 +15,10 @@ daemon never loads torch.
 
 from typing import TYPE_CHECKING, Any
 
-from engramd_client.core.checkpoint import DEFAULT_TENSORS, TablePlan, plan_tables
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import (
+from engramd_client.sharding import ceil_head_rows, head_rows, head_rows_by_table
+from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, plan_tables
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import (
     CheckpointError,
     DaemonError,
     DaemonUnavailable,
@@ -31,7 +32,6 @@ from engramd_client.core.errors import (
     ShmCapacityError,
     UnknownSet,
 )
-from engramd_client.sharding import ceil_head_rows, head_rows, head_rows_by_table
 
 if TYPE_CHECKING:
     from engramd_client.binding import BindError, bind, layer_names

@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.cudadriver import bindings, call
-from engramd_client.core.errors import DeviceError
-from engramd_client.core.pb import engramd_pb2 as pb
 from engramd_client.cumem import tensor_at
+from engramd_shared.cudadriver import bindings, call
+from engramd_shared.errors import DeviceError
+from engramd_shared.pb import engramd_pb2 as pb
 
 #: The most bytes one cudaHostRegister call is given (vLLM met a 512 GiB cap).
 REGISTER_CHUNK = 64 << 30

@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engramd_client.core.cudadriver import (
+from engramd_client.mapping import Region, RowRanges, torch_dtype
+from engramd_shared.cudadriver import (
     Mapped,
     call,
     device_index,
@@ -36,9 +37,8 @@ from engramd_client.core.cudadriver import (
     make_current,
     map_handle,
 )
-from engramd_client.core.errors import DeviceError
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.mapping import Region, RowRanges, torch_dtype
+from engramd_shared.errors import DeviceError
+from engramd_shared.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd_client")
 

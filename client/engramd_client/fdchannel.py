@@ -20,7 +20,7 @@ import time
 
 from google.protobuf.message import DecodeError
 
-from engramd_client.core.errors import (
+from engramd_shared.errors import (
     BY_REASON,
     DaemonError,
     NotAllowed,
@@ -28,7 +28,7 @@ from engramd_client.core.errors import (
     SegmentNotVisible,
     ShareError,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2 as pb
 
 #: The largest FdReply (names of up to 250 files).
 _MAX_REPLY_BYTES = 64 << 10

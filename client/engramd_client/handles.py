@@ -15,18 +15,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import NotAllowed, SegmentNotVisible
-from engramd_client.core.layout import (
+from engramd_client.fdchannel import check_descriptor, collect
+from engramd_client.mapping import Region
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import NotAllowed, SegmentNotVisible
+from engramd_shared.layout import (
     MANIFEST_NAME,
     ManifestError,
     NotOwned,
     open_owned,
     read_manifest,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.fdchannel import check_descriptor, collect
-from engramd_client.mapping import Region
+from engramd_shared.pb import engramd_pb2 as pb
 
 FIX_NAMESPACE = (
     "run the worker in the daemon's IPC namespace and /dev/shm (docker --ipc=host or "

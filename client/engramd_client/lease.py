@@ -17,19 +17,19 @@ from typing import Any
 
 import grpc
 
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import (
+from engramd_client.fdchannel import collect
+from engramd_client.handles import channel_path
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import (
     BY_REASON,
     REASON_KEY,
     DaemonError,
     DaemonUnavailable,
     ShareError,
 )
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
-from engramd_client.fdchannel import collect
-from engramd_client.handles import channel_path
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engramd_client")
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.headers import DTYPES, TensorEntry
+from engramd_shared.errors import CheckpointError
+from engramd_shared.headers import DTYPES, TensorEntry
 
 #: {tensor name: (first row, end row)} to map only a row range (a TP shard).
 RowRanges = Mapping[str, tuple[int, int]]

@@ -15,10 +15,17 @@ from pathlib import Path
 
 import torch
 
-from engramd_client.core.channel import daemon_uid, probe_socket
-from engramd_client.core.checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
-from engramd_client.core.config import CUDA_HANDLE_KINDS, ClientConfig
-from engramd_client.core.errors import (
+from engramd_client.cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
+from engramd_client.cumem import import_set
+from engramd_client.fdchannel import FdChannelUnreachable, collect
+from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
+from engramd_client.lease import Lease, report_fallback
+from engramd_client.mapping import RowRanges, check_row_names, map_fd
+from engramd_client.tables import Tables
+from engramd_shared.channel import daemon_uid, probe_socket
+from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
+from engramd_shared.config import CUDA_HANDLE_KINDS, ClientConfig
+from engramd_shared.errors import (
     DaemonError,
     DaemonUnavailable,
     FingerprintMismatch,
@@ -27,17 +34,10 @@ from engramd_client.core.errors import (
     SegmentNotVisible,
     ShareError,
 )
-from engramd_client.core.fileid import SourceFile
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.process import pid_namespace, start_ticks
-from engramd_client.core.topology import local_node
-from engramd_client.cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
-from engramd_client.cumem import import_set
-from engramd_client.fdchannel import FdChannelUnreachable, collect
-from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
-from engramd_client.lease import Lease, report_fallback
-from engramd_client.mapping import RowRanges, check_row_names, map_fd
-from engramd_client.tables import Tables
+from engramd_shared.fileid import SourceFile
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.process import pid_namespace, start_ticks
+from engramd_shared.topology import local_node
 
 log = logging.getLogger("engramd_client")
 
@@ -71,7 +71,7 @@ def attach(
             worker sees it, or the id of a set the operator loaded (then no private
             fallback is possible).
         tensors: fnmatch selection of tensor names; "auto" (the default): the tables
-            of the checkpoint's family (engramd_client.core.families). Row shards of one
+            of the checkpoint's family (engramd_shared.families). Row shards of one
             table (`X.shard_N.Y`) are one tensor `X.Y`.
         rows: {name: (start, stop)} maps only those rows of a tensor (a TP shard).
         share: None for auto (or ENGRAMD_SHARE), True strict, False private.

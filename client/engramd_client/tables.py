@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.errors import NoCpuView
 from engramd_client.mapping import RowRanges, check_row_names, load_private
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import NoCpuView
 
 if TYPE_CHECKING:
     from engramd_client.lease import Lease

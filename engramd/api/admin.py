@@ -8,15 +8,16 @@ import grpc
 
 from engramd.api.wire import load_progress, set_info
 from engramd.config import DaemonConfig
-from engramd.errors import InvalidRequest, abort
+from engramd.errors import abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.loader import LoadProgress
 from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
-from engramd_client.core.checkpoint import TablePlan, plan_tables
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.checkpoint import TablePlan, plan_tables
+from engramd_shared.errors import InvalidRequest
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 
 class AdminService(pb_grpc.AdminServiceServicer):

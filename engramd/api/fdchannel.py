@@ -57,14 +57,13 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from engramd.errors import TooManyLeases
 from engramd.sets.policy import may_read
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
-from engramd_client.core.errors import Reason
-from engramd_client.core.layout import ManifestError, NotOwned
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.process import start_ticks
+from engramd_shared.errors import Reason, TooManyLeases
+from engramd_shared.layout import ManifestError, NotOwned
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.process import start_ticks
 
 log = logging.getLogger("engramd")
 
@@ -89,7 +88,7 @@ class Refused(Exception):
 
     def __init__(self, message: str, reason: Reason = Reason.NOT_ALLOWED) -> None:
         super().__init__(message)
-        #: Which client exception the worker raises (engramd_client.core.errors.BY_REASON).
+        #: Which client exception the worker raises (engramd_shared.errors.BY_REASON).
         self.reason = reason
 
 

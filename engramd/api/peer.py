@@ -25,15 +25,16 @@ from typing import Any
 import grpc
 
 from engramd.backings import Backing
-from engramd.errors import DecodeGuard, InvalidRequest, NotAllowed, UnknownSet, abort
+from engramd.errors import DecodeGuard, abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.sources.base import SourceFailed
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, close_all
-from engramd_client.core.layout import Manifest
-from engramd_client.core.pb import peer_pb2, peer_pb2_grpc
+from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
+from engramd_shared.layout import Manifest
+from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
 

@@ -46,7 +46,7 @@ from engramd.api.sockets import (
 )
 from engramd.backings import backings_for
 from engramd.config import DaemonConfig, admin_socket_for
-from engramd.errors import DecodeGuard, ServiceError
+from engramd.errors import DecodeGuard
 from engramd.host.blocking import BlockingPool
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
@@ -58,8 +58,8 @@ from engramd.sources.chain import SourceChain
 from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
 from engramd.units import gib
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.errors import CheckpointError, ShareError
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
@@ -157,7 +157,7 @@ class EngramdServer:
                         await self._readers.run(prover.prove, proof, ts.manifest, progress)
                 self.store.publish(copies)
                 self._configured += copies
-            except (CheckpointError, ServiceError) as e:
+            except (CheckpointError, ShareError) as e:
                 # The daemon keeps serving every other set; health stays
                 # NOT_SERVING so the operator sees that this one is missing.
                 log.error("cannot load configured checkpoint %s: %s", checkpoint, e)

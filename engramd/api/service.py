@@ -24,13 +24,7 @@ from engramd.api.wire import (
 from engramd.backings import Backing
 from engramd.backings.handles import HandleKind
 from engramd.config import DaemonConfig
-from engramd.errors import (
-    FingerprintDiffers,
-    InvalidRequest,
-    NotAllowed,
-    UnknownSet,
-    abort,
-)
+from engramd.errors import abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
 from engramd.sets.loader import LoadProgress
@@ -40,11 +34,18 @@ from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
-from engramd_client.core.beneath import OutsideRoot, Root
-from engramd_client.core.checkpoint import TablePlan, is_set_id, set_id_of
-from engramd_client.core.errors import CAUSES, CheckpointError
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.beneath import OutsideRoot, Root
+from engramd_shared.checkpoint import TablePlan, is_set_id, set_id_of
+from engramd_shared.errors import (
+    CAUSES,
+    CheckpointError,
+    FingerprintMismatch,
+    InvalidRequest,
+    NotAllowed,
+    UnknownSet,
+)
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 log = logging.getLogger("engramd")
 
@@ -112,7 +113,7 @@ class TableService(pb_grpc.TableServiceServicer):
                 try:
                     async for progress in self._prove(ts, plan):
                         yield pb.AttachEvent(progress=progress)
-                except FingerprintDiffers:
+                except FingerprintMismatch:
                     twin = await self._twin(ts, plan, request)
                     if twin is None:
                         raise
@@ -263,7 +264,7 @@ class TableService(pb_grpc.TableServiceServicer):
         if str(plan.checkpoint) != held.checkpoint:
             self._policy.check_plan(path, plan, request.set_id)
         elif plan.set_id != request.set_id:
-            raise FingerprintDiffers(
+            raise FingerprintMismatch(
                 f"the daemon's view of {path} differs from the worker's: the files' names, "
                 "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
             )

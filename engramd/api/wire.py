@@ -13,9 +13,9 @@ from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, 
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
-from engramd_client.core.families import family_of_selection
-from engramd_client.core.layout import Manifest
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.families import family_of_selection
+from engramd_shared.layout import Manifest
+from engramd_shared.pb import engramd_pb2 as pb
 
 #: How often a caller waiting for a load hears about its progress.
 PROGRESS_INTERVAL_S = 0.25

@@ -19,8 +19,8 @@ from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.pagesize import PageCensus, census
 from engramd.host.pinning import PinnedFiles
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.layout import Manifest
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.layout import Manifest
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ class Backing(ABC):
     def check_capacity(
         self, needed: int, what: str, reclaimable: int = 0, node: int | None = None
     ) -> None:
-        """Raise ShmFull, naming the sizes and the fix, unless `needed` bytes fit.
+        """Raise ShmCapacityError, naming the sizes and the fix, unless `needed` bytes fit.
 
         `reclaimable` bytes count as free: sets the caller will evict first.
         `node`: the NUMA node of a copy kept per node (its pages come from there).

@@ -17,7 +17,7 @@ tensor's checksum is recomputed from the allocation, and only then is the
 copy published; the daemon's own access drops to read-only then. Workers
 collect the exported descriptor on the fd channel (HandleKind.CUMEM) or
 get the fabric handle in the reply (HandleKind.CUMEM_FABRIC) and import
-it (engramd_client/core/cudadriver.py): no per-worker pinning.
+it (engramd_shared/cudadriver.py): no per-worker pinning.
 
 Restarts: an allocation lives while the daemon or any worker that imported
 it holds it. A daemon that exits leaves every worker's tables mapped and
@@ -54,15 +54,14 @@ from engramd.backings.cudaprobe import trial
 from engramd.backings.handles import CuMemRange, Handle, HandleKind
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.config import DaemonConfig
-from engramd.errors import ShmFull, UnknownSet
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import check_memory, memory_limit
 from engramd.host.pinning import PinnedFiles
 from engramd.units import gib
-from engramd_client.core import cudadriver
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.errors import DeviceError
-from engramd_client.core.layout import Manifest, ManifestError, packed_offsets
+from engramd_shared import cudadriver
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import DeviceError, ShmCapacityError, UnknownSet
+from engramd_shared.layout import Manifest, ManifestError, packed_offsets
 
 log = logging.getLogger("engramd")
 
@@ -336,7 +335,7 @@ class CudaDeviceBacking(CudaBackingBase):
         """Refuse a set larger than the GPU's free memory."""
         usage = self.usage()
         if needed > usage.free + reclaimable:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"{what} needs {gib(needed)} of GPU memory but cuda:{self.device} has "
                 f"{gib(usage.free)} of {gib(usage.total)} free; drop unused sets, free the GPU, "
                 "or use --backing cuda-host"

@@ -16,12 +16,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engramd.backings.base import StagedSet
-from engramd.errors import LoadFailed, ShmFull
 from engramd.units import gib
-from engramd_client.core import cudadriver
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.errors import DeviceError
-from engramd_client.core.layout import Manifest, copy_name, packed_offsets
+from engramd_shared import cudadriver
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import DeviceError, LoadFailed, ShmCapacityError
+from engramd_shared.layout import Manifest, copy_name, packed_offsets
 
 if TYPE_CHECKING:
     from engramd.backings.cuda import CudaBackingBase
@@ -74,7 +73,7 @@ class StagedCopy(StagedSet):
         try:
             handle = cudadriver.call(f"cuMemCreate of {gib(size)}", cu.cuMemCreate, size, prop, 0)
         except DeviceError as e:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"could not allocate {gib(size)} on {where} for set {plan.set_id} ({e}); "
                 + (FIX_HOST if backing.host else "drop unused sets or free the GPU")
             ) from None

@@ -24,8 +24,8 @@ import subprocess
 import sys
 from typing import Any
 
-from engramd_client.core import cudadriver
-from engramd_client.core.errors import DeviceError
+from engramd_shared import cudadriver
+from engramd_shared.errors import DeviceError
 
 #: Longest a trial may take: a driver that hangs is as unusable as one that crashes.
 TRIAL_TIMEOUT_S = 60.0

@@ -28,13 +28,14 @@ from engramd.backings.base import StagedSet, Usage
 from engramd.backings.handles import HandleKind
 from engramd.backings.tmpfs import TmpfsBacking
 from engramd.config import DaemonConfig
-from engramd.errors import ShmFull, UntrustedShm
+from engramd.errors import UntrustedShm
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MappedWriter, Pool, fs_page_size, pool
 from engramd.host.shmfs import mount_of
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.layout import (
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.layout import (
     PACKED_NAME,
     Manifest,
     packed_offsets,
@@ -116,12 +117,12 @@ class HugetlbfsBacking(TmpfsBacking):
         """Refuse a set beyond the pool (or the mount), or its free pages plus `reclaimable`."""
         p, total, free = self._bounds(node)
         if needed > total:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
                 f"{self.shm_dir} can have {gib(total)} in all; {p.fix(needed)}"
             )
         if needed > free + reclaimable:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"{what} needs {gib(needed)} of {gib(self.page_size)} huge pages but "
                 f"{gib(free)} are free for {self.shm_dir}; drop unused sets or "
                 f"{p.fix(needed + total - free)}"
@@ -151,7 +152,7 @@ class _StagedPacked(StagedSet):
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
-                raise ShmFull(
+                raise ShmCapacityError(
                     f"the pool of {gib(backing.page_size)} huge pages ran out while reserving "
                     f"{gib(self._size)} for set {plan.set_id} (another user took pages after "
                     f"the capacity check?); {pool(backing.page_size, node).fix(self._size)}"
@@ -180,7 +181,7 @@ class _StagedPacked(StagedSet):
         tail = trailer(manifest.to_json().encode())
         room = self._size - self._end
         if len(tail) > room:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"the manifest of set {manifest.set_id} ({len(tail)} bytes) does not fit the "
                 f"{room} bytes kept for it; report this with the checkpoint's layout"
             )

@@ -29,15 +29,15 @@ from engramd.backings.base import Backing, StagedSet, Usage
 from engramd.backings.handles import Handle, HandleKind
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
-from engramd.errors import ShmFull
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import shmem_enabled
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.layout import Manifest, ManifestError, copy_name, packed_offsets
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.layout import Manifest, ManifestError, copy_name, packed_offsets
 
 log = logging.getLogger("engramd")
 
@@ -130,7 +130,7 @@ class MemfdBacking(Backing):
         if self.huge_page_size:
             p = pool(self.huge_page_size, self.memory_node(node))
             if needed > p.free + reclaimable:
-                raise ShmFull(
+                raise ShmCapacityError(
                     f"{what} needs {gib(needed)} of {gib(p.page_size)} huge pages but "
                     f"{gib(p.free)} of {gib(p.total)} are free; {p.fix(needed + p.total - p.free)}"
                 )
@@ -257,7 +257,7 @@ class _StagedMemfd(StagedSet):
         except OSError as e:
             os.close(self._fd)
             fix = pool(huge, backing.memory_node(node)).fix(size) if huge else FIX_MEMORY
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"could not allocate {gib(size)} of memory for set {plan.set_id} "
                 f"({e.strerror}); {fix}"
             ) from None

@@ -1,4 +1,4 @@
-"""Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_client.core.layout.
+"""Sets as files in a tmpfs folder (`--shm-dir`), the layout of engramd_shared.layout.
 
 A tmpfs mounted with `huge=within_size` backs the files with 2 MiB pages: the
 daemon mounts one over its sets root where it may (engramd.host.hugeroot).
@@ -21,16 +21,17 @@ from engramd.backings.base import Backing, StagedSet, Usage
 from engramd.backings.handles import Handle, HandleKind, PathRange
 from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
-from engramd.errors import ShmFull, ShmOnDisk
+from engramd.errors import ShmOnDisk
 from engramd.host.fdstore import FdStore
 from engramd.host.hugeroot import claim_huge_root
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from engramd.host.shmroot import claim_root
 from engramd.units import gib
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.headers import TensorEntry
-from engramd_client.core.layout import (
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import ShmCapacityError
+from engramd_shared.headers import TensorEntry
+from engramd_shared.layout import (
     LOADING_MARK,
     MANIFEST_NAME,
     Manifest,
@@ -178,12 +179,12 @@ class TmpfsBacking(Backing):
         """Refuse a set larger than the tmpfs in all, or than its free space plus `reclaimable`."""
         u = self.usage()
         if needed > u.total:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"{what} needs {gib(needed)} but the shm folder {u.where} holds "
                 f"{gib(u.total)} in all; {FIX_SHM_SIZE}"
             )
         if needed > u.free + reclaimable:
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"{what} needs {gib(needed)} but the shm folder {u.where} has {gib(u.free)} free "
                 f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
             )
@@ -355,8 +356,8 @@ class _StagedFolder(StagedSet):
                 raise
             raise self._ran_out() from None
 
-    def _ran_out(self) -> ShmFull:
-        return ShmFull(
+    def _ran_out(self) -> ShmCapacityError:
+        return ShmCapacityError(
             f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
             f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
             f"space after the capacity check?); {FIX_SHM_SIZE}"
@@ -386,7 +387,7 @@ class _StagedFolder(StagedSet):
             if e.errno != errno.ENOSPC:
                 raise
             # Only the folder and the manifest are not reserved up front.
-            raise ShmFull(
+            raise ShmCapacityError(
                 f"the shm folder {self._backing.shm_dir} ran out of space while loading set "
                 f"{manifest.set_id} ({gib(manifest.nbytes)}; another writer took the space?); "
                 f"{FIX_SHM_SIZE}"

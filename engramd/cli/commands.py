@@ -16,8 +16,8 @@ from engramd.cli.logs import setup_logging
 from engramd.cli.options import AdminSocket, Socket
 from engramd.cli.serve import serve
 from engramd.config import admin_socket_for
-from engramd_client.core.checkpoint import DEFAULT_TENSORS
-from engramd_client.core.config import DEFAULT_SOCKET
+from engramd_shared.checkpoint import DEFAULT_TENSORS
+from engramd_shared.config import DEFAULT_SOCKET
 
 if TYPE_CHECKING:
     import grpc
@@ -92,9 +92,9 @@ def status(
 
 
 def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
-    from engramd_client.core.channel import open_channel
-    from engramd_client.core.config import ClientConfig
-    from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+    from engramd_shared.channel import open_channel
+    from engramd_shared.config import ClientConfig
+    from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
     path = admin_socket or admin_socket_for(socket)
     channel = open_channel(ClientConfig(socket=path))
@@ -113,7 +113,7 @@ def load(
 
     from engramd.cli.load_view import load_bar
     from engramd.units import gib
-    from engramd_client.core.pb import engramd_pb2 as pb
+    from engramd_shared.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     with load_bar() as progress:
@@ -147,7 +147,7 @@ def drop(
     import grpc
 
     from engramd.units import gib
-    from engramd_client.core.pb import engramd_pb2 as pb
+    from engramd_shared.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     try:
@@ -168,7 +168,7 @@ def verify(
     import grpc
 
     from engramd.units import gib
-    from engramd_client.core.pb import engramd_pb2 as pb
+    from engramd_shared.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
     try:
@@ -198,7 +198,7 @@ def synth(
     seed: int = 0,
 ) -> None:
     """Write a synthetic Engram checkpoint (fp8 tables with e8m0 scales) with safetensors."""
-    from engramd.demo.synth import SynthSpec, synthesize
+    from engramd.testing.synth import SynthSpec, synthesize
 
     spec = SynthSpec(layers=layers, rows=rows, dim=dim, shards=shards, seed=seed)
     synthesize(out, spec)

@@ -15,11 +15,11 @@ from rich.text import Text
 
 from engramd.text import escape
 from engramd.units import gib
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.layout import copy_name
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.layout import copy_name
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 #: How long `engramd status` waits for the daemon.
 STATUS_TIMEOUT_S = 2.0

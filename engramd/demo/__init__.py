@@ -1,7 +1,6 @@
-"""The demo, and what the benchmark shares with it: not the daemon.
+"""`engramd demo`: N replicas share one copy of the tables, one private replica beside them.
 
-`engramd demo` (run.py) synthesizes a checkpoint (synth.py, also `engramd
-synth`), starts a daemon (daemon_process.py) and drives replica processes
-(replica.py, over child.py's JSON lines) that run the Engram lookup
-(engram_hash.py). The tests build their harness (tests/harness/) on these.
+run.py drives the replicas (replica.py) on top of the fixtures in
+engramd.testing: the synthetic checkpoint, the daemon in a child process,
+the Engram lookup and the JSON-lines children.
 """

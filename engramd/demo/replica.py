@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from engramd.demo.child import say
-from engramd.demo.engram_hash import EngramHash, byte_rows, gather
-from engramd.demo.synth import expected_rows
+from engramd.testing.child import say
+from engramd.testing.engram_hash import EngramHash, byte_rows, gather
+from engramd.testing.synth import expected_rows
 from engramd_client import Tables, attach
 
 VOCAB = 129_280

@@ -19,10 +19,10 @@ from typing import Any
 
 import psutil
 
-from engramd.demo.child import JsonLinesChild
-from engramd.demo.daemon_process import DaemonProcess
-from engramd.demo.synth import SynthSpec, synthesize
 from engramd.host.hugeroot import remove_shm_folder
+from engramd.testing.child import JsonLinesChild
+from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.synth import SynthSpec, synthesize
 from engramd.units import gib
 
 

@@ -2,5 +2,5 @@
 the shm folder, systemd's notify protocol and fd store, blocking threads.
 
 They import no other room of the daemon: only its config, errors and units,
-and the client's core.
+and engramd_shared.
 """

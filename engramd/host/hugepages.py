@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engramd.units import gib
-from engramd_client.core.topology import NODES
+from engramd_shared.topology import NODES
 
 HUGEPAGES = Path("/sys/kernel/mm/hugepages")
 

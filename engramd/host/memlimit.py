@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from engramd.errors import ShmFull
 from engramd.units import gib
+from engramd_shared.errors import ShmCapacityError
 
 # cgroup v1 writes "no limit" as a huge page-aligned number.
 _NO_LIMIT = 1 << 62
@@ -44,18 +44,18 @@ def memory_limit(proc: str = "/proc", cgroup_root: str = "/sys/fs/cgroup") -> Me
 
 
 def check_memory(needed: int, what: str, reclaimable: int, fix: str) -> None:
-    """Raise ShmFull, naming the bound and `fix`, unless `needed` bytes fit in memory.
+    """Raise ShmCapacityError, naming the bound and `fix`, unless `needed` bytes fit in memory.
 
     `reclaimable` bytes count as available: sets the caller evicts first.
     """
     limit = memory_limit()
     if needed > limit.total:
-        raise ShmFull(
+        raise ShmCapacityError(
             f"{what} needs {gib(needed)} but the daemon may use {gib(limit.total)} of memory "
             f"in all ({limit.where}); {fix}"
         )
     if needed > limit.available + reclaimable:
-        raise ShmFull(
+        raise ShmCapacityError(
             f"{what} needs {gib(needed)} but only {gib(limit.available)} of memory is "
             f"available to the daemon ({limit.where}: {gib(limit.total)}); {fix}"
         )

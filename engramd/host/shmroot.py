@@ -20,7 +20,7 @@ from pathlib import Path
 from engramd.errors import UntrustedShm
 from engramd.host.hugeroot import unmount_below
 from engramd.host.shmfs import is_mount_point
-from engramd_client.core.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
+from engramd_shared.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
 
 log = logging.getLogger("engramd")
 

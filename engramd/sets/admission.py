@@ -10,11 +10,11 @@ import time
 from collections import Counter
 
 from engramd.backings import Backing
-from engramd.errors import BudgetExceeded, QuotaExceeded, ShmFull
 from engramd.sets.leases import LeaseBook
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
+from engramd_shared.errors import BudgetExceeded, QuotaExceeded, ShmCapacityError
 
 
 class Admission:
@@ -105,11 +105,11 @@ class Admission:
             try:
                 backing.check_capacity(needed, what, reclaimable=freed, node=node)
                 return backing
-            except ShmFull as e:
+            except ShmCapacityError as e:
                 refusals.append(e)
         if len(refusals) == 1:
             raise refusals[0]
-        raise ShmFull(
+        raise ShmCapacityError(
             "; ".join(f"{b.name}: {e}" for b, e in zip(self._backings, refusals, strict=True))
         )
 

@@ -16,12 +16,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from engramd.backings.handles import HandleKind
-from engramd.errors import TooManyLeases, UnknownSet
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetKey, TableSet, set_key
-from engramd_client.core.beneath import Opened
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.process import pid_namespace, start_ticks
+from engramd_shared.beneath import Opened
+from engramd_shared.errors import TooManyLeases, UnknownSet
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.process import pid_namespace, start_ticks
 
 log = logging.getLogger("engramd")
 

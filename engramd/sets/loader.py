@@ -46,12 +46,12 @@ from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import applied
 from engramd.values import Placement
-from engramd_client.core.beneath import Opened
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.fileid import SourceFile, open_regular
-from engramd_client.core.headers import TensorEntry
-from engramd_client.core.layout import Manifest, ManifestTensor
+from engramd_shared.beneath import Opened
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import CheckpointError
+from engramd_shared.fileid import SourceFile, open_regular
+from engramd_shared.headers import TensorEntry
+from engramd_shared.layout import Manifest, ManifestTensor
 
 DEFAULT_PLACEMENT = Placement()
 

@@ -24,18 +24,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd.errors import ReadersBusy
 from engramd.sets.proof import stamps_writes
-from engramd_client.core.beneath import Root
-from engramd_client.core.checkpoint import (
+from engramd_shared.beneath import Root
+from engramd_shared.checkpoint import (
     INDEX_FILE,
     TablePlan,
     checkpoint_files,
     files_beneath,
     plan_tables,
 )
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.fileid import SourceFile
+from engramd_shared.errors import CheckpointError, ReadersBusy
+from engramd_shared.fileid import SourceFile
 
 #: Plans kept (checkpoint and selection each); a plan is a few KiB per selected tensor.
 PLANS_KEPT = 64

@@ -14,12 +14,17 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from engramd.config import DaemonConfig
-from engramd.errors import FingerprintDiffers, InvalidRequest, NotAllowed, SelectionRefused
-from engramd_client.core.beneath import Opened, Root
-from engramd_client.core.checkpoint import INDEX_FILE, TablePlan
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import AUTO, FAMILIES
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.beneath import Opened, Root
+from engramd_shared.checkpoint import INDEX_FILE, TablePlan
+from engramd_shared.errors import (
+    CheckpointError,
+    FingerprintMismatch,
+    InvalidRequest,
+    NotAllowed,
+    SelectionRefused,
+)
+from engramd_shared.families import AUTO, FAMILIES
+from engramd_shared.pb import engramd_pb2 as pb
 
 
 def resolve(checkpoint: str) -> Path:
@@ -55,7 +60,7 @@ class LoadPolicy:
             # The worker's files are not the ones the daemon loaded from this
             # path: the checkpoint changed on disk, or the worker sees other
             # files there. Never hand out the old bytes.
-            raise FingerprintDiffers(
+            raise FingerprintMismatch(
                 f"the checkpoint at {path} is not the one engramd loaded from there: it changed "
                 f"on disk, or the worker sees other files there; `engramd load {path}` loads the "
                 "new version, or give the daemon and the worker the same files"
@@ -134,11 +139,11 @@ class LoadPolicy:
         """Refuse a plan whose set is not the one the worker named.
 
         Its files lie inside their root: the walk that opened them proved it
-        (engramd_client.core.beneath), symlinks, ".." and bind mounts included.
+        (engramd_shared.beneath), symlinks, ".." and bind mounts included.
         """
         if plan.set_id != set_id:
             # No set id here: a caller must not learn the id of files it cannot read.
-            raise FingerprintDiffers(
+            raise FingerprintMismatch(
                 f"the daemon's copy of {path} differs from the worker's: the files' names, "
                 "sizes, headers or data differ; give the daemon and the worker the same checkpoint"
             )

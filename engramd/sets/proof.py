@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engramd.checksum import chunks, label, new_digest
-from engramd.errors import FingerprintDiffers
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
-from engramd_client.core.beneath import Opened
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.fileid import SourceFile, open_regular
-from engramd_client.core.headers import TensorEntry
-from engramd_client.core.layout import Manifest
+from engramd_shared.beneath import Opened
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import CheckpointError, FingerprintMismatch
+from engramd_shared.fileid import SourceFile, open_regular
+from engramd_shared.headers import TensorEntry
+from engramd_shared.layout import Manifest
 
 #: Filesystems whose files change in place without a new mtime or ctime
 #: (a write through a shared mapping of a tmpfs file stamps nothing).
@@ -95,7 +94,7 @@ class Prover:
         )
 
     def prove(self, proof: Proof, manifest: Manifest, progress: LoadProgress) -> None:
-        """Return when the proof's tensors hold the set's bytes; FingerprintDiffers otherwise.
+        """Return when the proof's tensors hold the set's bytes; FingerprintMismatch otherwise.
 
         Runs on a thread: it may read every selected byte of the worker's files.
         """
@@ -116,13 +115,13 @@ class Prover:
                 continue
             changed = next((f.path for f in files if f.path in loaded), None)
             if changed is not None:
-                raise FingerprintDiffers(
+                raise FingerprintMismatch(
                     f"{changed} changed on disk after engramd loaded it (tensor "
                     f"{entry.name!r} no longer holds the set's bytes): its copy holds the earlier "
                     f"bytes; `engramd load {proof.plan.checkpoint}` loads the new version"
                 )
             # No set id here: the caller learns only that its bytes differ.
-            raise FingerprintDiffers(
+            raise FingerprintMismatch(
                 f"{entry.file}: tensor {entry.name!r} does not hold the bytes of the set "
                 "engramd holds under this id (the files share headers and samples but "
                 "not every byte); engramd serves a set only for files proven to hold its "

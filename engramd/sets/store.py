@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 from engramd.backings import Backing
-from engramd.errors import Draining, DropRefused, LoadFailed, ServiceError, UnknownSet
 from engramd.host.blocking import BlockingPool
 from engramd.host.numa import bytes_per_node
 from engramd.host.pagesize import PageCensus
@@ -33,9 +32,16 @@ from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
 from engramd.values import Placement
-from engramd_client.core.checkpoint import TablePlan, plan_tables
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.layout import Manifest, ManifestError, copy_name
+from engramd_shared.checkpoint import TablePlan, plan_tables
+from engramd_shared.errors import (
+    CheckpointError,
+    Draining,
+    DropRefused,
+    LoadFailed,
+    ShareError,
+    UnknownSet,
+)
+from engramd_shared.layout import Manifest, ManifestError, copy_name
 
 log = logging.getLogger("engramd")
 
@@ -452,7 +458,7 @@ def _corrupted(backing: Backing, manifest: Manifest) -> list[str]:
 
 
 def _load_error(ts: TableSet, e: BaseException) -> BaseException:
-    if isinstance(e, ServiceError | CheckpointError):
+    if isinstance(e, ShareError | CheckpointError):
         return e
     if isinstance(e, LoadCancelled | asyncio.CancelledError):
         return Draining(f"engramd stopped while loading set {ts.set_id}; attach again")

@@ -12,7 +12,7 @@ from engramd.backings import Backing
 from engramd.host.pagesize import PageCensus
 from engramd.host.pinning import PinnedFiles
 from engramd.sets.loader import LoadProgress
-from engramd_client.core.layout import Manifest, copy_name
+from engramd_shared.layout import Manifest, copy_name
 
 if TYPE_CHECKING:
     from engramd.sets.leases import Lease

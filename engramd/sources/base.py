@@ -8,8 +8,8 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
-from engramd_client.core.fileid import open_regular
-from engramd_client.core.headers import TensorEntry
+from engramd_shared.fileid import open_regular
+from engramd_shared.headers import TensorEntry
 
 #: Bytes a source moves per NIXL request: large enough that per-request costs
 #: vanish, small enough that progress, the cancel flag and the rate floor are

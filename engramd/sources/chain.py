@@ -18,7 +18,7 @@ from engramd.sources.base import Progress, SourceFailed
 from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
 from engramd.sources.regions import close_all, staged_regions
-from engramd_client.core.checkpoint import TablePlan
+from engramd_shared.checkpoint import TablePlan
 
 log = logging.getLogger("engramd")
 

@@ -26,9 +26,9 @@ from engramd.sources.base import Progress, SourceFailed, spans, spot_check, wind
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
-from engramd_client.core.checkpoint import TablePlan, checkpoint_files
-from engramd_client.core.fileid import open_regular
-from engramd_client.core.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.checkpoint import TablePlan, checkpoint_files
+from engramd_shared.fileid import open_regular
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
 
 #: Windows per NIXL request: the OBJ backend reads a request's ranges on its own threads.
 WINDOWS_PER_READ = 8

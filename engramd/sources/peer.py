@@ -28,9 +28,9 @@ from engramd.sources.base import Progress, SourceFailed, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region
-from engramd_client.core.checkpoint import TablePlan
-from engramd_client.core.layout import Manifest, ManifestError
-from engramd_client.core.pb import peer_pb2, peer_pb2_grpc
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.layout import Manifest, ManifestError
+from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
 

@@ -16,7 +16,7 @@ import json
 import torch
 
 from engramd_client import Tables, attach
-from engramd_client.core.errors import NoCpuView
+from engramd_shared.errors import NoCpuView
 
 
 def check(tables: Tables, reference: Tables, seed: int) -> dict[str, object]:

@@ -22,12 +22,12 @@ from test_cuda_views import GPU_ONLY, gathers_match, in_device_memory
 
 from conftest import wait_until
 from engramd_client import attach, plan_tables
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import NoCpuView, NotAllowed
-from engramd_client.core.pb import engramd_pb2 as pb
-from engramd_client.core.pb import engramd_pb2_grpc as pb_grpc
 from engramd_client.fdchannel import collect
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import NoCpuView, NotAllowed
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import reference_digests
 
 pytestmark = GPU_ONLY

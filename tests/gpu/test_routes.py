@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_cuda_views import GPU_ONLY, gathers_match
 
-from engramd.demo.child import JsonLinesChild
+from engramd.testing.child import JsonLinesChild
 from engramd_client import DeviceError, attach
 from engramd_client.cuda import device_caps
 

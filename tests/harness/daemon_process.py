@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engramd.demo import daemon_process
+from engramd.testing import daemon_process
 
 
 class DaemonProcess(daemon_process.DaemonProcess):

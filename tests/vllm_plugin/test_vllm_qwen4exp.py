@@ -19,7 +19,7 @@ import torch
 from engine_harness import readahead, result
 from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, run_ple_ranks
 
-from engramd.demo.synth import expected_ple_rows
+from engramd.testing.synth import expected_ple_rows
 
 WARNING = "engramd does not serve the PLE n-gram tables here"
 

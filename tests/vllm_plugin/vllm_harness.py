@@ -20,7 +20,7 @@ import pytest
 import torch
 from engine_harness import run_rank_processes, small_readahead_disk
 
-from engramd.demo.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
+from engramd.testing.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
 
 RANK = Path(__file__).resolve().parent / "vllm_rank.py"
 PLE_RANK = Path(__file__).resolve().parent / "vllm_ple_rank.py"

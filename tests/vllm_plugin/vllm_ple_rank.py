@@ -62,7 +62,7 @@ class Net(nn.Module):
 
         ids = sorted(text_config.ple_layer_ids)
         self.model = nn.Module()
-        # The checkpoint's one tensor beside the PLE tables (engramd.demo.synth).
+        # The checkpoint's one tensor beside the PLE tables (engramd.testing.synth).
         self.model.embed_tokens = nn.Module()
         self.model.embed_tokens.weight = nn.Parameter(torch.empty(1024, 64, dtype=torch.bfloat16))
         layers: list[nn.Module] = []

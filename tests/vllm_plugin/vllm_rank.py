@@ -189,8 +189,8 @@ def main() -> None:
             # TP group; in a served model, the Engram DP group).
             from vllm.distributed import get_tp_group
 
-            from engramd_client.core.families import ENGRAM
             from engramd_client.engines.vllm.process import PROCESS
+            from engramd_shared.families import ENGRAM
 
             group = get_tp_group()
             out["serve"] = PROCESS.decide(

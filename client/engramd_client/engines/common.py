@@ -32,13 +32,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, NoReturn, Protocol
 
-from engramd_client.core import errors
-from engramd_client.core.checkpoint import checkpoint_files
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import EngramdError, SelectionRefused, ShareError
-from engramd_client.core.headers import read_header
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
+from engramd_shared import errors
+from engramd_shared.checkpoint import checkpoint_files
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import EngramdError, SelectionRefused, ShareError
+from engramd_shared.headers import read_header
 
 #: Load formats whose weights go through the engines' safetensors iterators, which the
 #: adapters make skip the served tensors; others (dummy writes the tables) are not served.
@@ -254,7 +254,7 @@ def check_selection(
 class Refusal:
     """Why engramd cannot serve, as it travels between ranks (picklable, plain)."""
 
-    #: The engramd_client.core.errors class that said it.
+    #: The engramd_shared.errors class that said it.
     kind: str
     message: str
 

@@ -34,11 +34,11 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import ENGRAM
 from engramd_client.engines.common import attach_rows, say_once, share_mode, table_names
 from engramd_client.engines.sglang.process import PROCESS, log
 from engramd_client.tables import Tables
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import ENGRAM
 
 LAYOUTS = ("shared", "per_rank")
 #: What SGLang does where engramd does not serve, for the one warning.

@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engramd_client.core.families import Family
 from engramd_client.engines.common import (
     CallThrough,
     Pattern,
@@ -25,6 +24,7 @@ from engramd_client.engines.common import (
 )
 from engramd_client.engines.sglang.guard import SGLANG
 from engramd_client.tables import Tables
+from engramd_shared.families import Family
 
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
 log = logging.getLogger("sglang.engramd")

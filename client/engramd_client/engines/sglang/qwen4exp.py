@@ -5,7 +5,7 @@ CUDA) and the `pinned` backend, SGLang keeps each PLE layer's TP rank's
 vocab range of the table in pinned host memory, and its loader copies the
 overlapping rows of the checkpoint's row shards into it. With the daemon on
 the node, that range is a read-only view of the daemon's one copy of the
-layer's table (the shards back to back, engramd_client.core.checkpoint):
+layer's table (the shards back to back, engramd_shared.checkpoint):
 TP ranks and separate TP1 servers on a node map one copy, the GPU reads it
 through engramd's CUDA views, and SGLang's loader reads none of the shards
 (they reach it as empty placeholders, weights.py, and copy no row) yet
@@ -59,10 +59,6 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import PLE
-from engramd_client.core.headers import TensorEntry
 from engramd_client.engines.common import (
     Refusal,
     UnknownEngine,
@@ -77,6 +73,10 @@ from engramd_client.engines.sglang.guard import check_ple_seams
 from engramd_client.engines.sglang.process import PROCESS, engine_path, log
 from engramd_client.mapping import torch_dtype
 from engramd_client.tables import Tables
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import PLE
+from engramd_shared.headers import TensorEntry
 
 QWEN4_EXP = "sglang.srt.models.qwen4_exp"
 VOCAB = "sglang.srt.layers.vocab_parallel_embedding"

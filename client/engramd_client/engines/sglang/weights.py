@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.errors import CheckpointError
 from engramd_client.engines.common import say_once
 from engramd_client.engines.sglang.process import PROCESS, log
 from engramd_client.mapping import torch_dtype
+from engramd_shared.errors import CheckpointError
 
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
 #: SGLang's model loader, which binds both iterators by name when it is imported.

@@ -26,8 +26,6 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import ENGRAM
 from engramd_client.engines.common import (
     UnknownEngine,
     attach_rows,
@@ -47,6 +45,8 @@ from engramd_client.engines.vllm.process import (
 )
 from engramd_client.sharding import ceil_head_rows
 from engramd_client.tables import Tables
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import ENGRAM
 
 ENGRAM_MODULE = "vllm.models.deepseek_v41.common.engram"
 #: The models that import `can_share_engram_tables` by name.

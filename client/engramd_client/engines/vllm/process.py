@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.families import Family
 from engramd_client.engines.common import (
     CallThrough,
     Pattern,
@@ -33,6 +32,7 @@ from engramd_client.engines.common import (
 )
 from engramd_client.engines.vllm.guard import VLLM, check_loader_seams
 from engramd_client.tables import Tables
+from engramd_shared.families import Family
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")

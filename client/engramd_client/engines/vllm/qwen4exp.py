@@ -6,7 +6,7 @@ vocab range of the table (its ETP rank's, after padding the vocabulary to
 loader copies the overlapping rows of the checkpoint's row shards into it.
 With the daemon on the node, that range is a read-only view of the
 daemon's one copy of the layer's table, whose shards the daemon keeps back
-to back (engramd_client.core.checkpoint): DP replicas, TP ranks and
+to back (engramd_shared.checkpoint): DP replicas, TP ranks and
 separate TP1 servers on a node map one copy, the GPU reads it through
 engramd's CUDA views, and no rank reads the shards from the checkpoint.
 Every embedding method of `Qwen4ExpPLEEmbeddingMethod` is served: bf16,
@@ -39,9 +39,6 @@ from typing import Any
 
 import torch
 
-from engramd_client.core.checkpoint import plan_tables
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import PLE
 from engramd_client.engines.common import (
     Pattern,
     UnknownEngine,
@@ -59,6 +56,9 @@ from engramd_client.engines.vllm.process import (
     tp_labels,
 )
 from engramd_client.tables import Tables
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import PLE
 
 PLE_MODULE = "vllm.models.qwen4_exp.common.ngram_embedding"
 

@@ -12,7 +12,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.core.errors import CheckpointError
+from engramd_shared.errors import CheckpointError
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,8 @@ import grpc
 # the client's import, not inside a worker's first attach.
 import grpc._channel
 
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.errors import DaemonUnavailable, NotAllowed, SegmentNotVisible
+from engramd_shared.config import ClientConfig
+from engramd_shared.errors import DaemonUnavailable, NotAllowed, SegmentNotVisible
 
 _FIX_START = "start engramd (systemctl start engramd) or point ENGRAMD_SOCKET at its socket"
 

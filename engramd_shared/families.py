@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.core.errors import CheckpointError
+from engramd_shared.errors import CheckpointError
 
 #: The selection that picks the family of each checkpoint.
 AUTO = "auto"

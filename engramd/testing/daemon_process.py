@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engramd.cli.status_view import fetch
 from engramd.config import admin_socket_for
-from engramd_client.core.channel import open_channel
-from engramd_client.core.config import ClientConfig
-from engramd_client.core.pb import engramd_pb2 as pb
+from engramd_shared.channel import open_channel
+from engramd_shared.config import ClientConfig
+from engramd_shared.pb import engramd_pb2 as pb
 
 START_TIMEOUT_S = 60.0
 

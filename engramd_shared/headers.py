@@ -27,11 +27,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.fileid import SourceFile, open_regular
+from engramd_shared.errors import CheckpointError
+from engramd_shared.fileid import SourceFile, open_regular
 
 if TYPE_CHECKING:
-    from engramd_client.core.beneath import Opened
+    from engramd_shared.beneath import Opened
 
 #: Data samples per file that go into the fingerprint, and their size.
 SAMPLES = 8
@@ -128,7 +128,7 @@ def read_header(
     Any malformed header raises `CheckpointError` naming the file and the
     problem. Parsed headers are kept per file identity (HEADER_CACHE_BYTES);
     the data samples are read again on every call. `opened`: the file as a
-    walk beneath a root found it (core/beneath.py), read from its descriptor.
+    walk beneath a root found it (beneath.py), read from its descriptor.
     A header longer than `max_header` is refused before it is read.
     """
     if opened is not None:

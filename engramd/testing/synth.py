@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from engramd_client.core.checkpoint import INDEX_FILE
-from engramd_client.core.headers import DTYPES
+from engramd_shared.checkpoint import INDEX_FILE
+from engramd_shared.headers import DTYPES
 
 SCALE_GROUP = 32
 # Rows generated per step: bounds the temporaries to a few tens of MiB.

@@ -2,7 +2,7 @@
 
 A checkpoint is one safetensors file or a folder of them (with or without
 `model.safetensors.index.json`); only their headers are read
-(`core/headers.py`). The set id is derived from what the files are and
+(`headers.py`). The set id is derived from what the files are and
 which tensors were taken, so copies of one checkpoint on different mounts
 agree.
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from engramd_client.core.errors import CheckpointError
-from engramd_client.core.families import AUTO, CONFIG_FILE, architectures_of, family_of
-from engramd_client.core.fileid import SourceFile, open_regular
-from engramd_client.core.headers import (
+from engramd_shared.errors import CheckpointError
+from engramd_shared.families import AUTO, CONFIG_FILE, architectures_of, family_of
+from engramd_shared.fileid import SourceFile, open_regular
+from engramd_shared.headers import (
     MAX_HEADER_BYTES,
     Admit,
     SafetensorsFile,
@@ -39,7 +39,7 @@ from engramd_client.core.headers import (
 )
 
 if TYPE_CHECKING:
-    from engramd_client.core.beneath import Opened, Root
+    from engramd_shared.beneath import Opened, Root
 
 #: Selection used when none is given: the tables of the checkpoint's family (families.py).
 DEFAULT_TENSORS = AUTO

@@ -54,9 +54,9 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from engramd_client.core.checkpoint import LAYOUT_VERSION, is_set_id
-from engramd_client.core.fileid import SourceFile
-from engramd_client.core.headers import DTYPES
+from engramd_shared.checkpoint import LAYOUT_VERSION, is_set_id
+from engramd_shared.fileid import SourceFile
+from engramd_shared.headers import DTYPES
 
 #: Folder inside the shm folder that holds every set.
 ROOT_NAME = "engramd"

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from engramd_client.core.errors import DeviceError
+from engramd_shared.errors import DeviceError
 
 FIX_BINDINGS = "pip install 'engramd[cuda]' (NVIDIA's cuda-bindings)"
 #: CUmemAllocationProp.requestedHandleTypes' byte offset (cuda.h; the same in every

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd_client.core.errors import CheckpointError
+from engramd_shared.errors import CheckpointError, Reason
 
 #: openat2(2)'s number on every Linux ABI engramd runs on (x86-64, arm64: the generic table).
 _SYS_OPENAT2 = 437
@@ -36,6 +36,8 @@ MAX_SYMLINKS = 40
 
 class OutsideRoot(CheckpointError):
     """A path that leaves the folder it must stay beneath (a symlink, "..", another mount)."""
+
+    reason = Reason.NOT_ALLOWED
 
     def __init__(self, problem: str) -> None:
         super().__init__(
