@@ -90,9 +90,9 @@ def _default(param: Any) -> str:
     value = param.default
     if param.is_flag:
         return "on" if value else "off"
-    if value in (None, "", []):
+    if value in (None, "", [], ()):
         return "none"
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return ", ".join(f"`{v}`" for v in value)
     return f"`{value}`"
 
