@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-vllm test-sglang test-gpu bench bench-vllm proto lint format clean
+.PHONY: setup test-tools demo test test-vllm test-sglang test-gpu bench bench-vllm proto docs lint format clean
 
 setup: $(VENV)/.installed
 
@@ -114,6 +114,10 @@ bench: setup test-tools
 
 proto: setup
 	$(PY) tools/gen_proto.py
+
+# docs/flags.md from the flags' one declaration (engramd/config.py); a test fails while it is stale.
+docs: setup
+	$(PY) -m engramd.cli.flagref > docs/flags.md
 
 lint: setup
 	$(PY) -m ruff check .

@@ -1,0 +1,81 @@
+"""The documents: the flag reference is the command's own, every link lands, the README is short."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from engramd.cli.flagref import reference
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: A markdown link or image: [text](target), the target up to a space or ")".
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+#: Fenced code, whose brackets are code, not links.
+FENCE = re.compile(r"^```.*?^```", re.DOTALL | re.MULTILINE)
+
+
+def relative_links(doc: Path) -> list[str]:
+    """The targets of `doc`'s links that are not absolute URLs (anchors included)."""
+    text = FENCE.sub("", doc.read_text())
+    text = re.sub(r"`[^`\n]*`", "", text)
+    targets = (m.group(1) for m in LINK.finditer(text))
+    return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
+
+
+def anchors(doc: Path) -> set[str]:
+    """The anchors a renderer gives `doc`'s headings (GitHub's: lower case, no punctuation)."""
+    found: set[str] = set()
+    for line in FENCE.sub("", doc.read_text()).splitlines():
+        heading = re.match(r"#{1,6} (.*)", line)
+        if heading:
+            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
+            n = sum(1 for a in found if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
+            found.add(f"{slug}-{n}" if n else slug)
+    return found
+
+
+def broken(doc: Path, target: str) -> bool:
+    """Whether `target` (relative to `doc`) names no file, or no heading of the file it names."""
+    name, _, anchor = target.partition("#")
+    path = (doc.parent / name) if name else doc
+    if not path.exists():
+        return True
+    return bool(anchor) and path.suffix == ".md" and anchor not in anchors(path)
+
+
+def test_the_flag_reference_is_what_the_generator_writes() -> None:
+    written = (ROOT / "docs" / "flags.md").read_text()
+    assert written == reference(), (
+        "docs/flags.md differs from the flags declared in engramd/config.py: "
+        "run `make docs` (python -m engramd.cli.flagref > docs/flags.md) and commit it"
+    )
+
+
+def test_the_flag_reference_lists_every_flag_of_serve() -> None:
+    from engramd.cli.options import FLAGS
+
+    text = reference()
+    for flag in FLAGS:
+        assert f"| `{flag.option}`" in text, flag.option
+        assert f"`{flag.env}`" in text, flag.env
+        assert f"`{flag.key}`" in text, flag.key
+    for own in ("--config", "--log-level", "--log-json"):
+        assert f"| `{own}`" in text, own
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_points_to_a_file_that_exists(doc: Path) -> None:
+    missing = [target for target in relative_links(doc) if broken(doc, target)]
+    assert not missing, (
+        f"{doc.relative_to(ROOT)} links to files or headings that do not exist: {missing}"
+    )
+
+
+def test_the_readme_stays_a_quickstart() -> None:
+    lines = (ROOT / "README.md").read_text().count("\n")
+    assert lines < 250, (
+        f"README.md has {lines} lines: keep it under 250 and move the details into docs/"
+    )
