@@ -155,7 +155,7 @@ def read_only_handle(exported: int) -> int:
     real driver's handle is no such file (opening it again through /proc
     would open the driver's device anew, not the allocation): it goes out as
     it is, and each importer's own cuMemSetAccess decides what it may do
-    (README, "cuda-host and cuda-device").
+    (docs/gpu.md, "cuda-host and cuda-device").
     """
     if not stat.S_ISREG(os.fstat(exported).st_mode):
         return exported

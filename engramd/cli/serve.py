@@ -65,7 +65,10 @@ def serve(
             help="TOML file with the same keys as the flags.",
         ),
     ] = None,
-    log_level: Annotated[str, typer.Option(envvar="ENGRAMD_LOG_LEVEL")] = "info",
+    log_level: Annotated[
+        str,
+        typer.Option(envvar="ENGRAMD_LOG_LEVEL", help="debug, info, warning or error."),
+    ] = "info",
     log_json: Annotated[
         bool, typer.Option(envvar="ENGRAMD_LOG_JSON", help="One JSON object per log line.")
     ] = False,

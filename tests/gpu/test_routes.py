@@ -69,7 +69,7 @@ def test_a_cuda_host_import_gives_a_worker_read_only_access(checkpoint: Path, da
     # The driver's handle is no file to map; the import's CPU pages are not writable.
     assert attack["mmap_write"] != "mapped"
     assert "w" not in attack["perms"], attack
-    # An importer may set its own access read-write on a real driver (README, cuda-host).
+    # An importer may set its own access read-write on a real driver (docs/gpu.md, cuda-host).
     print("cuMemSetAccess read-write by an importer:", attack["set_access_read_write"])
     assert probe.proc.stdin is not None
     probe.proc.stdin.close()
