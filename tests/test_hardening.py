@@ -513,7 +513,8 @@ def test_a_reload_reaches_running_workers(
         return len(leases) == 1 and leases[0].stale
 
     wait_until(stale_lease, 10, "the worker's lease back, marked stale")
-    assert w.ask("lease")["stale"] is True
+    # The worker's lease thread reads the same attachment; wait for it, not for a sleep.
+    wait_until(lambda: w.ask("lease")["stale"] is True, 10, "the worker to see its copy stale")
     fresh = w.ask("refresh")
     assert fresh["stale"] is False
     wait_until(

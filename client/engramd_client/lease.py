@@ -181,8 +181,8 @@ class Lease:
 
     def _adopt(self, attachment: pb.Attachment) -> None:
         self.lease_id = attachment.lease_id
-        if attachment.fd_channel.secret:
-            self._show_self(attachment)
+        # Stale as soon as the attachment says so: status shows the lease stale
+        # from the moment the daemon sent it, before the fd channel's round trip.
         if attachment.nonce == self._nonce:
             log.info("engramd lease for set %s re-established", attachment.set_id)
         elif not self.stale:
@@ -197,6 +197,8 @@ class Lease:
                 "Tables.refresh() and bind the tables it returns",
                 attachment.set_id,
             )
+        if attachment.fd_channel.secret:
+            self._show_self(attachment)
 
     def _show_self(self, attachment: pb.Attachment) -> None:
         """Meet the daemon on the fd channel, where the kernel names this process.
