@@ -30,12 +30,14 @@ from engramd_shared.layout import sets_root
 from harness.daemon_process import DaemonProcess as Daemon
 
 TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "worker.py"
-RUN_AS = TESTS / "run_as.py"
+#: Helper scripts and modules (on sys.path through pyproject's pytest `pythonpath`).
+SUPPORT = TESTS / "support"
+WORKER = SUPPORT / "worker.py"
+RUN_AS = SUPPORT / "run_as.py"
 
 
 def as_user(user: str) -> list[str]:
-    """A command prefix that runs this checkout's Python as `user` (tests/run_as.py).
+    """A command prefix that runs this checkout's Python as `user` (tests/support/run_as.py).
 
     Skips the test where the suite does not run as root: only root can drop to
     another user.
@@ -46,7 +48,7 @@ def as_user(user: str) -> list[str]:
 
 
 class Worker(JsonLinesChild):
-    """tests/worker.py in a child process: attaches, then answers commands on stdin."""
+    """tests/support/worker.py in a child process: attaches, then answers commands on stdin."""
 
     def __init__(
         self,

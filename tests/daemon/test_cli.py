@@ -18,12 +18,7 @@ from safetensors.torch import load_file
 from conftest import Worker
 from engramd.config import flags
 from engramd.testing.synth import expected_rows
-
-
-def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "engramd", *args], capture_output=True, text=True, timeout=timeout
-    )
+from helpers import engramd
 
 
 def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
@@ -179,7 +174,7 @@ def test_a_daemon_imports_only_its_backings(tmp_path: Path) -> None:
 
 
 #: The deploy files operators start from.
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 def _serve(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

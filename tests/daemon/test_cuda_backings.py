@@ -3,7 +3,7 @@
 A daemon asked for cuda-host or cuda-device:N on a machine without a usable
 CUDA driver says why, in its log and in status, and serves from auto's
 backings (tmpfs, else memfd), where workers with a device register their
-own mapping. Where no driver works, tests/fake_cuda stands in for the driver, so the
+own mapping. Where no driver works, tests/support/fake_cuda stands in for the driver, so the
 cuda-host backing (allocate, load, check, export, verify, drop) and a
 worker's import run for real around it; what needs a GPU (device access,
 CUDA views, cuda-device, gathers) is in tests/gpu/test_cuda_handles.py.
@@ -21,9 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from test_cli import engramd
 
-from conftest import Worker, wait_until
+from conftest import SUPPORT, Worker, wait_until
 from engramd.api.service import TableService
 from engramd.backings import CudaHostBacking
 from engramd.backings.cudacopy import read_only_handle
@@ -35,7 +34,7 @@ from engramd_client.tables import Tables
 from engramd_shared import cudadriver
 from engramd_shared.errors import DeviceError, InvalidRequest, NoCpuView
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import reference_digests
+from helpers import engramd, reference_digests
 
 
 def _no_driver() -> str | None:
@@ -48,17 +47,17 @@ def _no_driver() -> str | None:
 
 
 NO_DRIVER = _no_driver()
-#: A CUDA driver over memfds (tests/fake_cuda), first on a child's PYTHONPATH.
+#: A CUDA driver over memfds (tests/support/fake_cuda), first on a child's PYTHONPATH.
 FAKE_DRIVER = {
     "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).parent / "fake_cuda"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        [str(SUPPORT / "fake_cuda"), *filter(None, [os.environ.get("PYTHONPATH")])]
     )
 }
-PROBE = Path(__file__).parent / "cumem_probe.py"
+PROBE = SUPPORT / "cumem_probe.py"
 
 
 def _probe(d: Any, set_id: str, *extra: str) -> JsonLinesChild:
-    """tests/cumem_probe.py attaching to `set_id` by cuMem handle, over the simulated driver."""
+    """support/cumem_probe.py attaching to `set_id` by cuMem handle, over the simulated driver."""
     command = [sys.executable, str(PROBE), str(d.socket), set_id, *extra]
     return JsonLinesChild(command, env={**os.environ, **FAKE_DRIVER})
 

@@ -16,7 +16,7 @@ import yaml
 from conftest import Daemon, as_user
 from engramd_shared.config import DEFAULT_SOCKET
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 SOCKET_DIR = str(Path(DEFAULT_SOCKET).parent)
 
 

@@ -17,8 +17,8 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from test_cli import engramd
 
+from conftest import SUPPORT
 from engramd.cli.status_view import render
 from engramd.testing.child import JsonLinesChild
 from engramd_client import ClientConfig, DeviceError, attach
@@ -35,7 +35,7 @@ from engramd_client.cumem import tensor_at
 from engramd_shared.errors import NoGpuRoute
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
-from helpers import attach_error, reference_digests
+from helpers import attach_error, engramd, reference_digests
 
 GiB = 1 << 30
 
@@ -136,13 +136,13 @@ def test_status_shows_the_device_a_lease_registered_for(checkpoint: Path, daemon
             call.cancel()
 
 
-#: The simulated driver and runtime (tests/fake_cuda) first on a child's PYTHONPATH.
-FAKE_CUDA = Path(__file__).parent / "fake_cuda"
-ROUTE_PROBE = Path(__file__).parent / "route_probe.py"
+#: The simulated driver and runtime (tests/support/fake_cuda) first on a child's PYTHONPATH.
+FAKE_CUDA = SUPPORT / "fake_cuda"
+ROUTE_PROBE = SUPPORT / "route_probe.py"
 
 
 def _route(checkpoint: Path, d: Any, share: str, faults: str) -> JsonLinesChild:
-    """tests/route_probe.py: attach(device="cuda:0") over the simulated driver with `faults`."""
+    """support/route_probe.py: attach(device="cuda:0") over the simulated driver with `faults`."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(FAKE_CUDA), os.environ.get("PYTHONPATH", "")]),

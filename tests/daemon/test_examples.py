@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPLICA = Path(__file__).parent.parent / "examples" / "dp_replica.py"
+REPLICA = Path(__file__).resolve().parents[2] / "examples" / "dp_replica.py"
 
 
 def test_three_replicas_share_and_match_private_tables_bit_for_bit(

@@ -52,7 +52,7 @@ TOKEN = "fleet-token-0123456789abcdef"
 
 def _nixl_missing() -> str:
     # Found, not imported: NIXL's bundled libraries (absl among them) loaded into
-    # the test process crash protoc's (tests/test_proto_stubs.py) later in it.
+    # the test process crash protoc's (tests/unit/test_proto_stubs.py) later in it.
     if importlib.util.find_spec("nixl_cu12") is None:
         return "NIXL is not installed (nixl_cu12); `make setup` installs it"
     return ""

@@ -15,8 +15,7 @@ from typing import Any
 
 import grpc
 import pytest
-from test_memfd import memfd_mappings
-from test_units import _NO_FD_STORE, _check_descriptors, _copy_in
+from backing_fill import NO_FD_STORE, check_descriptors, copy_in
 
 from conftest import Worker, huge_pages, mounted_hugetlbfs
 from engramd.backings import HugetlbfsBacking
@@ -27,7 +26,7 @@ from engramd_client import plan_tables
 from engramd_shared.errors import ShmCapacityError
 from engramd_shared.layout import PACKED_NAME, read_manifest, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import attach_error, reason, reference_digests
+from helpers import attach_error, memfd_mappings, reason, reference_digests
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -37,7 +36,7 @@ def test_hugetlbfs_backing_bookkeeping(checkpoint: Path) -> None:
     plan = plan_tables(checkpoint)
     with huge_pages(2 * MiB, 32) as granted, mounted_hugetlbfs(2 * MiB) as shm:
         assert granted == 32, f"asked the kernel for 32 pages of 2 MiB, got {granted}"
-        backing = HugetlbfsBacking.from_config(DaemonConfig(shm_dir=str(shm)), None, _NO_FD_STORE)
+        backing = HugetlbfsBacking.from_config(DaemonConfig(shm_dir=str(shm)), None, NO_FD_STORE)
         backing.claim()
         usage = backing.usage()
         assert usage.page_size == 2 * MiB and usage.total >= usage.free >= 32 * 2 * MiB
@@ -48,7 +47,7 @@ def test_hugetlbfs_backing_bookkeeping(checkpoint: Path) -> None:
         with pytest.raises(ShmCapacityError, match="nr_hugepages"):
             backing.check_capacity(usage.free + 2 * MiB, "set x")
         free_before = pool(2 * MiB).free
-        manifest = _copy_in(backing, plan)
+        manifest = copy_in(backing, plan)
         assert pool(2 * MiB).free == free_before - footprint
         folder = sets_root(shm) / plan.set_id
         assert [p.name for p in folder.iterdir()] == [PACKED_NAME]
@@ -57,7 +56,7 @@ def test_hugetlbfs_backing_bookkeeping(checkpoint: Path) -> None:
         assert [backing.checksum(manifest, i) for i in range(len(sizes))] == [
             t.checksum for t in manifest.tensors
         ]
-        _check_descriptors(backing, manifest, plan)
+        check_descriptors(backing, manifest, plan)
         backing.remove(plan.set_id)
         assert pool(2 * MiB).free == free_before
 

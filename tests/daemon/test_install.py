@@ -27,7 +27,7 @@ from setuptools import find_packages
 from conftest import mounted_tmpfs
 from harness.daemon_process import DaemonProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: Each import package, and the folder of the checkout it comes from.
 SOURCES = {
     "engramd": ROOT / "engramd",

@@ -23,19 +23,13 @@ from engramd.cli.status_view import render
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import attach_error, reason, reference_digests, shmem_bytes
+from helpers import attach_error, memfd_mappings, reason, reference_digests, shmem_bytes
 
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """256 MiB of tables: far more than the 32 MiB shm folder of the test."""
     return synthesize(tmp_path_factory.mktemp("big") / "engram", SynthSpec(rows=508_500))
-
-
-def memfd_mappings(pid: int) -> list[str]:
-    """The address ranges of a process's mappings of engramd's memfds."""
-    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return [line.split()[0] for line in maps if "/memfd:engramd-" in line]
 
 
 def test_memfd_serves_a_set_larger_than_the_shm_folder(

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import TESTS, Daemon, Worker, as_user, wait_until
+from conftest import SUPPORT, Daemon, Worker, as_user, wait_until
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_shared.channel import open_channel
 from engramd_shared.config import ClientConfig
@@ -99,11 +99,11 @@ def _lease(d: Daemon, lease_id: str) -> pb.LeaseInfo:
 
 
 class Flood:
-    """tests/fd_flood.py as a user: idle connections to the fd channel, remade as they close."""
+    """support/fd_flood.py as a user: idle connections to the fd channel, remade as they close."""
 
     def __init__(self, fd_socket: Path, count: int, user: str) -> None:
         self.proc = subprocess.Popen(
-            [*as_user(user), str(TESTS / "fd_flood.py"), str(fd_socket), str(count)],
+            [*as_user(user), str(SUPPORT / "fd_flood.py"), str(fd_socket), str(count)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -292,7 +292,7 @@ def test_a_pid_is_verified_only_by_the_kernel(
     bob = pwd.getpwnam(BOB).pw_uid
     # Bob claims pid 1, with pid 1's namespace and start time, on the gRPC socket.
     probe = subprocess.run(
-        [*as_user(BOB), str(TESTS / "claim_probe.py"), str(d.socket)],
+        [*as_user(BOB), str(SUPPORT / "claim_probe.py"), str(d.socket)],
         capture_output=True,
         text=True,
         timeout=60,
@@ -312,7 +312,7 @@ def test_a_pid_is_verified_only_by_the_kernel(
         reply = subprocess.run(
             [
                 *as_user(BOB),
-                str(TESTS / "fd_probe.py"),
+                str(SUPPORT / "fd_probe.py"),
                 str(d.socket.with_name("fds.sock")),
                 raw.attachment.lease_id,
                 raw.attachment.fd_channel.secret,
@@ -503,7 +503,7 @@ def test_no_call_holds_a_worker_socket_connection_past_its_request_deadline(
     d = group_daemons("--idle-timeout", "1")
     # Bob holds Watch streams and Status calls whose request never comes, on 8 connections.
     holder = subprocess.Popen(
-        [*as_user(BOB), str(TESTS / "hold_calls.py"), str(d.socket), "8"],
+        [*as_user(BOB), str(SUPPORT / "hold_calls.py"), str(d.socket), "8"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -541,7 +541,7 @@ def test_uncollected_attaches_of_one_user_shut_no_one_out(
     alice = pwd.getpwnam(ALICE).pw_uid
     # Bob attaches for descriptors 6 times and never collects: nothing is granted yet.
     holder = subprocess.Popen(
-        [*as_user(BOB), str(TESTS / "hold_leases.py"), str(d.socket), "6"],
+        [*as_user(BOB), str(SUPPORT / "hold_leases.py"), str(d.socket), "6"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

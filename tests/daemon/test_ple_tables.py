@@ -1,7 +1,7 @@
 """Qwen4Exp's PLE n-gram tables: row shards joined into one table, each rank's vocab range
 one read-only mapping of the daemon's copy, padding rows past its end zero.
 
-Real daemons and worker processes (tests/ple_probe.py) over synthetic
+Real daemons and worker processes (tests/support/ple_probe.py) over synthetic
 Qwen4Exp checkpoints (engramd.testing.synth.synthesize_ple) whose shard
 boundaries do not fall on the ranks' ranges.
 """
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import wait_until
+from conftest import SUPPORT, wait_until
 from engramd.testing.synth import PleSpec, SynthSpec, expected_ple_rows, synthesize, synthesize_ple
 from engramd_client import attach
 from engramd_shared.beneath import Root
@@ -27,7 +27,7 @@ from engramd_shared.errors import CheckpointError
 from engramd_shared.families import ENGRAM, PLE
 from engramd_shared.headers import read_header
 
-PROBE = Path(__file__).resolve().parent / "ple_probe.py"
+PROBE = SUPPORT / "ple_probe.py"
 #: 1000 rows in 7 shards of 143; 4 ranks of a vocabulary padded to 1024 hold 256 each.
 SPEC = PleSpec(layers=(0, 2), rows=1000, dim=64, parts=7, fmt="BF16")
 PADDED = 1024

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import TESTS, Daemon, Worker, as_user, wait_until
+from conftest import SUPPORT, Daemon, Worker, as_user, wait_until
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_client.fdchannel import collect
@@ -121,7 +121,7 @@ def test_fd_channel_refuses_a_peer_outside_the_group(
         secret = lease.attachment.fd_channel.secret
         probe = [str(fds), lease.attachment.lease_id, secret]
         outsider = subprocess.run(
-            [*as_user(OUTSIDER), str(TESTS / "fd_probe.py"), *probe],
+            [*as_user(OUTSIDER), str(SUPPORT / "fd_probe.py"), *probe],
             capture_output=True,
             text=True,
         )

@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import pytest
 
-from conftest import TESTS, Daemon, Worker, as_user, mounted_tmpfs, wait_until
+from conftest import SUPPORT, Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
@@ -360,12 +360,12 @@ def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
     data = sorted(folder.iterdir())
     assert MANIFEST_NAME in [f.name for f in data]
     assert all(stat.S_IMODE(f.stat().st_mode) == 0o600 for f in data)
-    seen = _as(node, BOB, str(TESTS / "shm_peek.py"), str(sets_root(d.shm_dir)), str(data[0]))
+    seen = _as(node, BOB, str(SUPPORT / "shm_peek.py"), str(sets_root(d.shm_dir)), str(data[0]))
     assert folder.name in seen["names"] and seen["read"] is False
 
     # Bob names Alice's folder (which he cannot read) with the set's id: the daemon
     # knows the files, but the fd channel sees Bob's uid and hands out nothing.
-    refused = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), set_id, str(private))
+    refused = _as(node, BOB, str(SUPPORT / "lease_probe.py"), str(d.socket), set_id, str(private))
     assert refused["error"] == "NotAllowed", refused
     assert f"uid {BOB} may not read the checkpoint files" in refused["message"]
     # Nor by path, whoever asks: the gRPC socket cannot tell.
@@ -380,7 +380,7 @@ def test_a_set_a_worker_loaded_goes_only_to_uids_that_may_read_its_checkpoint(
     workers.append(bob)
     assert bob.hello["mode"] == "shared", bob.hello
     assert bob.hello["set_id"] == set_id and bob.hello["digests"] == reference_digests(checkpoint)
-    granted = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), set_id, str(mine))
+    granted = _as(node, BOB, str(SUPPORT / "lease_probe.py"), str(d.socket), set_id, str(mine))
     assert granted["files"], granted
 
     # A worker that takes paths only is refused clearly, and goes private in auto mode.
@@ -417,7 +417,7 @@ def test_a_name_swapped_under_the_daemon_never_gets_another_users_descriptors(
     race = _as(
         node,
         BOB,
-        str(TESTS / "swap_probe.py"),
+        str(SUPPORT / "swap_probe.py"),
         str(d.socket),
         alice.hello["set_id"],
         str(mine),
@@ -450,7 +450,7 @@ def test_a_symlink_out_of_the_root_reveals_nothing_of_its_target(
     answers = []
     for name in ("there", "nothing"):
         answer = _as(
-            node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(mine / name)
+            node, BOB, str(SUPPORT / "lease_probe.py"), str(d.socket), "0" * 20, str(mine / name)
         )
         assert answer["error"] == "PERMISSION_DENIED", answer
         assert "outside the allowed root" in answer["message"]
@@ -472,7 +472,12 @@ def test_a_caller_learns_nothing_of_files_it_may_not_read(
     # Bob names Alice's checkpoint with her set's id: he gets a lease (the worker socket
     # cannot tell who asks) but not her files' names, sizes and inodes, then no descriptor.
     named = _as(
-        node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), alice.hello["set_id"], str(private)
+        node,
+        BOB,
+        str(SUPPORT / "lease_probe.py"),
+        str(d.socket),
+        alice.hello["set_id"],
+        str(private),
     )
     assert named["error"] == "NotAllowed", named
     assert named["sources"] == [], named
@@ -481,7 +486,7 @@ def test_a_caller_learns_nothing_of_files_it_may_not_read(
     shard = broken / SHARD
     size = shard.stat().st_size // 2
     os.truncate(shard, size)
-    refused = _as(node, BOB, str(TESTS / "lease_probe.py"), str(d.socket), "0" * 20, str(broken))
+    refused = _as(node, BOB, str(SUPPORT / "lease_probe.py"), str(d.socket), "0" * 20, str(broken))
     assert refused["error"] == "INVALID_ARGUMENT", refused
     assert SHARD not in refused["message"] and "truncated" not in refused["message"], refused
     assert "daemon's log alone" in refused["message"]

@@ -1,10 +1,10 @@
 """Attach claiming pid 1 (its pid namespace and start time), and print how status shows it.
 
-    python tests/claim_probe.py SOCKET
+    python tests/support/claim_probe.py SOCKET
 
 Prints "pid=P pid_verified=B uid=U" for its own lease ("unknown" where
 status has no uid), then ends the lease. Run as another user
-(tests/run_as.py): any user can read pid 1's start time, so the claim is
+(tests/support/run_as.py): any user can read pid 1's start time, so the claim is
 one anyone can make.
 """
 

@@ -1,11 +1,11 @@
 """Attach by cuMem handle, map the allocation, print each tensor's digest.
 
-    python tests/cumem_probe.py SOCKET SET_ID [attack]
+    python tests/support/cumem_probe.py SOCKET SET_ID [attack]
 
 Reads host memory through CPU views and device memory by cuMemcpyDtoH.
 Prints {"kinds": [...], "digests": {name: sha256}, "location": "host_numa"
 or "device_uuid"} once attached, then holds the lease until stdin closes. Where no GPU exists it
-runs against tests/fake_cuda (on PYTHONPATH): the lease, the fd channel,
+runs against tests/support/fake_cuda (on PYTHONPATH): the lease, the fd channel,
 the import and mapping of the allocation and the CPU views are the
 client's own code; only the CUDA views (tests/gpu) need a GPU.
 

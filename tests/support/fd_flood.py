@@ -1,11 +1,11 @@
 """Hold idle connections to the daemon's fd channel, reconnecting each one it closes.
 
-    python tests/fd_flood.py FD_SOCKET COUNT
+    python tests/support/fd_flood.py FD_SOCKET COUNT
 
 Opens COUNT SOCK_SEQPACKET connections that never send a request, prints
 {"connected": N}, then keeps COUNT open (every connection the daemon closes,
 by its deadline or its cap, is made again at once) until stdin closes, and
-prints {"reconnects": N}. Run as another user (tests/run_as.py) to attack as
+prints {"reconnects": N}. Run as another user (tests/support/run_as.py) to attack as
 that user.
 """
 

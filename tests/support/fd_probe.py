@@ -1,9 +1,9 @@
 """Collect a lease's descriptors from an fd channel and print one JSON line.
 
-    python tests/fd_probe.py FD_SOCKET LEASE_ID SECRET
+    python tests/support/fd_probe.py FD_SOCKET LEASE_ID SECRET
 
 Prints {"files": [...]} or {"error": class name, "message": ...}. Run as
-another user (tests/run_as.py) to see what the daemon grants that user.
+another user (tests/support/run_as.py) to see what the daemon grants that user.
 """
 
 from __future__ import annotations

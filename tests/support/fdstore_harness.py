@@ -3,7 +3,7 @@
 Binds the notify socket a daemon finds in NOTIFY_SOCKET, keeps every
 descriptor it stores (FDSTORE=1, FDNAME=), forgets the ones it removes
 (FDSTOREREMOVE=1), and starts the next daemon with them as LISTEN_FDS
-(tests/listen_fds.py), as systemd does for a unit with FileDescriptorStoreMax=.
+(tests/support/listen_fds.py), as systemd does for a unit with FileDescriptorStoreMax=.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from types import TracebackType
 
-from conftest import TESTS
+from conftest import SUPPORT
 
 
 class FdStoreHarness:
@@ -75,7 +75,7 @@ class FdStoreHarness:
         with self._lock:
             stored = dict(self._stored)
         spec = ",".join(f"{name}={fd}" for name, fd in stored.items())
-        prefix = [sys.executable, str(TESTS / "listen_fds.py"), spec, "--", sys.executable]
+        prefix = [sys.executable, str(SUPPORT / "listen_fds.py"), spec, "--", sys.executable]
         return prefix, tuple(stored.values())
 
     def close(self) -> None:

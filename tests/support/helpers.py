@@ -6,6 +6,8 @@ import asyncio
 import concurrent.futures
 import hashlib
 import os
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine
 from pathlib import Path
@@ -84,6 +86,19 @@ class RawLease:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def engramd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`engramd ARGS` as an operator runs it (this checkout's interpreter); its output."""
+    return subprocess.run(
+        [sys.executable, "-m", "engramd", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def memfd_mappings(pid: int) -> list[str]:
+    """The address ranges of a process's mappings of engramd's memfds."""
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    return [line.split()[0] for line in maps if "/memfd:engramd-" in line]
 
 
 def shmem_bytes() -> int:

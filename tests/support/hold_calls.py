@@ -1,13 +1,13 @@
 """Try to hold worker-socket connections busy forever; print how the daemon ended it.
 
-    python tests/hold_calls.py SOCKET COUNT
+    python tests/support/hold_calls.py SOCKET COUNT
 
 On COUNT connections of their own: a Health/Watch stream, and a Status call
 whose request message never comes (its headers are sent, then nothing).
 Prints {"watch": [...], "half": [...], "details": ..., "seconds": ...}: for
 each, the status code name ("STREAMED" where Watch answered), the daemon's
 words for the first half-sent call, and how long the slowest of those took.
-Run as another user (tests/run_as.py).
+Run as another user (tests/support/run_as.py).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Hold first descriptor attaches that never collect, until told to stop.
 
-    python tests/hold_leases.py SOCKET COUNT
+    python tests/support/hold_leases.py SOCKET COUNT
 
 Attaches the daemon's one set by id COUNT times, accepting descriptors,
 and never comes to the fd channel. Prints {"attached": n, "refused":
 [status names]} once every attach answered, then holds the streams until
-a line on stdin. Run as another user (tests/run_as.py).
+a line on stdin. Run as another user (tests/support/run_as.py).
 """
 
 from __future__ import annotations

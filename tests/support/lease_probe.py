@@ -1,13 +1,13 @@
 """Attach a checkpoint by name over the raw protocol, collect its descriptors, print one line.
 
-    python tests/lease_probe.py SOCKET SET_ID CHECKPOINT
+    python tests/support/lease_probe.py SOCKET SET_ID CHECKPOINT
 
 Names the checkpoint without planning it first (a user who cannot read the
 folder can still name it), accepts descriptors only, holds the lease while
 it collects them from the fd channel the attachment names. Prints
 {"files": [...]} or {"error": class or status name, "message": ...}, with
 "sources" (the checkpoint files the attachment named) once attached. Run
-as another user (tests/run_as.py) to see what the daemon grants that user.
+as another user (tests/support/run_as.py) to see what the daemon grants that user.
 """
 
 from __future__ import annotations

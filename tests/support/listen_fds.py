@@ -1,6 +1,6 @@
 """Start a command the way systemd passes stored descriptors: LISTEN_FDS from fd 3.
 
-    python tests/listen_fds.py NAME=FD[,NAME=FD...] -- COMMAND [ARGS...]
+    python tests/support/listen_fds.py NAME=FD[,NAME=FD...] -- COMMAND [ARGS...]
 
 Each FD (inherited from the caller) is moved to 3, 4, ... in the order
 given; LISTEN_FDS, LISTEN_FDNAMES and LISTEN_PID (this process, which then

@@ -1,12 +1,12 @@
 """attach(device="cuda:0") on a machine without a GPU, over the simulated driver and runtime.
 
-    python tests/route_probe.py CHECKPOINT SOCKET SHARE(auto|on)
+    python tests/support/route_probe.py CHECKPOINT SOCKET SHARE(auto|on)
 
 Prints {"mode", "gpu_route", "registered": [flags...], "aliases": bool,
 "digests"} once attached, or {"error": class, "message"} where attach
 raised; then, on the command "write", writes one byte through its first
 table's mapping and prints {"wrote": ...}; holds the tables until stdin
-closes. Runs with tests/fake_cuda first on PYTHONPATH; FAKE_CUDA_FAULTS
+closes. Runs with tests/support/fake_cuda first on PYTHONPATH; FAKE_CUDA_FAULTS
 says what the device answers.
 """
 

@@ -1,6 +1,6 @@
 """Run a script or module as another user, after importing it as root.
 
-    python tests/run_as.py USER[:GROUP] (SCRIPT.py | -m MODULE) [ARGS...]
+    python tests/support/run_as.py USER[:GROUP] (SCRIPT.py | -m MODULE) [ARGS...]
 
 A fresh clone (and its .venv, and often the interpreter itself) lives where
 other users cannot enter (under /root), so the test user could not even

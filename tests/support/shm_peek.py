@@ -1,8 +1,8 @@
 """What a user sees of a shm folder: its entries' names, and whether it may read a file.
 
-    python tests/shm_peek.py FOLDER FILE
+    python tests/support/shm_peek.py FOLDER FILE
 
-Prints {"names": [...], "read": bool}. Run as another user (tests/run_as.py).
+Prints {"names": [...], "read": bool}. Run as another user (tests/support/run_as.py).
 """
 
 from __future__ import annotations

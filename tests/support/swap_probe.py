@@ -1,13 +1,13 @@
 """Swap a file and a symlink under one name while attaching for descriptors; print one line.
 
-    python tests/swap_probe.py SOCKET SET_ID FOLDER NAME DECOY SECONDS
+    python tests/support/swap_probe.py SOCKET SET_ID FOLDER NAME DECOY SECONDS
 
 FOLDER/NAME and FOLDER/DECOY (a symlink to another user's file) trade places
 in a loop (renameat2 RENAME_EXCHANGE) in a child process, while this one
 attaches FOLDER with SET_ID for descriptors again and again, for SECONDS at
 most. Prints {"won": attempts} once the fd channel hands out a descriptor,
 else {"attempts": n, "outcomes": {outcome: count}}. Run as the user who owns
-FOLDER (tests/run_as.py).
+FOLDER (tests/support/run_as.py).
 """
 
 from __future__ import annotations

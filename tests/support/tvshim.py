@@ -4,7 +4,7 @@ SGLang imports torchvision on the way to its Engram layer (configs ->
 multimodal/internvl_utils.py; transformers' image utils too), vLLM on the
 way to its Qwen4Exp model class (qwen3_5 -> qwen3_vl -> transformers'
 image processing), which vLLM's model registry imports in a subprocess of
-its own (tests/shims/sitecustomize.py declares the ops there). The only
+its own (tests/support/shims/sitecustomize.py declares the ops there). The only
 torchvision that matches torch 2.13 on the package index is a CUDA build:
 its `_C.so` needs libtorch_cuda.so, and `torchvision/_meta_registrations.py`
 registers fakes for `torchvision::nms` / `qnms` without checking the ops

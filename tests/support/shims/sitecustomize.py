@@ -2,7 +2,7 @@
 
 vLLM's model registry inspects a model class in a subprocess of its own;
 the Qwen4Exp class imports torchvision, which on CPU torch needs tvshim
-first (tests/tvshim.py).
+first (tests/support/tvshim.py).
 """
 
 import sys
