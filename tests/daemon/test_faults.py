@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import Daemon, Worker, mounted_tmpfs, wait_until
+from conftest import Daemon, Worker, mounted_tmpfs, start_workers, wait_until
 from engramd.backings import StagedSet, TmpfsBacking
 from engramd.checksum import BUFFER_BYTES, digest_fd
 from engramd.sets.loader import LoadProgress, load_set
@@ -271,8 +271,7 @@ def test_daemon_killed_while_workers_gather(
     checkpoint: Path, daemons: Any, workers: list[Worker]
 ) -> None:
     d = daemons("--checkpoint", str(checkpoint))
-    for rank in range(8):
-        workers.append(Worker(checkpoint, d.socket, labels={"rank": str(rank)}))
+    start_workers(workers, 8, checkpoint, d.socket, labels=lambda rank: {"rank": str(rank)})
     for w in workers:
         w.send("lookups 8")
     time.sleep(1)  # the workers are mid-lookup now
@@ -289,8 +288,7 @@ def test_daemon_killed_while_workers_gather(
 def test_churn_leaves_nothing_behind(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
     d = daemons("--checkpoint", str(checkpoint))
     daemon = psutil.Process(d.pid)
-    for _ in range(32):
-        workers.append(Worker(checkpoint, d.socket))
+    start_workers(workers, 32, checkpoint, d.socket)
     # A short round first with everyone, so the daemon's pools (asyncio's
     # thread pool grows on demand, up to a bound) reach their working size;
     # a leak is what the long round adds on top.

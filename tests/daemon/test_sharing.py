@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Worker
+from conftest import Worker, start_workers
 from engramd_client import plan_tables
 from helpers import reference_digests, shmem_bytes
 
@@ -23,8 +23,7 @@ def test_four_workers_share_one_copy(checkpoint: Path, daemons: Any, workers: li
     d = daemons("--checkpoint", str(checkpoint))
     [s] = d.status().sets
     expected = reference_digests(checkpoint)
-    for rank in range(4):
-        workers.append(Worker(checkpoint, d.socket, share="on", labels={"dp_rank": str(rank)}))
+    start_workers(workers, 4, checkpoint, d.socket, "on", lambda rank: {"dp_rank": str(rank)})
     for w in workers:
         assert w.hello["mode"] == "shared", w.hello
         # The digest read every byte, so every page is mapped in every worker.
