@@ -406,7 +406,9 @@ def test_a_name_swapped_under_the_daemon_never_gets_another_users_descriptors(
     workers.append(alice)
     assert alice.hello["mode"] == "shared", alice.hello
     # Bob's folder under the root: a file of his own under Alice's file name, and a
-    # symlink to Alice's file (which he cannot read); the two trade names in a loop.
+    # symlink to Alice's file (which he cannot read). The two trade names, first at the
+    # one point that matters, in order (the symlink while the daemon plans and proves,
+    # his own file when the fd channel judges him), 10 times; then in a race for 3 s.
     mine = node.root / f"{BOB}" / "race"
     mine.mkdir(parents=True)
     shutil.copy(single / "model.safetensors.index.json", mine)
@@ -423,13 +425,16 @@ def test_a_name_swapped_under_the_daemon_never_gets_another_users_descriptors(
         str(mine),
         name,
         "decoy",
-        "20",
+        "10",
+        "3",
     )
     assert "won" not in race, race
     # The attack ran: the daemon followed the symlink, proved Alice's file, and the fd
-    # channel judged Bob against that file, not against his path.
-    refused = sum(n for k, n in race["outcomes"].items() if f"uid {BOB} may not read" in k)
-    assert refused > 0, race
+    # channel judged Bob against that file, not against his path: every ordered round.
+    refused = sum(n for k, n in race["exchanged"].items() if f"uid {BOB} may not read" in k)
+    assert refused == 10, race
+    raced = sum(n for k, n in race["outcomes"].items() if f"uid {BOB} may not read" in k)
+    assert raced > 0, race
 
 
 def test_a_symlink_out_of_the_root_reveals_nothing_of_its_target(
