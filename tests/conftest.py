@@ -60,18 +60,12 @@ class Worker(JsonLinesChild):
         prefix: list[str] | None = None,
         user: str | None = None,
         wait: bool = True,
-        hold: bool = False,
     ) -> None:
         """Start the worker; `prefix` runs it under another command (unshare...), as `user`.
 
-        `wait`: read its first line now; else `greeted` reads it later. `hold`: the
-        worker attaches only once `release`d (its interpreter starts now, the daemon may
-        start meanwhile).
+        `wait`: read its first line now; else `greeted` reads it later.
         """
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
-        if hold:
-            args.append("--hold")
-            wait = False
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         python = as_user(user) if user else [sys.executable]
@@ -83,11 +77,6 @@ class Worker(JsonLinesChild):
         """This worker once it printed its first line (started with wait=False)."""
         self.hello = self.read()
         return self
-
-    def release(self) -> Worker:
-        """Let a worker started with hold=True attach; returns it once attached."""
-        self.send("go")
-        return self.greeted()
 
     def stderr(self) -> str:
         """What the worker wrote to stderr (waits for it to exit)."""

@@ -62,9 +62,7 @@ def start_load(d: Daemon, ckpt: Path) -> tuple[grpc.Channel, Any]:
     return channel, call
 
 
-def test_sigkill_at_any_point_of_a_load(
-    big_checkpoint: Path, daemons: Any, workers: list[Worker]
-) -> None:
+def test_sigkill_at_any_point_of_a_load(big_checkpoint: Path, daemons: Any) -> None:
     d = daemons("--allow-root", str(big_checkpoint.parent), "--load-threads", "1")
     channel, call = start_load(d, big_checkpoint)
     start = time.monotonic()
@@ -80,9 +78,6 @@ def test_sigkill_at_any_point_of_a_load(
     outcomes = []
     for i in range(12):
         shutil.rmtree(root, ignore_errors=True)
-        # This round's worker: its interpreter starts while the daemon loads and is killed.
-        w = Worker(big_checkpoint, d.socket, share="on", hold=True)
-        workers.append(w)
         d.start()
         channel, call = start_load(d, big_checkpoint)
         if i < 11:
@@ -103,7 +98,7 @@ def test_sigkill_at_any_point_of_a_load(
         outcomes.append("published" if complete else "partial" if partial else "nothing")
         d.start()
         assert not [p for p in root.iterdir() if LOADING_MARK in p.name], "leftovers kept"
-        w.release()
+        w = Worker(big_checkpoint, d.socket, share="on")
         assert w.hello["mode"] == "shared"
         sample = w.ask("lookups 0.2")
         assert sample["bad"] == 0 and sample["lookups"] > 0

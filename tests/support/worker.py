@@ -1,8 +1,5 @@
 """A worker process for the tests: attach, print one JSON line, then obey stdin.
 
-With --hold it first waits for a line on stdin, so that its interpreter can
-start while the daemon is not yet up.
-
 Commands (one per line, each answered by one JSON line):
   digest        sha256 of every tensor's bytes (touches every page)
   mem           this process's memory (rss, uss, pss, shared) from psutil
@@ -63,10 +60,7 @@ def main() -> int:
     parser.add_argument("--socket", required=True)
     parser.add_argument("--share", choices=["auto", "on", "off"], default="auto")
     parser.add_argument("--label", action="append", default=[])
-    parser.add_argument("--hold", action="store_true", help="attach after a line on stdin")
     args = parser.parse_args()
-    if args.hold:
-        sys.stdin.readline()
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
     )
