@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-vllm test-sglang test-gpu bench bench-vllm proto docs lint format clean
+.PHONY: setup test-tools demo test test-unit test-vllm test-sglang test-gpu bench bench-vllm proto docs lint format clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,11 @@ demo: setup
 
 test: setup test-tools
 	$(PY) -m pytest $(ARGS)
+
+# The in-process tests alone (tests/unit: no daemon process, no root needed), in seconds.
+# tests/daemon holds the scenarios with real daemons and workers; tests/support their helpers.
+test-unit: setup
+	$(PY) -m pytest tests/unit $(ARGS)
 
 # The vLLM plugin's tests against the real vLLM 0.33.0 (tests/vllm_plugin), in a venv of
 # their own: vLLM and its import chain without its CUDA dependencies, beside CPU

@@ -45,6 +45,7 @@ from engramd.host.hugeroot import remove_shm_folder
 from engramd.testing.daemon_process import DaemonProcess
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
+sys.path.insert(0, str(TESTS / "support"))
 sys.path.insert(0, str(TESTS))
 
 import tvshim  # noqa: E402, F401 (before vLLM imports torchvision)
@@ -59,7 +60,7 @@ from vllm_plugin.vllm_harness import (  # noqa: E402
 
 #: vLLM's model registry inspects the Qwen4Exp class in a subprocess: torchvision there too.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    [str(TESTS / "shims"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    [str(TESTS / "support" / "shims"), *filter(None, [os.environ.get("PYTHONPATH")])]
 )
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,14 @@ from engramd_shared.layout import sets_root
 from harness.daemon_process import DaemonProcess as Daemon
 
 TESTS = Path(__file__).resolve().parent
-WORKER = TESTS / "worker.py"
-RUN_AS = TESTS / "run_as.py"
+#: Helper scripts and modules (on sys.path through pyproject's pytest `pythonpath`).
+SUPPORT = TESTS / "support"
+WORKER = SUPPORT / "worker.py"
+RUN_AS = SUPPORT / "run_as.py"
 
 
 def as_user(user: str) -> list[str]:
-    """A command prefix that runs this checkout's Python as `user` (tests/run_as.py).
+    """A command prefix that runs this checkout's Python as `user` (tests/support/run_as.py).
 
     Skips the test where the suite does not run as root: only root can drop to
     another user.
@@ -46,7 +48,7 @@ def as_user(user: str) -> list[str]:
 
 
 class Worker(JsonLinesChild):
-    """tests/worker.py in a child process: attaches, then answers commands on stdin."""
+    """tests/support/worker.py in a child process: attaches, then answers commands on stdin."""
 
     def __init__(
         self,
@@ -57,15 +59,24 @@ class Worker(JsonLinesChild):
         labels: dict[str, str] | None = None,
         prefix: list[str] | None = None,
         user: str | None = None,
+        wait: bool = True,
     ) -> None:
-        """Start the worker; `prefix` runs it under another command (unshare...), as `user`."""
+        """Start the worker; `prefix` runs it under another command (unshare...), as `user`.
+
+        `wait`: read its first line now; else `greeted` reads it later.
+        """
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         python = as_user(user) if user else [sys.executable]
         super().__init__([*(prefix or []), *python, *args], stderr=subprocess.PIPE)
-        #: What the worker printed once attached (or its error).
+        #: What the worker printed once attached (or its error); {} until then.
+        self.hello: dict[str, Any] = self.read() if wait else {}
+
+    def greeted(self) -> Worker:
+        """This worker once it printed its first line (started with wait=False)."""
         self.hello = self.read()
+        return self
 
     def stderr(self) -> str:
         """What the worker wrote to stderr (waits for it to exit)."""
@@ -216,6 +227,29 @@ def workers() -> Iterator[list[Worker]]:
     for w in started:
         if w.proc.poll() is None:
             w.kill()
+
+
+def start_workers(
+    into: list[Worker],
+    count: int,
+    checkpoint: Path,
+    socket: Path,
+    share: str = "auto",
+    labels: Callable[[int], dict[str, str]] | None = None,
+) -> list[Worker]:
+    """`count` workers started side by side (each interpreter's start-up, torch's import
+    included, overlaps the others'), put in `into` at once; returned once all attached.
+
+    `labels(i)`: the i-th worker's labels.
+    """
+    started = []
+    for i in range(count):
+        w = Worker(
+            checkpoint, socket, share=share, labels=labels(i) if labels else None, wait=False
+        )
+        into.append(w)
+        started.append(w)
+    return [w.greeted() for w in started]
 
 
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:

@@ -1,6 +1,6 @@
 """`engramd serve` in a child process: the demo's daemon (and the benchmark's).
 
-The tests' harness (tests/harness/daemon_process.py) adds what only tests vary.
+The tests' harness (tests/support/harness/daemon_process.py) adds what only tests vary.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_attach import write_checkpoint
+from every_dtype import write_checkpoint
 
 from engramd_client import attach, plan_tables
 

@@ -20,7 +20,7 @@ from engramd_client import DeviceError, attach
 from engramd_client.cuda import device_caps
 
 pytestmark = GPU_ONLY
-PROBE = Path(__file__).parent.parent / "cumem_probe.py"
+PROBE = Path(__file__).resolve().parents[1] / "support" / "cumem_probe.py"
 
 
 def _caps() -> Any:

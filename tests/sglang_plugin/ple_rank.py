@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "support"))
 sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402

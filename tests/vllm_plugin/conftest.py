@@ -8,7 +8,7 @@ from pathlib import Path
 import tvshim  # noqa: F401 (before vLLM imports torchvision)
 from vllm_plugin.vllm_harness import model, ple_models, served
 
-SHIMS = Path(__file__).resolve().parent.parent / "shims"
+SHIMS = Path(__file__).resolve().parent.parent / "support" / "shims"
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(SHIMS), *filter(None, [os.environ.get("PYTHONPATH")])]
 )

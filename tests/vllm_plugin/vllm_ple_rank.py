@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_harness import anonymous_kib, disk_read_bytes, drop_cache, mapping_of
 

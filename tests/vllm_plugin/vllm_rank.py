@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of
 

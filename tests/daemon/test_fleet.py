@@ -1,0 +1,505 @@
+"""Sets filled from a peer daemon (two network namespaces, a veth, NIXL over TCP) and from
+an object store (s3rver), verified, with fallback to the files; real daemons throughout.
+
+Each peer test makes two network namespaces joined by a veth and removes
+them; the daemons run in them under `ip netns exec`, which also mounts the
+namespace's own /sys (UCX finds its network devices there: under a plain
+`nsenter --net` it sees the host's). Their sets go to the shared /dev/shm
+(--no-huge-tmpfs: a tmpfs the daemon mounted would stay inside the mount
+namespace `ip netns exec` makes). UCX_TLS=tcp: between processes of one host
+UCX would otherwise pick cma and never touch the network.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import Daemon, wait_until
+from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd.sources.peer import addresses
+from engramd.testing.fleet_lab import (
+    S3,
+    UCX_TCP,
+    Net,
+    free_port,
+    netns_missing,
+    s3rver,
+    s3rver_missing,
+    veth_pair,
+)
+from engramd.testing.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from helpers import attach_error
+
+TOKEN = "fleet-token-0123456789abcdef"
+
+
+def _nixl_missing() -> str:
+    # Found, not imported: NIXL's bundled libraries (absl among them) loaded into
+    # the test process crash protoc's (tests/unit/test_proto_stubs.py) later in it.
+    if importlib.util.find_spec("nixl_cu12") is None:
+        return "NIXL is not installed (nixl_cu12); `make setup` installs it"
+    return ""
+
+
+pytestmark = pytest.mark.skipif(bool(_nixl_missing()), reason=_nixl_missing() or "-")
+
+
+@pytest.fixture
+def net() -> Iterator[Net]:
+    """Namespaces `<tag>a` and `<tag>b` joined by a veth; removed after."""
+    missing = netns_missing()
+    if missing:
+        pytest.skip(f"{missing} (CI runs as root and `make test-tools` installs iproute2)")
+    with veth_pair(f"edf{os.getpid() % 100000}") as pair:
+        yield pair
+
+
+@pytest.fixture(scope="module")
+def ple_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Qwen4Exp PLE tables in 7 row shards over 2 files: each set tensor is joined from shards."""
+    return synthesize_ple(tmp_path_factory.mktemp("ple") / "qwen", PleSpec())
+
+
+@pytest.fixture
+def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """About 42 MB of tables: a fill under a rate cap lasts long enough to be killed."""
+    return synthesize(tmp_path_factory.mktemp("fleet") / "engram", SynthSpec(rows=80_000))
+
+
+class Node:
+    """One daemon with a socket folder and shm folder of its own, perhaps in a namespace."""
+
+    def __init__(self, name: str) -> None:
+        self.sock_dir = Path(tempfile.mkdtemp(prefix=f"ed{name}", dir="/tmp"))
+        self.shm_dir = Path(tempfile.mkdtemp(prefix=f"engramd-fleet-{name}-", dir="/dev/shm"))
+        self.daemon: Daemon | None = None
+        self._started: tuple[list[str], str, dict[str, str] | None] = ([], "", None)
+
+    def restart(self) -> Daemon:
+        """Start the daemon again as it was last started (its earlier run has ended)."""
+        return self.start(*self._started)
+
+    def start(
+        self, args: list[str], netns: str = "", env: dict[str, str] | None = None, wait: str = "up"
+    ) -> Daemon:
+        self._started = (args, netns, env)
+        python = [sys.executable]
+        if netns:
+            python = [*Net.run_in(netns), sys.executable]
+        self.daemon = Daemon(
+            self.sock_dir / "d.sock",
+            self.shm_dir,
+            [*args, "--no-huge-tmpfs"],
+            self.sock_dir / "daemon.log",
+            {**UCX_TCP, **(env or {})},
+            python,
+        )
+        return self.daemon.start(wait=wait)
+
+    def close(self) -> None:
+        d = self.daemon
+        if d is not None and d.proc is not None and d.proc.poll() is None:
+            d.stop(signal.SIGKILL)
+        unmount_below(sets_root(self.shm_dir))
+        remove_shm_folder(self.shm_dir)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+
+@pytest.fixture
+def nodes() -> Iterator[Any]:
+    """Make nodes: `nodes("a")`; each one's daemon is killed and its folders removed after."""
+    made: list[Node] = []
+
+    def make(name: str) -> Node:
+        made.append(Node(name))
+        return made[-1]
+
+    yield make
+    for node in made:
+        node.close()
+
+
+@pytest.fixture
+def token_file(tmp_path: Path) -> Path:
+    path = tmp_path / "token"
+    path.write_text(TOKEN + "\n")
+    return path
+
+
+def ready_set(d: Daemon, timeout: float = 120) -> pb.SetInfo:
+    """The daemon's one set once it is ready (fails on a failed load)."""
+    found: list[pb.SetInfo] = []
+
+    def done() -> bool:
+        sets = d.status().sets
+        assert all(s.state != "failed" for s in sets), [s.error for s in sets]
+        found[:] = [s for s in sets if s.state == "ready"]
+        return bool(found)
+
+    wait_until(done, timeout, "the set to be ready")
+    return found[0]
+
+
+def set_digests(shm_dir: Path, set_id: str) -> dict[str, str]:
+    """sha256 of each tensor's bytes in a daemon's published (tmpfs) set."""
+    import json
+
+    folder = sets_root(shm_dir) / set_id
+    manifest = json.loads((folder / "manifest.json").read_text())
+    out = {}
+    for t in manifest["tensors"]:
+        with open(folder / t["file"], "rb") as f:
+            f.seek(t["offset"])
+            out[t["name"]] = hashlib.sha256(f.read(t["nbytes"])).hexdigest()
+    return out
+
+
+def checkpoint_digests(checkpoint: Path) -> dict[str, str]:
+    """sha256 of each selected tensor's bytes as the checkpoint's files hold them (a table
+    joined from row shards: its shards back to back)."""
+    out = {}
+    for t in plan_tables(checkpoint).tensors:
+        digest = hashlib.sha256()
+        for span in t.spans:
+            with open(span.file, "rb") as f:
+                f.seek(span.offset)
+                digest.update(f.read(span.nbytes))
+        out[t.name] = digest.hexdigest()
+    return out
+
+
+def no_partial_loads(shm_dir: Path) -> bool:
+    return not any(".loading" in p.name for p in sets_root(shm_dir).iterdir())
+
+
+def serving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) -> Daemon:
+    d = node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--peer-listen",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token),
+            *extra,
+        ],
+        net.a,
+        wait="serving",
+    )
+    return d
+
+
+def receiving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) -> Daemon:
+    return node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            "--peers",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token),
+            *extra,
+        ],
+        net.b,
+    )
+
+
+# -- peers --------------------------------------------------------------------------------
+
+
+def test_peer_addresses_from_a_list_and_a_name(caplog: pytest.LogCaptureFixture) -> None:
+    """--peers: HOST:PORT entries, comma-separated or repeated; a name is each of its addresses;
+    what cannot be used is skipped with a log line."""
+    found = addresses(["10.1.0.1:7077,10.1.0.2:7077", "localhost:7078", "nope", "10.1.0.1:7077"])
+    resolved = {
+        str(ai[4][0]) for ai in socket.getaddrinfo("localhost", 7078, type=socket.SOCK_STREAM)
+    }
+    expected = ["10.1.0.1:7077", "10.1.0.2:7077"] + [
+        f"[{ip}]:7078" if ":" in ip else f"{ip}:7078" for ip in resolved
+    ]
+    assert sorted(found) == sorted(expected)
+    assert found[:2] == ["10.1.0.1:7077", "10.1.0.2:7077"]
+    assert "peer 'nope' is not HOST:PORT; skipped" in caplog.text
+    assert addresses(["no-such-host.invalid:7077"]) == []
+    assert "does not resolve" in caplog.text
+
+
+def test_fill_from_a_peer_over_tcp(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """B fills its set from A over the veth: the same bytes, the same id, source named."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert s.set_id == plan_tables(checkpoint).set_id
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    assert "filling set" in a.daemon.log
+    assert no_partial_loads(b.shm_dir)
+
+
+def test_wrong_token_falls_back_to_files(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """A peer with another token is refused (PERMISSION_DENIED); B loads from its files."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    wrong = tmp_path / "wrong"
+    wrong.write_text("another-token-0123456789")
+    rb = receiving(b, checkpoint, net, wrong)
+    s = ready_set(rb)
+    assert s.source == "files"
+    assert "PERMISSION_DENIED" in rb.log and "wrong peer token" in rb.log
+    assert "wrong token; refused" in a.daemon.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_wrong_bytes_are_refused(net: Net, nodes: Any, checkpoint: Path, token_file: Path) -> None:
+    """A peer whose copy was altered after publishing is refused; nothing of it is published."""
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, checkpoint, net, token_file)
+    s = ready_set(ra)
+    folder = sets_root(a.shm_dir) / s.set_id
+    victim = sorted(p for p in folder.iterdir() if p.name != "manifest.json")[0]
+    with open(victim, "r+b") as f:
+        f.seek(4096)
+        old = f.read(16)
+        f.seek(4096)
+        f.write(bytes(x ^ 0xFF for x in old))
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == "files"
+    assert "the peer sent other bytes" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_file: Path) -> None:
+    """The serving daemon dies while B reads: B falls back to its files, nothing half-published."""
+    a, b = nodes("a"), nodes("b")
+    # 4 MB/s: the fill of ~42 MB lasts about 10 s.
+    ra = serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
+    rb = receiving(b, big_checkpoint, net, token_file)
+
+    def reading() -> bool:
+        return any(s.bytes_loaded > 0 and s.source.startswith("peer") for s in rb.status().sets)
+
+    wait_until(reading, 60, "B to read from A")
+    ra.stop(signal.SIGKILL)
+    s = ready_set(rb)
+    assert s.source == "files", rb.log
+    # The broken stream or the failed read, whichever B meets first, and the step after it.
+    assert f"peer {net.ip_a}:7077: the " in rb.log and "; loading from the files" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+    assert no_partial_loads(b.shm_dir)
+    assert [x.set_id for x in rb.status().sets] == [s.set_id]
+
+
+def test_a_peer_below_the_floor_is_left(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A peer serving under --peer-rate 1M, a receiver with --peer-min-rate 4M: files."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file, "--peer-rate", "1M")
+    rb = receiving(b, checkpoint, net, token_file, "--peer-min-rate", "4M")
+    s = ready_set(rb)
+    assert s.source == "files", rb.log
+    assert "too slow" in rb.log and "--peer-min-rate" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--peer-listen", "127.0.0.1:0"], "need --peer-token-file"),
+        (["--peers", "127.0.0.1:1", "--peer-token-file", "/nonexistent"], "No such file"),
+        (["--object-store", "http://bucket/prefix"], "is not s3://bucket/prefix"),
+    ],
+)
+def test_fleet_flags_refused_with_the_fix(nodes: Any, args: list[str], message: str) -> None:
+    """Peer and object-store flags that cannot work stop the daemon with what to do."""
+    node = nodes("x")
+    with pytest.raises(RuntimeError, match="exited with"):
+        node.start(args)
+    assert message in node.daemon.log
+
+
+def test_a_short_token_is_refused(nodes: Any, tmp_path: Path) -> None:
+    """A token a peer could guess is no token: at least 16 characters."""
+    short = tmp_path / "short"
+    short.write_text("abc\n")
+    node = nodes("x")
+    with pytest.raises(RuntimeError, match="exited with"):
+        node.start(["--peer-listen", "127.0.0.1:0", "--peer-token-file", str(short)])
+    assert "holds 3 characters; use at least 16" in node.daemon.log
+
+
+def test_a_set_a_worker_loaded_never_leaves_the_node(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A holds the set only because a worker's attach loaded it (owner-only): not offered."""
+    a, b = nodes("a"), nodes("b")
+    ra = a.start(
+        [
+            "--allow-root",
+            str(checkpoint.parent),
+            "--peer-listen",
+            f"{net.ip_a}:7077",
+            "--peer-token-file",
+            str(token_file),
+        ],
+        net.a,
+        wait="serving",
+    )
+    request = pb.AttachRequest(set_id=plan_tables(checkpoint).set_id, checkpoint=str(checkpoint))
+    assert attach_error(ra, request) is None
+    held = ready_set(ra)
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.set_id == held.set_id
+    assert s.source == "files", rb.log
+    assert "NOT_FOUND" in rb.log and "serves no published set" in rb.log
+
+
+def test_receiver_killed_mid_fill(
+    net: Net, nodes: Any, big_checkpoint: Path, token_file: Path
+) -> None:
+    """B dies while it reads: A lets go of the stream and serves the next fill; B's restart
+    removes the partial load and fills again from A."""
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
+    rb = receiving(b, big_checkpoint, net, token_file)
+
+    def reading() -> bool:
+        return any(s.bytes_loaded > 0 and s.source.startswith("peer") for s in rb.status().sets)
+
+    wait_until(reading, 60, "B to read from A")
+    rb.stop(signal.SIGKILL)
+    assert not any(
+        p.name == plan_tables(big_checkpoint).set_id for p in sets_root(b.shm_dir).iterdir()
+    )
+    rb = b.restart()
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert "removing partial load" in rb.log
+    assert no_partial_loads(b.shm_dir)
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+    assert ra.proc is not None and ra.proc.poll() is None
+    assert ra.log.count("filling set") == 2
+
+
+# -- object store -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def s3() -> Iterator[S3]:
+    """s3rver on a free port, bucket "tables" (`make test-tools` installs it with npm)."""
+    missing = s3rver_missing()
+    if missing:
+        pytest.skip(missing)
+    with s3rver() as store:
+        yield store
+
+
+def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_file: Path) -> None:
+    """No peer answers; the object store's files fill the set, straight into its memory."""
+    s3.upload(checkpoint, "models/engram")
+    node = nodes("s")
+    d = node.start(
+        [
+            "--checkpoint",
+            str(checkpoint),
+            # Nothing listens there: the peer is passed over with its reason.
+            "--peers",
+            f"127.0.0.1:{free_port()}",
+            "--peer-token-file",
+            str(token_file),
+            "--object-store",
+            f"s3://{s3.bucket}/models/engram",
+            "--metrics-port",
+            str(metrics_port := free_port()),
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    url = f"s3://{s3.bucket}/models/engram"
+    assert s.source == url, d.log
+    assert "trying the next source" in d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    # Where it came from, and at what rate, in status, its table and the metrics.
+    shown = subprocess.run(
+        [sys.executable, "-m", "engramd", "status", "--socket", str(d.socket)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert f"{url} {s.bytes / s.load_seconds / 1e9:.2f} GB/s" in " ".join(shown.stdout.split())
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+        metrics = r.read().decode()
+    assert f'engramd_set_source{{node="",set_id="{s.set_id}",source="{url}"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_bad_object_falls_back_to_files(
+    s3: S3, nodes: Any, checkpoint: Path, damage: str
+) -> None:
+    """A missing or a truncated object: refused before a tensor is read; the files fill it."""
+    shards = sorted(p.name for p in checkpoint.glob("*.safetensors"))
+    if damage == "missing":
+        for name in shards[1:]:
+            s3.put(f"m/{name}", (checkpoint / name).read_bytes())
+    else:
+        s3.upload(checkpoint, "m", cut={shards[-1]: (checkpoint / shards[-1]).stat().st_size - 1})
+    node = nodes("s")
+    d = node.start(
+        ["--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"], env=s3.env()
+    )
+    s = ready_set(d)
+    assert s.source == "files", d.log
+    assert "loading from the files" in d.log
+    assert f"s3://{s3.bucket}/m/{shards[-1] if damage == 'truncated' else shards[0]}" in d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    assert no_partial_loads(node.shm_dir)
+
+
+def test_joined_shards_from_a_peer(
+    net: Net, nodes: Any, ple_checkpoint: Path, token_file: Path
+) -> None:
+    """PLE tables joined from row shards across files come whole from a peer."""
+    assert any(t.parts for t in plan_tables(ple_checkpoint).tensors)
+    a, b = nodes("a"), nodes("b")
+    serving(a, ple_checkpoint, net, token_file)
+    rb = receiving(b, ple_checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
+
+
+def test_joined_shards_from_the_object_store(s3: S3, nodes: Any, ple_checkpoint: Path) -> None:
+    """Each shard of a joined table is read from its own object, at its own offset."""
+    s3.upload(ple_checkpoint, "qwen")
+    node = nodes("s")
+    d = node.start(
+        ["--checkpoint", str(ple_checkpoint), "--object-store", f"s3://{s3.bucket}/qwen"],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == f"s3://{s3.bucket}/qwen", d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)

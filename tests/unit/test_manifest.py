@@ -1,0 +1,28 @@
+"""A set's manifest (engramd_shared.layout): written, read back, and refused when malformed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from backing_fill import sample_manifest
+
+from engramd_shared.layout import Manifest, ManifestError
+
+
+def test_manifest_round_trip_and_refusals() -> None:
+    m = sample_manifest()
+    assert Manifest.from_json(m.to_json()) == m
+    legacy = json.loads(m.to_json())
+    del legacy["sources"]  # written by engramd 0.1
+    assert Manifest.from_json(json.dumps(legacy)).sources == ()
+    for broken in (
+        {**legacy, "layout_version": 99},
+        {k: v for k, v in legacy.items() if k != "nonce"},
+        {**legacy, "nonce": "not hex"},
+        {**legacy, "tensors": [{**legacy["tensors"][0], "file": "../escape.bin"}]},
+        {**legacy, "tensors": [{**legacy["tensors"][0], "dtype": "Q4"}]},
+        {**legacy, "sources": [{"path": "/x"}]},
+    ):
+        with pytest.raises(ManifestError):
+            Manifest.from_json(json.dumps(broken))

@@ -1,0 +1,49 @@
+"""A set's status on the wire (engramd.api.wire) and as `engramd status` prints it."""
+
+from __future__ import annotations
+
+from engramd.api.wire import set_info
+from engramd.backings import TmpfsBacking
+from engramd.cli.status_view import as_dict, render
+from engramd.sets.leases import STATUS_LEASES, Lease
+from engramd.sets.tableset import SetState, TableSet
+from engramd.text import escape
+from engramd_shared.pb import engramd_pb2 as pb
+
+
+def test_status_is_bounded_and_prints_safely() -> None:
+    ts = TableSet(
+        set_id="ab" * 10,
+        checkpoint="/models/evil\n    lease forged",
+        selection="*",
+        fingerprint="f",
+        nbytes=1 << 30,
+        ntensors=2,
+        backing=TmpfsBacking("/dev/shm", None),
+        state=SetState.READY,
+    )
+    for i in range(STATUS_LEASES + 5):
+        lease = Lease(
+            f"l{i}",
+            ts.set_id,
+            "tmpfs",
+            node=None,
+            pid=100 + i,
+            labels={"rank": str(i)},
+            pid_start=None,
+        )
+        ts.leases[lease.lease_id] = lease
+    ts.leases["l0"].stale = True
+    info = set_info(ts)
+    assert len(info.leases) == STATUS_LEASES and info.lease_count == STATUS_LEASES + 5
+    assert info.state == "ready" and info.backing == "tmpfs"
+    assert info.leases[0].stale and not info.leases[0].pid_verified
+    reply = pb.StatusReply(daemon=pb.DaemonInfo(), shm=pb.ShmInfo(total_bytes=1 << 40), sets=[info])
+    doc = as_dict(reply)
+    assert doc["shm"]["total_bytes"] == 1 << 40  # a number, not protobuf's string
+    assert doc["saved_bytes"] == (STATUS_LEASES + 4) << 30  # counted over every lease
+    text = render(reply)
+    assert "evil\\x0a    lease forged" in text
+    assert not any(line.startswith("    lease forged") for line in text.splitlines())
+    assert "and 5 more leases" in text and "STALE" in text
+    assert escape("a\tb\x1b[2J\x85") == "a\\x09b\\x1b[2J\\x85"
