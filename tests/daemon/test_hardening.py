@@ -317,7 +317,7 @@ def test_leases_are_bounded(checkpoint: Path, daemons: Any, workers: list[Worker
         assert workers[-1].hello["mode"] == "shared"
     third = Worker(checkpoint, d.socket, share="on")
     workers.append(third)
-    assert third.hello["error"] == "DaemonError" and "--max-leases" in third.hello["message"]
+    assert third.hello["error"] == "TooManyLeases" and "--max-leases" in third.hello["message"]
     auto = Worker(checkpoint, d.socket)
     workers.append(auto)
     assert auto.hello["mode"] == "private"

@@ -257,7 +257,7 @@ def test_each_uid_holds_its_share_of_leases(
         assert workers[-1].hello["mode"] == "shared"
     third = Worker(ckpt, d.socket, share="on", user=ALICE)
     workers.append(third)
-    assert third.hello["error"] == "DaemonError"
+    assert third.hello["error"] == "TooManyLeases"
     assert f"uid {alice} hold 2 leases" in third.hello["message"]
     assert "--leases-per-uid" in third.hello["message"]
     auto = Worker(ckpt, d.socket, user=ALICE)
@@ -558,7 +558,7 @@ def test_uncollected_attaches_of_one_user_shut_no_one_out(
         # Bob's share and the node's limit still hold where leases are granted.
         third = Worker(ckpt, d.socket, share="on", user=ALICE)
         workers.append(third)
-        assert third.hello["error"] == "DaemonError", third.hello
+        assert third.hello["error"] == "TooManyLeases", third.hello
         assert "--leases-per-uid" in third.hello["message"]
     finally:
         holder.stdin.write("stop\n")
