@@ -1,41 +1,17 @@
 """The fd channel: a set's read-only descriptors for the worker that holds its lease.
 
 A SOCK_SEQPACKET Unix socket beside the worker socket (default `fds.sock`,
-0660, the socket group), served on the daemon's event loop. Descriptors work
-in any mount and IPC namespace: a worker that can reach the socket folder
-maps the daemon's memory whatever its own /dev/shm is.
+0660, the socket group), served on the daemon's event loop: one exchange
+per connection, FdRequest{lease_id, secret} in, FdReply messages with the
+descriptors (SCM_RIGHTS) or one FdReply{error, reason} out. The protocol
+and every check are described in docs/architecture.md ("The fd channel").
 
-One exchange per connection, each message one engramd.v1 protobuf::
-
-    worker -> daemon   FdRequest{lease_id, secret}          within 1 s, at most 1 KiB
-    daemon -> worker   FdReply{files, more} + descriptors    SCM_RIGHTS, at most 250 a message
-                       ... until more is false
-                  or   FdReply{error}                       no descriptor, then close
-
-Connections are capped: MAX_CONNECTIONS in all, and `per_uid` for each
-peer uid (SO_PEERCRED), so idle connections of one user cannot shut out
-another's workers. A connection over either cap gets FdReply{error,
-reason "busy"} and is closed at once; the worker then maps by path.
-
-Every check comes before any descriptor leaves the daemon:
-
-- the peer (SO_PEERCRED) is root, the daemon's user, or in the socket group
-  (the socket's mode already keeps everyone else from connecting);
-- the lease is live and the secret is its own (compared in constant time)
-  and unused: it is spent by the first exchange that presents it;
-- where the peer's pid is visible to the daemon, the peer is the lease's
-  process: its pid in its own namespace (the last NSpid) is the pid the
-  worker attached with. A peer in a pid namespace the daemon cannot see
-  (pid 0) is bound by the secret alone;
-- for a set no operator published (a worker's attach loaded it), the
-  peer's uid may read the checkpoint files the lease attached with (mode
-  bits along each path, with the peer's groups: policy.may_read).
-
-The lease then carries the peer's uid (a first lease of descriptors is
-granted now: charged against --max-leases and its uid's share,
-`leases_per_uid`) and, where the peer's pid is visible, its pid as
-the kernel gave it: the only "verified" pid status shows, and the sweep
-ends the lease when that process is gone.
+This module is the socket's side: the caps on connections (MAX_CONNECTIONS
+in all, `per_uid` for each peer uid, so idle connections of one user cannot
+shut out another's workers), the request's size and deadline, the peer's
+credentials (SO_PEERCRED) and membership (root, the daemon's user, or the
+socket group). The lease's own checks and what the lease then records are
+the lease book's: LeaseBook.redeem, given the peer as the kernel names it.
 """
 
 from __future__ import annotations

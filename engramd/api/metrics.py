@@ -80,6 +80,7 @@ class StoreCollector(Collector):
 
     def __init__(self, store: SetStore, loop: asyncio.AbstractEventLoop) -> None:
         self._store = store
+        self._stats = store.leases.stats
         self._loop = loop
 
     async def _snapshot(self) -> tuple[list[SetSample], list[tuple[str, Usage]], bool]:
@@ -113,7 +114,7 @@ class StoreCollector(Collector):
             if s.source:
                 source.add_metric([s.set_id, s.node, s.source], 1)
         yield from (set_bytes, leases, locked, loaded, rate, source)
-        attached, fell_back = self._store.leases.stats.snapshot()
+        attached, fell_back = self._stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():
             attaches.add_metric([result], count)
