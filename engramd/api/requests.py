@@ -10,9 +10,9 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from engramd.api.wire import WIRE_KINDS
+from engramd.api.wire import WIRE_KINDS, WIRE_ROUTES
 from engramd.backings.handles import HandleKind
-from engramd.sets.intents import AttachIntent, GpuRoute, LoadIntent
+from engramd.sets.intents import AttachIntent, LoadIntent
 from engramd_shared.checkpoint import is_set_id
 from engramd_shared.errors import InvalidRequest
 from engramd_shared.pb import engramd_pb2 as pb
@@ -25,6 +25,7 @@ _MAX_PATH = 4096
 _NONCE = re.compile(r"^([0-9a-f]{32})?$")
 _DEVICE = re.compile(r"^(cuda:\d{1,3})?$")
 _KINDS = {number: kind for kind, number in WIRE_KINDS.items()}
+_ROUTES = {number: route for route, number in WIRE_ROUTES.items()}
 
 
 def attach_intent(request: pb.AttachRequest) -> AttachIntent:
@@ -43,7 +44,7 @@ def attach_intent(request: pb.AttachRequest) -> AttachIntent:
         pid_start=request.pid_start,
         numa_node=request.numa_node if request.HasField("numa_node") else None,
         device=request.device,
-        gpu_route=GpuRoute(request.gpu_route),
+        gpu_route=_ROUTES[request.gpu_route],
     )
 
 
@@ -72,7 +73,7 @@ def _validate(request: pb.AttachRequest) -> None:
         raise InvalidRequest("nonce is not 32 hex digits")
     if not _DEVICE.match(request.device):
         raise InvalidRequest("device is not cuda:N (or empty)")
-    if request.gpu_route not in pb.GpuRoute.values():
+    if request.gpu_route not in _ROUTES:
         raise InvalidRequest(f"gpu_route {request.gpu_route} is not an engramd.v1.GpuRoute")
     if len(request.labels) > _MAX_LABELS or not all(
         _LABEL_KEY.match(k) and _LABEL_VALUE.match(v) for k, v in request.labels.items()

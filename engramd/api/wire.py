@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from engramd import __version__
 from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, PathRange
-from engramd.sets.intents import Progress
+from engramd.sets.intents import GpuRoute, Progress
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
@@ -25,6 +25,10 @@ WIRE_KINDS: dict[HandleKind, int] = {
     HandleKind.FD: pb.HANDLE_KIND_FD,
     HandleKind.CUMEM: pb.HANDLE_KIND_CUMEM,
     HandleKind.CUMEM_FABRIC: pb.HANDLE_KIND_CUMEM_FABRIC,
+}
+#: Each GPU route as the wire numbers it (by name: a route the wire lacks fails at import).
+WIRE_ROUTES: dict[GpuRoute, int] = {
+    route: pb.GpuRoute.Value(f"GPU_ROUTE_{route.name}") for route in GpuRoute
 }
 
 
@@ -96,7 +100,7 @@ def attachment(
         lease_id=lease.lease_id,
         sources=source_files(ts.manifest) if sources else [],
         tensors=[tensor_handle(h) for h in handles],
-        gpu_route=int(lease.gpu_route),  # type: ignore[arg-type]
+        gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
     )
     if fd_socket is not None:
         out.fd_channel.socket = fd_socket
@@ -131,7 +135,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 pid_verified=lease.pid_verified,
                 kind=WIRE_KINDS[lease.kind],  # type: ignore[arg-type]
                 device=lease.device,
-                gpu_route=int(lease.gpu_route),  # type: ignore[arg-type]
+                gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
                 uid=lease.uid,
             )
             for lease in LeaseBook.listed(ts, STATUS_LEASES)
