@@ -1,6 +1,8 @@
-"""The daemon's faces: the gRPC services and their server, the fd channel, metrics.
+"""The daemon's faces: the gRPC services, the fd channel, probes, peers, metrics.
 
-Requests are validated and refused here, and the store's state becomes
-engramd.v1 messages here (wire.py); engramd/errors.py maps exceptions to gRPC
-status codes. Nothing below this room imports it.
+They translate and decide nothing: requests become the sets' plain values
+in requests.py (refused there when malformed), each call one verb of
+engramd.sets (keeper.py, LeaseBook.redeem), and the answers engramd.v1
+messages in wire.py; engramd/errors.py maps exceptions to gRPC status codes.
+Nothing below this room imports it.
 """

@@ -1,4 +1,7 @@
-"""engramd.v1.AdminService: load, drop, verify, status. Served only on the admin socket (0600)."""
+"""engramd.v1.AdminService: load, drop, verify, status. Served only on the admin socket (0600).
+
+Translates each call to the verbs of the node's sets (engramd.sets.keeper).
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,11 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engramd.api.wire import load_progress, set_info
-from engramd.config import DaemonConfig
+from engramd.api.requests import load_intent
+from engramd.api.wire import progress, set_info
 from engramd.errors import abort
-from engramd.host.blocking import BlockingPool
-from engramd.sets.loader import LoadProgress
-from engramd.sets.proof import Prover
-from engramd.sets.store import SetStore
-from engramd.sets.tableset import TableSet
-from engramd_shared.checkpoint import TablePlan, plan_tables
-from engramd_shared.errors import InvalidRequest
+from engramd.sets.intents import Loaded
+from engramd.sets.keeper import SetKeeper
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
@@ -23,56 +21,34 @@ from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 class AdminService(pb_grpc.AdminServiceServicer):
     """What only the daemon's owner may ask for."""
 
-    def __init__(
-        self,
-        config: DaemonConfig,
-        store: SetStore,
-        status: Callable[[], pb.StatusReply],
-        prover: Prover,
-    ) -> None:
-        """Serve `store`; `prover` is the daemon's one (its kept digests serve every caller)."""
-        self._config = config
-        self._store = store
+    def __init__(self, sets: SetKeeper, status: Callable[[], pb.StatusReply]) -> None:
+        """Serve `sets`; `status()` is the full status reply (every set shown)."""
+        self._sets = sets
         self._status = status
-        self._readers = BlockingPool("admin-checkpoint", 2)
-        self._prover = prover
 
     async def Load(
         self, request: pb.LoadRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadEvent]:
         """Load a checkpoint's set (a copy per node, --numa per-node); progress, then the set."""
+        loaded: Loaded | None = None
         try:
-            if not request.checkpoint:
-                raise InvalidRequest("checkpoint is empty; name a checkpoint folder")
-            plan = await self._readers.run(
-                plan_tables, request.checkpoint, request.tensors or self._config.tensors
-            )
-            copies = await self._store.ensure_everywhere(plan)
-            for ts in copies:
-                async for progress in load_progress(ts):
-                    yield pb.LoadEvent(progress=progress)
-                if ts.error is not None:
-                    raise ts.error
-                # A set held under this id may come from other files (a worker's
-                # copy): it is published for all only for bytes proven equal.
-                await self._readers.run(self._prove, plan, ts)
-            self._store.publish(copies)
+            async for step in self._sets.load(load_intent(request)):
+                if isinstance(step, Loaded):
+                    loaded = step
+                else:
+                    yield pb.LoadEvent(progress=progress(step))
+            assert loaded is not None
         except Exception as e:
             await abort(context, e)
             return
-        yield pb.LoadEvent(ready=set_info(copies[0]))
-
-    def _prove(self, plan: TablePlan, ts: TableSet) -> None:
-        assert ts.manifest is not None
-        proof = self._prover.judge(plan, ts.manifest)
-        self._prover.prove(proof, ts.manifest, LoadProgress(proof.nbytes))
+        yield pb.LoadEvent(ready=set_info(loaded.ts))
 
     async def Drop(
         self, request: pb.DropRequest, context: grpc.aio.ServicerContext
     ) -> pb.DropReply:
         """Unlink a set."""
         try:
-            nbytes, leases = await self._store.drop(request.set_id, request.force)
+            nbytes, leases = await self._sets.drop(request.set_id, request.force)
         except Exception as e:
             await abort(context, e)
             raise
@@ -83,7 +59,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
     ) -> pb.VerifyReply:
         """Recompute a set's checksums; name the tensors that differ."""
         try:
-            ts, corrupted = await self._store.verify(request.set_id)
+            ts, corrupted = await self._sets.verify(request.set_id)
         except Exception as e:
             await abort(context, e)
             raise

@@ -1,41 +1,17 @@
 """The fd channel: a set's read-only descriptors for the worker that holds its lease.
 
 A SOCK_SEQPACKET Unix socket beside the worker socket (default `fds.sock`,
-0660, the socket group), served on the daemon's event loop. Descriptors work
-in any mount and IPC namespace: a worker that can reach the socket folder
-maps the daemon's memory whatever its own /dev/shm is.
+0660, the socket group), served on the daemon's event loop: one exchange
+per connection, FdRequest{lease_id, secret} in, FdReply messages with the
+descriptors (SCM_RIGHTS) or one FdReply{error, reason} out. The protocol
+and every check are described in docs/architecture.md ("The fd channel").
 
-One exchange per connection, each message one engramd.v1 protobuf::
-
-    worker -> daemon   FdRequest{lease_id, secret}          within 1 s, at most 1 KiB
-    daemon -> worker   FdReply{files, more} + descriptors    SCM_RIGHTS, at most 250 a message
-                       ... until more is false
-                  or   FdReply{error}                       no descriptor, then close
-
-Connections are capped: MAX_CONNECTIONS in all, and `per_uid` for each
-peer uid (SO_PEERCRED), so idle connections of one user cannot shut out
-another's workers. A connection over either cap gets FdReply{error,
-reason "busy"} and is closed at once; the worker then maps by path.
-
-Every check comes before any descriptor leaves the daemon:
-
-- the peer (SO_PEERCRED) is root, the daemon's user, or in the socket group
-  (the socket's mode already keeps everyone else from connecting);
-- the lease is live and the secret is its own (compared in constant time)
-  and unused: it is spent by the first exchange that presents it;
-- where the peer's pid is visible to the daemon, the peer is the lease's
-  process: its pid in its own namespace (the last NSpid) is the pid the
-  worker attached with. A peer in a pid namespace the daemon cannot see
-  (pid 0) is bound by the secret alone;
-- for a set no operator published (a worker's attach loaded it), the
-  peer's uid may read the checkpoint files the lease attached with (mode
-  bits along each path, with the peer's groups: policy.may_read).
-
-The lease then carries the peer's uid (a first lease of descriptors is
-granted now: charged against --max-leases and its uid's share,
-`leases_per_uid`) and, where the peer's pid is visible, its pid as
-the kernel gave it: the only "verified" pid status shows, and the sweep
-ends the lease when that process is gone.
+This module is the socket's side: the caps on connections (MAX_CONNECTIONS
+in all, `per_uid` for each peer uid, so idle connections of one user cannot
+shut out another's workers), the request's size and deadline, the peer's
+credentials (SO_PEERCRED) and membership (root, the daemon's user, or the
+socket group). The lease's own checks and what the lease then records are
+the lease book's: LeaseBook.redeem, given the peer as the kernel names it.
 """
 
 from __future__ import annotations
@@ -49,7 +25,6 @@ import grp
 import logging
 import os
 import pwd
-import secrets
 import socket
 import struct
 import time
@@ -57,13 +32,9 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError
 
-from engramd.sets.policy import may_read
-from engramd.sets.store import SetStore
-from engramd.sets.tableset import SetState
-from engramd_shared.errors import Reason, TooManyLeases
-from engramd_shared.layout import ManifestError, NotOwned
+from engramd.sets.leases import Caller, LeaseBook
+from engramd_shared.errors import NotAllowed, Reason, SegmentNotVisible, TooManyLeases
 from engramd_shared.pb import engramd_pb2 as pb
-from engramd_shared.process import start_ticks
 
 log = logging.getLogger("engramd")
 
@@ -126,12 +97,13 @@ class Peer:
 
 
 class FdChannel:
-    """Serves a store's read-only descriptors on a Unix socket."""
+    """Serves sets' read-only descriptors on a Unix socket: checks the peer is a member,
+    and redeems the lease's secret in the lease book (LeaseBook.redeem), which judges the rest."""
 
-    def __init__(self, path: str, gid: int | None, store: SetStore, per_uid: int) -> None:
+    def __init__(self, path: str, gid: int | None, leases: LeaseBook, per_uid: int) -> None:
         self.path = path
         self._gid = os.getegid() if gid is None else gid
-        self._store = store
+        self._leases = leases
         #: Exchanges one uid holds at once (0: only MAX_CONNECTIONS).
         self._per_uid = per_uid
         self._sock: socket.socket | None = None
@@ -285,57 +257,19 @@ class FdChannel:
             raise Refused(
                 f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
             )
-        found = self._store.leases.find(request.lease_id)
-        if (
-            found is None
-            or not found[1].fd_secret
-            or not secrets.compare_digest(found[1].fd_secret, request.secret)
-        ):
-            raise Refused(
-                "no live lease with this id and an unused secret (the lease ended, or its "
-                "descriptors were collected already); attach again"
-            )
-        ts, lease = found
         # The peer's own pid is the last of its NSpid (its pid in the pid
         # namespace the worker attached from); the daemon's view of it is peer.pid.
         nspid = peer.status_field("NSpid")
-        if nspid and nspid[-1] != lease.pid:
-            raise Refused(
-                f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
-                f"process (pid {nspid[-1]} in its namespace)"
-            )
-        lease.fd_secret = ""
-        if not ts.published and not await asyncio.to_thread(
-            may_read, lease.readers, peer.uid, _groups(peer, nspid)
-        ):
-            # Read on a thread: a checkpoint's folder may sit on a network mount that hangs.
-            raise Refused(
-                f"uid {peer.uid} may not read the checkpoint files of lease {lease.lease_id} "
-                f"(set {ts.set_id} was loaded by a worker's attach, not published by the "
-                "operator): run the worker as a user that may read its checkpoint, or have "
-                "the operator load it (engramd load)"
-            )
-        if ts.state is not SetState.READY or ts.manifest is None:
-            raise Refused(f"set {ts.set_id} is no longer held; attach again", Reason.NOT_VISIBLE)
+        caller = Caller(
+            pid=peer.pid,
+            uid=peer.uid,
+            own_pid=nspid[-1] if nspid else None,
+            groups=functools.partial(_groups, peer, nspid),
+        )
         try:
-            self._store.leases.own(lease, peer.uid)
-        except TooManyLeases as e:
-            # Its secret is spent: the lease could serve nothing but the count.
-            lease.ended.set()
-            raise Refused(str(e), Reason.LEASES) from None
-        if nspid:
-            lease.pid, lease.pid_start, lease.pid_verified = peer.pid, start_ticks(peer.pid), True
-        try:
-            writable = lease.gpu_route == pb.GPU_ROUTE_REGISTER_WRITABLE
-            return ts.backing.descriptors(ts.manifest, writable)
-        except NotOwned as e:
-            raise Refused(
-                f"set {ts.set_id} in the shm folder is not engramd's own ({e}): refusing to "
-                "hand it out; drop it and load it again",
-                Reason.NOT_VISIBLE,
-            ) from None
-        except (OSError, ManifestError) as e:
-            raise Refused(f"set {ts.set_id} cannot be opened ({e})", Reason.NOT_VISIBLE) from None
+            return await self._leases.redeem(request.lease_id, request.secret, caller)
+        except (NotAllowed, SegmentNotVisible, TooManyLeases) as e:
+            raise Refused(str(e), e.reason) from None
 
     def _member(self, peer: Peer) -> bool:
         if peer.uid in (0, os.geteuid()) or peer.gid == self._gid:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from engramd.backings import Usage
+from engramd.sets.leases import LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
 
@@ -51,7 +52,7 @@ class SetSample:
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
     now = time.monotonic()
     samples = []
-    for ts in store.sets.all():
+    for ts in store.held():
         rate = None
         if ts.state is SetState.READY and ts.load_seconds:
             rate = ts.nbytes / ts.load_seconds
@@ -64,7 +65,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 ts.backing.name,
                 ts.state.value,
                 ts.nbytes,
-                store.leases.count(ts),
+                LeaseBook.count(ts),
                 ts.locked,
                 ts.bytes_loaded,
                 rate,
@@ -77,15 +78,13 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
 class StoreCollector(Collector):
     """Reads the daemon's state on each scrape; nothing is updated on the hot path."""
 
-    def __init__(
-        self, store: SetStore, ready: Callable[[], bool], loop: asyncio.AbstractEventLoop
-    ) -> None:
+    def __init__(self, store: SetStore, loop: asyncio.AbstractEventLoop) -> None:
         self._store = store
-        self._ready = ready
+        self._stats = store.leases.stats
         self._loop = loop
 
     async def _snapshot(self) -> tuple[list[SetSample], list[tuple[str, Usage]], bool]:
-        return (*_sample(self._store), self._ready())
+        return (*_sample(self._store), self._store.ready)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
@@ -115,7 +114,7 @@ class StoreCollector(Collector):
             if s.source:
                 source.add_metric([s.set_id, s.node, s.source], 1)
         yield from (set_bytes, leases, locked, loaded, rate, source)
-        attached, fell_back = self._store.leases.stats.snapshot()
+        attached, fell_back = self._stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():
             attaches.add_metric([result], count)
@@ -143,14 +142,12 @@ class StoreCollector(Collector):
         )
 
 
-def serve_metrics(
-    store: SetStore, ready: Callable[[], bool], address: str, port: int
-) -> WSGIServer:
+def serve_metrics(store: SetStore, address: str, port: int) -> WSGIServer:
     """Serve /metrics on a thread; returns the server (shutdown() stops it).
 
     Call on the event loop: scrapes take their snapshots there.
     """
     registry = CollectorRegistry()
-    registry.register(StoreCollector(store, ready, asyncio.get_running_loop()))
+    registry.register(StoreCollector(store, asyncio.get_running_loop()))
     server, _thread = start_http_server(port, addr=address, registry=registry)
     return server

@@ -28,7 +28,7 @@ from engramd.backings import Backing
 from engramd.errors import DecodeGuard, abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
-from engramd.sets.tableset import SetState, TableSet
+from engramd.sets.tableset import TableSet
 from engramd.sources.base import SourceFailed
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, close_all
@@ -157,11 +157,11 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._pool = BlockingPool("peer", 2)
 
     def _published(self, set_id: str) -> TableSet:
-        for ts in self._store.sets.copies(set_id):
-            if ts.state is SetState.READY and ts.published and ts.manifest is not None:
-                return ts
-        # The same answer for a set not held and one only a worker's attach loaded.
-        raise UnknownSet(f"this daemon serves no published set {set_id} to peers")
+        ts = self._store.offered(set_id)
+        if ts is None:
+            # The same answer for a set not held and one only a worker's attach loaded.
+            raise UnknownSet(f"this daemon serves no published set {set_id} to peers")
+        return ts
 
     async def Fill(
         self,

@@ -1,15 +1,17 @@
-"""The daemon's state as engramd.v1 messages: sets, leases, progress, status."""
+"""The sets' values as engramd.v1 messages: sets, leases, progress, status.
+
+The other direction, requests as the sets' values, is requests.py's.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import Callable
 
 from engramd import __version__
 from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, PathRange
+from engramd.sets.intents import GpuRoute, Progress
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
@@ -17,8 +19,6 @@ from engramd_shared.families import family_of_selection
 from engramd_shared.layout import Manifest
 from engramd_shared.pb import engramd_pb2 as pb
 
-#: How often a caller waiting for a load hears about its progress.
-PROGRESS_INTERVAL_S = 0.25
 #: Each handle kind as the wire numbers it.
 WIRE_KINDS: dict[HandleKind, int] = {
     HandleKind.SHM: pb.HANDLE_KIND_SHM,
@@ -26,25 +26,15 @@ WIRE_KINDS: dict[HandleKind, int] = {
     HandleKind.CUMEM: pb.HANDLE_KIND_CUMEM,
     HandleKind.CUMEM_FABRIC: pb.HANDLE_KIND_CUMEM_FABRIC,
 }
-_KINDS = {number: kind for kind, number in WIRE_KINDS.items()}
+#: Each GPU route as the wire numbers it (by name: a route the wire lacks fails at import).
+WIRE_ROUTES: dict[GpuRoute, int] = {
+    route: pb.GpuRoute.Value(f"GPU_ROUTE_{route.name}") for route in GpuRoute
+}
 
 
-def handle_kinds(accept: Iterable[int]) -> list[HandleKind]:
-    """The kinds a request accepts, in its order; kinds this daemon does not know are left out."""
-    return [_KINDS[number] for number in accept if number in _KINDS]
-
-
-def kind_names(kinds: Iterable[HandleKind]) -> str:
-    """Kinds as the wire names them, in the wire's order: "HANDLE_KIND_SHM, HANDLE_KIND_FD"."""
-    return ", ".join(pb.HandleKind.Name(n) for n in sorted(WIRE_KINDS[k] for k in kinds))
-
-
-async def load_progress(ts: TableSet) -> AsyncIterator[pb.LoadProgress]:
-    """The set's load progress, four times a second, until the load ends (ready or failed)."""
-    while not ts.done.is_set():
-        yield pb.LoadProgress(bytes_done=ts.bytes_loaded, bytes_total=ts.nbytes)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+def progress(step: Progress) -> pb.LoadProgress:
+    """Bytes of a load or a proof done so far."""
+    return pb.LoadProgress(bytes_done=step.done, bytes_total=step.total)
 
 
 def source_files(manifest: Manifest) -> list[pb.SourceFile]:
@@ -110,7 +100,7 @@ def attachment(
         lease_id=lease.lease_id,
         sources=source_files(ts.manifest) if sources else [],
         tensors=[tensor_handle(h) for h in handles],
-        gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+        gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
     )
     if fd_socket is not None:
         out.fd_channel.socket = fd_socket
@@ -145,7 +135,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
                 pid_verified=lease.pid_verified,
                 kind=WIRE_KINDS[lease.kind],  # type: ignore[arg-type]
                 device=lease.device,
-                gpu_route=lease.gpu_route,  # type: ignore[arg-type]
+                gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
                 uid=lease.uid,
             )
             for lease in LeaseBook.listed(ts, STATUS_LEASES)
@@ -207,7 +197,7 @@ def status_reply(
         ),
         sets=[
             set_info(ts, now) if shown is None or shown(ts) else _withheld(ts)
-            for ts in store.sets.all()
+            for ts in store.held()
         ],
         backings=[
             pb.BackingInfo(

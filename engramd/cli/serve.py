@@ -77,7 +77,7 @@ def serve(
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
     import asyncio
 
-    from engramd.api.server import serve as run
+    from engramd.lifecycle import serve as run
 
     setup_logging(log_level, log_json)
     try:

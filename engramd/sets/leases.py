@@ -1,7 +1,9 @@
 """Leases: a worker's hold on a set while its Attach stream is open; their limits and counters.
 
-Every lease lives on its set (`TableSet.leases`); this room adds, finds and
-ends them, charges them to uids, and ends those whose process is gone.
+Every lease lives on its set (`TableSet.leases`); this room alone writes
+them: it adds them, redeems their fd-channel secret for the caller the kernel
+names, charges them to uids, and ends them (their stream closed, their
+process gone, the set dropped, the daemon stopping).
 """
 
 from __future__ import annotations
@@ -13,14 +15,17 @@ import secrets
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engramd.backings.handles import HandleKind
+from engramd.sets.intents import AttachIntent, GpuRoute
+from engramd.sets.policy import may_read
 from engramd.sets.registry import SetRegistry
-from engramd.sets.tableset import SetKey, TableSet, set_key
+from engramd.sets.tableset import SetKey, SetState, TableSet, set_key
 from engramd_shared.beneath import Opened
-from engramd_shared.errors import TooManyLeases, UnknownSet
-from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.errors import NotAllowed, SegmentNotVisible, TooManyLeases, UnknownSet
+from engramd_shared.layout import ManifestError, NotOwned
 from engramd_shared.process import pid_namespace, start_ticks
 
 log = logging.getLogger("engramd")
@@ -87,7 +92,7 @@ class Lease:
     #: The CUDA device the worker registers the set for ("cuda:N"), or "".
     device: str = ""
     #: How the worker reads the set on that device (engramd.v1.GpuRoute).
-    gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED
+    gpu_route: GpuRoute = GpuRoute.UNSPECIFIED
     #: One-time secret for the fd channel; "" once used.
     fd_secret: str = field(default_factory=lambda: secrets.token_hex(16))
     #: The worker's uid, once the kernel told it (SO_PEERCRED on the fd channel); None:
@@ -116,6 +121,19 @@ class Lease:
         return set_key(self.set_id, self.backing, self.node)
 
 
+@dataclass(frozen=True)
+class Caller:
+    """The fd channel's peer, as the kernel named it (SO_PEERCRED, /proc)."""
+
+    #: Its pid in the daemon's pid namespace.
+    pid: int
+    uid: int
+    #: Its pid in its own namespace (the last NSpid); None where the daemon cannot see it.
+    own_pid: int | None
+    #: Its groups; read only when a set no operator published asks for them.
+    groups: Callable[[], set[int]]
+
+
 class LeaseBook:
     """The leases of the sets in a registry, within --max-leases and --leases-per-uid."""
 
@@ -129,11 +147,15 @@ class LeaseBook:
     def add(
         self,
         ts: TableSet,
-        request: pb.AttachRequest,
+        intent: AttachIntent,
         kind: HandleKind,
-        gpu_route: int = pb.GPU_ROUTE_UNSPECIFIED,
+        gpu_route: GpuRoute = GpuRoute.UNSPECIFIED,
+        readers: tuple[str | Opened, ...] = (),
     ) -> Lease:
-        """Record a worker attached to a ready set, mapping it by handles of `kind`."""
+        """Record a worker attached to a ready set, mapping it by handles of `kind`.
+
+        `readers`: the checkpoint files the worker attached with (Lease.readers).
+        """
         if not self._sets.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
         # A first lease of descriptors is granted, and charged to its uid, when
@@ -142,31 +164,91 @@ class LeaseBook:
         # shut out other users. Any other lease's uid is unknown until its
         # worker comes to the fd channel, and all of those together hold one
         # uid's share.
-        collects = kind in ON_FD_CHANNEL and not request.reattach
+        collects = kind in ON_FD_CHANNEL and not intent.reattach
         if not collects:
             self._check_total()
             self._check_share(None)
-        start = start_ticks(request.pid) if request.pid > 0 else None
-        claimed = request.pid_namespace == _PID_NAMESPACE and start == request.pid_start
+        start = start_ticks(intent.pid) if intent.pid > 0 else None
+        claimed = intent.pid_namespace == _PID_NAMESPACE and start == intent.pid_start
         lease = Lease(
             lease_id=secrets.token_hex(6),
             set_id=ts.set_id,
             backing=ts.backing.name,
             node=ts.node,
-            pid=request.pid,
-            labels=dict(request.labels),
+            pid=intent.pid,
+            labels=dict(intent.labels),
             pid_start=start if claimed else None,
             stale=bool(
-                request.nonce and ts.manifest is not None and request.nonce != ts.manifest.nonce
+                intent.nonce and ts.manifest is not None and intent.nonce != ts.manifest.nonce
             ),
             kind=kind,
-            device=request.device,
+            device=intent.device,
             gpu_route=gpu_route,
             collects=collects,
+            readers=readers,
         )
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
         return lease
+
+    async def redeem(self, lease_id: str, secret: str, caller: Caller) -> list[tuple[str, int]]:
+        """The set's read-only descriptors (name, fd) for the caller holding a lease's secret.
+
+        Spends the secret, charges the lease to the caller's uid and, where the
+        caller's pid is visible, binds the lease to that process. Raises
+        NotAllowed (no such lease, a wrong or spent secret, another process,
+        a uid that may not read the checkpoint), TooManyLeases (the lease then
+        ends) or SegmentNotVisible (the set is gone or cannot be opened).
+        """
+        found = self.find(lease_id)
+        if (
+            found is None
+            or not found[1].fd_secret
+            or not secrets.compare_digest(found[1].fd_secret, secret)
+        ):
+            raise NotAllowed(
+                "no live lease with this id and an unused secret (the lease ended, or its "
+                "descriptors were collected already); attach again"
+            )
+        ts, lease = found
+        if caller.own_pid is not None and caller.own_pid != lease.pid:
+            raise NotAllowed(
+                f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
+                f"process (pid {caller.own_pid} in its namespace)"
+            )
+        lease.fd_secret = ""
+        if not ts.published and not await asyncio.to_thread(
+            lambda: may_read(lease.readers, caller.uid, caller.groups())
+        ):
+            # Read on a thread: a checkpoint's folder may sit on a network mount that hangs.
+            raise NotAllowed(
+                f"uid {caller.uid} may not read the checkpoint files of lease {lease.lease_id} "
+                f"(set {ts.set_id} was loaded by a worker's attach, not published by the "
+                "operator): run the worker as a user that may read its checkpoint, or have "
+                "the operator load it (engramd load)"
+            )
+        if ts.state is not SetState.READY or ts.manifest is None:
+            raise SegmentNotVisible(f"set {ts.set_id} is no longer held; attach again")
+        try:
+            self.own(lease, caller.uid)
+        except TooManyLeases:
+            # Its secret is spent: the lease could serve nothing but the count.
+            lease.ended.set()
+            raise
+        if caller.own_pid is not None:
+            lease.pid, lease.pid_start = caller.pid, start_ticks(caller.pid)
+            lease.pid_verified = True
+        try:
+            return ts.backing.descriptors(
+                ts.manifest, lease.gpu_route == GpuRoute.REGISTER_WRITABLE
+            )
+        except NotOwned as e:
+            raise SegmentNotVisible(
+                f"set {ts.set_id} in the shm folder is not engramd's own ({e}): refusing to "
+                "hand it out; drop it and load it again"
+            ) from None
+        except (OSError, ManifestError) as e:
+            raise SegmentNotVisible(f"set {ts.set_id} cannot be opened ({e})") from None
 
     def own(self, lease: Lease, uid: int) -> None:
         """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases.

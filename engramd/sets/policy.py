@@ -14,6 +14,7 @@ from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
 from engramd.config import DaemonConfig
+from engramd.sets.intents import AttachIntent
 from engramd_shared.beneath import Opened, Root
 from engramd_shared.checkpoint import INDEX_FILE, TablePlan
 from engramd_shared.errors import (
@@ -24,7 +25,6 @@ from engramd_shared.errors import (
     SelectionRefused,
 )
 from engramd_shared.families import AUTO, FAMILIES
-from engramd_shared.pb import engramd_pb2 as pb
 
 
 def resolve(checkpoint: str) -> Path:
@@ -43,9 +43,7 @@ class LoadPolicy:
         self._allowed = [Path(p).resolve() for p in config.allow_roots]
         self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
 
-    def check_request(
-        self, request: pb.AttachRequest, loaded: list[str]
-    ) -> tuple[Path, Root | None]:
+    def check_request(self, request: AttachIntent, loaded: list[str]) -> tuple[Path, Root | None]:
         """The checkpoint a worker may have loaded, and the root its files are opened beneath
         (None: a configured checkpoint); raises the refusal otherwise.
 
@@ -69,7 +67,7 @@ class LoadPolicy:
             raise NotAllowed(self._refusal(request.checkpoint))
         return path, None
 
-    def selection(self, request: pb.AttachRequest) -> str:
+    def selection(self, request: AttachIntent) -> str:
         """The selection a worker's attach may load with: the configured one.
 
         With `auto` configured, any family's own selection (the worker's

@@ -1,8 +1,10 @@
-"""The sets' lifecycle: adopted at start, loaded on demand, pinned, verified, dropped.
+"""The sets' states: adopted at start, loaded, published, pinned, verified, dropped.
 
 The sets themselves are in the registry (registry.py), where a load may go is
 admission's call (admission.py), and the workers' leases are the lease book's
-(leases.py); this module drives a set through its states.
+(leases.py); this module drives a set through its states, and says when the
+daemon is ready: every set the operator configured is loaded. Who asks for
+what (plans, proofs, workers' attaches) is the keeper's (keeper.py).
 
 Runs on the daemon's event loop; copying, checksumming, pinning and
 unlinking run on daemon threads (blocking.py), so a drop of 189 GiB never
@@ -14,6 +16,7 @@ for status and is replaced by the next load of the same checkpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine
@@ -85,6 +88,54 @@ class SetStore:
         self._files = BlockingPool("files", 4)
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_mlock = False
+        #: Every copy of the sets the operator configured (--checkpoint), once loading.
+        self.configured: list[TableSet] = []
+        # A configured checkpoint gave no set: the daemon never becomes ready.
+        self._incomplete = False
+        self._ready = False
+
+    # -- readiness ------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        """Every configured set is loaded: health SERVING, systemd READY=1, status "ready".
+
+        Set once, when the configured loads end (settle); it stays while the daemon runs.
+        """
+        return self._ready
+
+    def configure(self, copies: list[TableSet] | None) -> None:
+        """Count `copies` among the configured sets; None: a configured checkpoint that gave
+        none (the daemon then never becomes ready)."""
+        if copies is None:
+            self._incomplete = True
+        else:
+            self.configured += copies
+
+    async def settle(self, interval: float, waiting: Callable[[], None]) -> bool:
+        """Wait for every configured load to end, calling `waiting()` every `interval` seconds
+        until then; ready (True) when every configured set is."""
+        while not all(ts.done.is_set() for ts in self.configured):
+            waiting()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    asyncio.gather(*(ts.done.wait() for ts in self.configured)), interval
+                )
+        self._ready = not self._incomplete and all(
+            ts.state is SetState.READY for ts in self.configured
+        )
+        return self._ready
+
+    def held(self) -> list[TableSet]:
+        """Every copy the store holds, in any state, in the order they came."""
+        return self.sets.all()
+
+    def offered(self, set_id: str) -> TableSet | None:
+        """A ready copy of a set the operator published (what other daemons may fill from)."""
+        for ts in self.sets.copies(set_id):
+            if ts.state is SetState.READY and ts.published and ts.manifest is not None:
+                return ts
+        return None
 
     # -- sets -----------------------------------------------------------------
 
@@ -218,7 +269,8 @@ class SetStore:
 
     def publish(self, copies: list[TableSet]) -> None:
         """Publish sets the operator loaded: any caller may attach them by id, and map them
-        by path (their files become readable by the socket group)."""
+        by path (their files become readable by the socket group). The one place a set
+        is published: the keeper's loads and a published set's copy for another node."""
         for ts in copies:
             if ts.manifest is not None:
                 ts.backing.share_with_group(ts.manifest)

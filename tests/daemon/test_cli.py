@@ -236,7 +236,8 @@ def test_commands_import_only_what_they_use(sock_dir: Path) -> None:
         "    runpy.run_module('engramd', run_name='__main__')\n"
         "except SystemExit:\n"
         "    pass\n"
-        "heavy = ('engramd.api.server', 'engramd.backings', 'torch', 'pydantic')\n"
+        "heavy = ('engramd.lifecycle', 'engramd.api.server', 'engramd.backings', 'torch',\n"
+        "         'pydantic')\n"
         "print(sorted(m for m in heavy if m in sys.modules), file=sys.stderr)\n"
     )
     for args in (["--help"], ["version"], ["status", "--socket", str(sock_dir / "none.sock")]):

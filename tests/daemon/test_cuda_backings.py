@@ -23,11 +23,12 @@ import pytest
 import torch
 
 from conftest import SUPPORT, Worker, wait_until
-from engramd.api.service import TableService
+from engramd.api.requests import attach_intent
 from engramd.backings import CudaHostBacking
 from engramd.backings.cudacopy import read_only_handle
 from engramd.backings.handles import HandleKind
 from engramd.cli.status_view import render
+from engramd.sets.keeper import SetKeeper
 from engramd.testing.child import JsonLinesChild
 from engramd.values import BackingSpec
 from engramd_client.tables import Tables
@@ -113,12 +114,18 @@ def test_a_worker_without_a_device_is_told_to_ask_for_one() -> None:
         name = CudaHostBacking.name
         handle_kinds = frozenset({HandleKind.CUMEM})
 
-    cpu_only = pb.AttachRequest(accept=[pb.HANDLE_KIND_FD, pb.HANDLE_KIND_SHM])
+    cpu_only = attach_intent(
+        pb.AttachRequest(set_id="0" * 20, accept=[pb.HANDLE_KIND_FD, pb.HANDLE_KIND_SHM])
+    )
     with pytest.raises(InvalidRequest, match=r"device='cuda:N' \(ENGRAMD_DEVICE\)"):
-        TableService._handle_kind(cpu_only, [CuMemOnly()])  # type: ignore[list-item]
-    with_device = pb.AttachRequest(accept=[pb.HANDLE_KIND_CUMEM_FABRIC, pb.HANDLE_KIND_CUMEM])
+        SetKeeper._handle_kind(cpu_only, [CuMemOnly()])  # type: ignore[list-item]
+    with_device = attach_intent(
+        pb.AttachRequest(
+            set_id="0" * 20, accept=[pb.HANDLE_KIND_CUMEM_FABRIC, pb.HANDLE_KIND_CUMEM]
+        )
+    )
     # The first kind the worker accepts that the backing has: no fabric handle here.
-    assert TableService._handle_kind(with_device, [CuMemOnly()]) is HandleKind.CUMEM  # type: ignore[list-item]
+    assert SetKeeper._handle_kind(with_device, [CuMemOnly()]) is HandleKind.CUMEM  # type: ignore[list-item]
 
 
 def test_tables_of_a_device_only_set_name_the_cuda_view() -> None:

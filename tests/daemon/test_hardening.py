@@ -30,6 +30,7 @@ from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
 from engramd.backings.handles import HandleKind
 from engramd.sets import store as store_module
+from engramd.sets.intents import AttachIntent
 from engramd.sets.loader import LoadProgress, load_set
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
@@ -351,22 +352,22 @@ def test_shutdown_ends_within_its_grace_whatever_a_reader_does(
     script = textwrap.dedent(f"""
         import asyncio, threading
         from engramd.config import DaemonConfig
-        from engramd.api.server import create_server
+        from engramd.lifecycle import create_server
 
         async def main():
             server = create_server(DaemonConfig(
                 socket={str(sock_dir / "d.sock")!r}, shm_dir={str(shm_dir)!r},
                 socket_group="", mlock=False, grace=1.0))
-            await server.start()
+            await server.startup()
             reading = threading.Event()
             def stuck():
                 reading.set()
                 with open({str(fifo)!r}, "rb") as f:
                     f.read()
-            task = asyncio.ensure_future(server.service._readers.run(stuck))
+            task = asyncio.ensure_future(server.sets.readers.run(stuck))
             await asyncio.to_thread(reading.wait)
             print("stuck", flush=True)
-            await server.stop()
+            await server.shutdown()
             print("stopped", flush=True)
 
         asyncio.run(main())
@@ -611,7 +612,7 @@ def _in_process(checkpoint: Path, sock_dir: Path, shm_dir: Path) -> Iterator[InP
     """An in-process daemon holding the checkpoint's set, once that set is ready."""
     config = in_process_config(sock_dir, shm_dir, checkpoints=[str(checkpoint)])
     with InProcessDaemon(config) as d:
-        wait_until(lambda: d.server.ready, 30, "the configured set")
+        wait_until(lambda: d.server.store.ready, 30, "the configured set")
         yield d
 
 
@@ -676,19 +677,19 @@ def test_no_lease_on_a_set_that_left_the_store(
         # An attach that waited while the set was evicted must not lease it.
         with pytest.raises(UnknownSet, match="dropped while the worker waited"):
             d.server.store.leases.add(
-                ts, pb.AttachRequest(set_id=ts.set_id, pid=os.getpid()), HandleKind.FD
+                ts, AttachIntent(set_id=ts.set_id, pid=os.getpid()), HandleKind.FD
             )
 
 
 def test_a_kept_plan_is_handed_out_while_every_checkpoint_reader_is_taken(
     checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from engramd.api import service as service_module
+    from engramd.sets import keeper as keeper_module
     from engramd.sets import plans as plans_module
 
     # One member's checkpoints on a mount that hangs (which cannot exist here: a read
     # that waits for the test stands in for it) take every reader of checkpoints.
-    readers = service_module._CHECKPOINT_READERS
+    readers = keeper_module.CHECKPOINT_READERS
     small = synthesize(tmp_path / "small", SynthSpec(rows=2000))
     root = tmp_path / "root"
     for i in range(readers):
@@ -708,7 +709,7 @@ def test_a_kept_plan_is_handed_out_while_every_checkpoint_reader_is_taken(
         sock_dir, shm_dir, checkpoints=[str(checkpoint)], allow_roots=[str(root)]
     )
     with InProcessDaemon(config) as d, grpc.insecure_channel(f"unix:{sock_dir / 'd.sock'}") as ch:
-        wait_until(lambda: d.server.ready, 30, "the configured set")
+        wait_until(lambda: d.server.store.ready, 30, "the configured set")
         stub = pb_grpc.TableServiceStub(ch)
         stuck = [
             stub.Attach(

@@ -221,7 +221,7 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
         sock_dir, shm_dir, checkpoints=[str(checkpoint)], numa=Placement.parse("per-node", root)
     )
     with InProcessDaemon(config) as d:
-        wait_until(lambda: d.server.ready, 60, "both copies of the configured set")
+        wait_until(lambda: d.server.store.ready, 60, "both copies of the configured set")
         assert {ts.key for ts in d.server.store.sets.all()} == {
             (set_id, "tmpfs", 0),
             (set_id, "tmpfs", 1),
@@ -240,7 +240,7 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
         assert _read_back(attached_one, checkpoint).name == f"{set_id}-node1"
         assert _read_back(attached_zero, checkpoint).name == f"{set_id}-node0"
         assert _read_back(attached_unknown, checkpoint).name == f"{set_id}-node0"
-        status = d.server.service.status()
+        status = d.server.listeners.service.status()
         assert sorted((s.numa_node, s.lease_count) for s in status.sets) == [(0, 2), (1, 1)]
         for channel, call in (on_one, on_zero, unknown):
             call.cancel()
@@ -248,13 +248,13 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
     # The next daemon adopts both copies; one run without per-node removes them
     # (they were bound to nodes it does not keep copies for) and loads one copy.
     with InProcessDaemon(config) as d:
-        wait_until(lambda: d.server.ready, 60, "the adopted copies")
+        wait_until(lambda: d.server.store.ready, 60, "the adopted copies")
         assert sorted((ts.node, ts.adopted) for ts in d.server.store.sets.all()) == [
             (0, True),
             (1, True),
         ]
     with InProcessDaemon(dataclasses.replace(config, numa=Placement())) as d:
-        wait_until(lambda: d.server.ready, 60, "the set's one copy")
+        wait_until(lambda: d.server.store.ready, 60, "the set's one copy")
         [ts] = d.server.store.sets.all()
         assert (ts.node, ts.adopted) == (None, False)
         assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [set_id]

@@ -18,8 +18,8 @@ import grpc
 import torch
 from safetensors.torch import load_file
 
-from engramd.api.server import EngramdServer, create_server
 from engramd.config import DaemonConfig
+from engramd.lifecycle import Daemon, create_server
 from engramd_shared.errors import REASON_KEY
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
@@ -144,12 +144,12 @@ class InProcessDaemon:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
-        self.server: EngramdServer = self.run(self._start(config))
+        self.server: Daemon = self.run(self._start(config))
 
     @staticmethod
-    async def _start(config: DaemonConfig) -> EngramdServer:
+    async def _start(config: DaemonConfig) -> Daemon:
         server = create_server(config)
-        await server.start()
+        await server.startup()
         return server
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
@@ -163,7 +163,7 @@ class InProcessDaemon:
     def close(self) -> None:
         """Stop the daemon and its loop."""
         try:
-            self.run(self.server.stop(grace=1))
+            self.run(self.server.shutdown(grace=1))
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(timeout=30)

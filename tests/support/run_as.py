@@ -39,7 +39,7 @@ PRELOAD = (
     "grpc",
     "engramd_client.share",
     "engramd.cli.commands",
-    "engramd.api.server",
+    "engramd.lifecycle",
     "engramd.cli.status_view",
     "engramd.testing.synth",
 )

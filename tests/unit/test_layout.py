@@ -34,6 +34,7 @@ FLOORS = [
     ("engramd.sources",),
     ("engramd.sets",),
     ("engramd.api",),
+    ("engramd.lifecycle",),
     ("engramd.cli", "engramd.demo", "engramd.testing", "engramd.__main__"),
 ]
 #: What the daemon and its workers agree on: both import it, it imports neither.
@@ -116,6 +117,14 @@ def test_the_daemon_imports_only_down_and_never_the_worker_side(name: str) -> No
 def test_the_backings_describe_handles_and_leave_the_wire_to_the_api(name: str) -> None:
     # Backings hand out plain descriptions (backings/handles.py); api/wire.py
     # alone turns them, and their kinds, into engramd.v1 messages.
+    for target in imports(name, ALL[name]):
+        assert not within(target, [f"{SHARED}.pb"]), f"{name} imports the wire's messages"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in ALL if within(n, ["engramd.sets"])))
+def test_the_sets_take_plain_values_and_leave_the_wire_to_the_api(name: str) -> None:
+    # The api/ builds the sets' values from messages (api/requests.py) and
+    # messages from their answers (api/wire.py): a set's life never reads a stub.
     for target in imports(name, ALL[name]):
         assert not within(target, [f"{SHARED}.pb"]), f"{name} imports the wire's messages"
 

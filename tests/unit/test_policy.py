@@ -7,26 +7,30 @@ from pathlib import Path
 import pytest
 
 from engramd.config import DaemonConfig
+from engramd.sets.intents import AttachIntent
 from engramd.sets.policy import LoadPolicy
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.errors import FingerprintMismatch, NotAllowed, SelectionRefused
-from engramd_shared.pb import engramd_pb2 as pb
 
 
 def test_load_policy(checkpoint: Path, tmp_path: Path) -> None:
     root = tmp_path / "root"
     root.mkdir()
     policy = LoadPolicy(DaemonConfig(allow_roots=[str(root)], checkpoints=[str(checkpoint)]))
-    inside = pb.AttachRequest(set_id="0" * 20, checkpoint=str(root / "m"))
+    inside = AttachIntent(set_id="0" * 20, checkpoint=str(root / "m"))
     path, beneath = policy.check_request(inside, loaded=[])
     # Under a root: the path as written, its files to be opened beneath that root.
     assert path == root / "m" and beneath is not None and beneath.path == root
     with pytest.raises(SelectionRefused):
-        policy.check_request(pb.AttachRequest(checkpoint=str(root / "m"), tensors="*"), [])
+        policy.check_request(
+            AttachIntent(set_id="0" * 20, checkpoint=str(root / "m"), tensors="*"), []
+        )
     with pytest.raises(NotAllowed, match="allowed roots"):
-        policy.check_request(pb.AttachRequest(checkpoint=str(tmp_path / "elsewhere")), [])
+        policy.check_request(
+            AttachIntent(set_id="0" * 20, checkpoint=str(tmp_path / "elsewhere")), []
+        )
     # A configured checkpoint whose files differ from the loaded copy: changed on disk.
-    configured = pb.AttachRequest(checkpoint=str(checkpoint))
+    configured = AttachIntent(set_id="0" * 20, checkpoint=str(checkpoint))
     with pytest.raises(FingerprintMismatch, match="changed on disk"):
         policy.check_request(configured, loaded=[str(checkpoint.resolve())])
     plan = plan_tables(checkpoint)
