@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError
 
 from engramd.sets.leases import Caller, LeaseBook
-from engramd_shared.errors import NotAllowed, Reason, SegmentNotVisible, TooManyLeases
+from engramd_shared.errors import NotAllowed, Reason, SegmentNotVisible, ShareError, TooManyLeases
 from engramd_shared.pb import engramd_pb2 as pb
 
 log = logging.getLogger("engramd")
@@ -54,13 +54,9 @@ FDS_PER_MESSAGE = 250
 REFUSAL_LOG_INTERVAL_S = 60.0
 
 
-class Refused(Exception):
-    """A request the fd channel answers with an error and no descriptor."""
-
-    def __init__(self, message: str, reason: Reason = Reason.NOT_ALLOWED) -> None:
-        super().__init__(message)
-        #: Which client exception the worker raises (engramd_shared.errors.BY_REASON).
-        self.reason = reason
+#: What the fd channel answers with an error and no descriptor: its own checks refuse
+#: with NotAllowed, the lease book's with these; each reason travels in FdReply.reason.
+REFUSALS = (NotAllowed, SegmentNotVisible, TooManyLeases)
 
 
 @dataclass(frozen=True)
@@ -189,7 +185,7 @@ class FdChannel:
             log.warning("fd channel: refusing pid %d (uid %d): %s", peer.pid, peer.uid, why)
         return f"engramd's fd channel is busy: {why}"
 
-    def _log_refusal(self, peer: Peer, why: Refused) -> None:
+    def _log_refusal(self, peer: Peer, why: ShareError) -> None:
         now = time.monotonic()
         last, unlogged = self._refusals.get(peer.uid, (None, 0))
         if last is not None and now - last < REFUSAL_LOG_INTERVAL_S:
@@ -225,7 +221,7 @@ class FdChannel:
                 return
             try:
                 files = await self._grant(request, peer)
-            except Refused as e:
+            except REFUSALS as e:
                 self._log_refusal(peer, e)
                 with contextlib.suppress(OSError, TimeoutError):
                     await _send(conn, pb.FdReply(error=str(e), reason=e.reason), [])
@@ -246,15 +242,15 @@ class FdChannel:
                     os.close(fd)
 
     async def _grant(self, data: bytes, peer: Peer) -> list[tuple[str, int]]:
-        """The descriptors for a request, once every check passed; raises Refused."""
+        """The descriptors for a request, once every check passed; raises one of REFUSALS."""
         if len(data) > MAX_REQUEST_BYTES:
-            raise Refused(f"the request is longer than {MAX_REQUEST_BYTES} bytes")
+            raise NotAllowed(f"the request is longer than {MAX_REQUEST_BYTES} bytes")
         try:
             request = pb.FdRequest.FromString(data)
         except DecodeError:
-            raise Refused("the request is not an engramd.v1.FdRequest") from None
+            raise NotAllowed("the request is not an engramd.v1.FdRequest") from None
         if not self._member(peer):
-            raise Refused(
+            raise NotAllowed(
                 f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
             )
         # The peer's own pid is the last of its NSpid (its pid in the pid
@@ -266,10 +262,7 @@ class FdChannel:
             own_pid=nspid[-1] if nspid else None,
             groups=functools.partial(_groups, peer, nspid),
         )
-        try:
-            return await self._leases.redeem(request.lease_id, request.secret, caller)
-        except (NotAllowed, SegmentNotVisible, TooManyLeases) as e:
-            raise Refused(str(e), e.reason) from None
+        return await self._leases.redeem(request.lease_id, request.secret, caller)
 
     def _member(self, peer: Peer) -> bool:
         if peer.uid in (0, os.geteuid()) or peer.gid == self._gid:

@@ -165,8 +165,6 @@ class SetKeeper:
         for ts in copies:
             async for step in load_progress(ts):
                 yield step
-            if ts.error is not None:
-                raise ts.error
             # A set held under this id may come from other files (a worker's
             # copy): it is published for all only for bytes proven equal.
             await self._prove_held(plan, ts)
@@ -201,8 +199,6 @@ class SetKeeper:
         ts, plan = await self._resolve(intent)
         async for step in load_progress(ts):
             yield step
-        if ts.error is not None:
-            raise ts.error
         if plan is not None:
             try:
                 async with contextlib.aclosing(self._prove(ts, plan)) as steps:
@@ -215,8 +211,6 @@ class SetKeeper:
                 ts = twin
                 async for step in load_progress(ts):
                     yield step
-                if ts.error is not None:
-                    raise ts.error from None
                 async with contextlib.aclosing(self._prove(ts, plan)) as steps:
                     async for step in steps:
                         yield step
@@ -468,11 +462,15 @@ class SetKeeper:
 
 
 async def load_progress(ts: TableSet) -> AsyncGenerator[Progress, None]:
-    """The set's load progress, four times a second, until the load ends (ready or failed)."""
+    """The set's load progress, four times a second, until the load ends; then the load's
+    error, raised for every waiter, where it failed."""
     while not ts.done.is_set():
         yield Progress(ts.bytes_loaded, ts.nbytes)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
+    if ts.error is not None:
+        # One stored error, raised for each waiter: not chained to what any of them handles.
+        raise ts.error from None
 
 
 def kind_names(kinds: frozenset[HandleKind] | set[HandleKind]) -> str:
