@@ -18,22 +18,18 @@ import asyncio
 import hmac
 import logging
 import os
-import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from engramd.backings import Backing
 from engramd.errors import DecodeGuard, abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import SourceFailed
-from engramd.sources.nixlxfer import Agent
-from engramd.sources.regions import Region, close_all
+from engramd.sources.nixlxfer import Agent, nixl_build
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
-from engramd_shared.layout import Manifest
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
@@ -77,72 +73,52 @@ class RateCap:
             await asyncio.sleep(start - now)
 
 
-class _Exported:
-    """One copy's memory mapped read-only and registered, for as many streams as read it."""
+class Export:
+    """One stream's served copy: a transfer process of its own that maps only that copy,
+    read-only, and has it registered with its NIXL agent for the stream's life."""
 
-    def __init__(self, agent: Agent, backing: Backing, manifest: Manifest) -> None:
-        opened = backing.descriptors(manifest)
+    def __init__(self, ts: TableSet, receiver: str) -> None:
+        assert ts.manifest is not None
+        self.copy = ts.copy
+        opened = ts.backing.descriptors(ts.manifest)
         fds = dict(opened)
         try:
-            self.regions = [
-                Region(fds[t.file], t.offset, t.nbytes, writable=False) for t in manifest.tensors
-            ]
+            self.agent = Agent("serve", ["UCX"], peer=receiver)
+            try:
+                tensors = ts.manifest.tensors
+                addresses = self.agent.attach(
+                    [(fds[t.file], t.offset, t.nbytes) for t in tensors], writable=False
+                )
+                self.offer = peer_pb2.SetOffer(
+                    manifest_json=ts.manifest.to_json(),
+                    nixl_metadata=self.agent.metadata(),
+                    regions=[
+                        peer_pb2.RemoteRegion(address=a, nbytes=t.nbytes)
+                        for a, t in zip(addresses, tensors, strict=True)
+                    ],
+                )
+            except BaseException:
+                self.agent.close()
+                raise
         finally:
             for _, fd in opened:
                 os.close(fd)
-        try:
-            self.handle = agent.register(
-                [(r.address, r.nbytes, 0, "") for r in self.regions if r.nbytes], "DRAM"
-            )
-        except BaseException:
-            close_all(self.regions)
-            raise
-        self.users = 0
+
+    def ended(self) -> str:
+        """Why the transfer process ended before the stream did ("" while it runs)."""
+        return self.agent.ended()
+
+    def close(self) -> None:
+        """End the transfer process: nothing of the copy is reachable any more."""
+        self.agent.close()
 
 
-class Exporter:
-    """The serving NIXL agent and the copies it has registered; one call at a time."""
-
-    def __init__(self) -> None:
-        self._agent: Agent | None = None
-        self._held: dict[str, _Exported] = {}
-        self._lock = threading.Lock()
-
-    def warm(self) -> None:
-        """Make the serving agent now; raises SourceFailed (NIXL missing, UCX failing)."""
-        with self._lock:
-            if self._agent is None:
-                self._agent = Agent("serve", ["UCX"])
-
-    def offer(self, ts: TableSet) -> peer_pb2.SetOffer:
-        """Register the copy (once for all its streams) and describe it for a receiver."""
-        assert ts.manifest is not None
-        with self._lock:
-            if self._agent is None:
-                self._agent = Agent("serve", ["UCX"])
-            held = self._held.get(ts.copy)
-            if held is None:
-                held = self._held[ts.copy] = _Exported(self._agent, ts.backing, ts.manifest)
-            held.users += 1
-            return peer_pb2.SetOffer(
-                manifest_json=ts.manifest.to_json(),
-                nixl_metadata=self._agent.metadata(),
-                regions=[
-                    peer_pb2.RemoteRegion(address=r.address, nbytes=r.nbytes) for r in held.regions
-                ],
-            )
-
-    def release(self, copy: str) -> None:
-        """One stream of `copy` ended; the last one deregisters and unmaps it."""
-        with self._lock:
-            held = self._held.get(copy)
-            if held is None:
-                return
-            held.users -= 1
-            if held.users == 0 and self._agent is not None:
-                del self._held[copy]
-                self._agent.deregister(held.handle)
-                close_all(held.regions)
+def receiver_address(peer: str) -> str:
+    """The IP of a gRPC peer string ("ipv4:10.0.0.2:5000", "ipv6:[::1]:5000")."""
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv6":
+        return rest[1 : rest.index("]")]
+    return rest.rpartition(":")[0]
 
 
 class PeerService(peer_pb2_grpc.PeerServiceServicer):
@@ -152,8 +128,6 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._store = store
         self._token = token.encode()
         self._cap = RateCap(rate)
-        #: The serving NIXL agent and what it has registered.
-        self.exporter = Exporter()
         self._pool = BlockingPool("peer", 2)
 
     def _published(self, set_id: str) -> TableSet:
@@ -177,20 +151,31 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 log.warning("peer %s: wrong token; refused", context.peer())
                 raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
             ts = self._published(first.open.set_id)
-            offer = await self._pool.run(self.exporter.offer, ts)
+            export = await self._pool.run(Export, ts, receiver_address(context.peer()))
         except Exception as e:
             await abort(context, e)
             return
         log.info("peer %s: filling set %s", context.peer(), ts.copy)
         try:
-            yield peer_pb2.FillReply(offer=offer)
+            yield peer_pb2.FillReply(offer=export.offer)
             async for request in request_iterator:
                 if request.WhichOneof("step") != "window":
                     break
                 await self._cap.take(request.window)
+                if ended := export.ended():
+                    # A peer wrote into the read-only copy, or read outside it.
+                    log.warning(
+                        "peer %s: the transfer process serving set %s %s; fill ended",
+                        context.peer(),
+                        ts.copy,
+                        ended,
+                    )
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE, f"the transfer process {ended}"
+                    )
                 yield peer_pb2.FillReply(granted=request.window)
         finally:
-            await self._pool.run(self.exporter.release, ts.copy)
+            await self._pool.run(export.close)
 
 
 class PeerServer:
@@ -203,10 +188,10 @@ class PeerServer:
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 
     async def start(self) -> None:
-        """Start the serving agent, bind and serve; an address that cannot be bound, or NIXL
-        that cannot start, is an error naming it."""
+        """Bind and serve; an address that cannot be bound, or NIXL missing, is an error
+        naming it."""
         try:
-            await asyncio.to_thread(self._service.exporter.warm)
+            nixl_build()
         except SourceFailed as e:
             raise ValueError(f"--peer-listen {self.address}: {e}") from None
         try:

@@ -131,9 +131,6 @@ class SetKeeper:
         others; the store then never becomes ready.
         """
         await self.store.adopt_existing(verify=self._config.verify, verifying=verifying)
-        if self._sources is not None:
-            # Before the configured loads: their fills then pay only for their bytes.
-            await self.readers.run(self._sources.warm)
         for checkpoint in self._config.checkpoints:
             try:
                 # Kept: the workers re-attaching after a restart name this checkpoint.

@@ -30,20 +30,6 @@ class SourceChain:
         self._peers = peers
         self._store = store
 
-    def warm(self) -> None:
-        """Start the sources' NIXL agents now: a fill then pays only for its bytes.
-
-        A source that cannot start is logged here and fails again (the next
-        source runs) when a fill needs it.
-        """
-        for source in (self._peers, self._store):
-            if source is None:
-                continue
-            try:
-                source.warm()
-            except SourceFailed as e:
-                log.warning("NIXL could not start for %s: %s", type(source).__name__, e)
-
     def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> list[str] | None:
         """Fill `staged` from the first source that can; None: load from the files."""
         try:

@@ -1,32 +1,43 @@
-"""NIXL as engramd uses it: an agent, memory registered, reads posted and polled to the end.
+"""NIXL as engramd uses it: an agent in a transfer process of its own, driven from here.
 
-The calls relied on are nixl_cu12/_api.py's (nixl-cu12 1.5.1):
-nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[...])),
-create_backend, register_memory / deregister_memory,
+No NIXL agent runs in the daemon (xferproc.py says why): an Agent starts a
+transfer process, hands it the memory a transfer moves as descriptors, and
+forwards each call to it. The calls relied on are nixl_cu12/_api.py's
+(nixl-cu12 1.5.1): nixl_agent(name, nixl_agent_config(enable_listen_thread=
+False, backends=[...])), create_backend, register_memory / deregister_memory,
 get_agent_metadata / add_remote_agent / remove_remote_agent (the metadata
 travels over engramd's own gRPC, so no listener thread and no etcd),
 get_xfer_descs, initialize_xfer("READ", ...), transfer, check_xfer_state,
-release_xfer_handle. NIXL is imported when a source or the peer port
-first needs it, never by a daemon that uses neither.
+release_xfer_handle. An Agent lives for one fill: UCX listens, and its
+progress thread runs, only while a fill does.
 """
 
 from __future__ import annotations
 
-import importlib
+import base64
+import importlib.util
+import json
 import logging
+import os
 import secrets
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
 
 from engramd.sources.base import SourceFailed
+from engramd.sources.netdev import interface_of
+from engramd.sources.xferproc import MESSAGE_BYTES
 
 log = logging.getLogger("engramd")
 
 
 class TransferFailed(SourceFailed):
-    """A NIXL call failed, a transfer ended in error or outlived its deadline."""
+    """A NIXL call failed, a transfer ended in error or outlived its deadline, or the
+    transfer process died."""
 
 
 class NixlMissing(SourceFailed):
@@ -35,20 +46,28 @@ class NixlMissing(SourceFailed):
 
 #: NIXL's builds, by the CUDA they were made for; any of them moves host memory.
 BUILDS = ("nixl_cu12", "nixl_cu13")
+#: Seconds one poll of a transfer may keep the transfer process busy: the
+#: daemon looks at its cancel flag and deadline between polls.
+POLL_SLICE_S = 0.1
+#: Seconds a transfer process has to start its agent.
+START_TIMEOUT_S = 30.0
+#: What of the daemon's environment a transfer process sees: UCX's and NIXL's
+#: settings and what an interpreter needs; never a token, a key or the rest.
+PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "LANG", "LC_ALL", "TMPDIR", "HOME")
+PASSED_PREFIXES = ("UCX_", "NIXL_")
 
 
-def _nixl() -> Any:
+def nixl_build() -> str:
+    """The name of an installed NIXL build's module; raises NixlMissing."""
     # The build's own module, not the `nixl` meta package: that one picks a
     # build by the CUDA it finds, and without one imports torch to ask it
-    # (nixl_meta_utils.detect_cuda_major), which the daemon never does.
+    # (nixl_meta_utils.detect_cuda_major).
     for build in BUILDS:
-        try:
-            return importlib.import_module(f"{build}._api")
-        except ImportError as e:
-            missing = e
+        if importlib.util.find_spec(build) is not None:
+            return build
     raise NixlMissing(
-        f"NIXL is not installed ({missing}); install it with `pip install --no-deps "
-        "nixl-cu12==1.5.1 numpy` (make setup does)"
+        "NIXL is not installed (no module named 'nixl_cu12' or 'nixl_cu13'); install it with "
+        "`pip install --no-deps nixl-cu12==1.5.1 numpy` (make setup does)"
     )
 
 
@@ -57,59 +76,136 @@ def agent_name(purpose: str) -> str:
     return f"engramd-{socket.gethostname()}-{purpose}-{secrets.token_hex(4)}"
 
 
+def transfer_env(device: str) -> dict[str, str]:
+    """The environment of a transfer process whose UCX may use only network `device`."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
+    env["ENGRAMD_NIXL_BUILD"] = nixl_build()
+    if device:
+        # UCX opens a TCP listener on every interface it uses (all of them by
+        # default, loopback included): only the peer network's, then.
+        env["UCX_NET_DEVICES"] = device
+    return env
+
+
 class Agent:
-    """One NIXL agent; not thread-safe (NIXL's default without a listener): one user at a time."""
+    """One NIXL agent in a transfer process of its own; one user at a time, one fill long.
 
-    def __init__(self, purpose: str, backends: list[str]) -> None:
-        api = _nixl()
+    `peer`: the address of the other end (a receiver or a server), whose route
+    names the only network interface UCX may use; "" for an agent without
+    UCX (object storage). `close` ends the process; every call after a
+    failure of the process raises TransferFailed.
+    """
+
+    def __init__(
+        self,
+        purpose: str,
+        backends: list[str],
+        params: dict[str, dict[str, str]] | None = None,
+        peer: str = "",
+    ) -> None:
+        device = interface_of(peer) if peer else ""
+        env = transfer_env(device)
         self.name = agent_name(purpose)
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
-            self._agent = api.nixl_agent(
-                self.name, api.nixl_agent_config(enable_listen_thread=False, backends=backends)
+            self._process = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "engramd.sources.xferproc",
+                    str(theirs.fileno()),
+                ],
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                cwd="/",
             )
-        except Exception as e:
+        except OSError as e:
+            ours.close()
+            raise TransferFailed(f"cannot start a transfer process ({e})") from None
+        finally:
+            theirs.close()
+        self._sock = ours
+        self._dead = ""
+        self._sock.settimeout(START_TIMEOUT_S)
+        try:
+            self._call("start", name=self.name, backends=backends, params=params or {})
+        except TransferFailed as e:
+            self.close()
             raise TransferFailed(f"cannot start a NIXL agent ({e})") from None
+        self._sock.settimeout(None)
 
-    def add_backend(self, backend: str, params: dict[str, str]) -> None:
-        """Create a backend (OBJ) with its parameters."""
-        try:
-            self._agent.create_backend(backend, params)
-        except Exception as e:
-            raise TransferFailed(f"NIXL backend {backend}: {e}") from None
+    @property
+    def pid(self) -> int:
+        """The transfer process's pid."""
+        return self._process.pid
 
-    def register(self, regions: list[tuple[int, int, int, str]], mem: str) -> Any:
-        """Register (address, size, device, meta) regions of `mem` ("DRAM", "OBJ"); its handle."""
+    def _call(self, op: str, fds: list[int] | None = None, **args: Any) -> Any:
+        if self._dead:
+            raise TransferFailed(self._dead)
+        message = json.dumps({"op": op, **args}).encode()
         try:
-            return self._agent.register_memory(regions, mem)
-        except Exception as e:
+            if fds:
+                socket.send_fds(self._sock, [message], fds)
+            else:
+                self._sock.send(message)
+            data = self._sock.recv(MESSAGE_BYTES)
+        except OSError as e:
+            data, why = b"", str(e)
+        else:
+            why = ""
+        if not data:
+            self._dead = f"the transfer process ended ({self._ending(why)})"
+            raise TransferFailed(self._dead)
+        reply = json.loads(data)
+        if "error" in reply:
+            raise TransferFailed(str(reply["error"]))
+        return reply["ok"]
+
+    def _ending(self, why: str) -> str:
+        try:
+            code = self._process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            return why or "it stopped answering"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit status {code}"
+
+    def ended(self) -> str:
+        """How the transfer process ended ("killed by SIGSEGV"), or "" while it runs."""
+        if self._process.poll() is None:
+            return ""
+        return f"ended ({self._ending('')})"
+
+    def attach(self, memory: list[tuple[int, int, int]], writable: bool) -> list[int]:
+        """Map each (fd, offset, bytes) of `memory` in the transfer process, writable there
+        or read-only, and register it with NIXL as DRAM; their addresses there."""
+        if not memory:
+            return []
+        specs = [(offset, nbytes, writable) for _, offset, nbytes in memory]
+        addresses: list[int] = self._call("map", fds=[fd for fd, _, _ in memory], regions=specs)
+        return addresses
+
+    def register(self, regions: list[tuple[int, int, int, str]], mem: str) -> int:
+        """Register (address, size, device, meta) regions of `mem` ("DRAM", "OBJ"), at the
+        transfer process's addresses; its handle."""
+        try:
+            handle: int = self._call("register", regions=regions, mem=mem)
+        except TransferFailed as e:
             raise TransferFailed(f"cannot register {mem} memory with NIXL ({e})") from None
-
-    def deregister(self, handle: Any) -> None:
-        """Undo `register`."""
-        try:
-            self._agent.deregister_memory(handle)
-        except Exception as e:
-            log.warning("NIXL could not deregister memory: %s", e)
+        return handle
 
     def metadata(self) -> bytes:
         """This agent's metadata, its registered memory included, for a peer's add_remote."""
-        data: bytes = self._agent.get_agent_metadata()
-        return data
+        return base64.b64decode(self._call("metadata"))
 
     def add_remote(self, metadata: bytes) -> str:
         """Load a peer agent's metadata; the peer's agent name."""
         try:
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as e:
+            name: str = self._call("add_remote", metadata=base64.b64encode(metadata).decode())
+        except TransferFailed as e:
             raise TransferFailed(f"the peer's NIXL metadata was refused ({e})") from None
-        return name.decode() if isinstance(name, bytes) else str(name)
-
-    def remove_remote(self, name: str) -> None:
-        """Forget a peer agent (and disconnect from it)."""
-        try:
-            self._agent.remove_remote_agent(name)
-        except Exception as e:
-            log.debug("NIXL could not forget agent %s: %s", name, e)
+        return name
 
     def post(
         self,
@@ -117,61 +213,38 @@ class Agent:
         remote: list[tuple[int, int, int]],
         remote_mem: str,
         remote_agent: str,
-    ) -> Any:
+    ) -> int:
         """Start a READ of `remote` descriptors into `local` DRAM ones; its handle for `wait`."""
-        agent = self._agent
         try:
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, remote_mem),
-                remote_agent,
+            xfer: int = self._call(
+                "post", local=local, remote=remote, remote_mem=remote_mem, agent=remote_agent
             )
-        except Exception as e:
-            raise TransferFailed(f"NIXL could not prepare the read ({e})") from None
-        try:
-            state = agent.transfer(handle)
-        except Exception as e:
-            self._release(handle)
+        except TransferFailed as e:
             raise TransferFailed(f"NIXL could not start the read ({e})") from None
-        if state == "ERR":
-            self._release(handle)
-            raise TransferFailed("NIXL reported the read failed")
-        return handle
+        return xfer
 
-    def wait(self, handle: Any, deadline: float, cancel: threading.Event) -> None:
-        """Return once the read of `handle` is complete, and release it.
+    def wait(self, handle: int, deadline: float, cancel: threading.Event) -> None:
+        """Return once the read of `handle` is complete (it is then released).
 
-        Polled busily: a 1 ms sleep between polls cut TCP throughput 2-10x.
         Raises TransferFailed on an error, past `deadline` (time.monotonic), or
         once `cancel` is set.
         """
-        agent = self._agent
-        try:
-            state = agent.check_xfer_state(handle)
-            while state == "PROC":
-                if cancel.is_set():
-                    raise TransferFailed("the load was cancelled")
-                if time.monotonic() > deadline:
-                    raise TransferFailed("the read outlived its deadline")
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
+        while True:
+            state = self._call("wait", xfer=handle, slice_s=POLL_SLICE_S)
+            if state == "DONE":
+                return
+            if state != "PROC":
                 raise TransferFailed("NIXL reported the read failed")
-        except TransferFailed:
-            raise
-        except Exception as e:
-            raise TransferFailed(f"the read failed ({e})") from None
-        finally:
-            self._release(handle)
+            if cancel.is_set():
+                raise TransferFailed("the load was cancelled")
+            if time.monotonic() > deadline:
+                raise TransferFailed("the read outlived its deadline")
 
-    def done(self, handle: Any) -> bool:
+    def done(self, handle: int) -> bool:
         """Whether the read of `handle` is complete, without waiting; raises TransferFailed
         when it failed."""
-        try:
-            state = self._agent.check_xfer_state(handle)
-        except Exception as e:
-            raise TransferFailed(f"the read failed ({e})") from None
-        if state == "ERR":
+        state = self._call("wait", xfer=handle, slice_s=0)
+        if state not in ("DONE", "PROC"):
             raise TransferFailed("NIXL reported the read failed")
         return bool(state == "DONE")
 
@@ -187,8 +260,17 @@ class Agent:
         """`post` then `wait`: returns once every byte arrived."""
         self.wait(self.post(local, remote, remote_mem, remote_agent), deadline, cancel)
 
-    def _release(self, handle: Any) -> None:
-        try:
-            self._agent.release_xfer_handle(handle)
-        except Exception as e:
-            log.debug("NIXL could not release a transfer: %s", e)
+    def close(self) -> None:
+        """End the transfer process and wait for it: once this returns, nothing it started
+        writes into memory any more."""
+        self._sock.close()
+        if self._process.poll() is None:
+            self._process.kill()
+        self._process.wait()
+        self._dead = self._dead or "the transfer process was closed"
+
+    def __enter__(self) -> Agent:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()

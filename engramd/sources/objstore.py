@@ -13,7 +13,6 @@ AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import threading
@@ -25,7 +24,7 @@ from urllib.parse import urlparse
 from engramd.sources.base import Progress, SourceFailed, spans, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
-from engramd.sources.regions import Region
+from engramd.sources.regions import Region, digests
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
@@ -68,7 +67,6 @@ class ObjectStoreSource:
         if env.get("AWS_ACCESS_KEY_ID"):
             self._params["access_key"] = env["AWS_ACCESS_KEY_ID"]
             self._params["secret_key"] = env.get("AWS_SECRET_ACCESS_KEY", "")
-        self._agent: Agent | None = None
         self._lock = threading.Lock()
 
     def key(self, name: str) -> str:
@@ -77,63 +75,47 @@ class ObjectStoreSource:
 
     def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> list[str]:
         """Read the set of `plan` into `regions`; the digests. Raises SourceFailed."""
-        with self._lock:
-            return self._fill(self._started(), plan, regions, progress)
-
-    def warm(self) -> None:
-        """Make the NIXL agent and its OBJ backend now (about a second here), not in a fill."""
-        with self._lock:
-            self._started()
-
-    def _started(self) -> Agent:
-        if self._agent is None:
-            agent = Agent("s3", [])
-            agent.add_backend("OBJ", self._params)
-            self._agent = agent
-        return self._agent
+        with self._lock, Agent("s3", [], params={"OBJ": self._params}) as agent:
+            self._fill(agent, plan, regions, progress)
+        # Digested only once the transfer process is gone: a request NIXL reported
+        # failed may still have been writing.
+        sums = digests(regions)
+        for entry, region in zip(plan.tensors, regions, strict=True):
+            spot_check(entry, region.view())
+        return sums
 
     def _fill(
         self, agent: Agent, plan: TablePlan, regions: list[Region], progress: Progress
-    ) -> list[str]:
+    ) -> None:
         files = _names(plan)
         devices = {path: i for i, path in enumerate(files)}
-        objects = agent.register(
+        agent.register(
             [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
             "OBJ",
         )
-        memory = agent.register([(r.address, r.nbytes, 0, "") for r in regions if r.nbytes], "DRAM")
-        try:
-            for path, (name, size) in files.items():
-                self._check_object(agent, path, self.key(name), size, devices[path], progress)
-            # (tensor, offset in it, bytes) and where they are: a table joined from row
-            # shards reads each shard's objects in turn.
-            pieces = [
-                ((i, start + at, n), (span.offset + at, n, devices[str(span.file)]))
-                for i, t in enumerate(plan.tensors)
-                for span, start in spans(t)
-                for at, n in windows(span.nbytes)
-            ]
-            reads = InOrder(agent, regions, progress, READS_IN_FLIGHT, self.url)
-            try:
-                for k in range(0, len(pieces), WINDOWS_PER_READ):
-                    batch = pieces[k : k + WINDOWS_PER_READ]
-                    handle = agent.post(
-                        [(regions[i].address + at, n, 0) for (i, at, n), _ in batch],
-                        [remote for _, remote in batch],
-                        "OBJ",
-                        agent.name,
-                    )
-                    deadline = time.monotonic() + WINDOW_TIMEOUT_S * len(batch)
-                    reads.add(handle, [window for window, _ in batch], deadline)
-                sums = reads.finish()
-            finally:
-                reads.abandon()
-            for entry, region in zip(plan.tensors, regions, strict=True):
-                spot_check(entry, region.view())
-            return sums
-        finally:
-            agent.deregister(memory)
-            agent.deregister(objects)
+        local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
+        for path, (name, size) in files.items():
+            self._check_object(agent, path, self.key(name), size, devices[path], progress)
+        # (tensor, offset in it, bytes) and where they are: a table joined from row
+        # shards reads each shard's objects in turn.
+        pieces = [
+            ((i, start + at, n), (span.offset + at, n, devices[str(span.file)]))
+            for i, t in enumerate(plan.tensors)
+            for span, start in spans(t)
+            for at, n in windows(span.nbytes)
+        ]
+        reads = InOrder(agent, progress, READS_IN_FLIGHT, self.url)
+        for k in range(0, len(pieces), WINDOWS_PER_READ):
+            batch = pieces[k : k + WINDOWS_PER_READ]
+            handle = agent.post(
+                [(local[i] + at, n, 0) for (i, at, n), _ in batch],
+                [remote for _, remote in batch],
+                "OBJ",
+                agent.name,
+            )
+            deadline = time.monotonic() + WINDOW_TIMEOUT_S * len(batch)
+            reads.add(handle, sum(n for (_, _, n), _ in batch), deadline)
+        reads.finish()
 
     def _check_object(
         self, agent: Agent, path: str, key: str, size: int, device: int, progress: Progress
@@ -152,30 +134,39 @@ class ObjectStoreSource:
             expected = [os.pread(fd, n, at) for at, n in ranges]
         finally:
             os.close(fd)
-        scratch = ctypes.create_string_buffer(sum(n for _, n in ranges))
-        base = ctypes.addressof(scratch)
-        local, at_local = [], 0
-        for _, n in ranges:
-            local.append((base + at_local, n, 0))
-            at_local += n
-        held = agent.register([(base, len(scratch), 0, "")], "DRAM")
+        total = sum(n for _, n in ranges)
+        # The ranges land in memory both processes map: a file of their own, so that a
+        # late write of a failed request can only land there (and ends with the process).
+        scratch_fd = os.memfd_create("engramd-s3-check", os.MFD_CLOEXEC)
         try:
-            agent.read(
-                local,
-                [(at, n, device) for at, n in ranges],
-                "OBJ",
-                agent.name,
-                time.monotonic() + WINDOW_TIMEOUT_S,
-                progress.cancel,
-            )
-        except TransferFailed as e:
-            raise SourceFailed(
-                f"s3://{self._bucket}/{key}: cannot read its header and samples ({e}): the object "
-                f"is missing, shorter than the node's file ({size} bytes), or not readable"
-            ) from None
+            os.ftruncate(scratch_fd, total)
+            (base,) = agent.attach([(scratch_fd, 0, total)], writable=True)
+            scratch = Region(scratch_fd, 0, total)
         finally:
-            agent.deregister(held)
-        got, at_local = scratch.raw, 0
+            os.close(scratch_fd)
+        try:
+            local, at_local = [], 0
+            for _, n in ranges:
+                local.append((base + at_local, n, 0))
+                at_local += n
+            try:
+                agent.read(
+                    local,
+                    [(at, n, device) for at, n in ranges],
+                    "OBJ",
+                    agent.name,
+                    time.monotonic() + WINDOW_TIMEOUT_S,
+                    progress.cancel,
+                )
+            except TransferFailed as e:
+                raise SourceFailed(
+                    f"s3://{self._bucket}/{key}: cannot read its header and samples ({e}): the "
+                    f"object is missing, shorter than the node's file ({size} bytes), or not "
+                    "readable"
+                ) from None
+            got, at_local = bytes(scratch.view()), 0
+        finally:
+            scratch.close()
         for (at, n), want in zip(ranges, expected, strict=True):
             if got[at_local : at_local + n] != want:
                 raise SourceFailed(

@@ -13,6 +13,7 @@ refused, and the next source runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -20,6 +21,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -27,7 +29,7 @@ import grpc
 from engramd.sources.base import Progress, SourceFailed, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent
-from engramd.sources.regions import Region
+from engramd.sources.regions import Region, digests
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
@@ -72,24 +74,13 @@ def addresses(peers: list[str]) -> list[str]:
 
 
 class PeerSource:
-    """Fills sets from peers; one fill at a time (one NIXL agent, made on first use)."""
+    """Fills sets from peers; one fill at a time, each with a transfer process of its own."""
 
     def __init__(self, peers: list[str], token: str, min_rate: int) -> None:
         self._peers = peers
         self._token = token
         self._min_rate = min_rate
-        self._agent: Agent | None = None
         self._lock = threading.Lock()
-
-    def warm(self) -> None:
-        """Make the NIXL agent now (about a second here), not in the first fill."""
-        with self._lock:
-            self._started()
-
-    def _started(self) -> Agent:
-        if self._agent is None:
-            self._agent = Agent("recv", ["UCX"])
-        return self._agent
 
     def addresses(self) -> list[str]:
         """The peers to try, resolved now (a Service's members change)."""
@@ -103,18 +94,21 @@ class PeerSource:
         Raises SourceFailed (with the reason in one line) when the peer cannot,
         will not, or sends other bytes; the regions' contents are then undefined.
         """
-        with self._lock:
-            agent = self._started()
+        with self._lock, ThreadPoolExecutor(1, "engramd-recv") as starter:
+            # The transfer process starts (about half a second) while the peer offers.
+            starting = starter.submit(Agent, "recv", ["UCX"], peer=address)
             channel = grpc.insecure_channel(address)
             try:
-                return self._fill(channel, agent, plan, regions, progress)
+                return self._fill(channel, starting, plan, regions, progress)
             finally:
                 channel.close()
+                with contextlib.suppress(SourceFailed):
+                    starting.result().close()
 
     def _fill(
         self,
         channel: grpc.Channel,
-        agent: Agent,
+        starting: Future[Agent],
         plan: TablePlan,
         regions: list[Region],
         progress: Progress,
@@ -132,8 +126,6 @@ class PeerSource:
         replies = stub.Fill(sent())
         timer = threading.Timer(OFFER_TIMEOUT_S, replies.cancel)
         timer.start()
-        remote = ""
-        registered = None
         try:
             try:
                 first = next(replies)
@@ -145,21 +137,30 @@ class PeerSource:
                 raise SourceFailed("the peer answered without an offer")
             offer = first.offer
             manifest = _check_offer(plan, offer)
-            registered = agent.register(
-                [(r.address, r.nbytes, 0, "") for r in regions if r.nbytes], "DRAM"
-            )
+            agent = starting.result()
+            local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
             remote = agent.add_remote(offer.nixl_metadata)
             pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
             for _, _, n in pieces:
                 requests.put(peer_pb2.FillRequest(window=n))
-            return self._read(replies, agent, remote, offer, plan, regions, manifest, progress)
+            self._read(replies, agent, remote, offer, local, pieces, progress)
         finally:
             requests.put(None)
             replies.cancel()
-            if remote:
-                agent.remove_remote(remote)
-            if registered is not None:
-                agent.deregister(registered)
+        # Digested only once the transfer process is gone: until then anyone who
+        # reaches its UCX port could write into the staged pages.
+        agent.close()
+        sums = digests(regions)
+        for entry, region, theirs, mine in zip(
+            plan.tensors, regions, manifest.tensors, sums, strict=True
+        ):
+            if mine != theirs.checksum:
+                raise SourceFailed(
+                    f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
+                    f"says {theirs.checksum}: the peer sent other bytes"
+                )
+            spot_check(entry, region.view())
+        return sums
 
     def _read(
         self,
@@ -167,12 +168,11 @@ class PeerSource:
         agent: Agent,
         remote: str,
         offer: peer_pb2.SetOffer,
-        plan: TablePlan,
-        regions: list[Region],
-        manifest: Manifest,
+        local: list[int],
+        pieces: list[tuple[int, int, int]],
         progress: Progress,
-    ) -> list[str]:
-        """Read each granted window, READS_IN_FLIGHT at a time; check the digests."""
+    ) -> None:
+        """Read each granted window, READS_IN_FLIGHT at a time."""
         started = time.monotonic()
         done = 0
 
@@ -186,38 +186,24 @@ class PeerSource:
                     f"{self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
                 )
 
-        reads = InOrder(agent, regions, progress, READS_IN_FLIGHT, "the peer", landed)
-        try:
-            for index, t in enumerate(plan.tensors):
-                for at, n in windows(t.nbytes):
-                    reply = _next_grant(replies)
-                    if reply.granted != n:
-                        raise SourceFailed("the peer granted another window than asked for")
-                    handle = agent.post(
-                        [(regions[index].address + at, n, 0)],
-                        [(offer.regions[index].address + at, n, 0)],
-                        "DRAM",
-                        remote,
-                    )
-                    deadline = time.monotonic() + (
-                        max(n / self._min_rate, 1.0) * (READS_IN_FLIGHT + 3)
-                        if self._min_rate
-                        else WINDOW_TIMEOUT_S
-                    )
-                    reads.add(handle, [(index, at, n)], deadline)
-            sums = reads.finish()
-        finally:
-            reads.abandon()
-        for entry, region, theirs, mine in zip(
-            plan.tensors, regions, manifest.tensors, sums, strict=True
-        ):
-            if mine != theirs.checksum:
-                raise SourceFailed(
-                    f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
-                    f"says {theirs.checksum}: the peer sent other bytes"
-                )
-            spot_check(entry, region.view())
-        return sums
+        reads = InOrder(agent, progress, READS_IN_FLIGHT, "the peer", landed)
+        for index, at, n in pieces:
+            reply = _next_grant(replies)
+            if reply.granted != n:
+                raise SourceFailed("the peer granted another window than asked for")
+            handle = agent.post(
+                [(local[index] + at, n, 0)],
+                [(offer.regions[index].address + at, n, 0)],
+                "DRAM",
+                remote,
+            )
+            deadline = time.monotonic() + (
+                max(n / self._min_rate, 1.0) * (READS_IN_FLIGHT + 3)
+                if self._min_rate
+                else WINDOW_TIMEOUT_S
+            )
+            reads.add(handle, n, deadline)
+        reads.finish()
 
 
 class _Replies(Protocol):

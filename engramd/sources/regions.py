@@ -1,4 +1,5 @@
-"""A set's memory mapped for NIXL: a staged set's (writable), or a published one's (read-only).
+"""A set's memory mapped for a transfer: in the daemon read-only, to digest what landed; in
+the transfer process writable (a staged set) or read-only (a published one).
 
 NIXL registers addresses, so the memory is mapped with mmap(2) through libc
 (Python's mmap gives no address of a read-only mapping, and keeps buffer
@@ -10,15 +11,23 @@ from __future__ import annotations
 
 import ctypes
 import os
+from typing import TYPE_CHECKING
 
-from engramd.backings import StagedSet
+from engramd.checksum import label, new_digest
 from engramd.host.libc import libc, map_read_only
+
+if TYPE_CHECKING:
+    from engramd.backings import StagedSet
 
 
 class Region:
-    """One tensor's bytes, mapped: `address` is where its first byte is."""
+    """One tensor's bytes, mapped: `address` is where its first byte is.
 
-    def __init__(self, fd: int, offset: int, nbytes: int, writable: bool) -> None:
+    The daemon maps what a transfer fills read-only, to digest what landed;
+    the transfer process maps it writable (nixlxfer.Agent.attach).
+    """
+
+    def __init__(self, fd: int, offset: int, nbytes: int, writable: bool = False) -> None:
         align = os.fstat(fd).st_blksize
         start = offset - offset % align
         self._skip = offset - start
@@ -27,6 +36,10 @@ class Region:
         #: The tensor's first byte.
         self.address = self._base + self._skip
         self.nbytes = nbytes
+        #: The file (kept open) and where the tensor lies in it, for a transfer process
+        #: to map it too.
+        self.fd = os.dup(fd)
+        self.offset = offset
 
     def view(self) -> memoryview:
         """The tensor's bytes (valid until `close`)."""
@@ -37,10 +50,11 @@ class Region:
         if self._base:
             libc.munmap(self._base, self._size)
             self._base = 0
+            os.close(self.fd)
 
 
 def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
-    """Each tensor of a staged set mapped writable (its pages are reserved already).
+    """Each tensor of a staged set mapped (its pages are reserved already).
 
     Raises NotImplementedError for a backing whose memory is no file.
     """
@@ -48,11 +62,21 @@ def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
     try:
         for index, nbytes in enumerate(sizes):
             fd, offset = staged.memory(index)
-            regions.append(Region(fd, offset, nbytes, writable=True))
+            regions.append(Region(fd, offset, nbytes))
     except BaseException:
         close_all(regions)
         raise
     return regions
+
+
+def digests(regions: list[Region]) -> list[str]:
+    """Each region's digest (the manifest's format), taken from its pages as they are now."""
+    found = []
+    for region in regions:
+        digest = new_digest()
+        digest.update(region.view())
+        found.append(label(digest))
+    return found
 
 
 def close_all(regions: list[Region]) -> None:

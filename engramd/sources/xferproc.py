@@ -1,0 +1,181 @@
+"""The transfer process: the one place a NIXL agent runs, apart from the daemon.
+
+UCX over TCP serves RMA reads and writes at any address of the process that
+owns the agent, to anyone who can reach its port, whatever was registered
+(NIXL checks descriptors on the initiator's side only). So no agent lives in
+the daemon: each fill starts one of these processes, which holds only what
+that fill moves (the mapped tensors of one set, read-only on the serving
+side), no token, no other set and none of the daemon's heap, and which ends
+with the fill. A fault that a peer provokes over the network (a write into a
+read-only mapping, a read of an unmapped address) ends this process; the
+daemon sees the fill fail and moves on. Late writes of a request NIXL has
+already reported failed (its OBJ backend does that) end with the process,
+before the daemon reuses the memory.
+
+Started by nixlxfer.Agent as `python -m engramd.sources.xferproc FD` with a
+scrubbed environment; FD is its end of a SOCK_SEQPACKET socketpair. Each
+request is one JSON message (descriptors attached where a request maps
+memory), each reply one JSON message: {"ok": ...} or {"error": "..."}. It
+dies with the daemon (PR_SET_PDEATHSIG) and when the socket closes.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from engramd.sources.regions import Region
+
+#: Bytes of one request or reply; NIXL metadata of one agent is a few KiB.
+MESSAGE_BYTES = 1 << 20
+#: Descriptors one request may carry (one per mapped tensor).
+MAX_FDS = 4096
+
+
+class _Transfers:
+    """The agent, the memory mapped for it and its transfers, by the ids the daemon uses."""
+
+    def __init__(self) -> None:
+        self.agent: Any = None
+        self.regions: list[Region] = []
+        self.registered: dict[int, Any] = {}
+        self.xfers: dict[int, Any] = {}
+        #: The final state of transfers released already, until the daemon has seen it.
+        self.finished: dict[int, str] = {}
+        self._next = 0
+
+    def _id(self) -> int:
+        self._next += 1
+        return self._next
+
+    def start(self, name: str, backends: list[str], params: dict[str, dict[str, str]]) -> Any:
+        api = importlib.import_module(f"{os.environ['ENGRAMD_NIXL_BUILD']}._api")
+        self.agent = api.nixl_agent(
+            name, api.nixl_agent_config(enable_listen_thread=False, backends=backends)
+        )
+        for backend, values in params.items():
+            self.agent.create_backend(backend, values)
+        return name
+
+    def map(self, specs: list[list[Any]], fds: list[int]) -> list[int]:
+        if len(specs) != len(fds):
+            raise ValueError(f"{len(specs)} regions came with {len(fds)} descriptors")
+        addresses = []
+        for (offset, nbytes, writable), fd in zip(specs, fds, strict=True):
+            try:
+                region = Region(fd, int(offset), int(nbytes), bool(writable))
+            finally:
+                os.close(fd)
+            self.regions.append(region)
+            addresses.append(region.address)
+        if any(nbytes for _, nbytes, _ in specs):
+            self.register(
+                [[a, n, 0, ""] for a, (_, n, _) in zip(addresses, specs, strict=True) if n], "DRAM"
+            )
+        return addresses
+
+    def register(self, regions: list[list[Any]], mem: str) -> int:
+        handle = self.agent.register_memory([tuple(r) for r in regions], mem)
+        key = self._id()
+        self.registered[key] = handle
+        return key
+
+    def deregister(self, handle: int) -> None:
+        self.agent.deregister_memory(self.registered.pop(handle))
+
+    def metadata(self) -> str:
+        return base64.b64encode(self.agent.get_agent_metadata()).decode()
+
+    def add_remote(self, metadata: str) -> str:
+        name = self.agent.add_remote_agent(base64.b64decode(metadata))
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_remote(self, name: str) -> None:
+        self.agent.remove_remote_agent(name)
+
+    def post(
+        self, local: list[list[int]], remote: list[list[int]], remote_mem: str, agent: str
+    ) -> int:
+        a = self.agent
+        handle = a.initialize_xfer(
+            "READ",
+            a.get_xfer_descs([tuple(d) for d in local], "DRAM"),
+            a.get_xfer_descs([tuple(d) for d in remote], remote_mem),
+            agent,
+        )
+        try:
+            state = a.transfer(handle)
+        except BaseException:
+            a.release_xfer_handle(handle)
+            raise
+        if state == "ERR":
+            a.release_xfer_handle(handle)
+            raise RuntimeError("NIXL reported the read failed")
+        key = self._id()
+        self.xfers[key] = handle
+        return key
+
+    def wait(self, xfer: int, slice_s: float) -> str:
+        """The transfer's state after polling it for up to `slice_s` seconds; a finished one
+        (DONE or ERR) is released. Polled busily: a 1 ms sleep between polls cut UCX's TCP
+        throughput 2-10x."""
+        if xfer in self.finished:
+            return self.finished[xfer]
+        handle = self.xfers[xfer]
+        until = time.monotonic() + slice_s
+        state = str(self.agent.check_xfer_state(handle))
+        while state == "PROC" and time.monotonic() < until:
+            state = str(self.agent.check_xfer_state(handle))
+        if state != "PROC":
+            self.release(xfer)
+            self.finished[xfer] = state
+        return state
+
+    def release(self, xfer: int) -> None:
+        handle = self.xfers.pop(xfer, None)
+        if handle is not None:
+            self.agent.release_xfer_handle(handle)
+
+
+def _serve(sock: socket.socket) -> None:
+    transfers = _Transfers()
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, MAX_FDS)
+        except ConnectionResetError:
+            return
+        if not data:
+            return
+        try:
+            request = json.loads(data)
+            op = request.pop("op")
+            if op == "map":
+                reply: dict[str, Any] = {"ok": transfers.map(request["regions"], fds)}
+                fds = []
+            else:
+                reply = {"ok": getattr(transfers, op)(**request)}
+        except Exception as e:  # every failure goes back to the daemon, in one line
+            reply = {"error": f"{type(e).__name__}: {e}".replace("\n", " ")}
+        finally:
+            for fd in fds:
+                os.close(fd)
+        sock.send(json.dumps(reply).encode())
+
+
+def main() -> None:
+    """Serve the daemon's requests on the descriptor argv[1] until it closes."""
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    try:
+        _serve(sock)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    main()
