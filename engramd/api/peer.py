@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import logging
 import os
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -143,20 +144,21 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """One receiver's fill of one set."""
-        first = await anext(aiter(request_iterator), None)
+        opening = _Opening()
         try:
-            if first is None or first.WhichOneof("step") != "open":
-                raise InvalidRequest("a fill opens with FillOpen (token, set id)")
-            if not hmac.compare_digest(first.open.token.encode(), self._token):
-                log.warning("peer %s: wrong token; refused", context.peer())
-                raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
-            ts = self._published(first.open.set_id)
-            export = await self._pool.run(Export, ts, receiver_address(context.peer()))
-        except Exception as e:
-            await abort(context, e)
-            return
-        log.info("peer %s: filling set %s", context.peer(), ts.copy)
-        try:
+            first = await anext(aiter(request_iterator), None)
+            try:
+                if first is None or first.WhichOneof("step") != "open":
+                    raise InvalidRequest("a fill opens with FillOpen (token, set id)")
+                if not hmac.compare_digest(first.open.token.encode(), self._token):
+                    log.warning("peer %s: wrong token; refused", context.peer())
+                    raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
+                ts = self._published(first.open.set_id)
+                export = await self._pool.run(opening.make, ts, receiver_address(context.peer()))
+            except Exception as e:
+                await abort(context, e)
+                return
+            log.info("peer %s: filling set %s", context.peer(), ts.copy)
             yield peer_pb2.FillReply(offer=export.offer)
             async for request in request_iterator:
                 if request.WhichOneof("step") != "window":
@@ -175,7 +177,35 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                     )
                 yield peer_pb2.FillReply(granted=request.window)
         finally:
-            await self._pool.run(export.close)
+            # Not awaited: a stream the receiver cancelled may be cancelled again here.
+            opening.end()
+
+
+class _Opening:
+    """The Export of one stream, made on a pool thread while the stream may end first."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._export: Export | None = None
+        self._ended = False
+
+    def make(self, ts: TableSet, receiver: str) -> Export:
+        """Export `ts` for `receiver`, unless the stream ended meanwhile."""
+        export = Export(ts, receiver)
+        with self._lock:
+            if not self._ended:
+                self._export = export
+                return export
+        export.close()
+        raise InvalidRequest("the fill ended while its set was being exported")
+
+    def end(self) -> None:
+        """The stream ended: close its Export, now or once it is made."""
+        with self._lock:
+            self._ended = True
+            export, self._export = self._export, None
+        if export is not None:
+            export.close()
 
 
 class PeerServer:

@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon, wait_until
+from conftest import SUPPORT, Daemon, wait_until
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd.sources.peer import addresses
 from engramd.testing.fleet_lab import (
@@ -256,6 +257,38 @@ def test_fill_from_a_peer_over_tcp(
     assert no_partial_loads(b.shm_dir)
 
 
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of `pid` and of the children it has waited for."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def test_idle_fleet_daemons_spin_nothing(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """Once the fill is over, neither daemon keeps a transfer process (no UCX listener, no
+    progress thread) and both idle at about 0% CPU; an agent made at start-up spun a core."""
+    a, b = nodes("a"), nodes("b")
+    da = serving(a, checkpoint, net, token_file)
+    db = receiving(b, checkpoint, net, token_file)
+    assert ready_set(db).source == f"peer {net.ip_a}:7077", db.log
+    pids = [d.status().daemon.pid for d in (da, db)]
+    wait_until(lambda: not any(_children(pid) for pid in pids), 30, "the transfer processes to end")
+    before = [_cpu_seconds(pid) for pid in pids]
+    idle_s = 3.0
+    time.sleep(idle_s)  # what is measured is the CPU over a stretch of wall time
+    used = [_cpu_seconds(pid) - t for pid, t in zip(pids, before, strict=True)]
+    # A spinning progress thread takes ~idle_s; an idle daemon a few ticks.
+    assert all(u < idle_s * 0.1 for u in used), used
+
+
 def test_wrong_token_falls_back_to_files(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
 ) -> None:
@@ -454,6 +487,53 @@ def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         metrics = r.read().decode()
     assert f'engramd_set_source{{node="",set_id="{s.set_id}",source="{url}"}} 1.0' in metrics
+
+
+@pytest.mark.parametrize("lie", ["late", "window", "whole", "more"])
+def test_a_lying_object_store_leaves_the_daemon_alive(
+    net: Net, nodes: Any, checkpoint: Path, lie: str
+) -> None:
+    """An S3 endpoint in another namespace fails one range while the request's others are
+    still landing (the header's, or a table window's), ignores Range, or sends more than a
+    range: the fill fails in its transfer process, which ends before the daemon reuses the
+    memory; the daemon lives, and its files fill the set."""
+    liar = subprocess.Popen(
+        [
+            *Net.run_in(net.b),
+            sys.executable,
+            str(SUPPORT / "lying_s3.py"),
+            net.ip_b,
+            "9000",
+            str(checkpoint),
+            lie,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        node = nodes("s")
+        d = node.start(
+            ["--checkpoint", str(checkpoint), "--object-store", "s3://bucket/m"],
+            net.a,
+            env={
+                "AWS_ENDPOINT_URL": f"http://{net.ip_b}:9000",
+                "AWS_ACCESS_KEY_ID": "liar",
+                "AWS_SECRET_ACCESS_KEY": "liar",
+                "AWS_REGION": "us-east-1",
+            },
+        )
+        s = ready_set(d)
+        assert d.proc is not None and d.proc.poll() is None, d.log
+        assert s.source == "files", d.log
+        assert "s3://bucket/m: " in d.log and "loading from the files" in d.log, d.log
+        assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+        assert no_partial_loads(node.shm_dir)
+        # The daemon serves on: a worker's status call after the failed fill.
+        assert d.status().daemon.ready
+    finally:
+        liar.kill()
+        liar.wait()
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
