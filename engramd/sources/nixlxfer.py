@@ -76,9 +76,11 @@ def agent_name(purpose: str) -> str:
     return f"engramd-{socket.gethostname()}-{purpose}-{secrets.token_hex(4)}"
 
 
-def transfer_env(device: str) -> dict[str, str]:
-    """The environment of a transfer process whose UCX may use only network `device`."""
-    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
+def transfer_env(device: str, prefixes: tuple[str, ...] = ()) -> dict[str, str]:
+    """The environment of a transfer process whose UCX may use only network `device`, with
+    the daemon's variables that start with `prefixes` too."""
+    passed = PASSED_PREFIXES + prefixes
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(passed)}
     env["ENGRAMD_NIXL_BUILD"] = nixl_build()
     if device:
         # UCX opens a TCP listener on every interface it uses (all of them by
@@ -92,8 +94,10 @@ class Agent:
 
     `peer`: the address of the other end (a receiver or a server), whose route
     names the only network interface UCX may use; "" for an agent without
-    UCX (object storage). `close` ends the process; every call after a
-    failure of the process raises TransferFailed.
+    UCX (object storage, which sees the daemon's AWS_ variables: its SDK
+    takes credentials from them, and nothing listens there). `close` ends
+    the process; every call after a failure of the process raises
+    TransferFailed.
     """
 
     def __init__(
@@ -103,8 +107,10 @@ class Agent:
         params: dict[str, dict[str, str]] | None = None,
         peer: str = "",
     ) -> None:
-        device = interface_of(peer) if peer else ""
-        env = transfer_env(device)
+        try:
+            env = transfer_env(interface_of(peer)) if peer else transfer_env("", ("AWS_",))
+        except (OSError, ValueError) as e:
+            raise TransferFailed(f"no network interface reaches {peer} ({e})") from None
         self.name = agent_name(purpose)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
