@@ -1,12 +1,17 @@
 """Fill a set from an object store (s3://bucket/prefix) through NIXL's OBJ backend.
 
 The bucket holds the checkpoint's safetensors files under the names the
-checkpoint folder gives them (`<prefix>/<name>`). Before a byte of a tensor
-is read, each object must match the node's file where the set id looks:
-the header, and the data samples the fingerprint takes (the last of which
-ends at the file's end, so a truncated object fails here). Then every
-tensor is read by ranges straight into the staged memory, digested, and
-spot-checked against the node's file. Endpoint and keys come the way the
+checkpoint folder gives them (`<prefix>/<name>`), and beside them the set's
+attested manifest (`<prefix>/engramd-manifest-<set_id>.json`, made by
+`engramd manifest` on a machine with the fleet's token: trust.py). That
+manifest is read first and must be this set's, attested by the fleet's key;
+a store without one is refused (the files then fill the set). Before a byte
+of a tensor is read, each object must match the node's file where the set
+id looks: the header, and the data samples the fingerprint takes (the last
+of which ends at the file's end, so a truncated object fails here). Then
+every tensor is read by ranges straight into the staged memory, digested,
+and spot-checked against the node's file; its digest must be the attested
+one. Endpoint and keys come the way the
 AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
 """
@@ -26,6 +31,14 @@ from engramd.sources.base import Progress, SourceFailed, spans, spot_check, wind
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
+from engramd.sources.trust import (
+    OBJECT_HEADER_BYTES,
+    OBJECT_MAX_BYTES,
+    AttestedManifest,
+    Filled,
+    FleetKey,
+    manifest_key,
+)
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
@@ -38,12 +51,14 @@ READS_IN_FLIGHT = 2
 OBJ_THREADS = 4
 #: Seconds one window may take.
 WINDOW_TIMEOUT_S = 60.0
+#: The NIXL OBJ device of the attested manifest (the checkpoint's files are 0, 1, ...).
+MANIFEST_DEVICE = 1 << 20
 
 
 class ObjectStoreSource:
     """Fills sets from `s3://bucket/prefix`; one fill at a time (one NIXL agent)."""
 
-    def __init__(self, url: str, env: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, url: str, key: FleetKey | None, env: Mapping[str, str] = os.environ) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ValueError(
@@ -68,6 +83,8 @@ class ObjectStoreSource:
         if env.get("AWS_ACCESS_KEY_ID"):
             self._params["access_key"] = env["AWS_ACCESS_KEY_ID"]
             self._params["secret_key"] = env.get("AWS_SECRET_ACCESS_KEY", "")
+        #: The fleet's key, which the set's attested manifest must be made with.
+        self._fleet = key
         self._agent: Agent | None = None
         self._lock = threading.Lock()
 
@@ -75,10 +92,85 @@ class ObjectStoreSource:
         """The object key of a checkpoint file named `name`."""
         return f"{self._prefix}/{name}" if self._prefix else name
 
-    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> list[str]:
-        """Read the set of `plan` into `regions`; the digests. Raises SourceFailed."""
+    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
+        """Read the set of `plan` into `regions`; the digests and the attestation they matched.
+        Raises SourceFailed."""
         with self._lock:
-            return self._fill(self._started(), plan, regions, progress)
+            agent = self._started()
+            attested = self._attested(agent, plan, progress)
+            sums = self._fill(agent, plan, regions, progress)
+        for t, mine in zip(attested.tensors, sums, strict=True):
+            if mine != t.checksum:
+                raise SourceFailed(
+                    f"tensor {t.name!r} arrived with digest {mine}, its attested manifest says "
+                    f"{t.checksum}: the bucket holds other bytes than the checkpoint's"
+                )
+        return Filled(sums, attested.attestation)
+
+    def _attested(self, agent: Agent, plan: TablePlan, progress: Progress) -> AttestedManifest:
+        """The set's attested manifest from the bucket, once it proved to be this set's,
+        attested by the fleet's key."""
+        key = manifest_key(self._prefix, plan.set_id)
+        where = f"s3://{self._bucket}/{key}"
+        if self._fleet is None:
+            raise SourceFailed(
+                f"no fleet token to check {where} with: an object-store fill needs "
+                "--peer-token-file (the key of the set's attested manifest)"
+            )
+        objects = agent.register(
+            [(0, OBJECT_HEADER_BYTES + OBJECT_MAX_BYTES, MANIFEST_DEVICE, key)], "OBJ"
+        )
+        try:
+            header = self._read_object(agent, where, 0, OBJECT_HEADER_BYTES, progress)
+            try:
+                length = AttestedManifest.body_length(header)
+            except ValueError as e:
+                raise SourceFailed(f"{where}: {e}") from None
+            body = self._read_object(agent, where, OBJECT_HEADER_BYTES, length, progress)
+        finally:
+            agent.deregister(objects)
+        try:
+            attested = AttestedManifest.from_body(body)
+        except (ValueError, KeyError, TypeError) as e:
+            raise SourceFailed(f"{where} does not parse ({e!r})") from None
+        theirs = [(t.name, t.dtype, t.shape, t.nbytes) for t in attested.tensors]
+        mine = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in plan.tensors]
+        if (attested.set_id, attested.fingerprint, theirs) != (
+            plan.set_id,
+            plan.fingerprint,
+            mine,
+        ):
+            raise SourceFailed(f"{where} describes another set than this checkpoint's")
+        if not self._fleet.attested(
+            attested.attestation, attested.set_id, attested.fingerprint, attested.tensors
+        ):
+            raise SourceFailed(
+                f"{where} carries no valid attestation of the fleet's key (not made by "
+                "`engramd manifest` with this fleet's token, or altered since)"
+            )
+        return attested
+
+    def _read_object(self, agent: Agent, where: str, at: int, n: int, progress: Progress) -> bytes:
+        """Bytes `at`..`at + n` of the attested manifest's object."""
+        scratch = ctypes.create_string_buffer(n)
+        held = agent.register([(ctypes.addressof(scratch), n, 0, "")], "DRAM")
+        try:
+            agent.read(
+                [(ctypes.addressof(scratch), n, 0)],
+                [(at, n, MANIFEST_DEVICE)],
+                "OBJ",
+                agent.name,
+                time.monotonic() + WINDOW_TIMEOUT_S,
+                progress.cancel,
+            )
+        except TransferFailed as e:
+            raise SourceFailed(
+                f"{where}: cannot read the set's attested manifest ({e}); make it with "
+                "`engramd manifest CHECKPOINT` and upload it there"
+            ) from None
+        finally:
+            agent.deregister(held)
+        return scratch.raw
 
     def warm(self) -> None:
         """Make the NIXL agent and its OBJ backend now (about a second here), not in a fill."""

@@ -1,14 +1,17 @@
 """Fill a set from a peer daemon that holds it: gRPC for the offer, NIXL reads for the bytes.
 
-The receiver opens one PeerService.Fill stream per peer tried, with the
-fleet's token and the set id it computed from its own checkpoint. The peer
-offers its manifest, its NIXL agent's metadata and each tensor's address;
-the receiver refuses an offer that is not this set (set id, tensor names,
-dtypes, shapes, sizes), then asks for windows and reads each granted one
-straight into its staged memory. Once every byte is in, each tensor's
-digest must equal the peer's manifest and random ranges must equal the
-node's own checkpoint (base.spot_check): a peer that sends other bytes is
-refused, and the next source runs.
+The receiver opens one PeerService.Fill stream per peer tried, with the set
+id it computed from its own checkpoint and a nonce. The peer must first
+prove it holds the fleet's token (trust.py): one that cannot is told nothing
+more. Then the receiver proves it holds the token too, and the peer offers
+its manifest with the attestation of its digests, its NIXL agent's metadata
+and each tensor's address; the receiver refuses an offer that is not this
+set (set id, fingerprint, tensor names, dtypes, shapes, sizes) or whose
+digests the fleet's key did not attest, then asks for windows and reads each
+granted one straight into its staged memory. Once every byte is in, each
+tensor's digest must equal the attested one and random ranges must equal
+the node's own checkpoint (base.spot_check): a peer that sends other bytes
+is refused, and the next source runs.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from engramd.sources.base import Progress, SourceFailed, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region
+from engramd.sources.trust import Filled, FleetKey, nonce, proven
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
@@ -74,9 +78,9 @@ def addresses(peers: list[str]) -> list[str]:
 class PeerSource:
     """Fills sets from peers; one fill at a time (one NIXL agent, made on first use)."""
 
-    def __init__(self, peers: list[str], token: str, min_rate: int) -> None:
+    def __init__(self, peers: list[str], key: FleetKey, min_rate: int) -> None:
         self._peers = peers
-        self._token = token
+        self._key = key
         self._min_rate = min_rate
         self._agent: Agent | None = None
         self._lock = threading.Lock()
@@ -97,8 +101,9 @@ class PeerSource:
 
     def fill(
         self, address: str, plan: TablePlan, regions: list[Region], progress: Progress
-    ) -> list[str]:
-        """Read the set of `plan` from the peer at `address` into `regions`; the digests.
+    ) -> Filled:
+        """Read the set of `plan` from the peer at `address` into `regions`; the digests and
+        the attestation they matched.
 
         Raises SourceFailed (with the reason in one line) when the peer cannot,
         will not, or sends other bytes; the regions' contents are then undefined.
@@ -107,7 +112,7 @@ class PeerSource:
             agent = self._started()
             channel = grpc.insecure_channel(address)
             try:
-                return self._fill(channel, agent, plan, regions, progress)
+                return self._fill(channel, agent, address, plan, regions, progress)
             finally:
                 channel.close()
 
@@ -115,19 +120,19 @@ class PeerSource:
         self,
         channel: grpc.Channel,
         agent: Agent,
+        address: str,
         plan: TablePlan,
         regions: list[Region],
         progress: Progress,
-    ) -> list[str]:
+    ) -> Filled:
         requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
 
         def sent() -> Iterator[peer_pb2.FillRequest]:
             while (r := requests.get()) is not None:
                 yield r
 
-        requests.put(
-            peer_pb2.FillRequest(open=peer_pb2.FillOpen(token=self._token, set_id=plan.set_id))
-        )
+        mine = nonce()
+        requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=plan.set_id, nonce=mine)))
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         replies = stub.Fill(sent())
         timer = threading.Timer(OFFER_TIMEOUT_S, replies.cancel)
@@ -137,14 +142,31 @@ class PeerSource:
         try:
             try:
                 first = next(replies)
+                if first.WhichOneof("step") != "proof" or not proven(
+                    first.proof.proof,
+                    self._key.server_proof(plan.set_id, mine, first.proof.nonce),
+                ):
+                    # Nothing token-derived has gone to it: it gets no proof of ours.
+                    log.warning(
+                        "peer %s could not prove it holds the fleet's token; refused", address
+                    )
+                    raise SourceFailed("it could not prove it holds the fleet's token")
+                requests.put(
+                    peer_pb2.FillRequest(
+                        proof=self._key.client_proof(plan.set_id, mine, first.proof.nonce)
+                    )
+                )
+                second = next(replies)
             except grpc.RpcError as e:
                 raise SourceFailed(_rpc_reason(e)) from None
+            except StopIteration:
+                raise SourceFailed("the peer ended the stream without an offer") from None
             finally:
                 timer.cancel()
-            if first.WhichOneof("step") != "offer":
+            if second.WhichOneof("step") != "offer":
                 raise SourceFailed("the peer answered without an offer")
-            offer = first.offer
-            manifest = _check_offer(plan, offer)
+            offer = second.offer
+            manifest = _check_offer(plan, offer, self._key)
             registered = agent.register(
                 [(r.address, r.nbytes, 0, "") for r in regions if r.nbytes], "DRAM"
             )
@@ -152,7 +174,8 @@ class PeerSource:
             pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
             for _, _, n in pieces:
                 requests.put(peer_pb2.FillRequest(window=n))
-            return self._read(replies, agent, remote, offer, plan, regions, manifest, progress)
+            sums = self._read(replies, agent, remote, offer, plan, regions, manifest, progress)
+            return Filled(sums, offer.attestation)
         finally:
             requests.put(None)
             replies.cancel()
@@ -230,13 +253,14 @@ class _Replies(Protocol):
     def cancel(self) -> bool: ...
 
 
-def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
-    """The peer's manifest, once it proved to describe the set of `plan`."""
+def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer, key: FleetKey) -> Manifest:
+    """The peer's manifest, once it proved to describe the set of `plan` with digests the
+    fleet's key attested: the bytes read must then have exactly those digests."""
     try:
         manifest = Manifest.from_json(offer.manifest_json)
     except (ManifestError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise SourceFailed(f"the peer's manifest does not parse ({e})") from None
-    if manifest.set_id != plan.set_id:
+    if manifest.set_id != plan.set_id or manifest.fingerprint != plan.fingerprint:
         raise SourceFailed(f"the peer offered set {manifest.set_id}, not {plan.set_id}")
     theirs = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
     mine = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in plan.tensors]
@@ -244,6 +268,11 @@ def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
         raise SourceFailed("the peer's set has other tensors than this checkpoint's")
     if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
         raise SourceFailed("the peer's regions are not the tensors' sizes")
+    if not key.attested(offer.attestation, manifest.set_id, manifest.fingerprint, manifest.tensors):
+        raise SourceFailed(
+            "the peer's digests carry no valid attestation of the fleet's key (no node that "
+            "loaded the set from its files made them, or the token changed since)"
+        )
     return manifest
 
 
