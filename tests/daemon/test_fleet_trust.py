@@ -155,7 +155,8 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
 ) -> None:
     """A loads from its files; B fills from A and keeps A's attestation in its manifest; C
     (in A's namespace, asking only B) fills from B and verifies it. `engramd verify`
-    passes on both filled nodes."""
+    passes on both filled nodes, and fails once B's kept attestation stops covering its
+    digests."""
     a, b, c = nodes("a"), nodes("b"), nodes("c")
     serving(a, checkpoint, net, token_file)
     rb = b.start(
@@ -187,6 +188,18 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
         checked = engramd("verify", sb.set_id, "--socket", str(d.socket))
         assert checked.returncode == 0, checked.stderr
         assert "tensors match" in checked.stdout
+    # A kept attestation that no longer covers the manifest's digests fails verify (B
+    # restarted adopts the set with its manifest as found on tmpfs).
+    rb.stop()
+    path = sets_root(b.shm_dir) / sb.set_id / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["attestation"] = key.attest(origin.set_id, origin.fingerprint, origin.tensors[:-1])
+    path.write_text(json.dumps(doc))
+    rb = b.restart()
+    assert ready_set(rb).source == "adopted"
+    checked = engramd("verify", sb.set_id, "--socket", str(rb.socket))
+    assert checked.returncode == 1
+    assert "manifest.json: its digests are not the ones its origin attested" in checked.stdout
 
 
 # -- the object store ---------------------------------------------------------------------
