@@ -199,7 +199,9 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
     ):
         token = Path(tmp) / "token"
         token.write_text(TOKEN)
+        token.chmod(0o400)
         s3.upload(ckpt, "ckpt")
+        s3.attest(ckpt, "ckpt", token)
         env = s3.env()
         peer = [
             *("--checkpoint", str(ckpt), "--peer-token-file", str(token)),
@@ -215,7 +217,10 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
                 rates["raw"].append(_raw_socket(net, plan.nbytes))
                 rates["s3"].append(
                     _fill_rate(
-                        ["--checkpoint", str(ckpt), "--object-store", f"s3://{s3.bucket}/ckpt"],
+                        [
+                            *("--checkpoint", str(ckpt), "--peer-token-file", str(token)),
+                            *("--object-store", f"s3://{s3.bucket}/ckpt"),
+                        ],
                         "s3://",
                         env,
                     )

@@ -28,7 +28,6 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engramd.api.peer import read_token
 from engramd.api.server import Listeners
 from engramd.api.sockets import group_id, raise_fd_limit
 from engramd.backings import backings_for
@@ -40,6 +39,7 @@ from engramd.sets.tableset import SetState
 from engramd.sources.chain import SourceChain
 from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
+from engramd.sources.trust import FleetKey, read_token
 from engramd.units import gib
 
 log = logging.getLogger("engramd")
@@ -183,12 +183,15 @@ def _sources(config: DaemonConfig) -> SourceChain | None:
     """Where loads' bytes come from before the files: the peers, then the object store."""
     if not config.peers and not config.object_store:
         return None
-    peers = None
-    if config.peers:
-        token = read_token(config.peer_token_file)
-        peers = PeerSource(config.peers, token, config.peer_min_rate)
-    store = ObjectStoreSource(config.object_store) if config.object_store else None
-    return SourceChain(peers, store)
+    # The object store's attested manifests are checked with the fleet's key too.
+    key = (
+        FleetKey(read_token(config.peer_token_file))
+        if config.peers or config.peer_token_file
+        else None
+    )
+    peers = PeerSource(config.peers, key, config.peer_min_rate) if key and config.peers else None
+    store = ObjectStoreSource(config.object_store, key) if config.object_store else None
+    return SourceChain(peers, store, key)
 
 
 async def serve(config: DaemonConfig) -> None:

@@ -28,7 +28,10 @@ manifest.json::
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
                   "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...],
-     "node": N}                              only in a copy kept for node N
+     "node": N,                              only in a copy kept for node N
+     "attestation": "hmac-sha256:<hex>"}     only in a set filled from a peer or an
+                                             object store: the origin's attestation
+                                             of the digests (engramd/sources/trust.py)
 
 A set folder never changes after its rename: the daemon writes everything
 under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
@@ -144,6 +147,9 @@ class Manifest:
     layout_version: int = LAYOUT_VERSION
     #: The NUMA node this copy is kept for (--numa per-node); None: the set's one copy.
     node: int | None = None
+    #: A filled set's digests as the node that loaded it from its files attested them (the
+    #: fleet's key); None: this node's own digests, taken from its files.
+    attestation: str | None = None
 
     @property
     def copy(self) -> str:
@@ -156,10 +162,12 @@ class Manifest:
         return sum(t.nbytes for t in self.tensors)
 
     def to_json(self) -> str:
-        """Serialize for manifest.json ("node" only in a copy kept per NUMA node)."""
+        """Serialize for manifest.json ("node" only in a copy kept per NUMA node,
+        "attestation" only in a filled set)."""
         doc = asdict(self)
-        if self.node is None:
-            del doc["node"]
+        for optional in ("node", "attestation"):
+            if doc[optional] is None:
+                del doc[optional]
         return json.dumps(doc, indent=1)
 
     @classmethod
@@ -200,6 +208,7 @@ class Manifest:
                 tensors=tensors,
                 sources=sources,
                 node=None if doc.get("node") is None else int(doc["node"]),
+                attestation=_optional_str(doc.get("attestation")),
             )
         except ManifestError:
             raise
@@ -211,6 +220,12 @@ class Manifest:
             if t.dtype not in DTYPES or Path(t.file).name != t.file or t.offset < 0:
                 raise ManifestError(f"malformed entry for tensor {t.name!r}")
         return manifest
+
+
+def _optional_str(value: object) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise ManifestError(f"malformed attestation {value!r}")
 
 
 def sets_root(shm_dir: str | os.PathLike[str]) -> Path:

@@ -1,7 +1,9 @@
 """The peer port (--peer-listen): operator-published sets handed to the fleet's other daemons.
 
-PeerService.Fill over TCP, authenticated by the fleet's shared token
-(constant-time compare). Only sets the operator published (loaded by
+PeerService.Fill over TCP, both ends authenticated by a challenge-response
+over the fleet's shared token (sources/trust.py: this server proves it
+first, the receiver then; the token never travels), the offer's digests
+attested with the fleet's key. Only sets the operator published (loaded by
 --checkpoint or `engramd load`) are offered; a set a worker's attach loaded
 stays owner-only and is answered as absent, like any set not held. The
 offered copy is mapped read-only and registered with the serving NIXL agent
@@ -15,7 +17,6 @@ hands out grants.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import os
 import threading
@@ -30,30 +31,11 @@ from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import SourceFailed
 from engramd.sources.nixlxfer import Agent, nixl_build
+from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
-
-
-def read_token(path: str) -> str:
-    """The fleet's token from its file (a Secret's key); refuses an empty or missing one."""
-    if not path:
-        raise ValueError(
-            "--peer-listen and --peers need --peer-token-file: a file holding the fleet's "
-            "shared token (a Kubernetes Secret)"
-        )
-    try:
-        with open(path) as f:
-            token = f.read().strip()
-    except OSError as e:
-        raise ValueError(f"--peer-token-file {path}: {e.strerror}") from None
-    if len(token) < 16:
-        raise ValueError(
-            f"--peer-token-file {path} holds {len(token)} characters; use at least 16 "
-            "(e.g. `openssl rand -hex 32`)"
-        )
-    return token
 
 
 class RateCap:
@@ -90,20 +72,27 @@ class Export:
                 addresses = self.agent.attach(
                     [(fds[t.file], t.offset, t.nbytes) for t in tensors], writable=False
                 )
-                self.offer = peer_pb2.SetOffer(
-                    manifest_json=ts.manifest.to_json(),
-                    nixl_metadata=self.agent.metadata(),
-                    regions=[
-                        peer_pb2.RemoteRegion(address=a, nbytes=t.nbytes)
-                        for a, t in zip(addresses, tensors, strict=True)
-                    ],
-                )
+                self._addresses = addresses
+                self._manifest = ts.manifest
+                self._metadata = self.agent.metadata()
             except BaseException:
                 self.agent.close()
                 raise
         finally:
             for _, fd in opened:
                 os.close(fd)
+
+    def offer(self, attestation: str) -> peer_pb2.SetOffer:
+        """The copy described for the receiver: manifest, its attestation, where it lies."""
+        return peer_pb2.SetOffer(
+            manifest_json=self._manifest.to_json(),
+            nixl_metadata=self._metadata,
+            regions=[
+                peer_pb2.RemoteRegion(address=a, nbytes=t.nbytes)
+                for a, t in zip(self._addresses, self._manifest.tensors, strict=True)
+            ],
+            attestation=attestation,
+        )
 
     def ended(self) -> str:
         """Why the transfer process ended before the stream did ("" while it runs)."""
@@ -125,9 +114,9 @@ def receiver_address(peer: str) -> str:
 class PeerService(peer_pb2_grpc.PeerServiceServicer):
     """Fill: offer a published set, then grant windows under the rate cap."""
 
-    def __init__(self, store: SetStore, token: str, rate: int) -> None:
+    def __init__(self, store: SetStore, key: FleetKey, rate: int) -> None:
         self._store = store
-        self._token = token.encode()
+        self._key = key
         self._cap = RateCap(rate)
         self._pool = BlockingPool("peer", 2)
 
@@ -143,24 +132,44 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         request_iterator: AsyncIterator[peer_pb2.FillRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[peer_pb2.FillReply]:
-        """One receiver's fill of one set."""
+        """One receiver's fill of one set: each side proves it holds the token, this one
+        first; then the offer."""
         opening = _Opening()
         try:
-            first = await anext(aiter(request_iterator), None)
+            requests = aiter(request_iterator)
+            first = await anext(requests, None)
             try:
                 if first is None or first.WhichOneof("step") != "open":
-                    raise InvalidRequest("a fill opens with FillOpen (token, set id)")
-                if not hmac.compare_digest(first.open.token.encode(), self._token):
+                    raise InvalidRequest("a fill opens with FillOpen (set id, nonce)")
+                set_id, theirs = first.open.set_id, first.open.nonce
+                if len(theirs) != NONCE_BYTES:
+                    raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
+            except Exception as e:
+                await abort(context, e)
+                return
+            mine = nonce()
+            proof = self._key.server_proof(set_id, theirs, mine)
+            yield peer_pb2.FillReply(proof=peer_pb2.ServerProof(nonce=mine, proof=proof))
+            second = await anext(requests, None)
+            if second is None:
+                # A receiver whose key our proof failed sends nothing more (the tokens differ).
+                log.warning(
+                    "peer %s left before proving it holds the fleet's token", context.peer()
+                )
+                return
+            try:
+                if not proven(second.proof, self._key.client_proof(set_id, theirs, mine)):
                     log.warning("peer %s: wrong token; refused", context.peer())
                     raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
-                ts = self._published(first.open.set_id)
+                ts = self._published(set_id)
+                attested = attestation(self._key, ts)
                 export = await self._pool.run(opening.make, ts, receiver_address(context.peer()))
             except Exception as e:
                 await abort(context, e)
                 return
             log.info("peer %s: filling set %s", context.peer(), ts.copy)
-            yield peer_pb2.FillReply(offer=export.offer)
-            async for request in request_iterator:
+            yield peer_pb2.FillReply(offer=export.offer(attested))
+            async for request in requests:
                 if request.WhichOneof("step") != "window":
                     break
                 await self._cap.take(request.window)
@@ -208,13 +217,24 @@ class _Opening:
             export.close()
 
 
+def attestation(key: FleetKey, ts: TableSet) -> str:
+    """The attestation a receiver checks the copy's digests with: the origin's, kept in the
+    manifest of a set this node filled (never signed again here), else this node's own
+    (it took the digests from its files)."""
+    manifest = ts.manifest
+    assert manifest is not None
+    if manifest.attestation is not None:
+        return manifest.attestation
+    return key.attest(manifest.set_id, manifest.fingerprint, manifest.tensors)
+
+
 class PeerServer:
     """The peer port: its own gRPC server on TCP, beside the worker and admin sockets."""
 
-    def __init__(self, store: SetStore, address: str, token: str, rate: int) -> None:
+    def __init__(self, store: SetStore, address: str, key: FleetKey, rate: int) -> None:
         self.address = address
         self._server = grpc.aio.server(interceptors=[DecodeGuard()])
-        self._service = PeerService(store, token, rate)
+        self._service = PeerService(store, key, rate)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 
     async def start(self) -> None:

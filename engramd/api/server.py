@@ -26,7 +26,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.api.admin import AdminService
 from engramd.api.fdchannel import FdChannel
-from engramd.api.peer import PeerServer, read_token
+from engramd.api.peer import PeerServer
 from engramd.api.service import TableService
 from engramd.api.sockets import (
     REQUEST_TIMEOUT_S,
@@ -39,6 +39,7 @@ from engramd.api.sockets import (
 from engramd.config import DaemonConfig
 from engramd.errors import DecodeGuard
 from engramd.sets.keeper import SetKeeper
+from engramd.sources.trust import FleetKey, read_token
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class Listeners:
             self.peers = PeerServer(
                 sets.store,
                 config.peer_listen,
-                read_token(config.peer_token_file),
+                FleetKey(read_token(config.peer_token_file)),
                 config.peer_rate,
             )
         self._metrics: WSGIServer | None = None

@@ -1,4 +1,4 @@
-"""The `engramd` command: serve (serve.py), status, load, drop, verify, synth, demo."""
+"""The `engramd` command: serve (serve.py), status, load, drop, verify, manifest, synth, demo."""
 
 from __future__ import annotations
 
@@ -186,6 +186,44 @@ def verify(
         )
         raise typer.Exit(1)
     typer.echo(f"set {set_id}: all {reply.tensors} tensors match ({gib(reply.bytes)})")
+
+
+@app.command()
+def manifest(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder (the bucket's files).")],
+    peer_token_file: Annotated[
+        str, typer.Option(help="File holding the fleet's token (as serve's).")
+    ],
+    tensors: str = DEFAULT_TENSORS,
+    output: Annotated[
+        Path | None,
+        typer.Option("--output", "-o", help="Where to write it (default: its key's name, here)."),
+    ] = None,
+) -> None:
+    """Write the attested manifest an object-store fill needs beside the checkpoint's files.
+
+    Reads every selected byte of the checkpoint (as a load does), takes each
+    tensor's digest and attests them with the fleet's key; upload the file
+    under the bucket's prefix with the name printed.
+    """
+    from engramd.sources.trust import FleetKey, attest_checkpoint, manifest_key, read_token
+    from engramd_shared.checkpoint import plan_tables
+    from engramd_shared.errors import CheckpointError
+
+    try:
+        key = FleetKey(read_token(peer_token_file))
+        plan = plan_tables(checkpoint.resolve(), tensors)
+        attested = attest_checkpoint(plan, key)
+    except (ValueError, CheckpointError) as e:
+        typer.echo(f"manifest failed: {e}", err=True)
+        raise typer.Exit(1) from None
+    name = manifest_key("", plan.set_id)
+    path = output or Path(name)
+    path.write_bytes(attested.to_bytes())
+    typer.echo(
+        f"set {plan.set_id}: {len(plan.tensors)} tensors attested in {path}; upload it as "
+        f"s3://BUCKET/PREFIX/{name} beside the checkpoint's files"
+    )
 
 
 @app.command()

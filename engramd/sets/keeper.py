@@ -183,8 +183,22 @@ class SetKeeper:
         return await self.store.drop(set_id, force)
 
     async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
-        """The set and its tensors whose bytes changed; as SetStore.verify."""
-        return await self.store.verify(set_id)
+        """The set and its tensors whose bytes changed; as SetStore.verify.
+
+        A filled set's digests must also still be the ones its origin attested
+        (checked with the fleet's key, where this daemon has one).
+        """
+        ts, corrupted = await self.store.verify(set_id)
+        key = self._sources.key if self._sources is not None else None
+        m = ts.manifest
+        if (
+            key is not None
+            and m is not None
+            and m.attestation is not None
+            and not key.attested(m.attestation, m.set_id, m.fingerprint, m.tensors)
+        ):
+            corrupted.append("manifest.json: its digests are not the ones its origin attested")
+        return ts, corrupted
 
     # -- workers' attaches ----------------------------------------------------
 

@@ -24,7 +24,8 @@
    (load) against cp and the loaders an operator would pick instead.
 Sources (engramd/sources): a `fill` given to `load_set` may write the
    reserved memory from elsewhere (a peer, an object store) and return the
-   tensors' digests; then nothing is copied from the files (when it returns
+   tensors' digests with the attestation they were checked against (kept in
+   the manifest); then nothing is copied from the files (when it returns
    None, the copy runs as above).
 3. Describe and publish: the backing makes the set visible only once its
    manifest is complete (tmpfs: manifest.json last, then a rename). A crash
@@ -45,6 +46,7 @@ from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, label, new_digest
 from engramd.host.blocking import map_on_threads
 from engramd.host.numa import applied
+from engramd.sources.trust import Filled
 from engramd.values import Placement
 from engramd_shared.beneath import Opened
 from engramd_shared.checkpoint import TablePlan
@@ -96,8 +98,8 @@ class LoadProgress:
 
 
 #: Writes a staged set's memory from another source and returns its tensors'
-#: digests, or None: then the loader copies from the files.
-Fill = Callable[[TablePlan, StagedSet, LoadProgress], list[str] | None]
+#: digests and their attestation, or None: then the loader copies from the files.
+Fill = Callable[[TablePlan, StagedSet, LoadProgress], Filled | None]
 
 
 def load_set(
@@ -154,7 +156,11 @@ def load_set(
         finally:
             for c in copies.values():
                 c.close()
-        sums = filled or [copies[i].checksum() for i in range(len(plan.tensors))]
+        sums = (
+            filled.digests
+            if filled is not None
+            else [copies[i].checksum() for i in range(len(plan.tensors))]
+        )
         for source in plan.sources:
             _check_identity(source, _stat(plan, source), "during the load (replaced)")
         manifest = Manifest(
@@ -178,6 +184,7 @@ def load_set(
             ),
             sources=plan.sources,
             node=node,
+            attestation=filled.attestation if filled is not None else None,
         )
         staged.publish(manifest)
         return manifest

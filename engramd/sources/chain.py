@@ -18,6 +18,7 @@ from engramd.sources.base import Progress, SourceFailed
 from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
 from engramd.sources.regions import close_all, staged_regions
+from engramd.sources.trust import Filled, FleetKey
 from engramd_shared.checkpoint import TablePlan
 
 log = logging.getLogger("engramd")
@@ -26,18 +27,25 @@ log = logging.getLogger("engramd")
 class SourceChain:
     """Peers, then an object store, each optional; a loader's `fill`."""
 
-    def __init__(self, peers: PeerSource | None, store: ObjectStoreSource | None) -> None:
+    def __init__(
+        self,
+        peers: PeerSource | None,
+        store: ObjectStoreSource | None,
+        key: FleetKey | None = None,
+    ) -> None:
         self._peers = peers
         self._store = store
+        #: The fleet's key (--peer-token-file), which `engramd verify` checks attestations with.
+        self.key = key
 
-    def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> list[str] | None:
+    def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> Filled | None:
         """Fill `staged` from the first source that can; None: load from the files."""
         try:
             regions = staged_regions(staged, [t.nbytes for t in plan.tensors])
         except NotImplementedError as e:
             log.info("set %s: %s; loading from the files", plan.set_id, e)
             return None
-        attempts: list[tuple[str, Callable[[], list[str]]]] = []
+        attempts: list[tuple[str, Callable[[], Filled]]] = []
         if self._peers is not None:
             for address in self._peers.addresses():
                 attempts.append(

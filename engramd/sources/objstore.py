@@ -1,12 +1,17 @@
 """Fill a set from an object store (s3://bucket/prefix) through NIXL's OBJ backend.
 
 The bucket holds the checkpoint's safetensors files under the names the
-checkpoint folder gives them (`<prefix>/<name>`). Before a byte of a tensor
-is read, each object must match the node's file where the set id looks:
-the header, and the data samples the fingerprint takes (the last of which
-ends at the file's end, so a truncated object fails here). Then every
-tensor is read by ranges straight into the staged memory, digested, and
-spot-checked against the node's file. Endpoint and keys come the way the
+checkpoint folder gives them (`<prefix>/<name>`), and beside them the set's
+attested manifest (`<prefix>/engramd-manifest-<set_id>.json`, made by
+`engramd manifest` on a machine with the fleet's token: trust.py). That
+manifest is read first and must be this set's, attested by the fleet's key;
+a store without one is refused (the files then fill the set). Before a byte
+of a tensor is read, each object must match the node's file where the set
+id looks: the header, and the data samples the fingerprint takes (the last
+of which ends at the file's end, so a truncated object fails here). Then
+every tensor is read by ranges straight into the staged memory, digested,
+and spot-checked against the node's file; its digest must be the attested
+one. Endpoint and keys come the way the
 AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
 """
@@ -25,6 +30,14 @@ from engramd.sources.base import Progress, SourceFailed, spans, spot_check, wind
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region, digests
+from engramd.sources.trust import (
+    OBJECT_HEADER_BYTES,
+    OBJECT_MAX_BYTES,
+    AttestedManifest,
+    Filled,
+    FleetKey,
+    manifest_key,
+)
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
@@ -37,12 +50,14 @@ READS_IN_FLIGHT = 2
 OBJ_THREADS = 4
 #: Seconds one window may take.
 WINDOW_TIMEOUT_S = 60.0
+#: The NIXL OBJ device of the attested manifest (the checkpoint's files are 0, 1, ...).
+MANIFEST_DEVICE = 1 << 20
 
 
 class ObjectStoreSource:
-    """Fills sets from `s3://bucket/prefix`; one fill at a time (one NIXL agent)."""
+    """Fills sets from `s3://bucket/prefix`; one fill at a time, each with a transfer process."""
 
-    def __init__(self, url: str, env: Mapping[str, str] = os.environ) -> None:
+    def __init__(self, url: str, key: FleetKey | None, env: Mapping[str, str] = os.environ) -> None:
         parsed = urlparse(url)
         if parsed.scheme != "s3" or not parsed.netloc:
             raise ValueError(
@@ -67,22 +82,80 @@ class ObjectStoreSource:
         if env.get("AWS_ACCESS_KEY_ID"):
             self._params["access_key"] = env["AWS_ACCESS_KEY_ID"]
             self._params["secret_key"] = env.get("AWS_SECRET_ACCESS_KEY", "")
+        #: The fleet's key, which the set's attested manifest must be made with.
+        self._fleet = key
         self._lock = threading.Lock()
 
     def key(self, name: str) -> str:
         """The object key of a checkpoint file named `name`."""
         return f"{self._prefix}/{name}" if self._prefix else name
 
-    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> list[str]:
-        """Read the set of `plan` into `regions`; the digests. Raises SourceFailed."""
+    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
+        """Read the set of `plan` into `regions`; the digests and the attestation they matched.
+        Raises SourceFailed."""
         with self._lock, Agent("s3", [], params={"OBJ": self._params}) as agent:
+            attested = self._attested(agent, plan, progress)
             self._fill(agent, plan, regions, progress)
         # Digested only once the transfer process is gone: a request NIXL reported
         # failed may still have been writing.
         sums = digests(regions)
+        for t, mine in zip(attested.tensors, sums, strict=True):
+            if mine != t.checksum:
+                raise SourceFailed(
+                    f"tensor {t.name!r} arrived with digest {mine}, its attested manifest says "
+                    f"{t.checksum}: the bucket holds other bytes than the checkpoint's"
+                )
         for entry, region in zip(plan.tensors, regions, strict=True):
             spot_check(entry, region.view())
-        return sums
+        return Filled(sums, attested.attestation)
+
+    def _attested(self, agent: Agent, plan: TablePlan, progress: Progress) -> AttestedManifest:
+        """The set's attested manifest from the bucket, once it proved to be this set's,
+        attested by the fleet's key."""
+        key = manifest_key(self._prefix, plan.set_id)
+        where = f"s3://{self._bucket}/{key}"
+        if self._fleet is None:
+            raise SourceFailed(
+                f"no fleet token to check {where} with: an object-store fill needs "
+                "--peer-token-file (the key of the set's attested manifest)"
+            )
+        agent.register([(0, OBJECT_HEADER_BYTES + OBJECT_MAX_BYTES, MANIFEST_DEVICE, key)], "OBJ")
+        header = self._read_object(agent, where, 0, OBJECT_HEADER_BYTES, progress)
+        try:
+            length = AttestedManifest.body_length(header)
+        except ValueError as e:
+            raise SourceFailed(f"{where}: {e}") from None
+        body = self._read_object(agent, where, OBJECT_HEADER_BYTES, length, progress)
+        try:
+            attested = AttestedManifest.from_body(body)
+        except (ValueError, KeyError, TypeError) as e:
+            raise SourceFailed(f"{where} does not parse ({e!r})") from None
+        theirs = [(t.name, t.dtype, t.shape, t.nbytes) for t in attested.tensors]
+        mine = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in plan.tensors]
+        if (attested.set_id, attested.fingerprint, theirs) != (
+            plan.set_id,
+            plan.fingerprint,
+            mine,
+        ):
+            raise SourceFailed(f"{where} describes another set than this checkpoint's")
+        if not self._fleet.attested(
+            attested.attestation, attested.set_id, attested.fingerprint, attested.tensors
+        ):
+            raise SourceFailed(
+                f"{where} carries no valid attestation of the fleet's key (not made by "
+                "`engramd manifest` with this fleet's token, or altered since)"
+            )
+        return attested
+
+    def _read_object(self, agent: Agent, where: str, at: int, n: int, progress: Progress) -> bytes:
+        """Bytes `at`..`at + n` of the attested manifest's object."""
+        try:
+            return _read_ranges(agent, [(at, n, MANIFEST_DEVICE)], progress)
+        except TransferFailed as e:
+            raise SourceFailed(
+                f"{where}: cannot read the set's attested manifest ({e}); make it with "
+                "`engramd manifest CHECKPOINT` and upload it there"
+            ) from None
 
     def _fill(
         self, agent: Agent, plan: TablePlan, regions: list[Region], progress: Progress
@@ -134,39 +207,15 @@ class ObjectStoreSource:
             expected = [os.pread(fd, n, at) for at, n in ranges]
         finally:
             os.close(fd)
-        total = sum(n for _, n in ranges)
-        # The ranges land in memory both processes map: a file of their own, so that a
-        # late write of a failed request can only land there (and ends with the process).
-        scratch_fd = os.memfd_create("engramd-s3-check", os.MFD_CLOEXEC)
         try:
-            os.ftruncate(scratch_fd, total)
-            (base,) = agent.attach([(scratch_fd, 0, total)], writable=True)
-            scratch = Region(scratch_fd, 0, total)
-        finally:
-            os.close(scratch_fd)
-        try:
-            local, at_local = [], 0
-            for _, n in ranges:
-                local.append((base + at_local, n, 0))
-                at_local += n
-            try:
-                agent.read(
-                    local,
-                    [(at, n, device) for at, n in ranges],
-                    "OBJ",
-                    agent.name,
-                    time.monotonic() + WINDOW_TIMEOUT_S,
-                    progress.cancel,
-                )
-            except TransferFailed as e:
-                raise SourceFailed(
-                    f"s3://{self._bucket}/{key}: cannot read its header and samples ({e}): the "
-                    f"object is missing, shorter than the node's file ({size} bytes), or not "
-                    "readable"
-                ) from None
-            got, at_local = bytes(scratch.view()), 0
-        finally:
-            scratch.close()
+            got = _read_ranges(agent, [(at, n, device) for at, n in ranges], progress)
+        except TransferFailed as e:
+            raise SourceFailed(
+                f"s3://{self._bucket}/{key}: cannot read its header and samples ({e}): the "
+                f"object is missing, shorter than the node's file ({size} bytes), or not "
+                "readable"
+            ) from None
+        at_local = 0
         for (at, n), want in zip(ranges, expected, strict=True):
             if got[at_local : at_local + n] != want:
                 raise SourceFailed(
@@ -175,6 +224,33 @@ class ObjectStoreSource:
                     "is not this checkpoint's file; upload the checkpoint's file again"
                 )
             at_local += n
+
+
+def _read_ranges(agent: Agent, ranges: list[tuple[int, int, int]], progress: Progress) -> bytes:
+    """The (offset, bytes, device) ranges of OBJ objects, back to back; raises TransferFailed.
+
+    They land in memory both processes map, a file of its own: a late write of a
+    failed request can only land there, and ends with the transfer process.
+    """
+    total = sum(n for _, n, _ in ranges)
+    fd = os.memfd_create("engramd-s3-read", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, total)
+        (base,) = agent.attach([(fd, 0, total)], writable=True)
+        scratch = Region(fd, 0, total)
+    finally:
+        os.close(fd)
+    try:
+        local, at = [], 0
+        for _, n, _ in ranges:
+            local.append((base + at, n, 0))
+            at += n
+        agent.read(
+            local, ranges, "OBJ", agent.name, time.monotonic() + WINDOW_TIMEOUT_S, progress.cancel
+        )
+        return bytes(scratch.view())
+    finally:
+        scratch.close()
 
 
 def _names(plan: TablePlan) -> dict[str, tuple[str, int]]:

@@ -1,14 +1,17 @@
 """Fill a set from a peer daemon that holds it: gRPC for the offer, NIXL reads for the bytes.
 
-The receiver opens one PeerService.Fill stream per peer tried, with the
-fleet's token and the set id it computed from its own checkpoint. The peer
-offers its manifest, its NIXL agent's metadata and each tensor's address;
-the receiver refuses an offer that is not this set (set id, tensor names,
-dtypes, shapes, sizes), then asks for windows and reads each granted one
-straight into its staged memory. Once every byte is in, each tensor's
-digest must equal the peer's manifest and random ranges must equal the
-node's own checkpoint (base.spot_check): a peer that sends other bytes is
-refused, and the next source runs.
+The receiver opens one PeerService.Fill stream per peer tried, with the set
+id it computed from its own checkpoint and a nonce. The peer must first
+prove it holds the fleet's token (trust.py): one that cannot is told nothing
+more. Then the receiver proves it holds the token too, and the peer offers
+its manifest with the attestation of its digests, its NIXL agent's metadata
+and each tensor's address; the receiver refuses an offer that is not this
+set (set id, fingerprint, tensor names, dtypes, shapes, sizes) or whose
+digests the fleet's key did not attest, then asks for windows and reads each
+granted one straight into its staged memory. Once every byte is in, each
+tensor's digest must equal the attested one and random ranges must equal
+the node's own checkpoint (base.spot_check): a peer that sends other bytes
+is refused, and the next source runs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from engramd.sources.base import Progress, SourceFailed, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, digests
+from engramd.sources.trust import Filled, FleetKey, nonce, proven
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
@@ -76,9 +80,9 @@ def addresses(peers: list[str]) -> list[str]:
 class PeerSource:
     """Fills sets from peers; one fill at a time, each with a transfer process of its own."""
 
-    def __init__(self, peers: list[str], token: str, min_rate: int) -> None:
+    def __init__(self, peers: list[str], key: FleetKey, min_rate: int) -> None:
         self._peers = peers
-        self._token = token
+        self._key = key
         self._min_rate = min_rate
         self._lock = threading.Lock()
 
@@ -88,8 +92,9 @@ class PeerSource:
 
     def fill(
         self, address: str, plan: TablePlan, regions: list[Region], progress: Progress
-    ) -> list[str]:
-        """Read the set of `plan` from the peer at `address` into `regions`; the digests.
+    ) -> Filled:
+        """Read the set of `plan` from the peer at `address` into `regions`; the digests and
+        the attestation they matched.
 
         Raises SourceFailed (with the reason in one line) when the peer cannot,
         will not, or sends other bytes; the regions' contents are then undefined.
@@ -99,7 +104,7 @@ class PeerSource:
             starting = starter.submit(Agent, "recv", ["UCX"], peer=address)
             channel = grpc.insecure_channel(address)
             try:
-                return self._fill(channel, starting, plan, regions, progress)
+                return self._fill(channel, starting, address, plan, regions, progress)
             finally:
                 channel.close()
                 with contextlib.suppress(SourceFailed):
@@ -109,19 +114,19 @@ class PeerSource:
         self,
         channel: grpc.Channel,
         starting: Future[Agent],
+        address: str,
         plan: TablePlan,
         regions: list[Region],
         progress: Progress,
-    ) -> list[str]:
+    ) -> Filled:
         requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
 
         def sent() -> Iterator[peer_pb2.FillRequest]:
             while (r := requests.get()) is not None:
                 yield r
 
-        requests.put(
-            peer_pb2.FillRequest(open=peer_pb2.FillOpen(token=self._token, set_id=plan.set_id))
-        )
+        mine = nonce()
+        requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=plan.set_id, nonce=mine)))
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         replies = stub.Fill(sent())
         timer = threading.Timer(OFFER_TIMEOUT_S, replies.cancel)
@@ -129,14 +134,31 @@ class PeerSource:
         try:
             try:
                 first = next(replies)
+                if first.WhichOneof("step") != "proof" or not proven(
+                    first.proof.proof,
+                    self._key.server_proof(plan.set_id, mine, first.proof.nonce),
+                ):
+                    # Nothing token-derived has gone to it: it gets no proof of ours.
+                    log.warning(
+                        "peer %s could not prove it holds the fleet's token; refused", address
+                    )
+                    raise SourceFailed("it could not prove it holds the fleet's token")
+                requests.put(
+                    peer_pb2.FillRequest(
+                        proof=self._key.client_proof(plan.set_id, mine, first.proof.nonce)
+                    )
+                )
+                second = next(replies)
             except grpc.RpcError as e:
                 raise SourceFailed(_rpc_reason(e)) from None
+            except StopIteration:
+                raise SourceFailed("the peer ended the stream without an offer") from None
             finally:
                 timer.cancel()
-            if first.WhichOneof("step") != "offer":
+            if second.WhichOneof("step") != "offer":
                 raise SourceFailed("the peer answered without an offer")
-            offer = first.offer
-            manifest = _check_offer(plan, offer)
+            offer = second.offer
+            manifest = _check_offer(plan, offer, self._key)
             agent = starting.result()
             local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
             remote = agent.add_remote(offer.nixl_metadata)
@@ -151,16 +173,16 @@ class PeerSource:
         # reaches its UCX port could write into the staged pages.
         agent.close()
         sums = digests(regions)
-        for entry, region, theirs, mine in zip(
+        for entry, region, theirs, got in zip(
             plan.tensors, regions, manifest.tensors, sums, strict=True
         ):
-            if mine != theirs.checksum:
+            if got != theirs.checksum:
                 raise SourceFailed(
-                    f"tensor {entry.name!r} arrived with digest {mine}, the peer's manifest "
+                    f"tensor {entry.name!r} arrived with digest {got}, the peer's manifest "
                     f"says {theirs.checksum}: the peer sent other bytes"
                 )
             spot_check(entry, region.view())
-        return sums
+        return Filled(sums, offer.attestation)
 
     def _read(
         self,
@@ -216,13 +238,14 @@ class _Replies(Protocol):
     def cancel(self) -> bool: ...
 
 
-def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
-    """The peer's manifest, once it proved to describe the set of `plan`."""
+def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer, key: FleetKey) -> Manifest:
+    """The peer's manifest, once it proved to describe the set of `plan` with digests the
+    fleet's key attested: the bytes read must then have exactly those digests."""
     try:
         manifest = Manifest.from_json(offer.manifest_json)
     except (ManifestError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
         raise SourceFailed(f"the peer's manifest does not parse ({e})") from None
-    if manifest.set_id != plan.set_id:
+    if manifest.set_id != plan.set_id or manifest.fingerprint != plan.fingerprint:
         raise SourceFailed(f"the peer offered set {manifest.set_id}, not {plan.set_id}")
     theirs = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in manifest.tensors]
     mine = [(t.name, t.dtype, tuple(t.shape), t.nbytes) for t in plan.tensors]
@@ -230,6 +253,11 @@ def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer) -> Manifest:
         raise SourceFailed("the peer's set has other tensors than this checkpoint's")
     if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
         raise SourceFailed("the peer's regions are not the tensors' sizes")
+    if not key.attested(offer.attestation, manifest.set_id, manifest.fingerprint, manifest.tensors):
+        raise SourceFailed(
+            "the peer's digests carry no valid attestation of the fleet's key (no node that "
+            "loaded the set from its files made them, or the token changed since)"
+        )
     return manifest
 
 

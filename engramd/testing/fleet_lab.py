@@ -8,10 +8,12 @@ test-tools` puts it in .tools/); `why_not()` says what is missing.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -111,6 +113,26 @@ class S3:
             if cut and f.name in cut:
                 data = data[: cut[f.name]]
             self.put(f"{prefix}/{f.name}", data)
+
+    def attest(self, checkpoint: Path, prefix: str, token_file: Path) -> str:
+        """Make the checkpoint's attested manifest with `engramd manifest` and put it beside its
+        files under `prefix`; its key."""
+        with tempfile.TemporaryDirectory() as tmp:
+            made = Path(tmp) / "manifest.json"
+            subprocess.run(
+                [
+                    *(sys.executable, "-m", "engramd", "manifest", str(checkpoint)),
+                    *("--peer-token-file", str(token_file), "-o", str(made)),
+                ],
+                check=True,
+                capture_output=True,
+                timeout=300,
+            )
+            data = made.read_bytes()
+        set_id = json.loads(data.split(b"\n", 1)[1])["set_id"]
+        key = f"{prefix}/engramd-manifest-{set_id}.json"
+        self.put(key, data)
+        return key
 
     def env(self) -> dict[str, str]:
         """The AWS variables a daemon (or boto3) reads the store with."""

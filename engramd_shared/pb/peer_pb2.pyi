@@ -7,38 +7,52 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class FillRequest(_message.Message):
-    __slots__ = ("open", "window")
+    __slots__ = ("open", "window", "proof")
     OPEN_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     open: FillOpen
     window: int
-    def __init__(self, open: _Optional[_Union[FillOpen, _Mapping]] = ..., window: _Optional[int] = ...) -> None: ...
+    proof: bytes
+    def __init__(self, open: _Optional[_Union[FillOpen, _Mapping]] = ..., window: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class FillOpen(_message.Message):
-    __slots__ = ("token", "set_id")
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("set_id", "nonce")
     SET_ID_FIELD_NUMBER: _ClassVar[int]
-    token: str
+    NONCE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
-    def __init__(self, token: _Optional[str] = ..., set_id: _Optional[str] = ...) -> None: ...
+    nonce: bytes
+    def __init__(self, set_id: _Optional[str] = ..., nonce: _Optional[bytes] = ...) -> None: ...
 
 class FillReply(_message.Message):
-    __slots__ = ("offer", "granted")
+    __slots__ = ("offer", "granted", "proof")
     OFFER_FIELD_NUMBER: _ClassVar[int]
     GRANTED_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
     offer: SetOffer
     granted: int
-    def __init__(self, offer: _Optional[_Union[SetOffer, _Mapping]] = ..., granted: _Optional[int] = ...) -> None: ...
+    proof: ServerProof
+    def __init__(self, offer: _Optional[_Union[SetOffer, _Mapping]] = ..., granted: _Optional[int] = ..., proof: _Optional[_Union[ServerProof, _Mapping]] = ...) -> None: ...
+
+class ServerProof(_message.Message):
+    __slots__ = ("nonce", "proof")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class SetOffer(_message.Message):
-    __slots__ = ("manifest_json", "nixl_metadata", "regions")
+    __slots__ = ("manifest_json", "nixl_metadata", "regions", "attestation")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    ATTESTATION_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     nixl_metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
-    def __init__(self, manifest_json: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ...) -> None: ...
+    attestation: str
+    def __init__(self, manifest_json: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., attestation: _Optional[str] = ...) -> None: ...
 
 class RemoteRegion(_message.Message):
     __slots__ = ("address", "nbytes")

@@ -45,12 +45,15 @@ class PeerServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Fill(self, request_iterator, context):
-        """One fill. The first request opens it (token, set id); the first reply
-        offers the set (its manifest, the serving agent's NIXL metadata, where
-        each tensor lies). Every later request asks for a window of bytes and is
-        answered once the serving side's rate cap allows it; the receiver reads
-        a window only once it is granted. The offered memory stays registered
-        until the stream ends.
+        """One fill. The first request opens it (set id, the receiver's nonce); the
+        first reply is the server's proof that it holds the fleet's token
+        (ServerProof); only then does the receiver send its own proof, and only
+        after that does the server offer the set (its manifest and the
+        attestation of its digests, the serving agent's NIXL metadata, where
+        each tensor lies). The token itself never travels. Every later request
+        asks for a window of bytes and is answered once the serving side's rate
+        cap allows it; the receiver reads a window only once it is granted. The
+        offered memory stays registered until the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

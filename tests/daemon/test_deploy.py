@@ -210,14 +210,24 @@ def test_fresh_node_gets_a_socket_folder_the_daemon_can_use(sock_dir: Path, shm_
     shm_dir.chmod(0o1777)
     (shm_dir / "engramd").mkdir()
     os.chown(shm_dir / "engramd", 65534, 65534)
+    # The Secret as the kubelet mounts it without an fsGroup (root's, defaultMode 0400), and
+    # the emptyDir for the daemon's copy (0777, as the kubelet makes one).
+    secret, copy = sock_dir / "secret", sock_dir / "peer"
+    secret.mkdir(mode=0o755)
+    (secret / "token").write_text("fleet-token-0123456789abcdef")
+    (secret / "token").chmod(0o400)
+    copy.mkdir()
+    copy.chmod(0o777)
     # The image's `engramd` group is the daemon's own (runAsGroup): its own group here,
     # whatever groups this machine has.
-    args = ["--socket-group", ""]
+    args = ["--socket-group", "", "--peers", "127.0.0.1:1", "--peer-token-file", f"{copy}/token"]
     d = Daemon(run / "engramd.sock", shm_dir, args, sock_dir / "daemon.log", python=python)
     with pytest.raises(RuntimeError, match="exited with 1"):
         d.start()
     script = prepare["command"][-1].replace("/run/engramd", str(run))
     script = script.replace("/dev/shm", str(shm_dir))
+    script = script.replace("/run/secrets/engramd-peer", str(secret))
+    script = script.replace("/etc/engramd/peer", str(copy))
     subprocess.run(["sh", "-c", script], check=True, capture_output=True)
     d.start()
     try:
@@ -226,6 +236,10 @@ def test_fresh_node_gets_a_socket_folder_the_daemon_can_use(sock_dir: Path, shm_
         names = sorted(p.name.split("-")[0] for p in shm_dir.iterdir())
         assert names == ["engramd", "engramd.untrusted"]
         assert (shm_dir / "engramd").stat().st_uid == int(user.split(":")[0])
+        # The daemon took its copy of the token: 990's alone.
+        st = (copy / "token").stat()
+        assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (int(user.split(":")[0]), 0o400)
+        assert stat.S_IMODE(copy.stat().st_mode) == 0o700
     finally:
         d.stop()
 
@@ -250,6 +264,20 @@ def test_daemonset_peers_agree_with_the_service_and_the_secret() -> None:
     assert args["peers"] == f"{name}.{namespace}.svc.cluster.local:{port}"
     volumes = {v["name"]: v for v in spec["volumes"]}
     token_dir, _, token_key = args["peer-token-file"].rpartition("/")
+    # The daemon reads its own copy (a memory emptyDir), which prepare-node makes from the
+    # Secret, 0400 in a 0700 folder: a Secret's files are root's, or 0440 with an fsGroup.
     mount = _mounts(daemon)[token_dir]
-    assert volumes[mount]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volumes[mount]["emptyDir"]["medium"] == "Memory"
+    assert "securityContext" not in spec or "fsGroup" not in spec["securityContext"]
+    [prepare] = spec["initContainers"]
+    prepared = {m["mountPath"]: m["name"] for m in prepare["volumeMounts"]}
+    assert prepared[token_dir] == mount
+    [secret_dir] = [p for p, n in prepared.items() if "secret" in volumes[n]]
+    assert volumes[prepared[secret_dir]]["secret"]["secretName"] == secret["metadata"]["name"]
+    assert volumes[prepared[secret_dir]]["secret"]["defaultMode"] == 0o400
+    script = prepare["command"][-1]
+    token = f"{token_dir}/{token_key}"
+    assert f"cp {secret_dir}/{token_key} {token}" in script
+    assert f"chmod 0400 {token}" in script and f"chmod 0700 {token_dir}" in script
+    assert f"chown 990:990 {token}" in script
     assert token_key in secret["stringData"]

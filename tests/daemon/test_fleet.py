@@ -137,11 +137,16 @@ def nodes() -> Iterator[Any]:
         node.close()
 
 
+def write_token(path: Path, token: str) -> Path:
+    """A token file as the daemon takes it: its owner's alone (0400)."""
+    path.write_text(token + "\n")
+    path.chmod(0o400)
+    return path
+
+
 @pytest.fixture
 def token_file(tmp_path: Path) -> Path:
-    path = tmp_path / "token"
-    path.write_text(TOKEN + "\n")
-    return path
+    return write_token(tmp_path / "token", TOKEN)
 
 
 def ready_set(d: Daemon, timeout: float = 120) -> pb.SetInfo:
@@ -292,16 +297,17 @@ def test_idle_fleet_daemons_spin_nothing(
 def test_wrong_token_falls_back_to_files(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
 ) -> None:
-    """A peer with another token is refused (PERMISSION_DENIED); B loads from its files."""
+    """Two daemons with different tokens: the server's proof fails the receiver's key, so the
+    receiver sends no proof of its own and loads from its files; the server is left."""
     a, b = nodes("a"), nodes("b")
     serving(a, checkpoint, net, token_file)
-    wrong = tmp_path / "wrong"
-    wrong.write_text("another-token-0123456789")
+    wrong = write_token(tmp_path / "wrong", "another-token-0123456789")
     rb = receiving(b, checkpoint, net, wrong)
     s = ready_set(rb)
     assert s.source == "files"
-    assert "PERMISSION_DENIED" in rb.log and "wrong peer token" in rb.log
-    assert "wrong token; refused" in a.daemon.log
+    assert f"peer {net.ip_a}:7077 could not prove it holds the fleet's token; refused" in rb.log
+    assert "left before proving it holds the fleet's token" in a.daemon.log
+    assert "filling set" not in a.daemon.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
 
 
@@ -377,7 +383,7 @@ def test_fleet_flags_refused_with_the_fix(nodes: Any, args: list[str], message: 
 def test_a_short_token_is_refused(nodes: Any, tmp_path: Path) -> None:
     """A token a peer could guess is no token: at least 16 characters."""
     short = tmp_path / "short"
-    short.write_text("abc\n")
+    write_token(short, "abc")
     node = nodes("x")
     with pytest.raises(RuntimeError, match="exited with"):
         node.start(["--peer-listen", "127.0.0.1:0", "--peer-token-file", str(short)])
@@ -454,6 +460,7 @@ def s3() -> Iterator[S3]:
 def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_file: Path) -> None:
     """No peer answers; the object store's files fill the set, straight into its memory."""
     s3.upload(checkpoint, "models/engram")
+    s3.attest(checkpoint, "models/engram", token_file)
     node = nodes("s")
     d = node.start(
         [
@@ -538,9 +545,10 @@ def test_a_lying_object_store_leaves_the_daemon_alive(
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_bad_object_falls_back_to_files(
-    s3: S3, nodes: Any, checkpoint: Path, damage: str
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path, damage: str
 ) -> None:
     """A missing or a truncated object: refused before a tensor is read; the files fill it."""
+    s3.attest(checkpoint, "m", token_file)
     shards = sorted(p.name for p in checkpoint.glob("*.safetensors"))
     if damage == "missing":
         for name in shards[1:]:
@@ -549,7 +557,11 @@ def test_a_bad_object_falls_back_to_files(
         s3.upload(checkpoint, "m", cut={shards[-1]: (checkpoint / shards[-1]).stat().st_size - 1})
     node = nodes("s")
     d = node.start(
-        ["--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"], env=s3.env()
+        [
+            *("--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"),
+            *("--peer-token-file", str(token_file)),
+        ],
+        env=s3.env(),
     )
     s = ready_set(d)
     assert s.source == "files", d.log
@@ -572,12 +584,18 @@ def test_joined_shards_from_a_peer(
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
 
 
-def test_joined_shards_from_the_object_store(s3: S3, nodes: Any, ple_checkpoint: Path) -> None:
+def test_joined_shards_from_the_object_store(
+    s3: S3, nodes: Any, ple_checkpoint: Path, token_file: Path
+) -> None:
     """Each shard of a joined table is read from its own object, at its own offset."""
     s3.upload(ple_checkpoint, "qwen")
+    s3.attest(ple_checkpoint, "qwen", token_file)
     node = nodes("s")
     d = node.start(
-        ["--checkpoint", str(ple_checkpoint), "--object-store", f"s3://{s3.bucket}/qwen"],
+        [
+            *("--checkpoint", str(ple_checkpoint), "--object-store", f"s3://{s3.bucket}/qwen"),
+            *("--peer-token-file", str(token_file)),
+        ],
         env=s3.env(),
     )
     s = ready_set(d)

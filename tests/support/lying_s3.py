@@ -16,6 +16,7 @@ It prints "listening" once it accepts connections and, for each request, one lin
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import threading
@@ -81,10 +82,9 @@ class Liar(BaseHTTPRequestHandler):
         if status == 206:
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
         self.end_headers()
-        try:
+        # The daemon's transfer process may go away mid-answer.
+        with contextlib.suppress(OSError):
             self.wfile.write(body)
-        except OSError:
-            pass  # the daemon's transfer process went away mid-answer
         self._say(asked, status, len(body))
 
     def _refused(self, path: Path, start: int, n: int) -> bool:

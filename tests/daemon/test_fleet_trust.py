@@ -1,0 +1,325 @@
+"""Who the fleet trusts (issue 43, items 4 and 8): a rogue peer with the public checkpoint, a
+bucket with one altered row, a token on one side only, token files others may read, and a
+filled set's attestation carried to the next hop. Real daemons in network namespaces.
+
+The rogue (tests/support/rogue_peer.py) runs in namespace A under `ip netns
+exec`, holds only the checkpoint's files, zeroes one 256-byte row of its
+copy and offers it with XXH3 digests of the altered bytes: the attack that
+published the row on a27fef5. The receiver runs in namespace B.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import daemon.test_fleet as fleet
+import pytest
+from daemon.test_fleet import (
+    TOKEN,
+    checkpoint_digests,
+    ready_set,
+    receiving,
+    serving,
+    set_digests,
+    write_token,
+)
+
+from conftest import SUPPORT
+from engramd.sources.trust import FleetKey
+from engramd.testing.child import JsonLinesChild
+from engramd.testing.fleet_lab import S3, UCX_TCP, Net
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.layout import Manifest, sets_root
+from engramd_shared.pb import peer_pb2
+from helpers import engramd
+
+pytestmark = fleet.pytestmark
+# The fleet tests' fixtures: a namespace pair, nodes, the token file, s3rver.
+net, nodes, token_file, s3 = fleet.net, fleet.nodes, fleet.token_file, fleet.s3
+
+OTHER_TOKEN = "another-token-0123456789abcdef"
+
+
+def manifest_of(shm_dir: Path, set_id: str) -> Manifest:
+    return Manifest.from_json((sets_root(shm_dir) / set_id / "manifest.json").read_text())
+
+
+# -- a rogue endpoint at a --peers address ------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["legacy", "forged"])
+def test_a_rogue_peer_with_the_public_checkpoint_learns_nothing_and_is_refused(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, mode: str
+) -> None:
+    """The rogue offers its altered copy at once (the old protocol) or after a proof it
+    forged: the receiver sends it nothing but its FillOpen (no token, no proof of its own),
+    logs why, and loads from its files, without the zeroed row."""
+    rogue = JsonLinesChild(
+        [
+            *Net.run_in(net.a),
+            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
+            *(f"{net.ip_a}:7077", str(checkpoint), mode),
+        ],
+        env={**os.environ, **UCX_TCP},
+    )
+    try:
+        assert rogue.read()["listening"]
+        b = nodes("b")
+        rb = receiving(b, checkpoint, net, token_file)
+        s = ready_set(rb)
+        captured = rogue.ask("captured")
+    finally:
+        assert rogue.proc.stdin is not None
+        rogue.proc.stdin.close()
+        rogue.proc.wait(timeout=30)
+    assert s.source == "files", rb.log
+    assert f"peer {net.ip_a}:7077 could not prove it holds the fleet's token; refused" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    # All the rogue got: one FillOpen with the set id and a fresh nonce.
+    assert captured["kinds"] == ["open"], captured
+    raw = [bytes.fromhex(h) for h in captured["requests"]]
+    opened = peer_pb2.FillRequest.FromString(raw[0]).open
+    assert opened.set_id == s.set_id and len(opened.nonce) == 32
+    sent = b"".join(raw)
+    assert TOKEN.encode() not in sent
+    key = FleetKey(TOKEN)
+    theirs = bytes.fromhex(captured["nonce"])
+    assert key.client_proof(s.set_id, opened.nonce, theirs) not in sent
+    assert key.server_proof(s.set_id, opened.nonce, theirs) not in sent
+
+
+# -- one side without the token -----------------------------------------------------------
+
+
+def test_a_server_with_another_token_is_refused(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """A real daemon with another token cannot prove the fleet's: B sends no proof, loads
+    from its files; A never offers."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, write_token(tmp_path / "other", OTHER_TOKEN))
+    rb = receiving(b, checkpoint, net, token_file)
+    s = ready_set(rb)
+    assert s.source == "files"
+    assert f"peer {net.ip_a}:7077 could not prove it holds the fleet's token; refused" in rb.log
+    assert "filling set" not in a.daemon.log
+
+
+@pytest.mark.parametrize("holds_token", [True, False])
+def test_a_receiver_must_prove_the_token_before_any_offer(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path, holds_token: bool
+) -> None:
+    """A receiver of its own making in namespace B that answers the server's proof with a
+    proof under another token gets PERMISSION_DENIED and nothing else (no offer, no
+    metadata); under the fleet's token it gets the offer with A's attestation."""
+    a = nodes("a")
+    ra = serving(a, checkpoint, net, token_file)
+    s = ready_set(ra)
+    probe_token = token_file if holds_token else write_token(tmp_path / "other", OTHER_TOKEN)
+    probe = subprocess.run(
+        [
+            *Net.run_in(net.b),
+            *(sys.executable, str(SUPPORT / "peer_probe.py")),
+            *(f"{net.ip_a}:7077", s.set_id, str(probe_token)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    got = json.loads(probe.stdout)
+    if holds_token:
+        m = manifest_of(a.shm_dir, s.set_id)
+        assert got["server_proven"] and got["offered"] and got["code"] == "OK", got
+        assert m.attestation is None  # loaded from its files: signed when offered
+        assert FleetKey(TOKEN).attested(got["attestation"], m.set_id, m.fingerprint, m.tensors)
+    else:
+        assert not got["server_proven"] and not got["offered"], got
+        assert got["code"] == "PERMISSION_DENIED", got
+        assert "wrong peer token" in got["details"]
+        assert "wrong token; refused" in ra.log and "filling set" not in ra.log
+
+
+# -- the attestation travels with the set -------------------------------------------------
+
+
+def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A loads from its files; B fills from A and keeps A's attestation in its manifest; C
+    (in A's namespace, asking only B) fills from B and verifies it. `engramd verify`
+    passes on both filled nodes, and fails once B's kept attestation stops covering its
+    digests."""
+    a, b, c = nodes("a"), nodes("b"), nodes("c")
+    serving(a, checkpoint, net, token_file)
+    rb = b.start(
+        [
+            *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_a}:7077"),
+            *("--peer-listen", f"{net.ip_b}:7077", "--peer-token-file", str(token_file)),
+        ],
+        net.b,
+    )
+    sb = ready_set(rb)
+    assert sb.source == f"peer {net.ip_a}:7077", rb.log
+    origin = manifest_of(a.shm_dir, sb.set_id)
+    filled = manifest_of(b.shm_dir, sb.set_id)
+    key = FleetKey(TOKEN)
+    assert filled.attestation == key.attest(origin.set_id, origin.fingerprint, origin.tensors)
+    rc = c.start(
+        [
+            *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_b}:7077"),
+            *("--peer-token-file", str(token_file)),
+        ],
+        net.a,
+    )
+    sc = ready_set(rc)
+    assert sc.source == f"peer {net.ip_b}:7077", rc.log
+    assert "filling set" in rb.log
+    assert manifest_of(c.shm_dir, sc.set_id).attestation == filled.attestation
+    assert set_digests(c.shm_dir, sc.set_id) == checkpoint_digests(checkpoint)
+    for d in (rb, rc):
+        checked = engramd("verify", sb.set_id, "--socket", str(d.socket))
+        assert checked.returncode == 0, checked.stderr
+        assert "tensors match" in checked.stdout
+    # A kept attestation that no longer covers the manifest's digests fails verify (B
+    # restarted adopts the set with its manifest as found on tmpfs).
+    rb.stop()
+    path = sets_root(b.shm_dir) / sb.set_id / "manifest.json"
+    doc = json.loads(path.read_text())
+    doc["attestation"] = key.attest(origin.set_id, origin.fingerprint, origin.tensors[:-1])
+    path.write_text(json.dumps(doc))
+    rb = b.restart()
+    assert ready_set(rb).source == "adopted"
+    checked = engramd("verify", sb.set_id, "--socket", str(rb.socket))
+    assert checked.returncode == 1
+    assert "manifest.json: its digests are not the ones its origin attested" in checked.stdout
+
+
+# -- the object store ---------------------------------------------------------------------
+
+
+def _altered_copy(checkpoint: Path, into: Path) -> Path:
+    """The checkpoint with one 256-byte row of its first table zeroed, away from the header
+    and the samples the set id takes (so the set id and the object checks still match)."""
+    shutil.copytree(checkpoint, into)
+    entry = plan_tables(checkpoint).tensors[0]
+    span = entry.spans[0]
+    path = into / Path(span.file).name
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+    start = 8 + length
+    room = max(size - start - SAMPLE_BYTES, 0)
+    samples = [start + room * k // (SAMPLES - 1) for k in range(SAMPLES)]
+    at = span.offset + (span.nbytes // 2) // 256 * 256
+    while any(s - 256 < at < s + SAMPLE_BYTES for s in samples):
+        at += 256
+    assert span.offset <= at and at + 256 <= span.offset + span.nbytes
+    with open(path, "r+b") as f:
+        f.seek(at)
+        assert f.read(256) != bytes(256)
+        f.seek(at)
+        f.write(bytes(256))
+    return into
+
+
+@pytest.mark.parametrize("manifest", ["none", "forged", "genuine"])
+def test_an_object_with_one_altered_row_is_refused(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path, manifest: str
+) -> None:
+    """A bucket writer without the token replaced an object by one with a zeroed row: with
+    no attested manifest, with one it made under another token, or beside the operator's
+    genuine one, the fill is refused and the files fill the set."""
+    evil = _altered_copy(checkpoint, tmp_path / "evil")
+    s3.upload(evil, "m")
+    if manifest == "forged":
+        s3.attest(evil, "m", write_token(tmp_path / "other", OTHER_TOKEN))
+    elif manifest == "genuine":
+        s3.attest(checkpoint, "m", token_file)
+    node = nodes("s")
+    d = node.start(
+        [
+            *("--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"),
+            *("--peer-token-file", str(token_file)),
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == "files", d.log
+    where = f"s3://{s3.bucket}/m/engramd-manifest-{s.set_id}.json"
+    if manifest == "none":
+        assert f"{where}: cannot read the set's attested manifest" in d.log
+    elif manifest == "forged":
+        assert f"{where} carries no valid attestation of the fleet's key" in d.log
+    else:
+        # The digest, or (rarely, when a random range hits the row) the spot check.
+        assert "the bucket holds other bytes" in d.log or "other bytes than the checkpoint" in d.log
+    assert "loading from the files" in d.log
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_an_object_store_fill_needs_the_token(s3: S3, nodes: Any, checkpoint: Path) -> None:
+    """Without a token there is no key to check the bucket's manifest with: files, and why."""
+    s3.upload(checkpoint, "m")
+    node = nodes("s")
+    d = node.start(
+        ["--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"], env=s3.env()
+    )
+    s = ready_set(d)
+    assert s.source == "files", d.log
+    assert "an object-store fill needs --peer-token-file" in d.log
+
+
+def test_a_filled_object_store_set_carries_the_attestation(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """The genuine manifest: the set comes from the bucket, its manifest keeps the bucket's
+    attestation, and `engramd verify` passes."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    node = nodes("s")
+    d = node.start(
+        [
+            *("--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"),
+            *("--peer-token-file", str(token_file)),
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == f"s3://{s3.bucket}/m", d.log
+    m = manifest_of(node.shm_dir, s.set_id)
+    assert m.attestation is not None
+    assert FleetKey(TOKEN).attested(m.attestation, m.set_id, m.fingerprint, m.tensors)
+    checked = engramd("verify", s.set_id, "--socket", str(d.socket))
+    assert checked.returncode == 0, checked.stderr
+
+
+# -- the token file -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("mode", "folder_mode"), [(0o644, 0o700), (0o640, 0o700), (0o400, 0o777)])
+def test_a_token_file_others_may_read_or_replace_stops_the_daemon(
+    nodes: Any, tmp_path: Path, mode: int, folder_mode: int
+) -> None:
+    """As ssh refuses a private key: group- or world-readable, or in a folder others may
+    write; the message names the file, its mode and the fix."""
+    folder = tmp_path / "secret"
+    folder.mkdir()
+    token = write_token(folder / "token", TOKEN)
+    token.chmod(mode)
+    folder.chmod(folder_mode)
+    node = nodes("x")
+    with pytest.raises(RuntimeError, match="exited with"):
+        node.start(["--peer-listen", "127.0.0.1:0", "--peer-token-file", str(token)])
+    log = node.daemon.log
+    if folder_mode == 0o700:
+        assert f"{token} has mode {mode:04o}" in log and f"`chmod 0400 {token}`" in log
+    else:
+        assert f"the folder {folder} has mode 0777" in log and f"`chmod go-w {folder}`" in log

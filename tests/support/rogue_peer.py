@@ -1,0 +1,185 @@
+"""A rogue PeerService at a --peers address: it holds only the public checkpoint, no token.
+
+    python tests/support/rogue_peer.py HOST:PORT CHECKPOINT MODE
+
+It copies the checkpoint's tables into memory registered with a NIXL agent
+of its own, zeroes one 256-byte row in the middle of the first tensor and
+offers that copy with a manifest whose XXH3 digests are the altered bytes'
+(the attack of issue 43, item 4). MODE says how it answers a FillOpen:
+
+- `legacy`: with the offer at once, as a server of the old protocol did;
+- `forged`: with a ServerProof of random bytes (it cannot make a real one),
+  and the offer after any proof the receiver sends.
+
+Every window asked for is granted, so a receiver that trusted it would
+publish the altered row. Prints {"listening": ..., "row": offset} once
+serving; on the command `captured` answers {"requests": [hex of each
+request received, serialized], "kinds": [...], "nonce": hex of the
+ServerProof nonce it sent}. Stops when stdin closes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import mmap
+import os
+import secrets
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import xxhash
+
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.layout import Manifest, ManifestTensor, tensor_file_name
+from engramd_shared.pb import peer_pb2, peer_pb2_grpc
+
+#: The row it zeroes: as wide as a row of the synthetic tables (dim 256, one byte each).
+ROW_BYTES = 256
+
+
+class Rogue(peer_pb2_grpc.PeerServiceServicer):
+    """Offers an altered copy to anyone, records what it is sent."""
+
+    def __init__(self, checkpoint: str, mode: str) -> None:
+        self.mode = mode
+        plan = plan_tables(checkpoint)
+        sizes = [t.nbytes for t in plan.tensors]
+        self._memory = mmap.mmap(-1, sum(sizes))
+        view = memoryview(self._memory)
+        at = 0
+        starts = []
+        for t in plan.tensors:
+            starts.append(at)
+            for span in t.spans:
+                with open(span.file, "rb") as f:
+                    f.seek(span.offset)
+                    view[at : at + span.nbytes] = f.read(span.nbytes)
+                at += span.nbytes
+        first = plan.tensors[0]
+        self.row = (first.nbytes // 2) // ROW_BYTES * ROW_BYTES
+        view[self.row : self.row + ROW_BYTES] = bytes(ROW_BYTES)
+        tensors = tuple(
+            ManifestTensor(
+                name=t.name,
+                dtype=t.dtype,
+                shape=tuple(t.shape),
+                file=tensor_file_name(i),
+                offset=0,
+                nbytes=t.nbytes,
+                checksum=f"xxh3-64:{xxhash.xxh3_64(view[s : s + t.nbytes]).hexdigest()}",
+            )
+            for i, (t, s) in enumerate(zip(plan.tensors, starts, strict=True))
+        )
+        manifest = Manifest(
+            set_id=plan.set_id,
+            fingerprint=plan.fingerprint,
+            nonce=secrets.token_hex(16),
+            checkpoint=str(plan.checkpoint),
+            selection=plan.selection,
+            created=time.time(),
+            tensors=tensors,
+            sources=plan.sources,
+        )
+        base = _address(self._memory)
+        api = _nixl()
+        self._agent = api.nixl_agent(
+            f"rogue-{secrets.token_hex(4)}",
+            api.nixl_agent_config(enable_listen_thread=False, backends=["UCX"]),
+        )
+        self._registered = self._agent.register_memory([(base, len(self._memory), 0, "")], "DRAM")
+        self._offer = peer_pb2.SetOffer(
+            manifest_json=manifest.to_json(),
+            nixl_metadata=self._agent.get_agent_metadata(),
+            regions=[
+                peer_pb2.RemoteRegion(address=base + s, nbytes=n)
+                for s, n in zip(starts, sizes, strict=True)
+            ],
+            # What a token holder would send; it has none, so these are random bytes.
+            attestation=f"hmac-sha256:{secrets.token_hex(32)}",
+        )
+        self._lock = threading.Lock()
+        self.requests: list[peer_pb2.FillRequest] = []
+        self.nonce = b""
+
+    def _record(self, request: peer_pb2.FillRequest) -> None:
+        with self._lock:
+            self.requests.append(request)
+
+    def Fill(
+        self, request_iterator: Iterator[peer_pb2.FillRequest], context: Any
+    ) -> Iterator[peer_pb2.FillReply]:
+        """Offer the altered copy (after a forged proof in `forged` mode); grant every window."""
+        first = next(request_iterator, None)
+        if first is None:
+            return
+        self._record(first)
+        if self.mode == "legacy":
+            yield peer_pb2.FillReply(offer=self._offer)
+        else:
+            self.nonce = secrets.token_bytes(32)
+            yield peer_pb2.FillReply(
+                proof=peer_pb2.ServerProof(nonce=self.nonce, proof=secrets.token_bytes(32))
+            )
+        for request in request_iterator:
+            self._record(request)
+            step = request.WhichOneof("step")
+            if step == "proof":
+                yield peer_pb2.FillReply(offer=self._offer)
+            elif step == "window":
+                yield peer_pb2.FillReply(granted=request.window)
+
+
+def _nixl() -> Any:
+    for build in ("nixl_cu12", "nixl_cu13"):
+        try:
+            return importlib.import_module(f"{build}._api")
+        except ImportError:
+            continue
+    raise SystemExit("NIXL is not installed")
+
+
+def _address(memory: mmap.mmap) -> int:
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(memory))
+
+
+def main() -> int:
+    listen, checkpoint, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    # NIXL logs on stdout: the answers get a descriptor of their own, the rest goes to stderr.
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    def say(doc: dict[str, Any]) -> None:
+        answers.write(json.dumps(doc) + "\n")
+
+    rogue = Rogue(checkpoint, mode)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    peer_pb2_grpc.add_PeerServiceServicer_to_server(rogue, server)
+    server.add_insecure_port(listen)
+    server.start()
+    say({"listening": listen, "row": rogue.row, "pid": os.getpid()})
+    for line in sys.stdin:
+        if line.strip() == "captured":
+            with rogue._lock:
+                requests = list(rogue.requests)
+            say(
+                {
+                    "requests": [r.SerializeToString().hex() for r in requests],
+                    "kinds": [r.WhichOneof("step") for r in requests],
+                    "nonce": rogue.nonce.hex(),
+                }
+            )
+    server.stop(0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
