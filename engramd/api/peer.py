@@ -30,7 +30,7 @@ from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import SourceFailed
-from engramd.sources.nixlxfer import Agent, nixl_build
+from engramd.sources.nixlxfer import Agent, nixl_build, spare
 from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
@@ -66,7 +66,7 @@ class Export:
         opened = ts.backing.descriptors(ts.manifest)
         fds = dict(opened)
         try:
-            self.agent = Agent("serve", ["UCX"], peer=receiver)
+            self.agent = Agent({"UCX": {}}, peer=receiver)
             try:
                 tensors = ts.manifest.tensors
                 addresses = self.agent.attach(
@@ -244,6 +244,7 @@ class PeerServer:
             nixl_build()
         except SourceFailed as e:
             raise ValueError(f"--peer-listen {self.address}: {e}") from None
+        spare.keep()
         try:
             self._server.add_insecure_port(self.address)
         except RuntimeError as e:

@@ -93,7 +93,7 @@ class ObjectStoreSource:
     def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
         """Read the set of `plan` into `regions`; the digests and the attestation they matched.
         Raises SourceFailed."""
-        with self._lock, Agent("s3", [], params={"OBJ": self._params}) as agent:
+        with self._lock, Agent({"OBJ": self._params}) as agent:
             attested = self._attested(agent, plan, progress)
             self._fill(agent, plan, regions, progress)
         # Digested only once the transfer process is gone: a request NIXL reported

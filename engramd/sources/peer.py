@@ -100,8 +100,8 @@ class PeerSource:
         will not, or sends other bytes; the regions' contents are then undefined.
         """
         with self._lock, ThreadPoolExecutor(1, "engramd-recv") as starter:
-            # The transfer process starts (about half a second) while the peer offers.
-            starting = starter.submit(Agent, "recv", ["UCX"], peer=address)
+            # The transfer process starts its backend while the peer offers.
+            starting = starter.submit(Agent, {"UCX": {}}, peer=address)
             channel = grpc.insecure_channel(address)
             try:
                 return self._fill(channel, starting, address, plan, regions, progress)

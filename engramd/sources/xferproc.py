@@ -12,8 +12,11 @@ daemon sees the fill fail and moves on. Late writes of a request NIXL has
 already reported failed (its OBJ backend does that) end with the process,
 before the daemon reuses the memory.
 
-Started by nixlxfer.Agent as `python -m engramd.sources.xferproc FD` with a
-scrubbed environment; FD is its end of a SOCK_SEQPACKET socketpair. Each
+Started by nixlxfer (`python -m engramd.sources.xferproc FD NAME`) with a
+scrubbed environment, ahead of the fill that takes it; FD is its end of a
+SOCK_SEQPACKET socketpair. Until a fill starts it, it has NIXL loaded and
+its agent made without backends: no listener, no thread, no memory of a
+set. Each
 request is one JSON message (descriptors attached where a request maps
 memory), each reply one JSON message: {"ok": ...} or {"error": "..."}. It
 dies with the daemon (PR_SET_PDEATHSIG) and when the socket closes.
@@ -36,6 +39,8 @@ from engramd.sources.regions import Region
 MESSAGE_BYTES = 1 << 20
 #: Descriptors one request may carry (one per mapped tensor).
 MAX_FDS = 4096
+#: The plugins loaded ahead of a fill: the peers' and the object store's.
+PLUGINS = ("UCX", "OBJ")
 
 
 class _Transfers:
@@ -54,14 +59,22 @@ class _Transfers:
         self._next += 1
         return self._next
 
-    def start(self, name: str, backends: list[str], params: dict[str, dict[str, str]]) -> Any:
+    def prepare(self, name: str) -> None:
+        """The agent without backends, its plugins loaded: nothing listens, nothing runs."""
         api = importlib.import_module(f"{os.environ['ENGRAMD_NIXL_BUILD']}._api")
         self.agent = api.nixl_agent(
-            name, api.nixl_agent_config(enable_listen_thread=False, backends=backends)
+            name, api.nixl_agent_config(enable_listen_thread=False, backends=[])
         )
-        for backend, values in params.items():
+        # Loading a plugin is most of an agent's start (0.4 s of 0.5 here); its
+        # backend, made per fill, opens UCX's listener.
+        for plugin in PLUGINS:
+            self.agent.get_plugin_params(plugin)
+
+    def start(self, backends: dict[str, dict[str, str]], env: dict[str, str]) -> None:
+        # UCX and the AWS SDK read their settings when the backend is made.
+        os.environ.update(env)
+        for backend, values in backends.items():
             self.agent.create_backend(backend, values)
-        return name
 
     def map(self, specs: list[list[Any]], fds: list[int]) -> list[int]:
         if len(specs) != len(fds):
@@ -143,8 +156,13 @@ class _Transfers:
             self.agent.release_xfer_handle(handle)
 
 
-def _serve(sock: socket.socket) -> None:
+def _serve(sock: socket.socket, name: str) -> None:
     transfers = _Transfers()
+    try:
+        transfers.prepare(name)
+    except Exception as e:
+        sock.send(json.dumps({"error": f"NIXL cannot start here: {e}"}).encode())
+        return
     while True:
         try:
             data, fds, _, _ = socket.recv_fds(sock, MESSAGE_BYTES, MAX_FDS)
@@ -169,10 +187,11 @@ def _serve(sock: socket.socket) -> None:
 
 
 def main() -> None:
-    """Serve the daemon's requests on the descriptor argv[1] until it closes."""
+    """Serve the daemon's requests on the descriptor argv[1] for the agent named argv[2] until
+    the socket closes."""
     sock = socket.socket(fileno=int(sys.argv[1]))
     try:
-        _serve(sock)
+        _serve(sock, sys.argv[2])
     finally:
         sock.close()
 
