@@ -8,10 +8,10 @@ node loaded from its files gets its strong digests from its published
 copy's pages on the first offer of that copy (on a thread of their own,
 every core hashing), kept for later offers: a copy never changes once
 published. A set this node filled is offered with the origin's strong
-digests and attestation, kept in its manifest. Only sets the operator published (loaded by
---checkpoint or `engramd load`) are offered; a set a worker's attach loaded
-stays owner-only and is answered as absent, like any set not held. The
-offered copy is mapped read-only and registered with the serving NIXL agent
+digests and attestation, kept in its manifest. Only sets the operator
+published (loaded by --checkpoint or `engramd load`) are offered; a set
+a worker's attach loaded stays owner-only and is answered as absent, like
+any set not held. The offered copy is mapped read-only and registered with the serving NIXL agent
 while a stream uses it; the receiver reads it, a window at a time, each
 granted once the daemon's rate cap (--peer-rate, all peers together)
 allows. Registration and mapping run on their own threads, and the reads

@@ -265,7 +265,7 @@ def _check_offer(
     if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
         raise SourceFailed("the peer's regions are not the tensors' sizes")
     strong = list(offer.strong_digests)
-    if not strong:
+    if not strong and manifest.tensors:
         raise SourceFailed(
             "the peer's offer carries no strong digests (an engramd that attests checksums "
             "alone): upgrade it"

@@ -289,6 +289,50 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
         assert "manifest.json: its digests are not the ones its origin attested" in checked.stdout
 
 
+def test_a_set_an_older_engramd_filled_adopts_but_is_not_offered(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """B's filled set as an engramd that attested checksums alone left it (an attestation,
+    no strong digests): the upgraded B adopts it, but has no strong digests to forward and
+    signs none of its own, so a receiver proving the token gets NOT_FOUND saying why, and
+    `engramd verify` says the attestation cannot be checked."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    rb = b.start(
+        [
+            *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_a}:7077"),
+            *("--peer-listen", f"{net.ip_b}:7077", "--peer-token-file", str(token_file)),
+        ],
+        net.b,
+    )
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    rb.stop()
+    path = sets_root(b.shm_dir) / s.set_id / "manifest.json"
+    doc = json.loads(path.read_text())
+    del doc["strong_digests"]
+    path.write_text(json.dumps(doc))
+    rb = b.restart()
+    assert ready_set(rb).source == "adopted"
+    probe = subprocess.run(
+        [
+            *Net.run_in(net.a),
+            *(sys.executable, str(SUPPORT / "peer_probe.py")),
+            *(f"{net.ip_b}:7077", s.set_id, str(token_file)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    got = json.loads(probe.stdout)
+    assert got["server_proven"] and not got["offered"] and got["code"] == "NOT_FOUND", got
+    assert "filled by an older engramd that kept no strong digests" in got["details"]
+    checked = engramd("verify", s.set_id, "--socket", str(rb.socket))
+    assert checked.returncode == 1
+    assert "an older engramd filled it and kept no strong digests" in checked.stdout
+
+
 # -- the object store ---------------------------------------------------------------------
 
 
