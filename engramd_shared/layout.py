@@ -29,9 +29,13 @@ manifest.json::
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
                   "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...],
      "node": N,                              only in a copy kept for node N
-     "attestation": "hmac-sha256:<hex>"}     only in a set filled from a peer or an
+     "attestation": "hmac-sha256:<hex>",     only in a set filled from a peer or an
                                              object store: the origin's attestation
                                              of the digests (engramd/sources/trust.py)
+     "strong_digests": ["sha256-pieces:<hex>", ...]}
+                                             beside it: each tensor's strong digest
+                                             the origin attested, in order
+                                             (engramd/sources/strong.py)
 
 A set folder never changes after its rename: the daemon writes everything
 under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
@@ -150,6 +154,10 @@ class Manifest:
     #: A filled set's digests as the node that loaded it from its files attested them (the
     #: fleet's key); None: this node's own digests, taken from its files.
     attestation: str | None = None
+    #: Beside `attestation`: each tensor's strong digest (SHA-256 over its pieces) as the
+    #: origin attested it, in order; None in a set loaded from files, or filled by an engramd
+    #: that attested checksums alone.
+    strong_digests: tuple[str, ...] | None = None
 
     @property
     def copy(self) -> str:
@@ -163,9 +171,9 @@ class Manifest:
 
     def to_json(self) -> str:
         """Serialize for manifest.json ("node" only in a copy kept per NUMA node,
-        "attestation" only in a filled set)."""
+        "attestation" and "strong_digests" only in a filled set)."""
         doc = asdict(self)
-        for optional in ("node", "attestation"):
+        for optional in ("node", "attestation", "strong_digests"):
             if doc[optional] is None:
                 del doc[optional]
         return json.dumps(doc, indent=1)
@@ -209,6 +217,7 @@ class Manifest:
                 sources=sources,
                 node=None if doc.get("node") is None else int(doc["node"]),
                 attestation=_optional_str(doc.get("attestation")),
+                strong_digests=_optional_strs(doc.get("strong_digests"), len(tensors)),
             )
         except ManifestError:
             raise
@@ -226,6 +235,14 @@ def _optional_str(value: object) -> str | None:
     if value is None or isinstance(value, str):
         return value
     raise ManifestError(f"malformed attestation {value!r}")
+
+
+def _optional_strs(value: object, count: int) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, list) and len(value) == count and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    raise ManifestError(f"malformed strong digests (not {count} strings, one a tensor)")
 
 
 def sets_root(shm_dir: str | os.PathLike[str]) -> Path:

@@ -3,10 +3,15 @@
 PeerService.Fill over TCP, both ends authenticated by a challenge-response
 over the fleet's shared token (sources/trust.py: this server proves it
 first, the receiver then; the token never travels), the offer's digests
-attested with the fleet's key. Only sets the operator published (loaded by
---checkpoint or `engramd load`) are offered; a set a worker's attach loaded
-stays owner-only and is answered as absent, like any set not held. The
-offered copy is mapped read-only and registered with the serving NIXL agent
+(checksums and strong digests) attested with the fleet's key. A set this
+node loaded from its files gets its strong digests from its published
+copy's pages on the first offer of that copy (on a thread of their own,
+every core hashing), kept for later offers: a copy never changes once
+published. A set this node filled is offered with the origin's strong
+digests and attestation, kept in its manifest. Only sets the operator
+published (loaded by --checkpoint or `engramd load`) are offered; a set
+a worker's attach loaded stays owner-only and is answered as absent, like
+any set not held. The offered copy is mapped read-only and registered with the serving NIXL agent
 while a stream uses it; the receiver reads it, a window at a time, each
 granted once the daemon's rate cap (--peer-rate, all peers together)
 allows. Registration and mapping run on their own threads, and the reads
@@ -20,6 +25,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,7 +37,10 @@ from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import SourceFailed
 from engramd.sources.nixlxfer import Agent, nixl_build, spare
+from engramd.sources.regions import Region, close_all
+from engramd.sources.strong import digest_views
 from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
+from engramd.units import gib
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
@@ -82,8 +91,9 @@ class Export:
             for _, fd in opened:
                 os.close(fd)
 
-    def offer(self, attestation: str) -> peer_pb2.SetOffer:
-        """The copy described for the receiver: manifest, its attestation, where it lies."""
+    def offer(self, attestation: str, strong: list[str]) -> peer_pb2.SetOffer:
+        """The copy described for the receiver: manifest, strong digests, their attestation,
+        where it lies."""
         return peer_pb2.SetOffer(
             manifest_json=self._manifest.to_json(),
             nixl_metadata=self._metadata,
@@ -92,6 +102,7 @@ class Export:
                 for a, t in zip(self._addresses, self._manifest.tensors, strict=True)
             ],
             attestation=attestation,
+            strong_digests=strong,
         )
 
     def ended(self) -> str:
@@ -119,6 +130,11 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._key = key
         self._cap = RateCap(rate)
         self._pool = BlockingPool("peer", 2)
+        # One copy digested at a time, each on every core: an Export is never queued behind.
+        self._digesting = BlockingPool("peer-digest", 1)
+        #: The strong digests of each copy loaded from files, by (copy, its manifest's nonce):
+        #: a published copy's bytes never change, and a copy loaded again has another nonce.
+        self._strong: dict[tuple[str, str], asyncio.Future[list[str]]] = {}
 
     def _published(self, set_id: str) -> TableSet:
         ts = self._store.offered(set_id)
@@ -126,6 +142,52 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             # The same answer for a set not held and one only a worker's attach loaded.
             raise UnknownSet(f"this daemon serves no published set {set_id} to peers")
         return ts
+
+    async def _attestation(self, ts: TableSet) -> tuple[str, list[str]]:
+        """The attestation and strong digests a receiver checks the copy with: the origin's,
+        kept in the manifest of a set this node filled (never signed again here), else this
+        node's own of its copy's digests (it took them from its files)."""
+        manifest = ts.manifest
+        assert manifest is not None
+        if manifest.attestation is not None:
+            if manifest.strong_digests is None:
+                # Filled by an engramd that attested checksums alone: nothing to forward.
+                raise UnknownSet(
+                    f"set {manifest.set_id} was filled by an older engramd that kept no strong "
+                    "digests; it is not served to peers until it is dropped and loaded again"
+                )
+            return manifest.attestation, list(manifest.strong_digests)
+        key = (ts.copy, manifest.nonce)
+        digesting = self._strong.get(key)
+        if digesting is None:
+            # An earlier load of this copy is gone; its digests never count again.
+            for old in [k for k in self._strong if k[0] == ts.copy]:
+                del self._strong[old]
+            digesting = asyncio.ensure_future(self._digest(ts))
+            self._strong[key] = digesting
+
+            def forget(done: asyncio.Future[list[str]]) -> None:
+                # A failed digest (the copy dropped meanwhile) is tried again next time.
+                if (done.cancelled() or done.exception()) and self._strong.get(key) is done:
+                    del self._strong[key]
+
+            digesting.add_done_callback(forget)
+        # Shielded: a stream that ends while its copy is hashed leaves the digest to the next.
+        strong = await asyncio.shield(digesting)
+        attested = self._key.attest(manifest.set_id, manifest.fingerprint, manifest.tensors, strong)
+        return attested, strong
+
+    async def _digest(self, ts: TableSet) -> list[str]:
+        started = time.monotonic()
+        strong = await self._digesting.run(copy_strong_digests, ts)
+        assert ts.manifest is not None
+        log.info(
+            "set %s: strong digests of its %s taken for peers in %.2f s",
+            ts.copy,
+            gib(ts.manifest.nbytes),
+            time.monotonic() - started,
+        )
+        return strong
 
     async def Fill(
         self,
@@ -162,13 +224,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                     log.warning("peer %s: wrong token; refused", context.peer())
                     raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
                 ts = self._published(set_id)
-                attested = attestation(self._key, ts)
+                attested, strong = await self._attestation(ts)
                 export = await self._pool.run(opening.make, ts, receiver_address(context.peer()))
             except Exception as e:
                 await abort(context, e)
                 return
             log.info("peer %s: filling set %s", context.peer(), ts.copy)
-            yield peer_pb2.FillReply(offer=export.offer(attested))
+            yield peer_pb2.FillReply(offer=export.offer(attested, strong))
             async for request in requests:
                 if request.WhichOneof("step") != "window":
                     break
@@ -217,15 +279,22 @@ class _Opening:
             export.close()
 
 
-def attestation(key: FleetKey, ts: TableSet) -> str:
-    """The attestation a receiver checks the copy's digests with: the origin's, kept in the
-    manifest of a set this node filled (never signed again here), else this node's own
-    (it took the digests from its files)."""
+def copy_strong_digests(ts: TableSet) -> list[str]:
+    """Each tensor's strong digest, from the pages of the published copy `ts` (mapped
+    read-only here while they are hashed)."""
     manifest = ts.manifest
     assert manifest is not None
-    if manifest.attestation is not None:
-        return manifest.attestation
-    return key.attest(manifest.set_id, manifest.fingerprint, manifest.tensors)
+    opened = ts.backing.descriptors(manifest)
+    regions: list[Region] = []
+    try:
+        fds = dict(opened)
+        for t in manifest.tensors:
+            regions.append(Region(fds[t.file], t.offset, t.nbytes))
+        return digest_views([r.view() for r in regions], checksums=False).strong
+    finally:
+        close_all(regions)
+        for _, fd in opened:
+            os.close(fd)
 
 
 class PeerServer:

@@ -202,9 +202,10 @@ def manifest(
 ) -> None:
     """Write the attested manifest an object-store fill needs beside the checkpoint's files.
 
-    Reads every selected byte of the checkpoint (as a load does), takes each
-    tensor's digest and attests them with the fleet's key; upload the file
-    under the bucket's prefix with the name printed.
+    Reads every selected byte of the checkpoint once (as a load does), takes
+    each tensor's XXH3 checksum and strong digest (SHA-256 of its 64 MiB
+    pieces, on every core) and attests them with the fleet's key; upload the
+    file under the bucket's prefix with the name printed.
     """
     from engramd.sources.trust import FleetKey, attest_checkpoint, manifest_key, read_token
     from engramd_shared.checkpoint import plan_tables

@@ -185,19 +185,23 @@ class SetKeeper:
     async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
         """The set and its tensors whose bytes changed; as SetStore.verify.
 
-        A filled set's digests must also still be the ones its origin attested
-        (checked with the fleet's key, where this daemon has one).
+        A filled set's checksums and kept strong digests must also still be the
+        ones its origin attested (checked with the fleet's key, where this daemon
+        has one); the strong digests are not taken again here.
         """
         ts, corrupted = await self.store.verify(set_id)
         key = self._sources.key if self._sources is not None else None
         m = ts.manifest
-        if (
-            key is not None
-            and m is not None
-            and m.attestation is not None
-            and not key.attested(m.attestation, m.set_id, m.fingerprint, m.tensors)
-        ):
-            corrupted.append("manifest.json: its digests are not the ones its origin attested")
+        if key is not None and m is not None and m.attestation is not None:
+            if m.strong_digests is None:
+                corrupted.append(
+                    "manifest.json: an older engramd filled it and kept no strong digests, so "
+                    "its attestation cannot be checked; drop the set and load it again"
+                )
+            elif not key.attested(
+                m.attestation, m.set_id, m.fingerprint, m.tensors, m.strong_digests
+            ):
+                corrupted.append("manifest.json: its digests are not the ones its origin attested")
         return ts, corrupted
 
     # -- workers' attaches ----------------------------------------------------

@@ -24,9 +24,9 @@
    (load) against cp and the loaders an operator would pick instead.
 Sources (engramd/sources): a `fill` given to `load_set` may write the
    reserved memory from elsewhere (a peer, an object store) and return the
-   tensors' digests with the attestation they were checked against (kept in
-   the manifest); then nothing is copied from the files (when it returns
-   None, the copy runs as above).
+   tensors' digests (checksums and strong digests) with the attestation they
+   were checked against (kept in the manifest); then nothing is copied from
+   the files (when it returns None, the copy runs as above).
 3. Describe and publish: the backing makes the set visible only once its
    manifest is complete (tmpfs: manifest.json last, then a rename). A crash
    at any point leaves either no set or a complete one.
@@ -185,6 +185,7 @@ def load_set(
             sources=plan.sources,
             node=node,
             attestation=filled.attestation if filled is not None else None,
+            strong_digests=tuple(filled.strong) if filled is not None else None,
         )
         staged.publish(manifest)
         return manifest

@@ -10,8 +10,8 @@ of a tensor is read, each object must match the node's file where the set
 id looks: the header, and the data samples the fingerprint takes (the last
 of which ends at the file's end, so a truncated object fails here). Then
 every tensor is read by ranges straight into the staged memory, digested,
-and spot-checked against the node's file; its digest must be the attested
-one. Endpoint and keys come the way the
+and spot-checked against the node's file; its strong digest and checksum
+must be the attested ones. Endpoint and keys come the way the
 AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
 """
@@ -36,6 +36,7 @@ from engramd.sources.trust import (
     AttestedManifest,
     Filled,
     FleetKey,
+    check_received,
     manifest_key,
 )
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
@@ -98,16 +99,17 @@ class ObjectStoreSource:
             self._fill(agent, plan, regions, progress)
         # Digested only once the transfer process is gone: a request NIXL reported
         # failed may still have been writing.
-        sums = digests(regions)
-        for t, mine in zip(attested.tensors, sums, strict=True):
-            if mine != t.checksum:
-                raise SourceFailed(
-                    f"tensor {t.name!r} arrived with digest {mine}, its attested manifest says "
-                    f"{t.checksum}: the bucket holds other bytes than the checkpoint's"
-                )
+        got = digests(regions)
+        check_received(
+            [t.name for t in attested.tensors],
+            [t.checksum for t in attested.tensors],
+            [t.strong for t in attested.tensors],
+            got,
+            "the bucket holds other bytes than the checkpoint's",
+        )
         for entry, region in zip(plan.tensors, regions, strict=True):
             spot_check(entry, region.view())
-        return Filled(sums, attested.attestation)
+        return Filled(got.checksums, got.strong, attested.attestation)
 
     def _attested(self, agent: Agent, plan: TablePlan, progress: Progress) -> AttestedManifest:
         """The set's attested manifest from the bucket, once it proved to be this set's,
@@ -139,7 +141,11 @@ class ObjectStoreSource:
         ):
             raise SourceFailed(f"{where} describes another set than this checkpoint's")
         if not self._fleet.attested(
-            attested.attestation, attested.set_id, attested.fingerprint, attested.tensors
+            attested.attestation,
+            attested.set_id,
+            attested.fingerprint,
+            attested.tensors,
+            [t.strong for t in attested.tensors],
         ):
             raise SourceFailed(
                 f"{where} carries no valid attestation of the fleet's key (not made by "

@@ -7,11 +7,12 @@ more. Then the receiver proves it holds the token too, and the peer offers
 its manifest with the attestation of its digests, its NIXL agent's metadata
 and each tensor's address; the receiver refuses an offer that is not this
 set (set id, fingerprint, tensor names, dtypes, shapes, sizes) or whose
-digests the fleet's key did not attest, then asks for windows and reads each
-granted one straight into its staged memory. Once every byte is in, each
-tensor's digest must equal the attested one and random ranges must equal
-the node's own checkpoint (base.spot_check): a peer that sends other bytes
-is refused, and the next source runs.
+digests (checksums and strong digests) the fleet's key did not attest, then
+asks for windows and reads each granted one straight into its staged
+memory. Once every byte is in, each tensor's strong digest and checksum
+must equal the attested ones and random ranges must equal the node's own
+checkpoint (base.spot_check): a peer that sends other bytes is refused, and
+the next source runs.
 """
 
 from __future__ import annotations
@@ -33,15 +34,18 @@ from engramd.sources.base import Progress, SourceFailed, spot_check, windows
 from engramd.sources.inflight import InOrder
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, digests
-from engramd.sources.trust import Filled, FleetKey, nonce, proven
+from engramd.sources.trust import Filled, FleetKey, check_received, nonce, proven
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
 
-#: Seconds a peer has to connect and offer the set.
+#: Seconds a peer has to connect and prove the token, and then to offer the set.
 OFFER_TIMEOUT_S = 10.0
+#: Bytes a second the serving node digests its copy at, at least, before its first offer of
+#: that copy (SHA-256 on all its cores, api/peer.py): the offer may take that much longer.
+OFFER_DIGEST_RATE = 1 << 30
 #: Seconds a window may wait for its grant, or take, when no rate floor is set
 #: (a peer gone silent).
 WINDOW_TIMEOUT_S = 60.0
@@ -129,7 +133,8 @@ class PeerSource:
         requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=plan.set_id, nonce=mine)))
         stub = peer_pb2_grpc.PeerServiceStub(channel)
         replies = stub.Fill(sent())
-        timer = threading.Timer(OFFER_TIMEOUT_S, replies.cancel)
+        waited = OFFER_TIMEOUT_S
+        timer = threading.Timer(waited, replies.cancel)
         timer.start()
         try:
             try:
@@ -143,6 +148,10 @@ class PeerSource:
                         "peer %s could not prove it holds the fleet's token; refused", address
                     )
                     raise SourceFailed("it could not prove it holds the fleet's token")
+                timer.cancel()
+                waited = OFFER_TIMEOUT_S + sum(t.nbytes for t in plan.tensors) / OFFER_DIGEST_RATE
+                timer = threading.Timer(waited, replies.cancel)
+                timer.start()
                 requests.put(
                     peer_pb2.FillRequest(
                         proof=self._key.client_proof(plan.set_id, mine, first.proof.nonce)
@@ -150,7 +159,7 @@ class PeerSource:
                 )
                 second = next(replies)
             except grpc.RpcError as e:
-                raise SourceFailed(_rpc_reason(e)) from None
+                raise SourceFailed(_rpc_reason(e, waited)) from None
             except StopIteration:
                 raise SourceFailed("the peer ended the stream without an offer") from None
             finally:
@@ -158,7 +167,7 @@ class PeerSource:
             if second.WhichOneof("step") != "offer":
                 raise SourceFailed("the peer answered without an offer")
             offer = second.offer
-            manifest = _check_offer(plan, offer, self._key)
+            manifest, strong = _check_offer(plan, offer, self._key)
             agent = starting.result()
             local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
             remote = agent.add_remote(offer.nixl_metadata)
@@ -172,17 +181,17 @@ class PeerSource:
         # Digested only once the transfer process is gone: until then anyone who
         # reaches its UCX port could write into the staged pages.
         agent.close()
-        sums = digests(regions)
-        for entry, region, theirs, got in zip(
-            plan.tensors, regions, manifest.tensors, sums, strict=True
-        ):
-            if got != theirs.checksum:
-                raise SourceFailed(
-                    f"tensor {entry.name!r} arrived with digest {got}, the peer's manifest "
-                    f"says {theirs.checksum}: the peer sent other bytes"
-                )
+        got = digests(regions)
+        check_received(
+            [t.name for t in plan.tensors],
+            [t.checksum for t in manifest.tensors],
+            strong,
+            got,
+            "the peer sent other bytes",
+        )
+        for entry, region in zip(plan.tensors, regions, strict=True):
             spot_check(entry, region.view())
-        return Filled(sums, offer.attestation)
+        return Filled(got.checksums, got.strong, offer.attestation)
 
     def _read(
         self,
@@ -238,9 +247,11 @@ class _Replies(Protocol):
     def cancel(self) -> bool: ...
 
 
-def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer, key: FleetKey) -> Manifest:
-    """The peer's manifest, once it proved to describe the set of `plan` with digests the
-    fleet's key attested: the bytes read must then have exactly those digests."""
+def _check_offer(
+    plan: TablePlan, offer: peer_pb2.SetOffer, key: FleetKey
+) -> tuple[Manifest, list[str]]:
+    """The peer's manifest and strong digests, once they proved to describe the set of `plan`
+    with digests the fleet's key attested: the bytes read must then have exactly those."""
     try:
         manifest = Manifest.from_json(offer.manifest_json)
     except (ManifestError, ValueError, KeyError, TypeError, json.JSONDecodeError) as e:
@@ -253,12 +264,20 @@ def _check_offer(plan: TablePlan, offer: peer_pb2.SetOffer, key: FleetKey) -> Ma
         raise SourceFailed("the peer's set has other tensors than this checkpoint's")
     if any(r.nbytes != t.nbytes for r, t in zip(offer.regions, plan.tensors, strict=True)):
         raise SourceFailed("the peer's regions are not the tensors' sizes")
-    if not key.attested(offer.attestation, manifest.set_id, manifest.fingerprint, manifest.tensors):
+    strong = list(offer.strong_digests)
+    if not strong and manifest.tensors:
+        raise SourceFailed(
+            "the peer's offer carries no strong digests (an engramd that attests checksums "
+            "alone): upgrade it"
+        )
+    if not key.attested(
+        offer.attestation, manifest.set_id, manifest.fingerprint, manifest.tensors, strong
+    ):
         raise SourceFailed(
             "the peer's digests carry no valid attestation of the fleet's key (no node that "
             "loaded the set from its files made them, or the token changed since)"
         )
-    return manifest
+    return manifest, strong
 
 
 def _next_grant(replies: _Replies) -> peer_pb2.FillReply:
@@ -281,9 +300,9 @@ def _next_grant(replies: _Replies) -> peer_pb2.FillReply:
         watchdog.cancel()
 
 
-def _rpc_reason(e: grpc.RpcError) -> str:
+def _rpc_reason(e: grpc.RpcError, waited: float = OFFER_TIMEOUT_S) -> str:
     code = e.code() if isinstance(e, grpc.Call) else None
     details = e.details() if isinstance(e, grpc.Call) else str(e)
     if code is grpc.StatusCode.CANCELLED:
-        return f"no offer within {OFFER_TIMEOUT_S:.0f} s"
+        return f"no offer within {waited:.0f} s"
     return f"{code.name if code else 'error'}: {details}"

@@ -13,8 +13,8 @@ import ctypes
 import os
 from typing import TYPE_CHECKING
 
-from engramd.checksum import label, new_digest
 from engramd.host.libc import libc, map_read_only
+from engramd.sources.strong import Digests, digest_views
 
 if TYPE_CHECKING:
     from engramd.backings import StagedSet
@@ -69,14 +69,10 @@ def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
     return regions
 
 
-def digests(regions: list[Region]) -> list[str]:
-    """Each region's digest (the manifest's format), taken from its pages as they are now."""
-    found = []
-    for region in regions:
-        digest = new_digest()
-        digest.update(region.view())
-        found.append(label(digest))
-    return found
+def digests(regions: list[Region]) -> Digests:
+    """Each region's checksum and strong digest (the manifest's formats), taken from its pages
+    as they are now, on threads."""
+    return digest_views([region.view() for region in regions])
 
 
 def close_all(regions: list[Region]) -> None:

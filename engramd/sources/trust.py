@@ -12,12 +12,17 @@ one label each), so that no value made under one can stand for another:
   are new for every fill, so a proof seen once opens nothing later.
 - "manifest": a node that loaded a set from its own files attests its
   digests: HMAC(manifest key, the set id, its fingerprint and each tensor's
-  name, dtype, shape, size and digest). A receiver checks the attestation
-  before it reads a byte and publishes only bytes whose digests are the
-  attested ones; a node that filled a set keeps the origin's attestation in
-  its manifest and forwards it, never signs one of its own. The object
-  store's copy of a checkpoint carries one beside it (`manifest_key`),
-  made by `engramd manifest`.
+  name, dtype, shape, size, XXH3-64 checksum and strong digest, SHA-256
+  over its pieces: strong.py). A receiver checks the attestation before it
+  reads a byte and publishes only bytes whose digests, both kinds, are the
+  attested ones (`check_received`); a node that filled a set keeps the
+  origin's attestation and strong digests in its manifest and forwards
+  them, never signs one of its own. The object store's copy of a
+  checkpoint carries one beside it (`manifest_key`), made by `engramd
+  manifest`. XXH3 alone would not do: it is no defence against bytes built
+  to share a tensor's XXH3, and an offer is not bound to the handshake (a
+  relay can pass the proofs along and offer its own bytes under the real
+  attestation).
 
 Every comparison of a proof or an attestation is constant-time
 (hmac.compare_digest). The token file is refused unless only its owner may
@@ -37,17 +42,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from engramd.checksum import chunks, label, new_digest
+from engramd.sources.base import SourceFailed
+from engramd.sources.strong import Digests, digest_files, is_strong
 from engramd_shared.checkpoint import TablePlan
-from engramd_shared.fileid import open_regular
-from engramd_shared.headers import TensorEntry
 
 #: Random bytes each side adds to a fill's handshake.
 NONCE_BYTES = 32
 #: How an attestation is written: the MAC's name, then its hex digest.
 ATTESTATION = "hmac-sha256"
 #: The object store's attested manifest: its first bytes (a fixed-size read), the JSON after.
-OBJECT_MAGIC = b"engramd-manifest-v1 "
+#: v1 attested XXH3 checksums only.
+OBJECT_MAGIC = b"engramd-manifest-v2 "
+_OLDER_MAGIC = b"engramd-manifest-v1 "
 #: The header: the magic, the JSON's length in 11 digits, a newline.
 OBJECT_HEADER_BYTES = len(OBJECT_MAGIC) + 12
 #: Most bytes of a manifest object's JSON (a manifest is ~200 bytes a tensor).
@@ -104,20 +110,34 @@ class FleetKey:
         """The receiver's proof: its own nonce, then the server's."""
         return self._mac(b"client proof", set_id, mine, theirs)
 
-    def attest(self, set_id: str, fingerprint: str, tensors: Sequence[_Tensor]) -> str:
-        """The attestation of a set's digests ("hmac-sha256:<hex>")."""
-        parts: list[bytes | str] = [set_id, fingerprint, str(len(tensors))]
-        for t in tensors:
+    def attest(
+        self, set_id: str, fingerprint: str, tensors: Sequence[_Tensor], strong: Sequence[str]
+    ) -> str:
+        """The attestation ("hmac-sha256:<hex>") of a set's tensors with their checksums and
+        `strong`, each tensor's strong digest in order."""
+        if len(strong) != len(tensors):
+            raise ValueError(f"{len(strong)} strong digests for {len(tensors)} tensors")
+        # "v2": an attestation of checksums alone (v1) never stands for one of both.
+        parts: list[bytes | str] = ["v2", set_id, fingerprint, str(len(tensors))]
+        for t, digest in zip(tensors, strong, strict=True):
             shape = ",".join(str(d) for d in t.shape)
-            parts += [t.name, t.dtype, shape, str(t.nbytes), t.checksum]
+            parts += [t.name, t.dtype, shape, str(t.nbytes), t.checksum, digest]
         return f"{ATTESTATION}:{self._mac(b'manifest', *parts).hex()}"
 
     def attested(
-        self, attestation: str, set_id: str, fingerprint: str, tensors: Sequence[_Tensor]
+        self,
+        attestation: str,
+        set_id: str,
+        fingerprint: str,
+        tensors: Sequence[_Tensor],
+        strong: Sequence[str],
     ) -> bool:
-        """Whether `attestation` is this fleet's of exactly these digests (constant-time)."""
+        """Whether `attestation` is this fleet's of exactly these tensors, checksums and strong
+        digests (constant-time); False for strong digests of another count or form."""
+        if len(strong) != len(tensors) or not all(is_strong(d) for d in strong):
+            return False
         return hmac.compare_digest(
-            attestation.encode(), self.attest(set_id, fingerprint, tensors).encode()
+            attestation.encode(), self.attest(set_id, fingerprint, tensors, strong).encode()
         )
 
 
@@ -133,11 +153,36 @@ def proven(proof: bytes, expected: bytes) -> bool:
 
 @dataclass(frozen=True)
 class Filled:
-    """What a source gives the loader: each tensor's digest of the bytes it wrote, and the
-    attestation those digests were checked against (kept in the published manifest)."""
+    """What a source gives the loader: each tensor's checksum and strong digest of the bytes
+    it wrote, and the attestation they were checked against (all kept in the published
+    manifest)."""
 
     digests: list[str]
+    strong: list[str]
     attestation: str
+
+
+def check_received(
+    names: Sequence[str],
+    checksums: Sequence[str],
+    strong: Sequence[str],
+    got: Digests,
+    culprit: str,
+) -> None:
+    """Raise SourceFailed naming the first tensor whose received bytes do not have the
+    attested digests: the strong digest first (what bytes built to share an XXH3 meet), then
+    the checksum the published manifest keeps. `culprit` ends the message."""
+    for name, want, mine in zip(names, strong, got.strong, strict=True):
+        if mine != want:
+            raise SourceFailed(
+                f"tensor {name!r} arrived with strong digest {mine}, the attested one is "
+                f"{want}: {culprit}"
+            )
+    for name, want, mine in zip(names, checksums, got.checksums, strict=True):
+        if mine != want:
+            raise SourceFailed(
+                f"tensor {name!r} arrived with digest {mine}, the attested one is {want}: {culprit}"
+            )
 
 
 # -- the object store's attested manifest ---------------------------------------------------
@@ -158,6 +203,8 @@ class AttestedTensor:
     shape: tuple[int, ...]
     nbytes: int
     checksum: str
+    #: The strong digest (strong.py).
+    strong: str
 
 
 @dataclass(frozen=True)
@@ -182,6 +229,7 @@ class AttestedManifest:
                         "shape": list(t.shape),
                         "nbytes": t.nbytes,
                         "checksum": t.checksum,
+                        "strong": t.strong,
                     }
                     for t in self.tensors
                 ],
@@ -194,6 +242,11 @@ class AttestedManifest:
     @staticmethod
     def body_length(header: bytes) -> int:
         """The JSON's length from the object's first OBJECT_HEADER_BYTES; ValueError if none."""
+        if header.startswith(_OLDER_MAGIC):
+            raise ValueError(
+                "it is an attested manifest of an older engramd (v1: checksums only); make it "
+                "again with `engramd manifest` and upload it"
+            )
         digits = header[len(OBJECT_MAGIC) : -1]
         if (
             len(header) != OBJECT_HEADER_BYTES
@@ -221,6 +274,7 @@ class AttestedManifest:
                     shape=tuple(int(d) for d in t["shape"]),
                     nbytes=int(t["nbytes"]),
                     checksum=str(t["checksum"]),
+                    strong=str(t["strong"]),
                 )
                 for t in doc["tensors"]
             ),
@@ -228,32 +282,18 @@ class AttestedManifest:
         )
 
 
-def _tensor_digest(entry: TensorEntry) -> str:
-    """The manifest's digest of a tensor as the files hold it (row shards back to back)."""
-    digest = new_digest()
-    for span in entry.spans:
-        fd = open_regular(Path(span.file))
-        try:
-            for chunk in chunks(fd, span.offset, span.nbytes):
-                digest.update(chunk)
-        except EOFError:
-            raise ValueError(f"{span.file} is shorter than its header says") from None
-        finally:
-            os.close(fd)
-    return label(digest)
-
-
 def attest_checkpoint(plan: TablePlan, key: FleetKey) -> AttestedManifest:
-    """Digest every tensor of `plan` from its files (a load's read) and attest the digests."""
-    tensors = tuple(
-        AttestedTensor(t.name, t.dtype, tuple(t.shape), t.nbytes, _tensor_digest(t))
-        for t in plan.tensors
-    )
+    """Digest every tensor of `plan` from its files (a load's read: both digests in one pass)
+    and attest the digests. Raises ValueError for a file shorter than its header says."""
+    tensors = []
+    for t in plan.tensors:
+        checksum, strong = digest_files([(span.file, span.offset, span.nbytes) for span in t.spans])
+        tensors.append(AttestedTensor(t.name, t.dtype, tuple(t.shape), t.nbytes, checksum, strong))
     return AttestedManifest(
         set_id=plan.set_id,
         fingerprint=plan.fingerprint,
-        tensors=tensors,
-        attestation=key.attest(plan.set_id, plan.fingerprint, tensors),
+        tensors=tuple(tensors),
+        attestation=key.attest(plan.set_id, plan.fingerprint, tensors, [t.strong for t in tensors]),
     )
 
 

@@ -43,16 +43,18 @@ class ServerProof(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ...) -> None: ...
 
 class SetOffer(_message.Message):
-    __slots__ = ("manifest_json", "nixl_metadata", "regions", "attestation")
+    __slots__ = ("manifest_json", "nixl_metadata", "regions", "attestation", "strong_digests")
     MANIFEST_JSON_FIELD_NUMBER: _ClassVar[int]
     NIXL_METADATA_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     ATTESTATION_FIELD_NUMBER: _ClassVar[int]
+    STRONG_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     manifest_json: str
     nixl_metadata: bytes
     regions: _containers.RepeatedCompositeFieldContainer[RemoteRegion]
     attestation: str
-    def __init__(self, manifest_json: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., attestation: _Optional[str] = ...) -> None: ...
+    strong_digests: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, manifest_json: _Optional[str] = ..., nixl_metadata: _Optional[bytes] = ..., regions: _Optional[_Iterable[_Union[RemoteRegion, _Mapping]]] = ..., attestation: _Optional[str] = ..., strong_digests: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RemoteRegion(_message.Message):
     __slots__ = ("address", "nbytes")

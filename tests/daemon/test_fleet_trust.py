@@ -1,11 +1,14 @@
 """Who the fleet trusts (issue 43, items 4 and 8): a rogue peer with the public checkpoint, a
-bucket with one altered row, a token on one side only, token files others may read, and a
-filled set's attestation carried to the next hop. Real daemons in network namespaces.
+relay that offers its own bytes under a real daemon's offer, a bucket with one altered row, a
+token on one side only, token files others may read, and a filled set's attestation carried
+to the next hop. Real daemons in network namespaces.
 
 The rogue (tests/support/rogue_peer.py) runs in namespace A under `ip netns
 exec`, holds only the checkpoint's files, zeroes one 256-byte row of its
 copy and offers it with XXH3 digests of the altered bytes: the attack that
-published the row on a27fef5. The receiver runs in namespace B.
+published the row on a27fef5; or it relays the handshake to a real daemon
+and offers its copy under the real offer's digests and attestation. The
+receiver runs in namespace B.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from daemon.test_fleet import (
 )
 
 from conftest import SUPPORT
-from engramd.sources.trust import FleetKey
+from engramd.sources.trust import FleetKey, attest_checkpoint
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import S3, UCX_TCP, Net
 from engramd_shared.checkpoint import plan_tables
@@ -49,6 +52,12 @@ OTHER_TOKEN = "another-token-0123456789abcdef"
 
 def manifest_of(shm_dir: Path, set_id: str) -> Manifest:
     return Manifest.from_json((sets_root(shm_dir) / set_id / "manifest.json").read_text())
+
+
+def strong_of(checkpoint: Path) -> list[str]:
+    """Each tensor's strong digest as `engramd manifest` takes it from the files."""
+    made = attest_checkpoint(plan_tables(checkpoint), FleetKey(TOKEN))
+    return [t.strong for t in made.tensors]
 
 
 # -- a rogue endpoint at a --peers address ------------------------------------------------
@@ -95,6 +104,65 @@ def test_a_rogue_peer_with_the_public_checkpoint_learns_nothing_and_is_refused(
     assert key.server_proof(s.set_id, opened.nonce, theirs) not in sent
 
 
+@pytest.mark.parametrize("claims", ["checksums", "own-strong", "genuine"])
+def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, claims: str
+) -> None:
+    """The handshake is not bound to the connection: a rogue without the token at B's
+    --peers address relays FillOpen and both proofs between B and the real daemon A, takes
+    A's offer and offers B its copy with a zeroed row under A's manifest (the genuine XXH3
+    checksums) and attestation, through its own NIXL agent. With no strong digests (the
+    offer of a protocol that attested checksums alone) or its copy's own, B refuses the
+    offer before reading a byte; with A's genuine strong digests too (what bytes built to
+    share the genuine XXH3 would claim), B reads the bytes and refuses them by the strong
+    digest of the tensor with the row. B then loads from its files."""
+    a = nodes("a")
+    serving(a, checkpoint, net, token_file)
+    rogue = JsonLinesChild(
+        [
+            *Net.run_in(net.a),
+            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
+            *(f"{net.ip_a}:7078", str(checkpoint), f"relay-{claims}", f"{net.ip_a}:7077"),
+        ],
+        env={**os.environ, **UCX_TCP},
+    )
+    try:
+        assert rogue.read()["listening"]
+        b = nodes("b")
+        rb = b.start(
+            [
+                *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_a}:7078"),
+                *("--peer-token-file", str(token_file)),
+            ],
+            net.b,
+        )
+        s = ready_set(rb)
+        captured = rogue.ask("captured")
+    finally:
+        assert rogue.proc.stdin is not None
+        rogue.proc.stdin.close()
+        rogue.proc.wait(timeout=30)
+    assert s.source == "files", rb.log
+    # The relay passed B's proof to A and got the real offer.
+    assert "filling set" in a.daemon.log
+    refused = f"set {s.set_id}: peer {net.ip_a}:7078: "
+    if claims == "checksums":
+        assert refused + "the peer's offer carries no strong digests" in rb.log
+    elif claims == "own-strong":
+        assert refused + "the peer's digests carry no valid attestation" in rb.log
+    else:
+        assert "window" in captured["kinds"]  # B read the rogue's bytes
+        first = plan_tables(checkpoint).tensors[0].name
+        genuine = strong_of(checkpoint)[0]
+        assert f"{refused}tensor {first!r} arrived with strong digest sha256-pieces:" in rb.log, (
+            rb.log
+        )
+        assert f"the attested one is {genuine}: the peer sent other bytes" in rb.log
+    if claims != "genuine":
+        assert "window" not in captured["kinds"]
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
 # -- one side without the token -----------------------------------------------------------
 
 
@@ -139,7 +207,12 @@ def test_a_receiver_must_prove_the_token_before_any_offer(
         m = manifest_of(a.shm_dir, s.set_id)
         assert got["server_proven"] and got["offered"] and got["code"] == "OK", got
         assert m.attestation is None  # loaded from its files: signed when offered
-        assert FleetKey(TOKEN).attested(got["attestation"], m.set_id, m.fingerprint, m.tensors)
+        # The strong digests A took from its copy's pages are the files' own.
+        assert got["strong"] == strong_of(checkpoint)
+        assert FleetKey(TOKEN).attested(
+            got["attestation"], m.set_id, m.fingerprint, m.tensors, got["strong"]
+        )
+        assert "strong digests of its" in ra.log
     else:
         assert not got["server_proven"] and not got["offered"], got
         assert got["code"] == "PERMISSION_DENIED", got
@@ -153,10 +226,11 @@ def test_a_receiver_must_prove_the_token_before_any_offer(
 def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path
 ) -> None:
-    """A loads from its files; B fills from A and keeps A's attestation in its manifest; C
-    (in A's namespace, asking only B) fills from B and verifies it. `engramd verify`
-    passes on both filled nodes, and fails once B's kept attestation stops covering its
-    digests."""
+    """A loads from its files; B fills from A and keeps A's attestation and strong digests
+    in its manifest; C (in A's namespace, asking only B) fills from B and verifies it.
+    `engramd verify` passes on both filled nodes, and fails once B's kept attestation stops
+    covering its digests, or its kept strong digests are not the attested ones (the same
+    XXH3 checksums)."""
     a, b, c = nodes("a"), nodes("b"), nodes("c")
     serving(a, checkpoint, net, token_file)
     rb = b.start(
@@ -171,7 +245,11 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
     origin = manifest_of(a.shm_dir, sb.set_id)
     filled = manifest_of(b.shm_dir, sb.set_id)
     key = FleetKey(TOKEN)
-    assert filled.attestation == key.attest(origin.set_id, origin.fingerprint, origin.tensors)
+    strong = strong_of(checkpoint)
+    assert filled.strong_digests == tuple(strong)
+    assert filled.attestation == key.attest(
+        origin.set_id, origin.fingerprint, origin.tensors, strong
+    )
     rc = c.start(
         [
             *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_b}:7077"),
@@ -182,7 +260,8 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
     sc = ready_set(rc)
     assert sc.source == f"peer {net.ip_b}:7077", rc.log
     assert "filling set" in rb.log
-    assert manifest_of(c.shm_dir, sc.set_id).attestation == filled.attestation
+    hop = manifest_of(c.shm_dir, sc.set_id)
+    assert (hop.attestation, hop.strong_digests) == (filled.attestation, filled.strong_digests)
     assert set_digests(c.shm_dir, sc.set_id) == checkpoint_digests(checkpoint)
     for d in (rb, rc):
         checked = engramd("verify", sb.set_id, "--socket", str(d.socket))
@@ -190,16 +269,68 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
         assert "tensors match" in checked.stdout
     # A kept attestation that no longer covers the manifest's digests fails verify (B
     # restarted adopts the set with its manifest as found on tmpfs).
-    rb.stop()
     path = sets_root(b.shm_dir) / sb.set_id / "manifest.json"
+    genuine = json.loads(path.read_text())
+    other = "sha256-pieces:" + "0" * 64
+    for change in (
+        {
+            "attestation": key.attest(
+                origin.set_id, origin.fingerprint, origin.tensors[:-1], strong[:-1]
+            )
+        },
+        {"strong_digests": [other, *strong[1:]]},
+    ):
+        rb.stop()
+        path.write_text(json.dumps({**genuine, **change}))
+        rb = b.restart()
+        assert ready_set(rb).source == "adopted"
+        checked = engramd("verify", sb.set_id, "--socket", str(rb.socket))
+        assert checked.returncode == 1, change
+        assert "manifest.json: its digests are not the ones its origin attested" in checked.stdout
+
+
+def test_a_set_an_older_engramd_filled_adopts_but_is_not_offered(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """B's filled set as an engramd that attested checksums alone left it (an attestation,
+    no strong digests): the upgraded B adopts it, but has no strong digests to forward and
+    signs none of its own, so a receiver proving the token gets NOT_FOUND saying why, and
+    `engramd verify` says the attestation cannot be checked."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, checkpoint, net, token_file)
+    rb = b.start(
+        [
+            *("--checkpoint", str(checkpoint), "--peers", f"{net.ip_a}:7077"),
+            *("--peer-listen", f"{net.ip_b}:7077", "--peer-token-file", str(token_file)),
+        ],
+        net.b,
+    )
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    rb.stop()
+    path = sets_root(b.shm_dir) / s.set_id / "manifest.json"
     doc = json.loads(path.read_text())
-    doc["attestation"] = key.attest(origin.set_id, origin.fingerprint, origin.tensors[:-1])
+    del doc["strong_digests"]
     path.write_text(json.dumps(doc))
     rb = b.restart()
     assert ready_set(rb).source == "adopted"
-    checked = engramd("verify", sb.set_id, "--socket", str(rb.socket))
+    probe = subprocess.run(
+        [
+            *Net.run_in(net.a),
+            *(sys.executable, str(SUPPORT / "peer_probe.py")),
+            *(f"{net.ip_b}:7077", s.set_id, str(token_file)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert probe.returncode == 0, probe.stderr
+    got = json.loads(probe.stdout)
+    assert got["server_proven"] and not got["offered"] and got["code"] == "NOT_FOUND", got
+    assert "filled by an older engramd that kept no strong digests" in got["details"]
+    checked = engramd("verify", s.set_id, "--socket", str(rb.socket))
     assert checked.returncode == 1
-    assert "manifest.json: its digests are not the ones its origin attested" in checked.stdout
+    assert "an older engramd filled it and kept no strong digests" in checked.stdout
 
 
 # -- the object store ---------------------------------------------------------------------
@@ -295,8 +426,10 @@ def test_a_filled_object_store_set_carries_the_attestation(
     s = ready_set(d)
     assert s.source == f"s3://{s3.bucket}/m", d.log
     m = manifest_of(node.shm_dir, s.set_id)
-    assert m.attestation is not None
-    assert FleetKey(TOKEN).attested(m.attestation, m.set_id, m.fingerprint, m.tensors)
+    assert m.attestation is not None and m.strong_digests == tuple(strong_of(checkpoint))
+    assert FleetKey(TOKEN).attested(
+        m.attestation, m.set_id, m.fingerprint, m.tensors, m.strong_digests
+    )
     checked = engramd("verify", s.set_id, "--socket", str(d.socket))
     assert checked.returncode == 0, checked.stderr
 

@@ -5,7 +5,8 @@
 Sends FillOpen (the set id, a nonce), checks the server's proof against its
 own token, sends its proof under that token whatever the server's was,
 and prints one JSON line: {"server_proven": bool, "code": the status code
-name or "OK", "details": ..., "offered": bool, "attestation": the offer's}.
+name or "OK", "details": ..., "offered": bool, "attestation": the offer's,
+"strong": the offer's strong digests}.
 """
 
 from __future__ import annotations
@@ -34,7 +35,12 @@ def main() -> int:
 
     mine = nonce()
     requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=set_id, nonce=mine)))
-    out: dict[str, Any] = {"server_proven": False, "offered": False, "attestation": ""}
+    out: dict[str, Any] = {
+        "server_proven": False,
+        "offered": False,
+        "attestation": "",
+        "strong": [],
+    }
     with grpc.insecure_channel(address) as channel:
         replies = peer_pb2_grpc.PeerServiceStub(channel).Fill(sent(), timeout=30)
         try:
@@ -45,6 +51,7 @@ def main() -> int:
             second = next(replies)
             out["offered"] = second.WhichOneof("step") == "offer"
             out["attestation"] = second.offer.attestation
+            out["strong"] = list(second.offer.strong_digests)
             out["code"] = "OK"
         except grpc.RpcError as e:
             out["code"] = e.code().name if isinstance(e, grpc.Call) else "error"

@@ -1,6 +1,6 @@
 """A rogue PeerService at a --peers address: it holds only the public checkpoint, no token.
 
-    python tests/support/rogue_peer.py HOST:PORT CHECKPOINT MODE
+    python tests/support/rogue_peer.py HOST:PORT CHECKPOINT MODE [UPSTREAM]
 
 It copies the checkpoint's tables into memory registered with a NIXL agent
 of its own, zeroes one 256-byte row in the middle of the first tensor and
@@ -10,6 +10,15 @@ offers that copy with a manifest whose XXH3 digests are the altered bytes'
 - `legacy`: with the offer at once, as a server of the old protocol did;
 - `forged`: with a ServerProof of random bytes (it cannot make a real one),
   and the offer after any proof the receiver sends.
+- `relay-*`: as a relay between the receiver and the real daemon at
+  UPSTREAM (HOST:PORT): the handshake is not bound to the connection, so it
+  passes the FillOpen and both proofs along, takes the real offer and offers
+  the receiver its altered copy under it: the real manifest (the genuine
+  XXH3 checksums) and attestation, its own NIXL agent and regions, and as
+  strong digests none (`relay-checksums`: the offer of a protocol that
+  attested checksums alone), its copy's own (`relay-own-strong`), or the
+  real offer's (`relay-genuine`: what bytes built to share the genuine
+  XXH3 would claim).
 
 Every window asked for is granted, so a receiver that trusted it would
 publish the altered row. Prints {"listening": ..., "row": offset} once
@@ -24,6 +33,7 @@ import importlib
 import json
 import mmap
 import os
+import queue
 import secrets
 import sys
 import threading
@@ -35,6 +45,7 @@ from typing import Any
 import grpc
 import xxhash
 
+from engramd.sources.strong import digest_views
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import Manifest, ManifestTensor, tensor_file_name
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
@@ -46,8 +57,9 @@ ROW_BYTES = 256
 class Rogue(peer_pb2_grpc.PeerServiceServicer):
     """Offers an altered copy to anyone, records what it is sent."""
 
-    def __init__(self, checkpoint: str, mode: str) -> None:
+    def __init__(self, checkpoint: str, mode: str, upstream: str) -> None:
         self.mode = mode
+        self.upstream = upstream
         plan = plan_tables(checkpoint)
         sizes = [t.nbytes for t in plan.tensors]
         self._memory = mmap.mmap(-1, sum(sizes))
@@ -64,6 +76,9 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
         first = plan.tensors[0]
         self.row = (first.nbytes // 2) // ROW_BYTES * ROW_BYTES
         view[self.row : self.row + ROW_BYTES] = bytes(ROW_BYTES)
+        self._own_strong = digest_views(
+            [view[s : s + n] for s, n in zip(starts, sizes, strict=True)], checksums=False
+        ).strong
         tensors = tuple(
             ManifestTensor(
                 name=t.name,
@@ -119,6 +134,9 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
         if first is None:
             return
         self._record(first)
+        if self.mode.startswith("relay-"):
+            yield from self._relay(first, request_iterator)
+            return
         if self.mode == "legacy":
             yield peer_pb2.FillReply(offer=self._offer)
         else:
@@ -132,6 +150,50 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
             if step == "proof":
                 yield peer_pb2.FillReply(offer=self._offer)
             elif step == "window":
+                yield peer_pb2.FillReply(granted=request.window)
+
+    def _relay(
+        self, first: peer_pb2.FillRequest, request_iterator: Iterator[peer_pb2.FillRequest]
+    ) -> Iterator[peer_pb2.FillReply]:
+        """Pass the handshake between the receiver and the real daemon, then offer the altered
+        copy under the real offer's manifest and attestation; grant every window."""
+        upstream: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
+
+        def sent() -> Iterator[peer_pb2.FillRequest]:
+            while (r := upstream.get()) is not None:
+                yield r
+
+        with grpc.insecure_channel(self.upstream) as channel:
+            replies = peer_pb2_grpc.PeerServiceStub(channel).Fill(sent(), timeout=60)
+            try:
+                upstream.put(first)
+                yield next(replies)  # the real daemon's proof
+                theirs = next(request_iterator, None)
+                if theirs is None:
+                    return
+                self._record(theirs)
+                upstream.put(theirs)
+                real = next(replies).offer
+            finally:
+                upstream.put(None)
+                replies.cancel()
+        strong = {
+            "relay-checksums": [],
+            "relay-own-strong": self._own_strong,
+            "relay-genuine": list(real.strong_digests),
+        }[self.mode]
+        yield peer_pb2.FillReply(
+            offer=peer_pb2.SetOffer(
+                manifest_json=real.manifest_json,
+                attestation=real.attestation,
+                strong_digests=strong,
+                nixl_metadata=self._offer.nixl_metadata,
+                regions=self._offer.regions,
+            )
+        )
+        for request in request_iterator:
+            self._record(request)
+            if request.WhichOneof("step") == "window":
                 yield peer_pb2.FillReply(granted=request.window)
 
 
@@ -152,6 +214,7 @@ def _address(memory: mmap.mmap) -> int:
 
 def main() -> int:
     listen, checkpoint, mode = sys.argv[1], sys.argv[2], sys.argv[3]
+    upstream = sys.argv[4] if len(sys.argv) > 4 else ""
     # NIXL logs on stdout: the answers get a descriptor of their own, the rest goes to stderr.
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
@@ -160,7 +223,7 @@ def main() -> int:
     def say(doc: dict[str, Any]) -> None:
         answers.write(json.dumps(doc) + "\n")
 
-    rogue = Rogue(checkpoint, mode)
+    rogue = Rogue(checkpoint, mode, upstream)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     peer_pb2_grpc.add_PeerServiceServicer_to_server(rogue, server)
     server.add_insecure_port(listen)

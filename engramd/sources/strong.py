@@ -1,0 +1,152 @@
+"""A tensor's strong digest: SHA-256 of each fixed piece, and SHA-256 over the pieces' digests.
+
+XXH3-64 (engramd.checksum) catches accidents at ~50 GB/s a core, but it
+is no defence against bytes built on purpose to share a tensor's digest.
+What a fill publishes is therefore compared with this digest too, and it
+is what the fleet's attestation covers (trust.py). A tensor is cut into
+pieces of PIECE_BYTES (a fill's window; the last piece shorter, an empty
+tensor none); its digest is "sha256-pieces:" and the hex SHA-256 of its
+pieces' 32-byte digests back to back. So a piece can be checked on its own
+against its digest, and a list of piece digests against the one attested
+tensor digest, whoever sent them.
+
+hashlib releases the GIL while it hashes, so the pieces are hashed on a
+pool of threads, one per core (os.cpu_count()).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from engramd.checksum import label
+from engramd.sources.base import WINDOW_BYTES, windows
+from engramd_shared.fileid import open_regular
+
+#: The strong digest's name in manifests and offers ("sha256-pieces:<64 hex digits>").
+STRONG = "sha256-pieces"
+#: The bytes of a piece (the last of a tensor may be shorter).
+PIECE_BYTES = WINDOW_BYTES
+
+_STRONG = re.compile(rf"^{STRONG}:[0-9a-f]{{64}}$")
+
+
+def threads() -> int:
+    """Threads that hash pieces at once: one per core."""
+    return os.cpu_count() or 1
+
+
+def pieces(nbytes: int) -> list[tuple[int, int]]:
+    """(offset, size) of each piece of a tensor of `nbytes`."""
+    return windows(nbytes)
+
+
+def piece_digest(piece: memoryview | bytes) -> bytes:
+    """The 32-byte SHA-256 of one piece."""
+    return hashlib.sha256(piece).digest()
+
+
+def tensor_digest(piece_digests: Sequence[bytes]) -> str:
+    """The tensor's strong digest from its pieces' digests, in order."""
+    return f"{STRONG}:{hashlib.sha256(b''.join(piece_digests)).hexdigest()}"
+
+
+def is_strong(text: str) -> bool:
+    """Whether `text` is a strong digest as tensor_digest writes it."""
+    return _STRONG.match(text) is not None
+
+
+@dataclass(frozen=True)
+class Digests:
+    """Each tensor's XXH3-64 (the manifest's checksum) and strong digest, in order."""
+
+    checksums: list[str]
+    strong: list[str]
+
+
+def _checksum(view: memoryview) -> str:
+    return label(xxhash.xxh3_64(view))
+
+
+def digest_views(views: Sequence[memoryview], checksums: bool = True) -> Digests:
+    """Each tensor's strong digest (and with `checksums` its XXH3-64) from its bytes in memory,
+    its pieces hashed on threads (`checksums` False: Digests.checksums is empty)."""
+    with ThreadPoolExecutor(threads(), "engramd-digest") as pool:
+        sums = [pool.submit(_checksum, v) for v in views] if checksums else []
+        hashed = [
+            [pool.submit(piece_digest, v[at : at + n]) for at, n in pieces(len(v))] for v in views
+        ]
+        strong = [tensor_digest([f.result() for f in fs]) for fs in hashed]
+        return Digests([f.result() for f in sums], strong)
+
+
+def digest_files(spans: Sequence[tuple[Path, int, int]]) -> tuple[str, str]:
+    """(XXH3-64 checksum, strong digest) of a tensor read from files: `spans` are its
+    (file, offset, bytes) back to back (one, or its row shards).
+
+    The pieces are read in order on this thread, which also takes the XXH3
+    (a streaming digest), and hashed on the pool: one piece buffer a thread
+    in flight. Raises ValueError when a file is shorter than its span.
+    """
+    width = threads()
+    xxh3 = xxhash.xxh3_64()
+    pending: deque[tuple[Future[bytes], bytearray]] = deque()
+    done: list[bytes] = []
+    with _Spans(spans) as reader, ThreadPoolExecutor(width, "engramd-digest") as pool:
+        for _, n in pieces(sum(size for _, _, size in spans)):
+            if len(pending) >= width:
+                future, buffer = pending.popleft()
+                done.append(future.result())
+            else:
+                buffer = bytearray(PIECE_BYTES)
+            view = memoryview(buffer)[:n]
+            reader.read_into(view)
+            xxh3.update(view)
+            pending.append((pool.submit(piece_digest, view), buffer))
+        done += [future.result() for future, _ in pending]
+    return label(xxh3), tensor_digest(done)
+
+
+class _Spans:
+    """Reads the spans' bytes in order, wherever a piece starts and ends."""
+
+    def __init__(self, spans: Sequence[tuple[Path, int, int]]) -> None:
+        self._left = deque(spans)
+        self._fd = -1
+
+    def __enter__(self) -> _Spans:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._close()
+
+    def _close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def read_into(self, view: memoryview) -> None:
+        """Fill `view` with the next bytes."""
+        filled = 0
+        while filled < len(view):
+            path, offset, size = self._left[0]
+            if self._fd < 0:
+                self._fd = open_regular(path)
+            want = min(size, len(view) - filled)
+            got = os.preadv(self._fd, [view[filled : filled + want]], offset) if want else 0
+            if want and not got:
+                raise ValueError(f"{path} is shorter than its header says")
+            filled += got
+            if got == size:
+                self._left.popleft()
+                self._close()
+            else:
+                self._left[0] = (path, offset + got, size - got)
