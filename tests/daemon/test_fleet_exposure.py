@@ -296,6 +296,11 @@ def test_during_a_fill_only_the_transfer_processes_listen(
     rb = receiving(b, big_checkpoint, net, token_file)
     wait_until(lambda: reading(rb), 60, "B to read from A")
 
+    # The daemons themselves: A on its peer port only, B on nothing.
+    assert [(s.host, s.port) for s in listeners(net.a) if ra.pid in s.pids] == [
+        (net.ip_a, PEER_PORT)
+    ]
+    assert [s for s in listeners(net.b) if rb.pid in s.pids] == []
     serve, recv = transfer_processes(ra, net.a), transfer_processes(rb, net.b)
     assert len(serve) == 1 and len(recv) == 1, (serve, recv)
     # Every listener of either namespace: A's peer port, or a transfer process on the veth.
@@ -395,11 +400,12 @@ def test_a_token_holders_write_ends_the_transfer_process_not_the_daemon(
     opened = attacker.command("fill", f"{net.ip_a}:{PEER_PORT}", TOKEN, set_id)
     assert "regions" in opened, opened
     serve = transfer_processes(ra, net.a)
-    assert len(serve) == 1, serve
     address, nbytes = opened["regions"][0]
     attacker.command("write", opened["remote"], address, min(nbytes, 4096))
-    wait_until(lambda: not any(alive(pid) for pid in serve), 30, "the transfer process to end")
     assert ra.proc is not None and ra.proc.poll() is None, ra.log
+    # What faulted was the serving transfer process.
+    assert len(serve) == 1, serve
+    wait_until(lambda: not any(alive(pid) for pid in serve), 30, "the transfer process to end")
     ended = attacker.command("window", nbytes)
     assert ended == {
         "code": "UNAVAILABLE",
