@@ -35,6 +35,9 @@ SUPPORT = TESTS / "support"
 WORKER = SUPPORT / "worker.py"
 RUN_AS = SUPPORT / "run_as.py"
 
+#: The fleet tests' fixtures (net, nodes, token_file, big_checkpoint), shared by their files.
+pytest_plugins = ["fleet_nodes"]
+
 
 def as_user(user: str) -> list[str]:
     """A command prefix that runs this checkout's Python as `user` (tests/support/run_as.py).

@@ -23,7 +23,7 @@ from typing import Any
 
 import daemon.test_fleet as fleet
 import pytest
-from daemon.test_fleet import (
+from fleet_nodes import (
     TOKEN,
     checkpoint_digests,
     ready_set,
@@ -44,8 +44,9 @@ from engramd_shared.pb import peer_pb2
 from helpers import engramd
 
 pytestmark = fleet.pytestmark
-# The fleet tests' fixtures: a namespace pair, nodes, the token file, s3rver.
-net, nodes, token_file, s3 = fleet.net, fleet.nodes, fleet.token_file, fleet.s3
+# The object-store tests' s3rver (the namespace pair, nodes and token file are
+# tests/support/fleet_nodes.py's, for every test).
+s3 = fleet.s3
 
 OTHER_TOKEN = "another-token-0123456789abcdef"
 

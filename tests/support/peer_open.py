@@ -1,0 +1,77 @@
+"""Open a Fill on a daemon's peer port as a holder of the fleet's token: the attacker of
+tests/daemon/test_fleet_exposure.py who is a fleet member.
+
+The one place the tests speak the Fill handshake from the receiver's side, the
+way engramd/sources/peer.py's PeerSource does: a change to the handshake
+changes `open_fill` and nothing else.
+"""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+
+import grpc
+
+from engramd.sources.trust import FleetKey, nonce
+from engramd_shared.pb import peer_pb2, peer_pb2_grpc
+
+
+class OpenFill:
+    """A Fill stream past its offer: the offer, and windows asked for one at a time."""
+
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        requests: queue.SimpleQueue[peer_pb2.FillRequest | None],
+        replies: Iterator[peer_pb2.FillReply],
+        offer: peer_pb2.SetOffer,
+    ) -> None:
+        self._channel = channel
+        self._requests = requests
+        self._replies = replies
+        #: What the serving daemon offered: manifest, NIXL metadata, each tensor's address.
+        self.offer = offer
+
+    def window(self, nbytes: int) -> peer_pb2.FillReply:
+        """Ask for a window of `nbytes` and return the daemon's answer; raises
+        grpc.RpcError where the daemon ended the stream instead."""
+        self._requests.put(peer_pb2.FillRequest(window=nbytes))
+        return next(self._replies)
+
+    def close(self) -> None:
+        """End the stream and the channel."""
+        self._requests.put(None)
+        self._channel.close()
+
+
+def open_fill(address: str, token: str, set_id: str, timeout: float = 60.0) -> OpenFill:
+    """Open a Fill of `set_id` on the peer port at `address` (HOST:PORT) with `token`, as
+    PeerSource does (the server's proof taken on trust, its own under the token), for a
+    stream of at most `timeout` seconds; returns once the daemon offered the set (raises
+    grpc.RpcError when it refused, ValueError when it answered something else)."""
+    requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
+
+    def sent() -> Iterator[peer_pb2.FillRequest]:
+        while (r := requests.get()) is not None:
+            yield r
+
+    channel = grpc.insecure_channel(address)
+    key, mine = FleetKey(token), nonce()
+    requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=set_id, nonce=mine)))
+    replies = peer_pb2_grpc.PeerServiceStub(channel).Fill(sent(), timeout=timeout)
+    try:
+        first = next(replies)
+        if first.WhichOneof("step") == "proof":
+            theirs = first.proof.nonce
+            requests.put(peer_pb2.FillRequest(proof=key.client_proof(set_id, mine, theirs)))
+            first = next(replies)
+    except BaseException:
+        requests.put(None)
+        channel.close()
+        raise
+    if first.WhichOneof("step") != "offer":
+        requests.put(None)
+        channel.close()
+        raise ValueError(f"the daemon answered the open with {first.WhichOneof('step')}")
+    return OpenFill(channel, requests, replies, first.offer)
