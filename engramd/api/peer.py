@@ -24,12 +24,13 @@ from typing import Any
 
 import grpc
 
+from engramd.api.sockets import tcp_server
 from engramd.backings import Backing
-from engramd.errors import DecodeGuard, abort
+from engramd.errors import abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
-from engramd.sources.base import SourceFailed
+from engramd.sources.base import WINDOW_BYTES, SourceFailed
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region, close_all
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
@@ -60,21 +61,35 @@ def read_token(path: str) -> str:
 
 
 class RateCap:
-    """Grants bytes at most at `rate` per second, all streams together (0: at once)."""
+    """Grants bytes at most at `rate` per second, all streams together (0: at once).
+
+    Each grant books its bytes' time on one clock; a window waits until the
+    clock reaches its booking. A window is at most WINDOW_BYTES (the caller
+    bounds it), so no one booking holds the clock for more than
+    WINDOW_BYTES / rate, and a booking whose stream ended before its grant
+    went out gives its time back.
+    """
 
     def __init__(self, rate: int) -> None:
         self._rate = rate
         self._free_at = 0.0
 
     async def take(self, n: int) -> None:
-        """Wait until `n` more bytes may go."""
+        """Wait until `n` more bytes may go; cancelled, it books nothing."""
         if not self._rate:
             return
         now = asyncio.get_running_loop().time()
         start = max(now, self._free_at)
-        self._free_at = start + n / self._rate
-        if start > now:
+        cost = n / self._rate
+        self._free_at = start + cost
+        if start <= now:
+            return
+        try:
             await asyncio.sleep(start - now)
+        except asyncio.CancelledError:
+            # Never granted: the streams booking after it start that much sooner.
+            self._free_at -= cost
+            raise
 
 
 class _Exported:
@@ -184,11 +199,29 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         log.info("peer %s: filling set %s", context.peer(), ts.copy)
         try:
             yield peer_pb2.FillReply(offer=offer)
+            # What this stream may still be granted: the set's bytes, a window at a time.
+            left = ts.nbytes
             async for request in request_iterator:
                 if request.WhichOneof("step") != "window":
                     break
-                await self._cap.take(request.window)
-                yield peer_pb2.FillReply(granted=request.window)
+                n = request.window
+                if not 0 < n <= min(WINDOW_BYTES, left):
+                    log.warning(
+                        "peer %s: asked for a window of %d bytes with %d left; ended",
+                        context.peer(),
+                        n,
+                        left,
+                    )
+                    await abort(
+                        context,
+                        InvalidRequest(
+                            f"a window of {n} bytes: windows are 1 to {WINDOW_BYTES} bytes, "
+                            f"and this fill has {left} bytes of set {ts.set_id} left to grant"
+                        ),
+                    )
+                left -= n
+                await self._cap.take(n)
+                yield peer_pb2.FillReply(granted=n)
         finally:
             await self._pool.run(self.exporter.release, ts.copy)
 
@@ -196,9 +229,12 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
 class PeerServer:
     """The peer port: its own gRPC server on TCP, beside the worker and admin sockets."""
 
-    def __init__(self, store: SetStore, address: str, token: str, rate: int) -> None:
+    def __init__(
+        self, store: SetStore, address: str, token: str, rate: int, idle_timeout: float
+    ) -> None:
         self.address = address
-        self._server = grpc.aio.server(interceptors=[DecodeGuard()])
+        # Anyone who reaches the port may call: the TCP ports' deadlines and caps.
+        self._server = tcp_server(idle_timeout)
         self._service = PeerService(store, token, rate)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 
