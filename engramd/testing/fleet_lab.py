@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -18,6 +19,11 @@ import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+
+from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 #: Where `make test-tools` installs s3rver (npm), beside the checkout.
 S3RVER = (
@@ -79,6 +85,38 @@ def veth_pair(tag: str) -> Iterator[Net]:
         for ns in made:
             # Removing a namespace removes its end of the veth, and so the pair.
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
+
+
+class OpenFill:
+    """A PeerService.Fill stream opened as a holder of the fleet's token, for tests that
+    speak the peer protocol themselves (as a misbehaving receiver would)."""
+
+    def __init__(self, channel: grpc.Channel, token: str, set_id: str, timeout: float) -> None:
+        self._requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
+
+        def sent() -> Any:
+            while (r := self._requests.get()) is not None:
+                yield r
+
+        # The one place the tests open a fill: the opening as engramd's receiver speaks it.
+        self._requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(token=token, set_id=set_id)))
+        self.call: Any = peer_pb2_grpc.PeerServiceStub(channel).Fill(sent(), timeout=timeout)
+        #: The peer's offer (its manifest, metadata and regions).
+        self.offer: peer_pb2.SetOffer = next(self.call).offer
+
+    def window(self, n: int) -> None:
+        """Ask for a window of `n` bytes."""
+        self._requests.put(peer_pb2.FillRequest(window=n))
+
+    def reply(self) -> peer_pb2.FillReply:
+        """The peer's next reply (a grant); raises grpc.RpcError when it ended the stream."""
+        reply: peer_pb2.FillReply = next(self.call)
+        return reply
+
+    def close(self) -> None:
+        """Hang up."""
+        self._requests.put(None)
+        self.call.cancel()
 
 
 def free_port() -> int:
