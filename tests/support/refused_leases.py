@@ -42,7 +42,8 @@ def main() -> int:
             calls.append(call)
             attached = next(e for e in call if e.WhichOneof("event") == "attached").attached
             try:
-                for fd in collect(fd_socket, attached.lease_id, attached.fd_channel.secret, 10):
+                fds = collect(fd_socket, attached.lease_id, attached.fd_channel.secret, 10)
+                for fd in fds.values():
                     os.close(fd)
                 refused.append("")
             except EngramdError as e:
