@@ -344,6 +344,9 @@ def _sample(fd: int, start: int, end: int) -> str:
     # (a re-export, a fine-tune) must not keep the old set id. Hashing every
     # byte would take minutes per attach at 189 GiB; SAMPLES small reads
     # spread over the data catch any rewrite of more than a sliver of it.
+    # Exactly the samples' pages and no readahead around them (the descriptor is the
+    # plan's own: loads and proofs read through descriptors of their own).
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     h = hashlib.sha256()
     span = max(end - start - SAMPLE_BYTES, 0)
     for k in range(SAMPLES):

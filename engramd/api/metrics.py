@@ -1,33 +1,38 @@
-"""Prometheus metrics, computed at each scrape (`--metrics-port`).
+"""Prometheus metrics, computed at each scrape (`--metrics-port`), served on the event loop.
 
-The scrape runs on the HTTP server's thread; the sets belong to the event
-loop. So each scrape asks the loop for a snapshot, and the counters live in
-a locked Stats object: the collector never reads state another thread is
-changing.
+The port is plain HTTP that anyone who reaches it may connect to, so it is
+served without a thread per connection (prometheus_client's server made one
+for each): on the daemon's event loop, each connection has REQUEST_TIMEOUT_S
+to send its request head (at most MAX_HEAD_BYTES), is answered once and
+closed; at most TCP_CONNECTIONS are open, CONNECTIONS_PER_ADDRESS of one
+address, and the rest are closed at once. A scrape reads the sets where they
+live, on the loop, in a few milliseconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from engramd.api.sockets import REQUEST_TIMEOUT_S, TCP_CONNECTIONS
 from engramd.backings import Usage
 from engramd.sets.leases import LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
 
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
-#: How long a scrape waits for the event loop.
-SNAPSHOT_TIMEOUT_S = 5.0
+#: The longest request head (request line and headers) read.
+MAX_HEAD_BYTES = 8192
+#: Connections one address holds at once: a scraper needs one.
+CONNECTIONS_PER_ADDRESS = 8
 
 
 @dataclass(frozen=True)
@@ -76,21 +81,17 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
 
 
 class StoreCollector(Collector):
-    """Reads the daemon's state on each scrape; nothing is updated on the hot path."""
+    """Reads the daemon's state on each scrape (on the event loop); nothing is updated on the
+    hot path."""
 
-    def __init__(self, store: SetStore, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, store: SetStore) -> None:
         self._store = store
         self._stats = store.leases.stats
-        self._loop = loop
-
-    async def _snapshot(self) -> tuple[list[SetSample], list[tuple[str, Usage]], bool]:
-        return (*_sample(self._store), self._store.ready)
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
-        sets, usages, ready = asyncio.run_coroutine_threadsafe(self._snapshot(), self._loop).result(
-            SNAPSHOT_TIMEOUT_S
-        )
+        sets, usages = _sample(self._store)
+        ready = self._store.ready
         copy = ["set_id", "node"]
         set_bytes = GaugeMetricFamily(
             "engramd_set_bytes", "Bytes of a set's tensors", labels=[*copy, "backing", "state"]
@@ -142,12 +143,83 @@ class StoreCollector(Collector):
         )
 
 
-def serve_metrics(store: SetStore, address: str, port: int) -> WSGIServer:
-    """Serve /metrics on a thread; returns the server (shutdown() stops it).
+class MetricsServer:
+    """/metrics over HTTP on the event loop; start() binds, stop() closes every connection."""
 
-    Call on the event loop: scrapes take their snapshots there.
-    """
-    registry = CollectorRegistry()
-    registry.register(StoreCollector(store, asyncio.get_running_loop()))
-    server, _thread = start_http_server(port, addr=address, registry=registry)
-    return server
+    def __init__(self, store: SetStore, address: str, port: int) -> None:
+        self._address = address
+        self._port = port
+        self._registry = CollectorRegistry()
+        self._registry.register(StoreCollector(store))
+        self._server: asyncio.Server | None = None
+        self._open: set[asyncio.Task[None]] = set()
+        self._by_address: collections.Counter[str] = collections.Counter()
+
+    async def start(self) -> None:
+        """Bind and serve on the running loop."""
+        self._server = await asyncio.start_server(
+            self._connected, self._address, self._port, limit=MAX_HEAD_BYTES
+        )
+
+    async def stop(self) -> None:
+        """Stop listening and end the connections in progress."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._open):
+            task.cancel()
+        await asyncio.gather(*self._open, return_exceptions=True)
+
+    async def _connected(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        address = str(peer[0]) if peer else ""
+        task = asyncio.current_task()
+        if (
+            task is None
+            or len(self._open) >= TCP_CONNECTIONS
+            or self._by_address[address] >= CONNECTIONS_PER_ADDRESS
+        ):
+            writer.transport.abort()
+            return
+        self._open.add(task)
+        self._by_address[address] += 1
+        try:
+            await self._answer(reader, writer)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+            pass  # a client gone, silent or too long: its connection is closed below
+        finally:
+            try:
+                # The reply's last bytes go out before the close; a client that reads
+                # nothing has REQUEST_TIMEOUT_S to, then is cut off.
+                writer.close()
+                with contextlib.suppress(OSError, TimeoutError):
+                    await asyncio.wait_for(writer.wait_closed(), REQUEST_TIMEOUT_S)
+            finally:
+                writer.transport.abort()
+                self._open.discard(task)
+                self._by_address[address] -= 1
+                if not self._by_address[address]:
+                    del self._by_address[address]
+
+    async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+        lines = head.decode("latin-1").split("\r\n")
+        method, target, *_ = (*lines[0].split(" "), "", "")
+        headers = dict(
+            (name.strip().lower(), value.strip())
+            for name, _, value in (line.partition(":") for line in lines[1:] if line)
+        )
+        if method not in ("GET", "HEAD"):
+            status, content_type, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+        elif target.partition("?")[0] not in ("/metrics", "/"):
+            status, content_type, body = "404 Not Found", "text/plain", b"see /metrics\n"
+        else:
+            encode, content_type = choose_encoder(headers.get("accept", ""))
+            status, body = "200 OK", encode(self._registry)
+        writer.write(
+            (
+                f"HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+            ).encode()
+            + (body if method != "HEAD" else b"")
+        )
+        await asyncio.wait_for(writer.drain(), REQUEST_TIMEOUT_S)

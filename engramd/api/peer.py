@@ -31,11 +31,12 @@ from typing import Any
 
 import grpc
 
-from engramd.errors import DecodeGuard, abort
+from engramd.api.sockets import REQUEST_TIMEOUT_S, tcp_server
+from engramd.errors import abort
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
-from engramd.sources.base import SourceFailed
+from engramd.sources.base import WINDOW_BYTES, SourceFailed
 from engramd.sources.nixlxfer import Agent, nixl_build, spare
 from engramd.sources.regions import Region, close_all
 from engramd.sources.strong import digest_views
@@ -48,21 +49,35 @@ log = logging.getLogger("engramd")
 
 
 class RateCap:
-    """Grants bytes at most at `rate` per second, all streams together (0: at once)."""
+    """Grants bytes at most at `rate` per second, all streams together (0: at once).
+
+    Each grant books its bytes' time on one clock; a window waits until the
+    clock reaches its booking. A window is at most WINDOW_BYTES (the caller
+    bounds it), so no one booking holds the clock for more than
+    WINDOW_BYTES / rate, and a booking whose stream ended before its grant
+    went out gives its time back.
+    """
 
     def __init__(self, rate: int) -> None:
         self._rate = rate
         self._free_at = 0.0
 
     async def take(self, n: int) -> None:
-        """Wait until `n` more bytes may go."""
+        """Wait until `n` more bytes may go; cancelled, it books nothing."""
         if not self._rate:
             return
         now = asyncio.get_running_loop().time()
         start = max(now, self._free_at)
-        self._free_at = start + n / self._rate
-        if start > now:
+        cost = n / self._rate
+        self._free_at = start + cost
+        if start <= now:
+            return
+        try:
             await asyncio.sleep(start - now)
+        except asyncio.CancelledError:
+            # Never granted: the streams booking after it start that much sooner.
+            self._free_at -= cost
+            raise
 
 
 class Export:
@@ -212,7 +227,12 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             mine = nonce()
             proof = self._key.server_proof(set_id, theirs, mine)
             yield peer_pb2.FillReply(proof=peer_pb2.ServerProof(nonce=mine, proof=proof))
-            second = await anext(requests, None)
+            try:
+                # Its proof follows at once; nobody without the token holds the stream.
+                second = await asyncio.wait_for(anext(requests, None), REQUEST_TIMEOUT_S)
+            except TimeoutError:
+                await abort(context, NotAllowed("no proof of the fleet's token in time"))
+                return
             if second is None:
                 # A receiver whose key our proof failed sends nothing more (the tokens differ).
                 log.warning(
@@ -231,10 +251,28 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 return
             log.info("peer %s: filling set %s", context.peer(), ts.copy)
             yield peer_pb2.FillReply(offer=export.offer(attested, strong))
+            # What this stream may still be granted: the set's bytes, a window at a time.
+            left = ts.nbytes
             async for request in requests:
                 if request.WhichOneof("step") != "window":
                     break
-                await self._cap.take(request.window)
+                n = request.window
+                if not 0 < n <= min(WINDOW_BYTES, left):
+                    log.warning(
+                        "peer %s: asked for a window of %d bytes with %d left; ended",
+                        context.peer(),
+                        n,
+                        left,
+                    )
+                    await abort(
+                        context,
+                        InvalidRequest(
+                            f"a window of {n} bytes: windows are 1 to {WINDOW_BYTES} bytes, "
+                            f"and this fill has {left} bytes of set {ts.set_id} left to grant"
+                        ),
+                    )
+                left -= n
+                await self._cap.take(n)
                 if ended := export.ended():
                     # A peer wrote into the read-only copy, or read outside it.
                     log.warning(
@@ -246,7 +284,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                     await context.abort(
                         grpc.StatusCode.UNAVAILABLE, f"the transfer process {ended}"
                     )
-                yield peer_pb2.FillReply(granted=request.window)
+                yield peer_pb2.FillReply(granted=n)
         finally:
             # Not awaited: a stream the receiver cancelled may be cancelled again here.
             opening.end()
@@ -300,9 +338,12 @@ def copy_strong_digests(ts: TableSet) -> list[str]:
 class PeerServer:
     """The peer port: its own gRPC server on TCP, beside the worker and admin sockets."""
 
-    def __init__(self, store: SetStore, address: str, key: FleetKey, rate: int) -> None:
+    def __init__(
+        self, store: SetStore, address: str, key: FleetKey, rate: int, idle_timeout: float
+    ) -> None:
         self.address = address
-        self._server = grpc.aio.server(interceptors=[DecodeGuard()])
+        # Anyone who reaches the port may call: the TCP ports' deadlines and caps.
+        self._server = tcp_server(idle_timeout)
         self._service = PeerService(store, key, rate)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 

@@ -4,9 +4,12 @@ All on the one event loop:
   socket        TableService + Health Check (gRPC), 0660, group `socket_group`
   fd_socket     the fd channel (fdchannel.py): read-only descriptors, 0660, same group
   admin_socket  AdminService + Health (gRPC), 0600 (the daemon's owner)
-  health_port   Health only (Check and Watch), TCP, when asked for (Kubernetes probes)
-  metrics_port  Prometheus text over HTTP, when asked for
+  health_port   Health Check only, TCP, when asked for (Kubernetes probes)
+  metrics_port  Prometheus text over HTTP (metrics.py), when asked for
   peer_listen   PeerService (gRPC over TCP, peer.py): published sets to the fleet, when asked for
+
+The TCP ports have the worker socket's defences and caps of their own
+(sockets.tcp_server; the metrics port's in metrics.py).
 
 The daemon's lifecycle (engramd/lifecycle.py) builds them, starts them
 once the configured sets are loading, and stops them.
@@ -34,6 +37,7 @@ from engramd.api.sockets import (
     RequestDeadline,
     claim_socket,
     secure_socket,
+    tcp_server,
     worker_socket_options,
 )
 from engramd.config import DaemonConfig
@@ -43,7 +47,7 @@ from engramd.sources.trust import FleetKey, read_token
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
+    from engramd.api.metrics import MetricsServer
 
 log = logging.getLogger("engramd")
 
@@ -79,8 +83,8 @@ class Listeners:
         )
         self.probes: grpc.aio.Server | None = None
         if config.health_port:
-            self.probes = grpc.aio.server(interceptors=[DecodeGuard()])
-            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.probes)
+            self.probes = tcp_server(config.idle_timeout)
+            health_pb2_grpc.add_HealthServicer_to_server(HealthCheckOnly(self.health), self.probes)
         self.peers: PeerServer | None = None
         if config.peer_listen:
             self.peers = PeerServer(
@@ -88,8 +92,9 @@ class Listeners:
                 config.peer_listen,
                 FleetKey(read_token(config.peer_token_file)),
                 config.peer_rate,
+                config.idle_timeout,
             )
-        self._metrics: WSGIServer | None = None
+        self._metrics: MetricsServer | None = None
 
     def sockets(self) -> tuple[str, str, str]:
         """The worker socket, the fd channel's and the admin socket."""
@@ -123,9 +128,10 @@ class Listeners:
         if config.metrics_port:
             # Imported only when asked for: prometheus_client and its HTTP server
             # are a tenth of the daemon's imports, paid on every restart.
-            from engramd.api.metrics import serve_metrics
+            from engramd.api.metrics import MetricsServer
 
-            self._metrics = serve_metrics(self._store, config.metrics_address, config.metrics_port)
+            self._metrics = MetricsServer(self._store, config.metrics_address, config.metrics_port)
+            await self._metrics.start()
             log.info(
                 "metrics on http://%s:%d/metrics",
                 host(config.metrics_address),
@@ -145,7 +151,7 @@ class Listeners:
         servers = [s for s in (self.grpc, self.admin, self.probes, self.peers) if s is not None]
         await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))
         if self._metrics is not None:
-            self._metrics.shutdown()
+            await self._metrics.stop()
 
     def unlink(self) -> None:
         """Remove the sockets' paths."""

@@ -1,9 +1,11 @@
-"""The daemon's sockets: claimed and secured, and the worker socket's defences.
+"""The daemon's sockets: claimed and secured, and the defences of those anyone may reach.
 
-grpcio shows no peer credentials, so the worker socket is defended by what
-every connection costs: idle connections end, all of them together stay below
-the open-files limit, Health's endless Watch is not served, and a call's
-request must arrive whole within a deadline.
+grpcio shows no peer credentials, so the worker socket and the TCP ports
+(peer, health) are defended by what every connection costs: idle
+connections end, all of them together stay below the open-files limit,
+Health's endless Watch is not served, and a call's (first) request must
+arrive whole within a deadline. The TCP ports also cap their connections,
+each connection's streams and the calls in flight.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 import resource
 import socket
 import stat
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
-from engramd.errors import NotInSocketGroup, UntrustedSocketFolder
+from engramd.errors import DecodeGuard, NotInSocketGroup, UntrustedSocketFolder
 
 log = logging.getLogger("engramd")
 
@@ -36,6 +38,15 @@ MIN_WORKER_CONNECTIONS = 64
 #: The longest a call on the worker socket may take to send its request (shorter
 #: where --idle-timeout is): engramd_client sends its small requests at once.
 REQUEST_TIMEOUT_S = 5.0
+#: Connections a TCP port (peer, health, metrics) holds at most; more are closed at once.
+TCP_CONNECTIONS = 128
+#: Streams one connection to a gRPC TCP port may have open at once (HTTP/2's
+#: SETTINGS_MAX_CONCURRENT_STREAMS): a receiver fills over one, a probe checks on one.
+TCP_STREAMS_PER_CONNECTION = 4
+#: Calls a gRPC TCP port runs at once, all connections together; the next ones wait
+#: in gRPC's queue, at most TCP_QUEUED_S, then end with RESOURCE_EXHAUSTED.
+TCP_CALLS = 64
+TCP_QUEUED_S = 5
 
 
 def group_id(name: str) -> int | None:
@@ -154,10 +165,12 @@ def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
     is closed after `idle_timeout` (a lease's open stream is a call, so
     attached workers are never idle), and all the socket's connections
     together stay `fd_reserve` below the soft limit on open files: the admin
-    socket, the fd channel and the sets' files keep theirs.
+    socket, the fd channel and the sets' files keep theirs, and the TCP ports
+    their TCP_CONNECTIONS each.
     """
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    connections = soft - config.fd_reserve
+    tcp_ports = sum(bool(p) for p in (config.health_port, config.metrics_port, config.peer_listen))
+    connections = soft - config.fd_reserve - tcp_ports * TCP_CONNECTIONS
     if connections < MIN_WORKER_CONNECTIONS:
         connections = max(soft // 2, 1)
         log.warning(
@@ -175,12 +188,38 @@ def worker_socket_options(config: DaemonConfig) -> list[tuple[str, int]]:
     ]
 
 
+def tcp_server(idle_timeout: float) -> grpc.aio.Server:
+    """A gRPC server for a TCP port (peer, health), with the worker socket's defences and caps.
+
+    Anyone who reaches the port may connect, so nothing a connection holds
+    outlasts its use: a handshake and a call's first request have
+    REQUEST_TIMEOUT_S (or `idle_timeout`, if shorter), a connection with no
+    call in flight is closed after `idle_timeout`, and connections, streams
+    per connection and calls in flight are capped (TCP_CONNECTIONS,
+    TCP_STREAMS_PER_CONNECTION, TCP_CALLS), so a flood costs the daemon a
+    bounded number of calls' memory, freed within the deadline.
+    """
+    request_s = min(REQUEST_TIMEOUT_S, idle_timeout)
+    return grpc.aio.server(
+        interceptors=[RequestDeadline(request_s), DecodeGuard()],
+        options=[
+            ("grpc.max_connection_idle_ms", max(int(idle_timeout * 1000), 1)),
+            ("grpc.server_handshake_timeout_ms", max(int(request_s * 1000), 1)),
+            ("grpc.max_allowed_incoming_connections", TCP_CONNECTIONS),
+            ("grpc.max_concurrent_streams", TCP_STREAMS_PER_CONNECTION),
+            ("grpc.server_max_unrequested_time_in_server", TCP_QUEUED_S),
+        ],
+        maximum_concurrent_rpcs=TCP_CALLS,
+    )
+
+
 class HealthCheckOnly(health_pb2_grpc.HealthServicer):
     """Health for the worker socket: Check only.
 
     A Watch stream is a call that never ends, so a connection holding one is
-    never idle: any member of the socket group could hold every connection
-    the socket allows. Probes that watch use --health-port or the admin socket.
+    never idle: whoever may connect could hold every connection the socket
+    allows. The kubelet's gRPC probe calls Check only (a connection per probe,
+    closed after it); tools that watch use the admin socket.
     """
 
     def __init__(self, health: health_aio.HealthServicer) -> None:
@@ -198,20 +237,22 @@ class HealthCheckOnly(health_pb2_grpc.HealthServicer):
         """Refused: see the class."""
         await context.abort(
             grpc.StatusCode.UNIMPLEMENTED,
-            "Health/Watch is not served on engramd's worker socket (a held stream keeps a "
-            "connection from ever idling); use Health/Check, --health-port, or the admin socket",
+            "Health/Watch is served only on engramd's admin socket (a held stream keeps a "
+            "connection from ever idling); use Health/Check",
         )
 
 
 class RequestDeadline(grpc.aio.ServerInterceptor):
-    """Cancels a call whose request message has not arrived whole within `seconds`.
+    """Cancels a call whose (first) request message has not arrived whole within `seconds`.
 
     grpcio runs a unary-request handler only once its message is complete,
     and nothing ends a call whose client stops halfway: the connection holds
-    a call, so it never idles. The worker socket's methods are served as
+    a call, so it never idles. Unary-request methods are served as
     request-streaming ones instead (the same messages on the wire), so the
-    handler runs at once and waits for the request under this deadline. What
-    comes after the request (a lease's stream) is not limited.
+    handler runs at once and waits for the request under this deadline; a
+    request-streaming method (the peer port's Fill) gets its first message
+    under it. What comes after (a lease's stream, a fill's windows) is not
+    limited here.
     """
 
     def __init__(self, seconds: float) -> None:
@@ -222,11 +263,24 @@ class RequestDeadline(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
-        """The method's handler, reading its one request under the deadline."""
+        """The method's handler, reading its (first) request under the deadline."""
         handler = await continuation(details)
-        if handler is None or handler.request_streaming:
+        if handler is None:
             return handler
-        first = functools.partial(_first_request, self._seconds)
+        seconds = self._seconds
+        if handler.request_streaming:
+            streams = handler.stream_stream
+            if streams is None or not inspect.isasyncgenfunction(streams):
+                return handler  # none is served: stream_unary, or replies by context.write
+
+            async def opened(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                async for reply in streams(_opened_within(seconds, requests, context), context):
+                    yield reply
+
+            return grpc.stream_stream_rpc_method_handler(
+                opened, handler.request_deserializer, handler.response_serializer
+            )
+        first = functools.partial(_first_request, seconds)
         if handler.unary_unary is not None:
             unary = handler.unary_unary
 
@@ -237,10 +291,16 @@ class RequestDeadline(grpc.aio.ServerInterceptor):
                 stream_unary, handler.request_deserializer, handler.response_serializer
             )
         stream = handler.unary_stream
-        if stream is None or not inspect.isasyncgenfunction(stream):
-            # Handlers that stream with context.write (health's Watch): only where
-            # probes connect, never on the worker socket.
+        if stream is None:
             return handler
+        if not inspect.isasyncgenfunction(stream):
+            # Replies written with context.write (health's Watch).
+            async def written(requests: Any, context: grpc.aio.ServicerContext) -> None:
+                await stream(await first(context), context)
+
+            return grpc.stream_stream_rpc_method_handler(
+                written, handler.request_deserializer, handler.response_serializer
+            )
 
         async def stream_stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
             async for reply in stream(await first(context), context):
@@ -256,14 +316,34 @@ async def _first_request(seconds: float, context: grpc.aio.ServicerContext) -> A
     try:
         request = await asyncio.wait_for(context.read(), seconds)
     except TimeoutError:
-        await context.abort(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"the request did not arrive whole within {seconds:g} s of the call's start; "
-            "send it at once (engramd_client does)",
-        )
+        await _too_late(seconds, context)
     if request is grpc.aio.EOF:
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the call sent no request message")
     return request
+
+
+async def _opened_within(
+    seconds: float, requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+) -> AsyncIterator[Any]:
+    """A stream's requests, the first of which must arrive within `seconds` (else aborted)."""
+    it = aiter(requests)
+    try:
+        first = await asyncio.wait_for(anext(it), seconds)
+    except TimeoutError:
+        await _too_late(seconds, context)
+    except StopAsyncIteration:
+        return
+    yield first
+    async for request in it:
+        yield request
+
+
+async def _too_late(seconds: float, context: grpc.aio.ServicerContext) -> None:
+    await context.abort(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        f"the request did not arrive whole within {seconds:g} s of the call's start; "
+        "send it at once (engramd's clients do)",
+    )
 
 
 def raise_fd_limit() -> int:

@@ -197,8 +197,11 @@ class LeaseBook:
         Spends the secret, charges the lease to the caller's uid and, where the
         caller's pid is visible, binds the lease to that process. Raises
         NotAllowed (no such lease, a wrong or spent secret, another process,
-        a uid that may not read the checkpoint), TooManyLeases (the lease then
-        ends) or SegmentNotVisible (the set is gone or cannot be opened).
+        a uid that may not read the checkpoint), TooManyLeases or
+        SegmentNotVisible (the set is gone or cannot be opened). Once the
+        secret matched, any refusal ends the lease: its secret was presented,
+        so it can never serve its worker, and it must not keep its set held.
+        A wrong secret ends nothing (lease ids are shown to the socket group).
         """
         found = self.find(lease_id)
         if (
@@ -211,12 +214,20 @@ class LeaseBook:
                 "descriptors were collected already); attach again"
             )
         ts, lease = found
+        lease.fd_secret = ""
+        try:
+            return await self._redeemed(ts, lease, caller)
+        except (NotAllowed, SegmentNotVisible, TooManyLeases) as e:
+            self._end_refused(ts, lease, e)
+            raise
+
+    async def _redeemed(self, ts: TableSet, lease: Lease, caller: Caller) -> list[tuple[str, int]]:
+        """The checks of `redeem` after the secret matched, and the descriptors."""
         if caller.own_pid is not None and caller.own_pid != lease.pid:
             raise NotAllowed(
                 f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
                 f"process (pid {caller.own_pid} in its namespace)"
             )
-        lease.fd_secret = ""
         if not ts.published and not await asyncio.to_thread(
             lambda: may_read(lease.readers, caller.uid, caller.groups())
         ):
@@ -227,14 +238,12 @@ class LeaseBook:
                 "operator): run the worker as a user that may read its checkpoint, or have "
                 "the operator load it (engramd load)"
             )
+        if lease.ended.is_set():
+            # Ended (by the sweep, a drop, the stream) while the files were judged.
+            raise NotAllowed(f"lease {lease.lease_id} ended; attach again")
         if ts.state is not SetState.READY or ts.manifest is None:
             raise SegmentNotVisible(f"set {ts.set_id} is no longer held; attach again")
-        try:
-            self.own(lease, caller.uid)
-        except TooManyLeases:
-            # Its secret is spent: the lease could serve nothing but the count.
-            lease.ended.set()
-            raise
+        self.own(lease, caller.uid)
         if caller.own_pid is not None:
             lease.pid, lease.pid_start = caller.pid, start_ticks(caller.pid)
             lease.pid_verified = True
@@ -250,6 +259,18 @@ class LeaseBook:
         except (OSError, ManifestError) as e:
             raise SegmentNotVisible(f"set {ts.set_id} cannot be opened ({e})") from None
 
+    def _end_refused(self, ts: TableSet, lease: Lease, why: Exception) -> None:
+        """End a lease whose presented secret was refused its descriptors."""
+        log.info(
+            "ending lease %s of set %s: refused its descriptors (%s)",
+            lease.lease_id,
+            ts.set_id,
+            why,
+        )
+        lease.ended.set()
+        if ts.leases.pop(lease.lease_id, None) is not None:
+            ts.last_used = time.monotonic()
+
     def own(self, lease: Lease, uid: int) -> None:
         """Charge `lease` to `uid`, as the kernel named its holder; raises TooManyLeases.
 
@@ -259,17 +280,17 @@ class LeaseBook:
         if lease.uid == uid:
             return
         if lease.collects and lease.uid is None:
-            self._check_total()
+            self._check_total(lease)
         self._check_share(uid)
         lease.uid = uid
 
-    def _check_total(self) -> None:
-        """Raise TooManyLeases when the granted leases reach --max-leases."""
+    def _check_total(self, granting: Lease | None = None) -> None:
+        """Raise TooManyLeases when the granted leases (but `granting`) reach --max-leases."""
         held = sum(
             1
             for ts in self._sets.all()
             for lease in ts.leases.values()
-            if not (lease.collects and lease.uid is None)
+            if lease is not granting and not _uncollected(lease)
         )
         if self._max_leases and held >= self._max_leases:
             raise TooManyLeases(
@@ -314,7 +335,7 @@ class LeaseBook:
         return None
 
     def sweep_dead(self) -> int:
-        """End leases whose process is gone, or that never collected their descriptors.
+        """End leases whose process is gone, or that were not granted their descriptors in time.
 
         A pid that matched no process here is never judged: it may name
         another process here than the worker's (another pid namespace).
@@ -332,8 +353,12 @@ class LeaseBook:
                         lease.pid,
                     )
                 elif (
-                    lease.collects and lease.fd_secret and now - lease.started > COLLECT_DEADLINE_S
+                    lease.collects
+                    and lease.uid is None
+                    and now - lease.started > COLLECT_DEADLINE_S
                 ):
+                    # Never granted: never collected, or its collection is still being
+                    # judged (a checkpoint folder on a hung mount) past the deadline.
                     log.info(
                         "ending lease %s of set %s: pid %d did not collect its descriptors "
                         "within %.0f s",
@@ -374,3 +399,11 @@ class LeaseBook:
             lease.ended.set()
         ts.leases.clear()
         return ended
+
+
+def _uncollected(lease: Lease) -> bool:
+    """A first lease of descriptors whose worker has not come for them: granted once it does.
+
+    One whose secret was presented counts from then on, while it is judged.
+    """
+    return lease.collects and lease.uid is None and bool(lease.fd_secret)

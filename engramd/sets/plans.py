@@ -19,6 +19,7 @@ import contextlib
 import os
 import stat
 import threading
+import time
 from collections import Counter, OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -46,6 +47,13 @@ LARGE_HEADER_BYTES = 1 << 20
 #: Large headers of one owner's files read at once for workers' attaches: a member's
 #: own files are his to make, so his checkpoints cannot take every reader.
 LARGE_HEADERS_PER_UID = 2
+#: The share of the daemon's time one owner's large headers may take. Decoding and
+#: parsing 12 MB of JSON holds the interpreter's lock for 30-80 ms at a stretch (one
+#: long string, C code that never lets go), and a member who touches his files before
+#: each attach has them parsed again every time: at two at once, the event loop then
+#: waited for the lock at every step of every other member's attach (p99 1.5 s). After
+#: a large header took t seconds, its owner's next one waits t * (1 - share) / share.
+LARGE_HEADER_SHARE = 0.1
 
 
 #: A kept plan's key: the checkpoint as named, the selection, whether it was opened beneath a root.
@@ -164,11 +172,14 @@ class PlanCache:
 
 
 class _LargeHeaders:
-    """Large headers being read for workers, counted by their files' owner."""
+    """Large headers being read for workers, counted by their files' owner, and the time
+    each owner's took (LARGE_HEADER_SHARE)."""
 
     def __init__(self, per_uid: int) -> None:
         self._per_uid = per_uid
         self._reading: Counter[int] = Counter()
+        #: Per uid: when its next large header may be read.
+        self._next: dict[int, float] = {}
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -178,22 +189,29 @@ class _LargeHeaders:
             yield
             return
         uid = st.st_uid
+        now = time.monotonic()
         with self._lock:
-            if self._reading[uid] >= self._per_uid:
+            self._next = {u: t for u, t in self._next.items() if t > now}
+            wait = self._next.get(uid, now) - now
+            if self._reading[uid] >= self._per_uid or wait > 0:
                 raise ReadersBusy(
                     f"engramd is reading {self._reading[uid]} headers of {LARGE_HEADER_BYTES >> 20}"
-                    f" MiB or more of files of uid {uid} for workers' attaches, the most it reads "
-                    "at once for one owner; attach again once those are read, or have the "
-                    "operator load the checkpoint (engramd load)"
+                    f" MiB or more of files of uid {uid} for workers' attaches, or read as many "
+                    f"as their share of its time allows (the next in {max(wait, 0):.1f} s); "
+                    "attach again once those are read, or have the operator load the "
+                    "checkpoint (engramd load)"
                 )
             self._reading[uid] += 1
         try:
             yield
         finally:
+            end = time.monotonic()
             with self._lock:
                 self._reading[uid] -= 1
                 if not self._reading[uid]:
                     del self._reading[uid]
+                owed = (end - now) * (1 - LARGE_HEADER_SHARE) / LARGE_HEADER_SHARE
+                self._next[uid] = max(self._next.get(uid, end), end) + owed
 
 
 def _snapshot(checkpoint: Path, beneath: Root | None) -> _Snapshot | None:

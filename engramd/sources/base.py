@@ -69,6 +69,9 @@ def spot_check(entry: TensorEntry, received: memoryview) -> None:
             continue
         fd = open_regular(Path(span.file))
         try:
+            # Exactly the pages compared and no readahead around them: a fill must not
+            # cost the node a read of its files, whatever the disk's readahead setting.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
             for at in sorted(mine):
                 size = min(SPOT_BYTES, start + span.nbytes - at)
                 if os.pread(fd, size, span.offset + at - start) != received[at : at + size]:

@@ -268,9 +268,15 @@ def test_nothing_listens_between_fills(
     rb = receiving(b, checkpoint, net, token_file)
     s = ready_set(rb)
     assert s.source == f"peer {net.ip_a}:{PEER_PORT}", rb.log
-    # The fill's transfer processes end with it: A's once the stream's end reaches it.
+    # The fill's transfer processes end with it (A's once the stream's end reaches it);
+    # each daemon keeps one spare for the next fill, which listens nowhere.
     wait_until(
-        lambda: not live_children(ra.pid) and not live_children(rb.pid), 15, "the fill's end"
+        lambda: all(
+            len(live_children(d.pid)) <= 1 and not transfer_processes(d, ns)
+            for d, ns in ((ra, net.a), (rb, net.b))
+        ),
+        15,
+        "the fill's end",
     )
     assert scan(net.b, net.ip_a) == configured
     assert sorted((s.host, s.port) for s in listeners(net.a)) == [(net.ip_a, p) for p in configured]

@@ -33,11 +33,18 @@ class OpenFill:
         #: What the serving daemon offered: manifest, NIXL metadata, each tensor's address.
         self.offer = offer
 
-    def window(self, nbytes: int) -> peer_pb2.FillReply:
-        """Ask for a window of `nbytes` and return the daemon's answer; raises
-        grpc.RpcError where the daemon ended the stream instead."""
+    def ask(self, nbytes: int) -> None:
+        """Ask for a window of `nbytes`, without waiting for the answer."""
         self._requests.put(peer_pb2.FillRequest(window=nbytes))
+
+    def reply(self) -> peer_pb2.FillReply:
+        """The daemon's next answer (a grant); raises grpc.RpcError where it ended the stream."""
         return next(self._replies)
+
+    def window(self, nbytes: int) -> peer_pb2.FillReply:
+        """Ask for a window of `nbytes` and return the daemon's answer."""
+        self.ask(nbytes)
+        return self.reply()
 
     def close(self) -> None:
         """End the stream and the channel."""
@@ -45,7 +52,13 @@ class OpenFill:
         self._channel.close()
 
 
-def open_fill(address: str, token: str, set_id: str, timeout: float = 60.0) -> OpenFill:
+def open_fill(
+    address: str,
+    token: str,
+    set_id: str,
+    timeout: float = 60.0,
+    channel: grpc.Channel | None = None,
+) -> OpenFill:
     """Open a Fill of `set_id` on the peer port at `address` (HOST:PORT) with `token`, as
     PeerSource does (the server's proof taken on trust, its own under the token), for a
     stream of at most `timeout` seconds; returns once the daemon offered the set (raises
@@ -56,7 +69,7 @@ def open_fill(address: str, token: str, set_id: str, timeout: float = 60.0) -> O
         while (r := requests.get()) is not None:
             yield r
 
-    channel = grpc.insecure_channel(address)
+    channel = channel or grpc.insecure_channel(address)
     key, mine = FleetKey(token), nonce()
     requests.put(peer_pb2.FillRequest(open=peer_pb2.FillOpen(set_id=set_id, nonce=mine)))
     replies = peer_pb2_grpc.PeerServiceStub(channel).Fill(sent(), timeout=timeout)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -138,21 +139,27 @@ def test_redeem_hands_out_the_descriptors_once_and_binds_the_lease(
     assert len(backing.handed) == 1
 
 
-def test_a_wrong_secret_or_another_pid_is_refused_and_spends_nothing(
+def test_a_wrong_secret_spends_nothing_and_another_pid_ends_the_lease(
     backing: PipeBacking,
 ) -> None:
     leases, ts = book(backing)
     lease = leases.add(ts, me(), HandleKind.FD)
     secret = lease.fd_secret
+    # Lease ids are no secret (status shows them): a wrong secret ends nothing.
     with pytest.raises(NotAllowed, match="unused secret"):
         redeem(leases, lease, "0" * 32, caller())
     with pytest.raises(NotAllowed, match="unused secret"):
         asyncio.run(leases.redeem("feedfacecafe", secret, caller()))
+    assert lease.fd_secret == secret and not lease.ended.is_set()
+    # The secret from another process: refused, and the lease can serve no one any more.
     with pytest.raises(NotAllowed, match=f"belongs to pid {os.getpid()}"):
         redeem(leases, lease, secret, caller(own_pid=os.getpid() + 1))
-    assert backing.handed == [] and lease.fd_secret == secret and lease.uid is None
-    # The lease's own process still collects with its secret.
-    assert len(redeem(leases, lease, secret, caller())) == 1
+    assert backing.handed == [] and lease.uid is None
+    assert lease.ended.is_set() and leases.find(lease.lease_id) is None
+    with pytest.raises(NotAllowed, match="unused secret"):
+        redeem(leases, lease, secret, caller())
+    again = leases.add(ts, me(), HandleKind.FD)
+    assert len(redeem(leases, again, again.fd_secret, caller())) == 1
 
 
 def test_a_caller_whose_pid_is_not_visible_is_bound_by_the_secret_alone(
@@ -191,6 +198,8 @@ def test_a_workers_set_goes_only_to_a_uid_that_may_read_its_checkpoint(
     with pytest.raises(NotAllowed, match=f"uid {NOBODY} may not read"):
         redeem(leases, lease, lease.fd_secret, refused)
     assert asked and backing.handed == [] and lease.uid is None
+    # The refused lease ended: it holds the set no longer, and counts for no one.
+    assert lease.ended.is_set() and LeaseBook.count(ts) == 0
     # The secret went with the refused exchange: the worker attaches again.
     again = leases.add(ts, me(), HandleKind.FD, readers=readers)
     assert len(redeem(leases, again, again.fd_secret, caller(uid=0))) == 1
@@ -202,7 +211,7 @@ def test_a_set_no_longer_ready_is_not_handed_out(backing: PipeBacking) -> None:
     ts.state = SetState.FAILED
     with pytest.raises(SegmentNotVisible, match="no longer held"):
         redeem(leases, lease, lease.fd_secret, caller())
-    assert backing.handed == []
+    assert backing.handed == [] and lease.ended.is_set() and LeaseBook.count(ts) == 0
 
 
 def test_end_drain_and_end_all(backing: PipeBacking) -> None:
@@ -259,3 +268,35 @@ def test_the_sweep_ends_leases_of_gone_processes_and_uncollected_ones(
     assert leases.sweep_dead() == 2
     assert gone.ended.is_set() and late.ended.is_set() and not alive.ended.is_set()
     assert [lease.lease_id for lease in LeaseBook.listed(ts)] == [alive.lease_id]
+
+
+def test_a_lease_being_judged_counts_and_the_sweep_ends_it_in_time(
+    backing: PipeBacking, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    leases, ts = book(backing, published=False, max_leases=1)
+    lease = leases.add(ts, me(), HandleKind.FD, readers=("/nowhere",))
+    judging, release = threading.Event(), threading.Event()
+
+    def hung(*args: object) -> bool:
+        # The checkpoint's folder on a mount that hangs (released by the test).
+        judging.set()
+        assert release.wait(30), "the test never released the judgement"
+        return True
+
+    monkeypatch.setattr(leases_module, "may_read", hung)
+
+    async def run() -> None:
+        task = asyncio.create_task(leases.redeem(lease.lease_id, lease.fd_secret, caller()))
+        assert await asyncio.to_thread(judging.wait, 30)
+        # Its secret was presented: it counts against --max-leases while it is judged ...
+        with pytest.raises(TooManyLeases, match="--max-leases"):
+            leases.add(ts, me(), HandleKind.SHM)
+        # ... and is not granted in time: the sweep ends it, and the judgement then grants nothing.
+        monkeypatch.setattr(leases_module, "COLLECT_DEADLINE_S", 0.0)
+        assert leases.sweep_dead() == 1
+        release.set()
+        with pytest.raises(NotAllowed, match="ended"):
+            await task
+
+    asyncio.run(run())
+    assert backing.handed == [] and LeaseBook.count(ts) == 0 and lease.uid is None
