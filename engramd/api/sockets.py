@@ -28,6 +28,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
 from engramd.errors import NotInSocketGroup, UntrustedSocketFolder
+from engramd_shared.config import DEFAULT_SOCKET
 
 log = logging.getLogger("engramd")
 
@@ -36,6 +37,47 @@ MIN_WORKER_CONNECTIONS = 64
 #: The longest a call on the worker socket may take to send its request (shorter
 #: where --idle-timeout is): engramd_client sends its small requests at once.
 REQUEST_TIMEOUT_S = 5.0
+#: The longest path of a Unix socket address (sun_path's 108 bytes, the last a NUL).
+MAX_UNIX_PATH = 107
+#: The one socket folder the daemon makes itself (the default's: systemd's RuntimeDirectory
+#: where the unit makes it): any other is the operator's, and a missing one is a typo.
+DEFAULT_FOLDER = Path(DEFAULT_SOCKET).parent
+
+
+def check_socket_paths(sockets: dict[str, str]) -> None:
+    """Refuse, naming the flags and the fix, socket paths that cannot all be served.
+
+    `sockets`: each flag (--socket, --admin-socket, --fd-socket) and its path.
+    Two flags on one path would have one listener take the other's place (a
+    worker then meets the admin service, or a bare EADDRINUSE); a folder that
+    does not exist is a typo, never made with its parents.
+    """
+    seen: dict[str, str] = {}
+    for flag, path in sockets.items():
+        if len(path.encode()) > MAX_UNIX_PATH:
+            raise ValueError(
+                f"{flag} {path} is longer than {MAX_UNIX_PATH} bytes, the limit of a Unix "
+                "socket address; choose a shorter path"
+            )
+        folder = Path(path).parent
+        made_here = folder == DEFAULT_FOLDER and folder.parent.is_dir()
+        if not folder.exists() and not made_here:
+            raise ValueError(
+                f"{flag} {path}: its folder {folder} does not exist; fix the path, or make "
+                f"the folder for engramd's user (install -d -m 0750 -o <user> {folder})"
+            )
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"{flag} {path}: {folder} is not a folder; give {flag} a path in a folder"
+            )
+        key = os.path.join(os.path.realpath(folder), Path(path).name)
+        if key in seen:
+            raise ValueError(
+                f"{seen[key]} and {flag} are both {path}: each socket needs a path of its own "
+                "(--admin-socket defaults to admin.sock and --fd-socket to fds.sock beside "
+                f"--socket); give {flag} another path, or leave it unset"
+            )
+        seen[key] = flag
 
 
 def group_id(name: str) -> int | None:
@@ -110,7 +152,8 @@ def claim_socket(path: str, gid: int | None) -> None:
     folder = Path(path).parent
     made = not folder.exists()
     if made:
-        folder.mkdir(mode=0o750, parents=True)
+        # Only the default's folder is ever missing here (check_socket_paths).
+        folder.mkdir(mode=0o750)
     fd = os.open(folder, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)

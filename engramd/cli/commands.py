@@ -58,6 +58,8 @@ def status(
 
     Asked on the admin socket where this user may open it (it answers while
     idle connections fill the worker socket), else on the worker socket.
+    Exits 1 when no daemon answers, 2 while it is not ready (loading, or a
+    configured checkpoint failed: shown with its error).
     """
     if watch:
         # Ctrl-C is taken between frames only: a signal that lands inside
@@ -77,6 +79,8 @@ def status(
         except grpc.RpcError as e:
             raise _unanswered(socket, e) from None
         typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
+        if not reply.daemon.ready:
+            raise typer.Exit(2)
         return
     while True:
         try:

@@ -1,0 +1,160 @@
+"""An operator's first hour: mistakes refused at start, failures shown where operators look.
+
+Each test makes the mistake a new operator would (a second daemon on one shm
+folder, colliding sockets, a broken configured checkpoint, a client command
+pointed at the daemon's config file) against real daemons, and asserts the
+message that names the setting and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+from typing import Any
+
+from conftest import Daemon, Worker
+from engramd_shared.layout import LOCK_NAME, sets_root
+from helpers import engramd
+
+
+def test_a_second_daemon_on_one_shm_folder_refuses_and_touches_nothing(
+    checkpoint: Path, daemons: Any, workers: list[Worker], sock_dir: Path, shm_dir: Path
+) -> None:
+    first = daemons("--checkpoint", str(checkpoint))
+    [held] = first.status().sets
+    files = sorted(p.name for p in (sets_root(shm_dir) / held.set_id).iterdir())
+    # The mistake: another --socket, the same --shm-dir, and it would drop what it adopted.
+    (sock_dir / "b").mkdir(mode=0o750)
+    second = Daemon(
+        sock_dir / "b" / "d.sock", shm_dir, ["--drop-on-exit"], sock_dir / "second.log"
+    ).start(wait="no")
+    assert second.proc is not None and second.proc.wait(timeout=60) == 1
+    log = second.log
+    assert f"pid {first.pid}, socket {first.socket}" in log, log
+    assert "one daemon per shm folder" in log and "--shm-dir" in log, log
+    assert "adopted" not in log and "Traceback" not in log, log
+    # Nothing of the first's was touched: its set, its files, new workers share it.
+    assert sorted(p.name for p in (sets_root(shm_dir) / held.set_id).iterdir()) == files
+    assert [s.state for s in first.status().sets] == ["ready"]
+    w = Worker(checkpoint, first.socket)
+    workers.append(w)
+    assert w.hello["mode"] == "shared", w.hello
+    w.exit()
+    # The lock dies with its daemon: the next one on the folder adopts the set.
+    assert first.stop() == 0
+    third = daemons(shm=shm_dir)
+    [adopted] = third.status().sets
+    assert adopted.set_id == held.set_id and adopted.adopted
+    assert (sets_root(shm_dir) / LOCK_NAME).exists()
+
+
+def _refused(sock_dir: Path, shm_dir: Path, *args: str) -> str:
+    """`engramd serve ARGS` that must stop at start: its one error line."""
+    result = engramd("serve", "--shm-dir", str(shm_dir), "--socket-group", "", *args, timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    [error] = [line for line in result.stderr.splitlines() if " ERROR " in line]
+    return error
+
+
+def test_colliding_sockets_are_refused_naming_both_flags(sock_dir: Path, shm_dir: Path) -> None:
+    sock = str(sock_dir / "d.sock")
+    error = _refused(sock_dir, shm_dir, "--socket", sock, "--admin-socket", sock)
+    assert f"--socket and --admin-socket are both {sock}" in error, error
+    error = _refused(sock_dir, shm_dir, "--socket", sock, "--fd-socket", sock)
+    assert f"--socket and --fd-socket are both {sock}" in error, error
+    # The defaults beside --socket collide with a socket named like them.
+    error = _refused(sock_dir, shm_dir, "--socket", str(sock_dir / "admin.sock"))
+    assert "--socket and --admin-socket are both" in error and "leave it unset" in error, error
+    assert not list(sock_dir.iterdir())
+
+
+def test_a_socket_folder_that_does_not_exist_is_a_typo_not_made(
+    sock_dir: Path, shm_dir: Path
+) -> None:
+    typo = sock_dir / "engarmd" / "deep" / "d.sock"
+    error = _refused(sock_dir, shm_dir, "--socket", str(typo))
+    assert f"--socket {typo}: its folder {typo.parent} does not exist" in error, error
+    assert "install -d -m 0750" in error
+    assert not (sock_dir / "engarmd").exists()
+    afile = sock_dir / "afile"
+    afile.write_text("")
+    error = _refused(sock_dir, shm_dir, "--socket", str(afile / "d.sock"))
+    assert f"--socket {afile / 'd.sock'}: {afile} is not a folder" in error, error
+    error = _refused(
+        sock_dir,
+        shm_dir,
+        "--socket",
+        str(sock_dir / "d.sock"),
+        "--admin-socket",
+        str(sock_dir / "nowhere" / "a.sock"),
+    )
+    assert "--admin-socket" in error and "does not exist" in error, error
+
+
+def test_a_socket_group_named_on_purpose_must_exist(sock_dir: Path, shm_dir: Path) -> None:
+    result = engramd(
+        "serve",
+        "--socket",
+        str(sock_dir / "d.sock"),
+        "--shm-dir",
+        str(shm_dir),
+        "--socket-group",
+        "nosuchgrp",
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr
+    assert "--socket-group nosuchgrp: no such group" in result.stderr, result.stderr
+    assert "groupadd nosuchgrp" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_configured_checkpoint_that_fails_is_shown_by_status_and_systemd(
+    checkpoint: Path, daemons: Any, sock_dir: Path, tmp_path: Path
+) -> None:
+    broken = tmp_path / "no-tables"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"architectures": ["DeepseekV41ForCausalLM"]}')
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(sock_dir / "notify"))
+    notify.settimeout(30)
+    d = daemons(
+        "--checkpoint",
+        str(checkpoint),
+        "--checkpoint",
+        str(broken),
+        wait="up",
+        env={"NOTIFY_SOCKET": str(sock_dir / "notify")},
+    )
+    # systemctl status shows the last STATUS= line: the checkpoint and why.
+    messages = [notify.recv(4096).decode()]
+    while "not ready" not in messages[-1]:
+        messages.append(notify.recv(4096).decode())
+    notify.close()
+    assert not any("READY=1" in m for m in messages)
+    assert f"configured checkpoint not loaded: {broken}: " in messages[-1], messages[-1]
+    [why] = [m for m in messages[-1].split(f"{broken}: ", 1)[1:]]
+    assert why and "see the log" not in why
+
+    text = engramd("status", "--socket", str(d.socket))
+    assert text.returncode == 2, text.stdout + text.stderr
+    assert f"configured checkpoint {broken} is not loaded: {why.strip()}" in text.stdout
+    assert "not ready" in text.stdout
+    shown = engramd("status", "--socket", str(d.socket), "--json")
+    assert shown.returncode == 2
+    doc = json.loads(shown.stdout)
+    assert doc["daemon"]["ready"] is False
+    assert doc["daemon"]["failed_checkpoints"] == [
+        {"checkpoint": str(broken), "error": why.strip()}
+    ]
+    # The good one is served meanwhile.
+    assert [s["state"] for s in doc["sets"]] == ["ready"]
+    assert isinstance(doc["sets"][0]["bytes"], int)
+    assert all(isinstance(n, int) for n in doc["sets"][0]["bytes_per_node"].values())
+
+
+def test_status_exits_0_once_ready(checkpoint: Path, daemons: Any) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    result = engramd("status", "--socket", str(d.socket), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["daemon"]["failed_checkpoints"] == []
