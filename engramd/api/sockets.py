@@ -28,7 +28,6 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
 from engramd.errors import NotInSocketGroup, UntrustedSocketFolder
-from engramd_shared.config import DEFAULT_SOCKET
 
 log = logging.getLogger("engramd")
 
@@ -39,9 +38,6 @@ MIN_WORKER_CONNECTIONS = 64
 REQUEST_TIMEOUT_S = 5.0
 #: The longest path of a Unix socket address (sun_path's 108 bytes, the last a NUL).
 MAX_UNIX_PATH = 107
-#: The one socket folder the daemon makes itself (the default's: systemd's RuntimeDirectory
-#: where the unit makes it): any other is the operator's, and a missing one is a typo.
-DEFAULT_FOLDER = Path(DEFAULT_SOCKET).parent
 
 
 def check_socket_paths(sockets: dict[str, str]) -> None:
@@ -49,8 +45,11 @@ def check_socket_paths(sockets: dict[str, str]) -> None:
 
     `sockets`: each flag (--socket, --admin-socket, --fd-socket) and its path.
     Two flags on one path would have one listener take the other's place (a
-    worker then meets the admin service, or a bare EADDRINUSE); a folder that
-    does not exist is a typo, never made with its parents.
+    worker then meets the admin service, or a bare EADDRINUSE). A missing
+    folder is made (claim_socket) only where the daemon owns the place: in a
+    folder of its user's that no one else may write (/run for root, where
+    systemd's RuntimeDirectory= is not used); elsewhere it is a typo, and
+    never made with its parents.
     """
     seen: dict[str, str] = {}
     for flag, path in sockets.items():
@@ -60,8 +59,7 @@ def check_socket_paths(sockets: dict[str, str]) -> None:
                 "socket address; choose a shorter path"
             )
         folder = Path(path).parent
-        made_here = folder == DEFAULT_FOLDER and folder.parent.is_dir()
-        if not folder.exists() and not made_here:
+        if not folder.exists() and not _owned_place(folder.parent):
             raise ValueError(
                 f"{flag} {path}: its folder {folder} does not exist; fix the path, or make "
                 f"the folder for engramd's user (install -d -m 0750 -o <user> {folder})"
@@ -110,6 +108,16 @@ def group_id(name: str) -> int | None:
     return gid
 
 
+def _owned_place(folder: Path) -> bool:
+    """`folder` exists, is the daemon's user's, and no one else may write it."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return False
+    writable = stat.S_IWGRP | stat.S_IWOTH
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & writable
+
+
 def secure_socket(path: str, mode: int, gid: int | None) -> None:
     """Give the socket the daemon bound at `path` `mode` and, where given, group `gid`.
 
@@ -152,7 +160,7 @@ def claim_socket(path: str, gid: int | None) -> None:
     folder = Path(path).parent
     made = not folder.exists()
     if made:
-        # Only the default's folder is ever missing here (check_socket_paths).
+        # Missing only in a place of the daemon's own (check_socket_paths): never its parents.
         folder.mkdir(mode=0o750)
     fd = os.open(folder, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
     try:

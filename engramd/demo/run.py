@@ -75,10 +75,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 #: Seconds a replica takes to start (Python, torch's import, the attach) on one core,
 #: and gathered rows per second of one replica's checked lookups, as measured on the
 #: 2-core development VM: the demo's estimate of its own length scales from these.
-REPLICA_START_CPU_S = 9.0
-CHECKED_ROWS_PER_S = 1.2e6
+REPLICA_START_CPU_S = 4.0
+CHECKED_ROWS_PER_S = 0.2e6
 #: Bytes per second the checkpoint is synthesized at, there.
-SYNTH_BYTES_PER_S = 150e6
+SYNTH_BYTES_PER_S = 200e6
 
 
 class Stopped(Exception):
@@ -98,10 +98,14 @@ def _say(text: str, started: float) -> None:
     print(f"[{time.perf_counter() - started:5.0f} s] {text}", flush=True)
 
 
+def cpus() -> int:
+    """The cores this process may run on."""
+    return max(len(os.sched_getaffinity(0)), 1)
+
+
 def estimate_s(spec: SynthSpec, replicas: int, steps: int, tokens: int) -> float:
     """About how long the demo runs on this machine, from the development VM's rates."""
-    cores = max(len(os.sched_getaffinity(0)), 1)
-    starts = (replicas + 1) * REPLICA_START_CPU_S / min(cores, replicas)
+    starts = (replicas + 1) * REPLICA_START_CPU_S / min(cpus(), max(replicas, 1))
     # Each replica gathers and checks 24 heads x `tokens` rows per layer and step (+1 warm-up).
     rows = (replicas + 1) * (steps + 1) * tokens * 24 * spec.layers
     # Synthesizing, then the daemon's load and the private replica's, each reading it once.
@@ -163,8 +167,8 @@ def _demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | Non
     print(
         f"engramd demo: {replicas} replicas share one copy of {gib(spec.table_bytes)} of "
         f"tables, then 1 private replica; about {estimate_s(spec, replicas, steps, tokens):.0f} s "
-        "here (most of it the replicas starting and checking every row they gather); Ctrl-C "
-        "stops it and removes what it made",
+        f"on {cpus()} cores (scaled from the 2-core development VM; most of it the replicas "
+        "checking every row they gather); Ctrl-C stops it and removes what it made",
         flush=True,
     )
     made: list[Path] = []  # what the demo removes, in order (a workdir given is the caller's)

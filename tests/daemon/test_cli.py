@@ -116,7 +116,7 @@ def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
     assert demo_folders() == before
     # It says up front how long it takes, then shows each step of the long stretch.
     first, *lines = result.stdout.splitlines()
-    assert first.startswith("engramd demo: 2 replicas") and " s here " in first, first
+    assert first.startswith("engramd demo: 2 replicas") and " s on " in first, first
     assert [f"replica {r} attached in" in "\n".join(lines) for r in (0, 1)] == [True, True]
     assert sum(" M lookups/s, 0 of " in line for line in lines) == 3, result.stdout
 

@@ -9,11 +9,18 @@ message that names the setting and the fix.
 from __future__ import annotations
 
 import json
+import os
 import socket
+import subprocess
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from conftest import Daemon, Worker
+import pytest
+
+from conftest import Daemon, Worker, as_user, wait_until
+from engramd.host.hugeroot import unmount_below
 from engramd_shared.layout import LOCK_NAME, sets_root
 from helpers import engramd
 
@@ -88,9 +95,14 @@ def test_a_socket_folder_that_does_not_exist_is_a_typo_not_made(
         "--socket",
         str(sock_dir / "d.sock"),
         "--admin-socket",
-        str(sock_dir / "nowhere" / "a.sock"),
+        str(sock_dir / "nowhere" / "deep" / "a.sock"),
     )
     assert "--admin-socket" in error and "does not exist" in error, error
+    # A folder others may write is no place of the daemon's: its missing folder is not made.
+    (sock_dir / "open").mkdir()
+    (sock_dir / "open").chmod(0o1777)
+    error = _refused(sock_dir, shm_dir, "--socket", str(sock_dir / "open" / "typo" / "d.sock"))
+    assert "does not exist" in error and not (sock_dir / "open" / "typo").exists(), error
 
 
 def test_a_socket_group_named_on_purpose_must_exist(sock_dir: Path, shm_dir: Path) -> None:
@@ -158,3 +170,124 @@ def test_status_exits_0_once_ready(checkpoint: Path, daemons: Any) -> None:
     result = engramd("status", "--socket", str(d.socket), "--json")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["daemon"]["failed_checkpoints"] == []
+
+
+def test_client_commands_read_the_sockets_from_the_daemons_config_file(
+    checkpoint: Path, sock_dir: Path, shm_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "engramd.toml"
+    config.write_text(
+        f'socket = "{sock_dir / "e.sock"}"\n'
+        f'admin-socket = "{sock_dir / "adm.sock"}"\n'
+        f'shm_dir = "{shm_dir}"\n'
+        'socket_group = ""\n'
+        f'checkpoint = ["{checkpoint}"]\n'
+    )
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "engramd", "serve", "--config", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_until(lambda: engramd("status", "--config", str(config)).returncode == 0, 60, "ready")
+        doc = json.loads(engramd("status", "--config", str(config), "--json").stdout)
+        assert doc["daemon"]["socket"] == str(sock_dir / "e.sock")
+        [held] = doc["sets"]
+        by_env = subprocess.run(
+            [sys.executable, "-m", "engramd", "verify", held["set_id"]],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "ENGRAMD_CONFIG": str(config)},
+        )
+        assert by_env.returncode == 0 and "tensors match" in by_env.stdout, by_env.stderr
+        dropped = engramd("drop", held["set_id"], "--config", str(config))
+        assert dropped.returncode == 0, dropped.stderr
+        loaded = engramd("load", str(checkpoint), "--config", str(config))
+        assert loaded.returncode == 0 and "ready" in loaded.stdout, loaded.stderr
+        # A flag still wins over the file.
+        elsewhere = engramd(
+            "status", "--config", str(config), "--socket", str(sock_dir / "x"), "--admin-socket", ""
+        )
+        assert elsewhere.returncode == 1 and str(sock_dir / "x") in elsewhere.stderr
+    finally:
+        daemon.terminate()
+        assert daemon.wait(timeout=30) == 0
+        unmount_below(sets_root(shm_dir))
+
+
+def test_a_bad_value_in_the_config_file_names_the_file_and_key(
+    sock_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "engramd.toml"
+    for line, says in (
+        ('grace = "soon"', "key 'grace' in "),
+        ('memory_budget = "lots"', "key 'memory_budget' in "),
+        ('backing = "ram"', "key 'backing' in "),
+    ):
+        config.write_text(line + "\n")
+        result = engramd("serve", "--config", str(config), "--socket", str(sock_dir / "d.sock"))
+        assert result.returncode == 2, result.stderr
+        flat = " ".join(result.stderr.replace("│", " ").split())
+        assert says + str(config) in flat, flat
+        assert "ENGRAMD_" not in flat and "'--grace'" not in flat, flat
+
+
+def test_failed_admin_calls_leave_a_log_line(
+    checkpoint: Path, daemons: Any, tmp_path: Path
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [held] = d.status().sets
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert engramd("load", str(empty), "--socket", str(d.socket)).returncode == 1
+    assert engramd("drop", "0" * 20, "--socket", str(d.socket)).returncode == 1
+    assert engramd("verify", "0" * 20, "--socket", str(d.socket)).returncode == 1
+    # Changed bytes, as a writer with the daemon's rights could make them.
+    first = sorted(p for p in (sets_root(d.shm_dir) / held.set_id).iterdir() if p.suffix == ".bin")
+    with open(first[0], "r+b") as f:
+        f.write(b"\xff" * 64)
+    assert engramd("verify", held.set_id, "--socket", str(d.socket)).returncode == 1
+    wait_until(lambda: "verify of set " + held.set_id in d.log, 10, "the verify's log line")
+    log = d.log
+    assert f"load of {empty} failed (asked on the admin socket" in log, log
+    assert f"drop of set {'0' * 20} failed (asked on the admin socket" in log
+    assert f"verify of set {'0' * 20} failed (asked on the admin socket" in log
+    assert f"verify of set {held.set_id} (asked on the admin socket" in log
+    assert "1 of 4 tensors differ from their checksums" in log
+
+
+OUTSIDER = "engramd-t1h"
+
+
+@pytest.fixture
+def outsider() -> Iterator[str]:
+    """A real user that is not the daemon's, removed afterwards."""
+    if os.geteuid() != 0:
+        pytest.skip("creating users needs root")
+    subprocess.run(["userdel", "--force", OUTSIDER], capture_output=True)
+    subprocess.run(
+        ["useradd", "--system", "--no-create-home", OUTSIDER], check=True, capture_output=True
+    )
+    try:
+        yield OUTSIDER
+    finally:
+        subprocess.run(["userdel", "--force", OUTSIDER], capture_output=True)
+
+
+def test_admin_commands_of_another_user_name_the_fix(
+    checkpoint: Path, daemons: Any, sock_dir: Path, outsider: str
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    [held] = d.status().sets
+    command = [*as_user(outsider), "-m", "engramd", "drop", held.set_id, "--socket", str(d.socket)]
+    closed = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert closed.returncode == 1
+    assert "its folder is closed to this user" in closed.stderr, closed.stderr
+    assert "failed to connect" not in closed.stderr
+    sock_dir.chmod(0o755)  # the folder open, the admin socket still 0600
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 1
+    assert "it is root's only (0600)" in refused.stderr, refused.stderr
+    assert "sudo -u root engramd" in refused.stderr
+    assert [s.set_id for s in d.status().sets] == [held.set_id]
