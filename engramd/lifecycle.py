@@ -172,6 +172,7 @@ def create_server(config: DaemonConfig) -> Daemon:
     check_socket_paths(
         dict(zip(("--socket", "--admin-socket", "--fd-socket"), sockets, strict=True))
     )
+    _check_settings(config)
     return Daemon(
         replace(
             config,
@@ -180,6 +181,21 @@ def create_server(config: DaemonConfig) -> Daemon:
             fd_socket=sockets[2],
         )
     )
+
+
+def _check_settings(config: DaemonConfig) -> None:
+    """Refuse settings that would be ignored without a word."""
+    if config.page_size and config.backing.name not in ("memfd", "auto"):
+        raise ValueError(
+            f"--page-size applies to memfd sets only, and --backing {config.backing} makes none; "
+            "for huge pages there use the huge tmpfs (the default) or a --shm-dir on hugetlbfs, "
+            "or pass --backing memfd"
+        )
+    if config.evict_idle and not config.memory_budget:
+        raise ValueError(
+            "--evict-idle drops unleased sets to stay within --memory-budget, which is not set; "
+            "give a budget (--memory-budget 200G) or leave --evict-idle out"
+        )
 
 
 def _socket_group(config: DaemonConfig) -> int | None:

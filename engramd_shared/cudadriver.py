@@ -3,7 +3,8 @@
 The cuda-host and cuda-device backings (engramd/backings/cuda.py) make,
 map and export allocations; a worker (cumem.py) imports and maps them. The
 calls go through NVIDIA's cuda-bindings driver module (`pip install
-cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a CUDA backing or handle is used.
+cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a CUDA
+backing or handle is used.
 """
 
 from __future__ import annotations

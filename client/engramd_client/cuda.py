@@ -27,8 +27,9 @@ A set of engramd's cuda-host or cuda-device backing needs none of this: it
 comes already pinned, by cuMem handle (cumem.py).
 
 The CUDA calls go through NVIDIA's cuda-bindings (`pip install
-cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a device is asked for. A view is a torch
-tensor on cuda:N over the device pointer, without a copy (cumem.tensor_at).
+cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a device
+is asked for. A view is a torch tensor on cuda:N over the device pointer,
+without a copy (cumem.tensor_at).
 """
 
 from __future__ import annotations

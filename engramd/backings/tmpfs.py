@@ -147,7 +147,8 @@ class TmpfsBacking(Backing):
         # A tmpfs mounted over the root just now hides the folder's lock from later daemons.
         self._lock.take(root)
         if self.small_pages_reason:
-            log.warning("%s", self.small_pages_reason)
+            # Asked for with --no-huge-tmpfs: said, not warned about.
+            (log.warning if self._huge_tmpfs else log.info)("%s", self.small_pages_reason)
         if is_mount_point(root):
             self._root_mount = root
             # engramd sizes its mount to the shm folder's total and counts its sets

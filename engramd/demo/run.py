@@ -57,6 +57,8 @@ class Replica(JsonLinesChild):
             start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
         )
         self.rank = rank
+        #: How the demo's progress lines name it.
+        self.label = f"replica {rank}" if share != "off" else "the private replica"
         self.hello: dict[str, Any] = {}
 
     def memory(self) -> dict[str, int]:
@@ -125,7 +127,7 @@ def _start_replicas(
     for r in replicas:
         r.hello = r.read()
         how = "shares the daemon's copy" if r.hello["mode"] == "shared" else "loaded its own"
-        _say(f"replica {r.rank} attached in {r.hello['attach_s'] * 1e3:.1f} ms: {how}", started)
+        _say(f"{r.label} attached in {r.hello['attach_s'] * 1e3:.1f} ms: {how}", started)
     return replicas
 
 
@@ -138,7 +140,7 @@ def _run(replicas: list[Replica], steps: int, started: float) -> list[dict[str, 
         results.append(r.read())
         rate = results[-1]["lookups"] / max(results[-1]["gather_s"], 1e-9)
         _say(
-            f"replica {r.rank}: {steps} lookup steps, {rate / 1e6:.2f} M lookups/s, "
+            f"{r.label}: {steps} lookup steps, {rate / 1e6:.2f} M lookups/s, "
             f"{results[-1]['bad']} of {results[-1]['checked']:,} rows wrong",
             started,
         )

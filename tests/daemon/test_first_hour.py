@@ -291,3 +291,16 @@ def test_admin_commands_of_another_user_name_the_fix(
     assert "it is root's only (0600)" in refused.stderr, refused.stderr
     assert "sudo -u root engramd" in refused.stderr
     assert [s.set_id for s in d.status().sets] == [held.set_id]
+
+
+def test_settings_that_would_be_ignored_are_refused(sock_dir: Path, shm_dir: Path) -> None:
+    sock = str(sock_dir / "d.sock")
+    error = _refused(sock_dir, shm_dir, "--socket", sock, "--page-size", "2M")
+    assert "--page-size applies to memfd sets only" in error and "--backing memfd" in error
+    error = _refused(sock_dir, shm_dir, "--socket", sock, "--evict-idle")
+    assert "--evict-idle" in error and "--memory-budget" in error, error
+
+
+def test_small_pages_asked_for_are_no_warning(daemons: Any) -> None:
+    d = daemons("--no-huge-tmpfs")
+    assert "4 KiB pages" in d.log and " WARNING engramd: new sets" not in d.log, d.log
