@@ -121,6 +121,7 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
             load_set(plan, backing, 2, LoadProgress(plan.nbytes))
         assert [p.name for p in set_folders(shm)] == []
         filler.unlink()
+        backing.release()  # the daemon below takes the shm folder: one per folder
 
         # The daemon, racing a writer that fills the tmpfs while it loads:
         # every attempt ends loaded or refused, never a SIGBUS or a leftover.
