@@ -125,11 +125,13 @@ class RootLock:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
+            holder = _holder(fd)
             os.close(fd)
             raise ShmInUse(_in_use(root, holder)) from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{self._holder}\n".encode(), 0)
+        # hugetlbfs has no write(): there the kernel's lock table names the holder.
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, f"{self._holder}\n".encode(), 0)
         self._fds.append(fd)
 
     def release(self) -> None:
@@ -137,6 +139,22 @@ class RootLock:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on `fd`'s file: what it wrote there, else its pid (/proc/locks)."""
+    with contextlib.suppress(OSError):
+        written = os.pread(fd, 512, 0).decode(errors="replace").strip()
+        if written:
+            return written
+    st = os.fstat(fd)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and file_id in fields:
+                return f"pid {fields[fields.index(file_id) - 1]}"
+    return ""
 
 
 def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
@@ -161,8 +179,7 @@ def _refuse_if_held(root: Path) -> None:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 512, 0).decode(errors="replace").strip()
-            raise ShmInUse(_in_use(root, holder)) from None
+            raise ShmInUse(_in_use(root, _holder(fd))) from None
         with contextlib.suppress(OSError):
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon, Worker, as_user, wait_until
+from conftest import Daemon, Worker, as_user, mounted_hugetlbfs, wait_until
 from engramd.host.hugeroot import unmount_below
 from engramd_shared.layout import LOCK_NAME, sets_root
 from helpers import engramd
@@ -304,3 +304,15 @@ def test_settings_that_would_be_ignored_are_refused(sock_dir: Path, shm_dir: Pat
 def test_small_pages_asked_for_are_no_warning(daemons: Any) -> None:
     d = daemons("--no-huge-tmpfs")
     assert "4 KiB pages" in d.log and " WARNING engramd: new sets" not in d.log, d.log
+
+
+def test_one_daemon_per_hugetlbfs_folder_too(daemons: Any, sock_dir: Path) -> None:
+    # hugetlbfs files take no write(): the holder is named from the kernel's lock table.
+    with mounted_hugetlbfs(2 << 20) as huge:
+        first = daemons(shm=huge)
+        (sock_dir / "b").mkdir(mode=0o750)
+        second = Daemon(sock_dir / "b" / "d.sock", huge, [], sock_dir / "second.log")
+        second.start(wait="no")
+        assert second.proc is not None and second.proc.wait(timeout=60) == 1
+        assert f"another engramd (pid {first.pid}) serves the sets in" in second.log, second.log
+        assert first.stop() == 0
