@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,17 @@ from engramd_shared.layout import LOCK_NAME, sets_root
 from helpers import engramd
 
 
+def _exit_code(d: Daemon) -> int:
+    """Start `d`, which should stop by itself; its exit code (it is killed if it serves)."""
+    d.start(wait="no")
+    assert d.proc is not None
+    try:
+        return d.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        d.stop(signal.SIGKILL)
+        raise AssertionError(f"the daemon kept running:\n{d.log}") from None
+
+
 def test_a_second_daemon_on_one_shm_folder_refuses_and_touches_nothing(
     checkpoint: Path, daemons: Any, workers: list[Worker], sock_dir: Path, shm_dir: Path
 ) -> None:
@@ -33,10 +45,8 @@ def test_a_second_daemon_on_one_shm_folder_refuses_and_touches_nothing(
     files = sorted(p.name for p in (sets_root(shm_dir) / held.set_id).iterdir())
     # The mistake: another --socket, the same --shm-dir, and it would drop what it adopted.
     (sock_dir / "b").mkdir(mode=0o750)
-    second = Daemon(
-        sock_dir / "b" / "d.sock", shm_dir, ["--drop-on-exit"], sock_dir / "second.log"
-    ).start(wait="no")
-    assert second.proc is not None and second.proc.wait(timeout=60) == 1
+    second = Daemon(sock_dir / "b" / "d.sock", shm_dir, ["--drop-on-exit"], sock_dir / "second.log")
+    assert _exit_code(second) == 1
     log = second.log
     assert f"pid {first.pid}, socket {first.socket}" in log, log
     assert "one daemon per shm folder" in log and "--shm-dir" in log, log
@@ -312,7 +322,6 @@ def test_one_daemon_per_hugetlbfs_folder_too(daemons: Any, sock_dir: Path) -> No
         first = daemons(shm=huge)
         (sock_dir / "b").mkdir(mode=0o750)
         second = Daemon(sock_dir / "b" / "d.sock", huge, [], sock_dir / "second.log")
-        second.start(wait="no")
-        assert second.proc is not None and second.proc.wait(timeout=60) == 1
+        assert _exit_code(second) == 1
         assert f"another engramd (pid {first.pid}) serves the sets in" in second.log, second.log
         assert first.stop() == 0
