@@ -55,6 +55,10 @@ class UntrustedSocketFolder(RuntimeError):
     """The sockets' folder is not the daemon's own, or others may write it."""
 
 
+class ShmInUse(RuntimeError):
+    """Another live daemon holds the shm folder's `engramd/` (one daemon per shm folder)."""
+
+
 class ShmOnDisk(RuntimeError):
     """The shm folder is on a disk filesystem, and the operator did not accept that."""
 

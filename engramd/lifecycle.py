@@ -21,6 +21,7 @@ set's verification buy start-up time (EXTEND_TIMEOUT_USEC).
 from __future__ import annotations
 
 import asyncio
+import grp
 import logging
 import os
 import signal
@@ -29,9 +30,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from engramd.api.server import Listeners
-from engramd.api.sockets import group_id, raise_fd_limit
+from engramd.api.sockets import check_socket_paths, group_id, raise_fd_limit
 from engramd.backings import backings_for
 from engramd.config import DaemonConfig, admin_socket_for
+from engramd.errors import NotInSocketGroup
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
 from engramd.sets.keeper import SetKeeper
@@ -44,7 +46,6 @@ from engramd.units import gib
 
 log = logging.getLogger("engramd")
 
-_MAX_UNIX_PATH = 107
 #: How often systemd hears about load progress (STATUS=, EXTEND_TIMEOUT_USEC=).
 NOTIFY_INTERVAL_S = 1.0
 #: Start-up time each adopted set buys while it is verified (30 minutes).
@@ -57,7 +58,7 @@ class Daemon:
     def __init__(self, config: DaemonConfig) -> None:
         """Build the sets and the listeners for `config` (as create_server completes it)."""
         self.config = config
-        gid = group_id(config.socket_group)
+        gid = _socket_group(config)
         self.notifier = Notifier()
         #: The node's sets: every verb that plans, loads, proves, publishes, leases or drops.
         self.sets = SetKeeper(
@@ -104,6 +105,8 @@ class Daemon:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.sets.close(drop=self.config.drop_on_exit, grace=grace)
+        for backing in self.store.backings:
+            backing.release()
         self.listeners.unlink()
         self.notifier.close()
         kept = all(b.survives_restart for b in self.store.backings)
@@ -118,8 +121,11 @@ class Daemon:
 
     async def _watch_ready(self) -> None:
         if not await self.store.settle(NOTIFY_INTERVAL_S, self._notify_progress):
+            failed = self.sets.failed_configured()
             log.error("not every configured set is ready; health stays NOT_SERVING")
-            self.notifier.send(STATUS="not every configured set is ready; see the log")
+            # systemctl status shows this line: the checkpoint and why, not "see the log".
+            why = "; ".join(f"{c}: {e}" for c, e in failed) or "see the log"
+            self.notifier.send(STATUS=f"not ready: configured checkpoint not loaded: {why}")
             return
         await self.listeners.serving()
         held = sum(ts.nbytes for ts in self.store.held() if ts.state is SetState.READY)
@@ -163,12 +169,10 @@ def create_server(config: DaemonConfig) -> Daemon:
         config.admin_socket or admin_socket_for(config.socket),
         config.fd_socket or str(Path(config.socket).with_name("fds.sock")),
     )
-    for path in sockets:
-        if len(path.encode()) > _MAX_UNIX_PATH:
-            raise ValueError(
-                f"socket path {path} is longer than {_MAX_UNIX_PATH} bytes, "
-                "the limit of a Unix socket address; choose a shorter path"
-            )
+    check_socket_paths(
+        dict(zip(("--socket", "--admin-socket", "--fd-socket"), sockets, strict=True))
+    )
+    _check_settings(config)
     return Daemon(
         replace(
             config,
@@ -177,6 +181,36 @@ def create_server(config: DaemonConfig) -> Daemon:
             fd_socket=sockets[2],
         )
     )
+
+
+def _check_settings(config: DaemonConfig) -> None:
+    """Refuse settings that would be ignored without a word."""
+    if config.page_size and config.backing.name not in ("memfd", "auto"):
+        raise ValueError(
+            f"--page-size applies to memfd sets only, and --backing {config.backing} makes none; "
+            "for huge pages there use the huge tmpfs (the default) or a --shm-dir on hugetlbfs, "
+            "or pass --backing memfd"
+        )
+    if config.evict_idle and not config.memory_budget:
+        raise ValueError(
+            "--evict-idle drops unleased sets to stay within --memory-budget, which is not set; "
+            "give a budget (--memory-budget 200G) or leave --evict-idle out"
+        )
+
+
+def _socket_group(config: DaemonConfig) -> int | None:
+    """The socket group's gid; a group named on purpose must exist (the default may not)."""
+    default = DaemonConfig.__dataclass_fields__["socket_group"].default
+    if config.socket_group and config.socket_group != default:
+        try:
+            grp.getgrnam(config.socket_group)
+        except KeyError:
+            raise NotInSocketGroup(
+                f"--socket-group {config.socket_group}: no such group, so workers could not be "
+                f"given the sockets and sets; create it (groupadd {config.socket_group}), name "
+                "an existing group, or pass --socket-group '' to keep the daemon's own"
+            ) from None
+    return group_id(config.socket_group)
 
 
 def _sources(config: DaemonConfig) -> SourceChain | None:

@@ -3,7 +3,8 @@
 The cuda-host and cuda-device backings (engramd/backings/cuda.py) make,
 map and export allocations; a worker (cumem.py) imports and maps them. The
 calls go through NVIDIA's cuda-bindings driver module (`pip install
-engramd[cuda]`), imported only when a CUDA backing or handle is used.
+cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a CUDA
+backing or handle is used.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 from engramd_shared.errors import DeviceError
 
-FIX_BINDINGS = "pip install 'engramd[cuda]' (NVIDIA's cuda-bindings)"
+FIX_BINDINGS = "pip install cuda-bindings (NVIDIA's bindings; engramd-node's [cuda] extra)"
 #: CUmemAllocationProp.requestedHandleTypes' byte offset (cuda.h; the same in every
 #: CUDA 12 and 13). cuda-bindings accepts one handle type there, not a mask of two.
 _HANDLE_TYPES_OFFSET = 4

@@ -120,7 +120,11 @@ def family_of(folder: Path, names: Iterable[str], named: Iterable[str] | None = 
     what = "both" if holding else "neither"
     raise CheckpointError(
         f"{folder}: holds {what} of engramd's table families "
-        f"({', '.join(f'{f.tables} {f.selection!r}' for f in FAMILIES)}) and its "
-        f"{CONFIG_FILE} names no architecture that decides; pass the selection (--tensors, "
-        "tensors=...)"
+        f"({', '.join(f'{f.tables} {f.selection!r}' for f in FAMILIES)}), and "
+        + (
+            f"its {CONFIG_FILE} names no architecture that decides"
+            if named
+            else f"no {CONFIG_FILE} there names an architecture (none, or no such file)"
+        )
+        + "; pass the selection (--tensors, tensors=...)"
     )

@@ -17,6 +17,8 @@
                                              (--numa per-node): same layout
         <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
                                              to, removed by the next daemon
+        .lock                                0600, flock'd by the daemon that
+                                             serves the folder, for its life
 
 manifest.json::
 
@@ -69,6 +71,8 @@ from engramd_shared.headers import DTYPES
 ROOT_NAME = "engramd"
 MANIFEST_NAME = "manifest.json"
 LOADING_MARK = ".loading-"
+#: The file a daemon holds an exclusive flock on while it serves the folder: one per folder.
+LOCK_NAME = ".lock"
 #: The one file of a packed set, and its last bytes: magic, manifest length.
 PACKED_NAME = "tables"
 TRAILER = struct.Struct("<8sQ")

@@ -27,8 +27,9 @@ A set of engramd's cuda-host or cuda-device backing needs none of this: it
 comes already pinned, by cuMem handle (cumem.py).
 
 The CUDA calls go through NVIDIA's cuda-bindings (`pip install
-engramd[cuda]`), imported only when a device is asked for. A view is a torch
-tensor on cuda:N over the device pointer, without a copy (cumem.tensor_at).
+cuda-bindings`, engramd-node's `[cuda]` extra), imported only when a device
+is asked for. A view is a torch tensor on cuda:N over the device pointer,
+without a copy (cumem.tensor_at).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ ROUTES: dict[int, str] = {
 PRIVATE_ROUTE = "private-registered"
 
 FIX_CUDA = (
-    "install a CUDA build of torch and engramd's CUDA extra (pip install 'engramd[cuda]'), "
+    "install a CUDA build of torch and NVIDIA's bindings (pip install cuda-bindings, "
+    "engramd-node's [cuda] extra), "
     "or attach without device= (ENGRAMD_DEVICE unset) for CPU tensors"
 )
 

@@ -5,6 +5,7 @@ Translates each call to the verbs of the node's sets (engramd.sets.keeper).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -16,6 +17,11 @@ from engramd.sets.intents import Loaded
 from engramd.sets.keeper import SetKeeper
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
+
+log = logging.getLogger("engramd")
+
+#: Who asks on the admin socket (0600): grpcio names no peer, the socket's mode does.
+ASKER = "asked on the admin socket by engramd's user or root"
 
 
 class AdminService(pb_grpc.AdminServiceServicer):
@@ -39,6 +45,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
                     yield pb.LoadEvent(progress=progress(step))
             assert loaded is not None
         except Exception as e:
+            log.warning("load of %s failed (%s): %s", request.checkpoint, ASKER, e)
             await abort(context, e)
             return
         yield pb.LoadEvent(ready=set_info(loaded.ts))
@@ -50,6 +57,7 @@ class AdminService(pb_grpc.AdminServiceServicer):
         try:
             nbytes, leases = await self._sets.drop(request.set_id, request.force)
         except Exception as e:
+            log.warning("drop of set %s failed (%s): %s", request.set_id, ASKER, e)
             await abort(context, e)
             raise
         return pb.DropReply(bytes=nbytes, leases=leases)
@@ -61,8 +69,23 @@ class AdminService(pb_grpc.AdminServiceServicer):
         try:
             ts, corrupted = await self._sets.verify(request.set_id)
         except Exception as e:
+            log.warning("verify of set %s failed (%s): %s", request.set_id, ASKER, e)
             await abort(context, e)
             raise
+        if corrupted:
+            log.error(
+                "verify of set %s (%s): %d of %d tensors differ from their checksums (%s); "
+                "drop the set and load it again",
+                request.set_id,
+                ASKER,
+                len(corrupted),
+                ts.ntensors,
+                ", ".join(corrupted),
+            )
+        else:
+            log.info(
+                "verified set %s (%s): all %d tensors match", request.set_id, ASKER, ts.ntensors
+            )
         return pb.VerifyReply(tensors=ts.ntensors, bytes=ts.nbytes, corrupted=corrupted)
 
     async def Status(

@@ -125,4 +125,5 @@ class TableService(pb_grpc.TableServiceServicer):
             shown,
             self._config.worker_share_per_uid,
             self._config.worker_set_grace,
+            self._sets.failed_configured(),
         )

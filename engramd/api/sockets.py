@@ -48,6 +48,47 @@ TCP_STREAMS_PER_CONNECTION = 4
 TCP_CALLS = 64
 TCP_QUEUED_S = 5
 
+#: The longest path of a Unix socket address (sun_path's 108 bytes, the last a NUL).
+MAX_UNIX_PATH = 107
+
+
+def check_socket_paths(sockets: dict[str, str]) -> None:
+    """Refuse, naming the flags and the fix, socket paths that cannot all be served.
+
+    `sockets`: each flag (--socket, --admin-socket, --fd-socket) and its path.
+    Two flags on one path would have one listener take the other's place (a
+    worker then meets the admin service, or a bare EADDRINUSE). A missing
+    folder is made (claim_socket) only where the daemon owns the place: in a
+    folder of its user's that no one else may write (/run for root, where
+    systemd's RuntimeDirectory= is not used); elsewhere it is a typo, and
+    never made with its parents.
+    """
+    seen: dict[str, str] = {}
+    for flag, path in sockets.items():
+        if len(path.encode()) > MAX_UNIX_PATH:
+            raise ValueError(
+                f"{flag} {path} is longer than {MAX_UNIX_PATH} bytes, the limit of a Unix "
+                "socket address; choose a shorter path"
+            )
+        folder = Path(path).parent
+        if not folder.exists() and not _owned_place(folder.parent):
+            raise ValueError(
+                f"{flag} {path}: its folder {folder} does not exist; fix the path, or make "
+                f"the folder for engramd's user (install -d -m 0750 -o <user> {folder})"
+            )
+        if folder.exists() and not folder.is_dir():
+            raise ValueError(
+                f"{flag} {path}: {folder} is not a folder; give {flag} a path in a folder"
+            )
+        key = os.path.join(os.path.realpath(folder), Path(path).name)
+        if key in seen:
+            raise ValueError(
+                f"{seen[key]} and {flag} are both {path}: each socket needs a path of its own "
+                "(--admin-socket defaults to admin.sock and --fd-socket to fds.sock beside "
+                f"--socket); give {flag} another path, or leave it unset"
+            )
+        seen[key] = flag
+
 
 def group_id(name: str) -> int | None:
     """The gid of group `name`; None (with a warning) when there is none.
@@ -77,6 +118,16 @@ def group_id(name: str) -> int | None:
             "its own)"
         )
     return gid
+
+
+def _owned_place(folder: Path) -> bool:
+    """`folder` exists, is the daemon's user's, and no one else may write it."""
+    try:
+        st = os.stat(folder)
+    except OSError:
+        return False
+    writable = stat.S_IWGRP | stat.S_IWOTH
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & writable
 
 
 def secure_socket(path: str, mode: int, gid: int | None) -> None:
@@ -121,7 +172,8 @@ def claim_socket(path: str, gid: int | None) -> None:
     folder = Path(path).parent
     made = not folder.exists()
     if made:
-        folder.mkdir(mode=0o750, parents=True)
+        # Missing only in a place of the daemon's own (check_socket_paths): never its parents.
+        folder.mkdir(mode=0o750)
     fd = os.open(folder, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)

@@ -171,8 +171,12 @@ def status_reply(
     shown: Callable[[TableSet], bool] | None = None,
     worker_share_per_uid: float = 0.0,
     worker_set_grace_s: float = 0.0,
+    failed_checkpoints: list[tuple[str, str]] | None = None,
 ) -> pb.StatusReply:
-    """What the node holds; sets that `shown` refuses are listed without id, path or leases."""
+    """What the node holds; sets that `shown` refuses are listed without id, path or leases.
+
+    `failed_checkpoints`: (checkpoint, why) of each configured checkpoint with no ready set.
+    """
     usages = [(b, b.usage()) for b in store.backings]
     u = usages[0][1]
     now = time.monotonic()
@@ -186,6 +190,9 @@ def status_reply(
             writable_gpu_mappings=writable_gpu_mappings,
             worker_share_per_uid=worker_share_per_uid,
             worker_set_grace_s=worker_set_grace_s,
+            failed_checkpoints=[
+                pb.FailedCheckpoint(checkpoint=c, error=e) for c, e in failed_checkpoints or ()
+            ],
         ),
         shm=pb.ShmInfo(
             dir=u.where,

@@ -113,6 +113,10 @@ class Backing(ABC):
     def claim(self) -> None:
         """Take possession at start (make or check the daemon's own place)."""
 
+    def release(self) -> None:
+        """Give up what claim() holds for the daemon's life (at shutdown); most hold nothing."""
+        return None
+
     @abstractmethod
     def usage(self) -> Usage:
         """What the backing holds and can hold."""

@@ -26,13 +26,14 @@ from engramd.host.fdstore import FdStore
 from engramd.host.hugeroot import claim_huge_root
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
-from engramd.host.shmroot import claim_root
+from engramd.host.shmroot import RootLock, claim_root
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import ShmCapacityError
 from engramd_shared.headers import TensorEntry
 from engramd_shared.layout import (
     LOADING_MARK,
+    LOCK_NAME,
     MANIFEST_NAME,
     Manifest,
     ManifestError,
@@ -72,8 +73,14 @@ class TmpfsBacking(Backing):
     writable_descriptors = True
 
     def __init__(
-        self, shm_dir: str, gid: int | None, allow_disk: bool = False, huge_tmpfs: bool = False
+        self,
+        shm_dir: str,
+        gid: int | None,
+        allow_disk: bool = False,
+        huge_tmpfs: bool = False,
+        holder: str = "",
     ) -> None:
+        """Sets under `shm_dir`; `holder` names this daemon to one that finds the folder taken."""
         self.shm_dir = shm_dir
         self._gid = gid
         self._owner = os.geteuid()
@@ -86,11 +93,13 @@ class TmpfsBacking(Backing):
         self._root_mount: Path | None = None
         #: Its sets also count against the shm folder's free space.
         self._counted_in_shm = False
+        self._lock = RootLock(holder or f"pid {os.getpid()}")
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> TmpfsBacking:
         """Files under `config.shm_dir`, on a huge-page tmpfs of the daemon's where it may."""
-        return cls(config.shm_dir, gid, config.allow_disk_backed_tables, config.huge_tmpfs)
+        holder = f"pid {os.getpid()}, socket {config.socket}"
+        return cls(config.shm_dir, gid, config.allow_disk_backed_tables, config.huge_tmpfs, holder)
 
     def _set_page_size(self, folder: Path) -> None:
         self.page_size = _HUGE_PAGE if huge_pages(folder) else _SMALL_PAGE
@@ -130,17 +139,26 @@ class TmpfsBacking(Backing):
                 self.disk_filesystem,
             )
         root = claim_root(self.shm_dir, self._gid)
+        # Before anything in it is adopted, changed or mounted over.
+        self._lock.take(root)
         if self.disk_filesystem or self.name != TmpfsBacking.name:
             return
         self.small_pages_reason = claim_huge_root(self.shm_dir, root, self._gid, self._huge_tmpfs)
+        # A tmpfs mounted over the root just now hides the folder's lock from later daemons.
+        self._lock.take(root)
         if self.small_pages_reason:
-            log.warning("%s", self.small_pages_reason)
+            # Asked for with --no-huge-tmpfs: said, not warned about.
+            (log.warning if self._huge_tmpfs else log.info)("%s", self.small_pages_reason)
         if is_mount_point(root):
             self._root_mount = root
             # engramd sizes its mount to the shm folder's total and counts its sets
             # against that folder; a mount of another size is the operator's own budget.
             self._counted_in_shm = usage(root).total == usage(self.shm_dir).total
         self._set_page_size(root)
+
+    def release(self) -> None:
+        """Let the next daemon take the shm folder."""
+        self._lock.release()
 
     def usage(self) -> Usage:
         """The tmpfs's sizes and the page size of its new files.
@@ -227,6 +245,8 @@ class TmpfsBacking(Backing):
         """Complete sets of the daemon's own; partial loads and anything else are removed."""
         found = []
         for folder in sorted(sets_root(self.shm_dir).iterdir()):
+            if folder.name == LOCK_NAME:
+                continue
             if LOADING_MARK in folder.name:
                 log.info("removing partial load %s", folder)
                 shutil.rmtree(folder, ignore_errors=True)

@@ -13,7 +13,7 @@ import typer
 
 from engramd import __version__
 from engramd.cli.logs import setup_logging
-from engramd.cli.options import AdminSocket, Socket
+from engramd.cli.options import AdminSocket, ConfigFile, Socket
 from engramd.cli.serve import serve
 from engramd.config import admin_socket_for
 from engramd_shared.checkpoint import DEFAULT_TENSORS
@@ -48,6 +48,7 @@ def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
 
 @app.command()
 def status(
+    config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object.")] = False,
@@ -58,6 +59,8 @@ def status(
 
     Asked on the admin socket where this user may open it (it answers while
     idle connections fill the worker socket), else on the worker socket.
+    Exits 1 when no daemon answers, 2 while it is not ready (loading, or a
+    configured checkpoint failed: shown with its error).
     """
     if watch:
         # Ctrl-C is taken between frames only: a signal that lands inside
@@ -77,6 +80,8 @@ def status(
         except grpc.RpcError as e:
             raise _unanswered(socket, e) from None
         typer.echo(json.dumps(as_dict(reply), indent=2) if as_json else render(reply, _columns()))
+        if not reply.daemon.ready:
+            raise typer.Exit(2)
         return
     while True:
         try:
@@ -97,14 +102,47 @@ def _admin(socket: str, admin_socket: str) -> tuple[Any, str]:
     from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
     path = admin_socket or admin_socket_for(socket)
+    _check_admin_access(path)
     channel = open_channel(ClientConfig(socket=path))
     return pb_grpc.AdminServiceStub(channel), path
+
+
+def _check_admin_access(path: str) -> None:
+    """Exit naming the fix when this user may not open the admin socket (0600, the daemon's)."""
+    import os
+    import pwd
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return  # gRPC's "not answering" names the path
+    except PermissionError:
+        typer.echo(
+            f"cannot reach the admin socket {path}: its folder is closed to this user; load, "
+            "drop and verify are for engramd's own user (run the command as that user, or as "
+            "root)",
+            err=True,
+        )
+        raise typer.Exit(1) from None
+    if not os.access(path, os.R_OK | os.W_OK):
+        try:
+            owner = pwd.getpwuid(st.st_uid).pw_name
+        except KeyError:
+            owner = str(st.st_uid)
+        typer.echo(
+            f"cannot open the admin socket {path}: it is {owner}'s only (0600); load, drop and "
+            f"verify are for engramd's own user: run the command as {owner} "
+            f"(sudo -u {owner} engramd ...) or as root",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 @app.command()
 def load(
     checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder, as the daemon sees it.")],
     tensors: str = DEFAULT_TENSORS,
+    config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
 ) -> None:
@@ -116,30 +154,37 @@ def load(
     from engramd_shared.pb import engramd_pb2 as pb
 
     stub, _ = _admin(socket, admin_socket)
-    with load_bar() as progress:
-        task = progress.add_task("load")
-        try:
-            for event in stub.Load(
-                pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
-            ):
-                if event.WhichOneof("event") == "progress":
-                    p = event.progress
-                    progress.update(task, completed=p.bytes_done, total=p.bytes_total)
-                else:
-                    s = event.ready
-                    progress.update(task, completed=s.bytes, total=s.bytes)
-                    progress.stop()
-                    typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
-        except grpc.RpcError as e:
-            progress.stop()
-            typer.echo(f"load failed: {e.details()}", err=True)
-            raise typer.Exit(1) from None
+    progress = load_bar()
+    task = None
+    try:
+        for event in stub.Load(
+            pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
+        ):
+            if task is None:
+                # Drawn from the first event on: a load refused at once prints its error only.
+                progress.start()
+                task = progress.add_task("load")
+            if event.WhichOneof("event") == "progress":
+                p = event.progress
+                progress.update(task, completed=p.bytes_done, total=p.bytes_total)
+            else:
+                s = event.ready
+                progress.update(task, completed=s.bytes, total=s.bytes)
+                progress.stop()
+                typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
+    except grpc.RpcError as e:
+        progress.stop()
+        typer.echo(f"load failed: {e.details()}", err=True)
+        raise typer.Exit(1) from None
+    finally:
+        progress.stop()
 
 
 @app.command()
 def drop(
     set_id: str,
     force: Annotated[bool, typer.Option(help="Drop even while workers hold leases.")] = False,
+    config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
 ) -> None:
@@ -161,6 +206,7 @@ def drop(
 @app.command()
 def verify(
     set_id: str,
+    config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
 ) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import tomllib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -61,3 +63,45 @@ def _shared(field: str) -> Any:
 
 Socket = Annotated[str, _shared("socket")]
 AdminSocket = Annotated[str, _shared("admin_socket")]
+
+
+#: The daemon's settings that the client commands read from its --config file.
+_CLIENT_KEYS = ("socket", "admin_socket")
+
+
+def _client_config(ctx: typer.Context, path: Path | None) -> Path | None:
+    """The daemon's socket paths from its TOML file, below the flags and their variables.
+
+    The file is the one `engramd serve --config` reads; its other keys are the daemon's.
+    """
+    if path is None:
+        return None
+    try:
+        doc = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+    values = {}
+    for key, value in doc.items():
+        field = key.replace("-", "_")
+        if field in _CLIENT_KEYS:
+            if not isinstance(value, str):
+                raise typer.BadParameter(
+                    f"key {key!r} in {path} must be a path in quotes, not {value!r}",
+                    param_hint="--config",
+                )
+            values[field] = value
+    ctx.default_map = {**(ctx.default_map or {}), **values}
+    return path
+
+
+#: --config for the client commands: where the daemon's sockets are, read from its file.
+ConfigFile = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        envvar="ENGRAMD_CONFIG",
+        is_eager=True,
+        callback=_client_config,
+        help="The daemon's TOML file (engramd serve --config): its socket paths are used.",
+    ),
+]

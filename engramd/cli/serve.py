@@ -49,7 +49,15 @@ def _read_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
                 param_hint="--config",
             )
         multiple = getattr(param, "multiple", False)
-        values[param.name] = [value] if multiple and isinstance(value, str) else value
+        value = [value] if multiple and isinstance(value, str) else value
+        try:
+            # Judged here, so that a bad value names the file and key, not the flag.
+            param.type_cast_value(ctx, value)
+        except typer.BadParameter as e:
+            raise typer.BadParameter(
+                f"key {key!r} in {path}: {e.message}", param_hint="--config"
+            ) from None
+        values[param.name] = value
     ctx.default_map = {**(ctx.default_map or {}), **values}
     return path
 

@@ -68,6 +68,7 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
                 section[key] = int(value)
     for s, info in zip(doc["sets"], reply.sets, strict=True):
         s["saved_bytes"] = saved_bytes(info)
+        s["bytes_per_node"] = {node: int(n) for node, n in s["bytes_per_node"].items()}
     doc["saved_bytes"] = sum(saved_bytes(s) for s in reply.sets)
     return doc
 
@@ -235,9 +236,15 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
             f"engramd {d.version}  pid {d.pid}  up {d.uptime_s:.0f} s  socket {d.socket}  "
             f"{'ready' if d.ready else 'not ready'}"
         ),
-        _backings(reply),
-        Text(_worker_loads(d)),
     ]
+    parts += [
+        Text(
+            f"configured checkpoint {escape(f.checkpoint)} is not loaded: {escape(f.error)}",
+            style="red",
+        )
+        for f in d.failed_checkpoints
+    ]
+    parts += [_backings(reply), Text(_worker_loads(d))]
     if d.writable_gpu_mappings:
         parts.append(
             Text(

@@ -12,6 +12,7 @@ machine) and measure their memory while all of them are attached:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -89,5 +90,15 @@ def main() -> int:
     return 0
 
 
+def _quietly() -> int:
+    """main(), without a traceback when the demo went away mid-answer (its pipe closed)."""
+    try:
+        return main()
+    except BrokenPipeError:
+        # Python flushes stdout again at exit: point it at nothing so that stays quiet too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_quietly())

@@ -4,12 +4,16 @@ Synthesizes a checkpoint, starts the daemon on a temporary socket and shm
 folder, starts the replicas (auto mode), runs each replica's checked Engram
 lookups in turn, measures every process's memory while all are attached, then
 does the same with one private replica and prints the comparison. Everything
-it made is removed at the end, also on Ctrl-C.
+it made is removed at the end, also on Ctrl-C, SIGTERM (`timeout`, a CI
+runner, a service manager) and SIGHUP (a closed terminal).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -53,6 +57,8 @@ class Replica(JsonLinesChild):
             start_new_session=True,  # Ctrl-C reaches the demo, which stops it in order
         )
         self.rank = rank
+        #: How the demo's progress lines name it.
+        self.label = f"replica {rank}" if share != "off" else "the private replica"
         self.hello: dict[str, Any] = {}
 
     def memory(self) -> dict[str, int]:
@@ -66,6 +72,48 @@ class Replica(JsonLinesChild):
         self.proc.wait(timeout=30)
 
 
+#: Signals that stop the demo as Ctrl-C does: everything it made is removed first.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Seconds a replica takes to start (Python, torch's import, the attach) on one core,
+#: and gathered rows per second of one replica's checked lookups, as measured on the
+#: 2-core development VM: the demo's estimate of its own length scales from these.
+REPLICA_START_CPU_S = 4.0
+CHECKED_ROWS_PER_S = 0.2e6
+#: Bytes per second the checkpoint is synthesized at, there.
+SYNTH_BYTES_PER_S = 200e6
+
+
+class Stopped(Exception):
+    """A stop signal arrived: the demo cleans up and exits 128 + the signal's number."""
+
+    def __init__(self, sig: int) -> None:
+        super().__init__(signal.Signals(sig).name)
+        self.sig = sig
+
+
+def _stop(sig: int, frame: object) -> None:
+    raise Stopped(sig)
+
+
+def _say(text: str, started: float) -> None:
+    """One progress line, with the seconds since the demo started."""
+    print(f"[{time.perf_counter() - started:5.0f} s] {text}", flush=True)
+
+
+def cpus() -> int:
+    """The cores this process may run on."""
+    return max(len(os.sched_getaffinity(0)), 1)
+
+
+def estimate_s(spec: SynthSpec, replicas: int, steps: int, tokens: int) -> float:
+    """About how long the demo runs on this machine, from the development VM's rates."""
+    starts = (replicas + 1) * REPLICA_START_CPU_S / min(cpus(), max(replicas, 1))
+    # Each replica gathers and checks 24 heads x `tokens` rows per layer and step (+1 warm-up).
+    rows = (replicas + 1) * (steps + 1) * tokens * 24 * spec.layers
+    # Synthesizing, then the daemon's load and the private replica's, each reading it once.
+    return 3 * spec.table_bytes / SYNTH_BYTES_PER_S + starts + rows / CHECKED_ROWS_PER_S
+
+
 def _start_replicas(
     checkpoint: Path,
     socket: Path,
@@ -73,36 +121,72 @@ def _start_replicas(
     count: int,
     steps: int,
     tokens: int,
+    started: float,
 ) -> list[Replica]:
     replicas = [Replica(checkpoint, socket, rank, share, steps, tokens) for rank in range(count)]
     for r in replicas:
         r.hello = r.read()
+        how = "shares the daemon's copy" if r.hello["mode"] == "shared" else "loaded its own"
+        _say(f"{r.label} attached in {r.hello['attach_s'] * 1e3:.1f} ms: {how}", started)
     return replicas
 
 
-def _run(replicas: list[Replica]) -> list[dict[str, Any]]:
+def _run(replicas: list[Replica], steps: int, started: float) -> list[dict[str, Any]]:
     # One at a time: on a small machine concurrent replicas would share cores
     # and the lookups/s would measure the scheduler.
     results = []
     for r in replicas:
         r.send("run")
         results.append(r.read())
+        rate = results[-1]["lookups"] / max(results[-1]["gather_s"], 1e-9)
+        _say(
+            f"{r.label}: {steps} lookup steps, {rate / 1e6:.2f} M lookups/s, "
+            f"{results[-1]['bad']} of {results[-1]['checked']:,} rows wrong",
+            started,
+        )
     return results
 
 
 def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | None) -> int:
-    """Run the demo; returns the process exit code (0 when every check passed)."""
-    own_workdir = workdir is None
-    work = Path(tempfile.mkdtemp(prefix="engramd-demo-")) if workdir is None else workdir
-    shm = Path(tempfile.mkdtemp(prefix="engramd-demo-", dir="/dev/shm"))
-    sock_dir = Path(tempfile.mkdtemp(prefix="ed", dir="/tmp"))
+    """Run the demo; returns the process exit code (0 when every check passed).
+
+    Ctrl-C returns 130, SIGTERM and SIGHUP 128 + their number, once everything
+    the demo made is removed.
+    """
+    previous = {sig: signal.getsignal(sig) for sig in (*STOP_SIGNALS, signal.SIGINT)}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _stop)
+    try:
+        return _demo(rows, replicas, steps, tokens, workdir)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | None) -> int:
+    started = time.perf_counter()
+    spec = SynthSpec(rows=rows)
+    print(
+        f"engramd demo: {replicas} replicas share one copy of {gib(spec.table_bytes)} of "
+        f"tables, then 1 private replica; about {estimate_s(spec, replicas, steps, tokens):.0f} s "
+        f"on {cpus()} cores (scaled from the 2-core development VM; most of it the replicas "
+        "checking every row they gather); Ctrl-C stops it and removes what it made",
+        flush=True,
+    )
+    made: list[Path] = []  # what the demo removes, in order (a workdir given is the caller's)
+    shm: Path | None = None
     daemon: DaemonProcess | None = None
     try:
-        spec = SynthSpec(rows=rows)
-        print(
+        if workdir is None:
+            made.append(Path(tempfile.mkdtemp(prefix="engramd-demo-")))
+        work = workdir or made[0]
+        shm = Path(tempfile.mkdtemp(prefix="engramd-demo-", dir="/dev/shm"))
+        sock_dir = Path(tempfile.mkdtemp(prefix="ed", dir="/tmp"))
+        made.append(sock_dir)
+        _say(
             f"synthesizing {spec.layers} Engram layers x {rows:,} rows "
             f"({gib(spec.table_bytes)} of fp8 tables + e8m0 scales) ...",
-            flush=True,
+            started,
         )
         checkpoint = synthesize(work / "checkpoint", spec)
         daemon = DaemonProcess(
@@ -114,14 +198,20 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
         start = time.perf_counter()
         daemon.start()
         [table_set] = daemon.status().sets
-        print(
+        _say(
             f"engramd loaded the set in {table_set.load_seconds:.2f} s "
             f"(ready {time.perf_counter() - start:.2f} s after start)",
-            flush=True,
+            started,
         )
-
-        shared = _start_replicas(checkpoint, daemon.socket, "auto", replicas, steps, tokens)
-        shared_runs = _run(shared)
+        _say(
+            f"starting {replicas} replicas side by side (each imports torch, then attaches)",
+            started,
+        )
+        shared = _start_replicas(
+            checkpoint, daemon.socket, "auto", replicas, steps, tokens, started
+        )
+        _say(f"running each replica's {steps} checked lookup steps, one replica at a time", started)
+        shared_runs = _run(shared, steps, started)
         shared_mem = [r.memory() for r in shared]
         daemon_uss = psutil.Process(daemon.pid).memory_full_info().uss
         status = daemon.status()
@@ -131,8 +221,9 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
         for r in shared:
             r.close()
 
-        [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens)
-        [private_run] = _run([private])
+        _say("starting 1 private replica (it loads its own copy of the tables)", started)
+        [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens, started)
+        [private_run] = _run([private], steps, started)
         private_mem = private.memory()
         private.close()
 
@@ -151,10 +242,17 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
             private_run,
             private_mem,
         )
-    except KeyboardInterrupt:
-        print("interrupted; stopping the replicas and the daemon, removing what the demo made")
-        return 130
+    except (KeyboardInterrupt, Stopped) as e:
+        what = f"stopped by {e}" if isinstance(e, Stopped) else "interrupted"
+        # A closed terminal (SIGHUP) takes stdout with it: the cleanup goes on regardless.
+        with contextlib.suppress(OSError):
+            print(f"{what}; stopping the replicas and the daemon, removing what the demo made")
+        return 128 + e.sig if isinstance(e, Stopped) else 130
     finally:
+        # Nothing stops the cleanup half-way: a second signal (systemd repeats
+        # none, a person may) waits until the demo exits.
+        for sig in (*STOP_SIGNALS, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
         # Every replica, also one whose Popen a Ctrl-C interrupted half-way:
         # they hold nothing that needs a goodbye, their leases end with them.
         for child in psutil.Process().children():
@@ -163,10 +261,10 @@ def run_demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | 
                 child.wait()
         if daemon is not None and daemon.proc is not None:
             daemon.stop()
-        remove_shm_folder(shm)
-        shutil.rmtree(sock_dir, ignore_errors=True)
-        if own_workdir:
-            shutil.rmtree(work, ignore_errors=True)
+        if shm is not None:
+            remove_shm_folder(shm)
+        for folder in made:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _report(

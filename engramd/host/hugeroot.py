@@ -34,6 +34,7 @@ from engramd.host.shmfs import (
     usage,
 )
 from engramd.units import gib
+from engramd_shared.layout import LOCK_NAME
 
 log = logging.getLogger("engramd")
 
@@ -92,7 +93,7 @@ def _why_not(shm_dir: str, root: Path, enabled: bool) -> str:
     outside = _outside_host_namespace()
     if outside:
         return outside
-    if any(root.iterdir()):
+    if any(p.name != LOCK_NAME for p in root.iterdir()):
         return (
             f"{root} already holds sets of an earlier daemon on 4 KiB pages, and a mount would "
             "hide them (drop them with engramd drop, then restart engramd)"

@@ -7,20 +7,28 @@ daemon's user owns and nobody else may write. Anything else there is moved
 aside with a log line when the daemon may do so (as root), a mount that is
 not the daemon's is detached, or the start fails, naming the fix. Workers
 check the same ownership before they map.
+
+One daemon per folder: a second daemon on the same shm folder would adopt the
+first's sets and, with --drop-on-exit, delete them under the first. So a
+daemon holds an exclusive flock on `<shm_dir>/engramd/.lock` (RootLock) from
+before it adopts anything until it exits; the kernel drops the lock with the
+process, however it ends, so a restart (systemd's included) finds it free.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import logging
 import os
 import stat
 import time
 from pathlib import Path
 
-from engramd.errors import UntrustedShm
+from engramd.errors import ShmInUse, UntrustedShm
 from engramd.host.hugeroot import unmount_below
 from engramd.host.shmfs import is_mount_point
-from engramd_shared.layout import ROOT_NAME, NotOwned, check_owned_dir, sets_root
+from engramd_shared.layout import LOCK_NAME, ROOT_NAME, NotOwned, check_owned_dir, sets_root
 
 log = logging.getLogger("engramd")
 
@@ -47,6 +55,8 @@ def claim_root(shm_dir: str, gid: int | None) -> Path:
     except FileNotFoundError:
         pass
     except NotOwned as e:
+        # Another user's live daemon (root may move its folder aside): never touched.
+        _refuse_if_held(root)
         if is_mount_point(root):
             return _detach(shm_dir, root, gid, e)
         aside = root.with_name(f"{ROOT_NAME}.untrusted-{time.strftime('%Y%m%dT%H%M%S')}")
@@ -90,3 +100,87 @@ def _secure(root: Path, gid: int | None) -> None:
     if gid is not None:
         os.chown(root, -1, gid)
     os.chmod(root, 0o750)
+
+
+class RootLock:
+    """The exclusive locks one daemon holds on its sets root, for its life.
+
+    One per view of the root: the bare folder, and the huge-page tmpfs the
+    daemon may mount over it afterwards (which hides the folder's lock from
+    every later daemon). `holder` says who holds it (pid, socket) to a daemon
+    that finds it taken.
+    """
+
+    def __init__(self, holder: str) -> None:
+        self._holder = holder
+        self._fds: list[int] = []
+
+    def take(self, root: Path) -> None:
+        """Lock `root`'s lock file (made if missing); raises ShmInUse while another holds it."""
+        fd = os.open(root / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        st = os.fstat(fd)
+        if any(_same_file(os.fstat(held), st) for held in self._fds):
+            os.close(fd)
+            return
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _holder(fd)
+            os.close(fd)
+            raise ShmInUse(_in_use(root, holder)) from None
+        os.ftruncate(fd, 0)
+        # hugetlbfs has no write(): there the kernel's lock table names the holder.
+        with contextlib.suppress(OSError):
+            os.pwrite(fd, f"{self._holder}\n".encode(), 0)
+        self._fds.append(fd)
+
+    def release(self) -> None:
+        """Let the next daemon take the root (at shutdown; exit does it too)."""
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock on `fd`'s file: what it wrote there, else its pid (/proc/locks)."""
+    with contextlib.suppress(OSError):
+        written = os.pread(fd, 512, 0).decode(errors="replace").strip()
+        if written:
+            return written
+    st = os.fstat(fd)
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/locks").read_text().splitlines():
+            fields = line.split()
+            if "FLOCK" in fields and file_id in fields:
+                return f"pid {fields[fields.index(file_id) - 1]}"
+    return ""
+
+
+def _same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _in_use(root: Path, holder: str) -> str:
+    return (
+        f"another engramd ({holder or 'pid unknown'}) serves the sets in {root}; one daemon per "
+        "shm folder, or this one would adopt its sets and could drop them under it: stop that "
+        "daemon first, or give this one a --shm-dir of its own"
+    )
+
+
+def _refuse_if_held(root: Path) -> None:
+    """Raise ShmInUse when a live daemon holds `root`'s lock."""
+    try:
+        fd = os.open(root / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ShmInUse(_in_use(root, _holder(fd))) from None
+        with contextlib.suppress(OSError):
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)

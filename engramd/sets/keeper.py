@@ -108,6 +108,8 @@ class SetKeeper:
         self.readers = BlockingPool("checkpoint", CHECKPOINT_READERS)
         self._checks = BlockingPool("checkpoint-checks", CHECKERS)
         self._provers = BlockingPool("prove", PROVERS)
+        # Configured checkpoints that could not be planned, with why (status shows them).
+        self._unplanned: list[tuple[str, str]] = []
 
     @property
     def leases(self) -> LeaseBook:
@@ -148,7 +150,17 @@ class SetKeeper:
                 # The daemon keeps serving every other set; it stays not ready
                 # so the operator sees that this one is missing.
                 log.error("cannot load configured checkpoint %s: %s", checkpoint, e)
+                self._unplanned.append((checkpoint, str(e)))
                 self.store.configure(None)
+
+    def failed_configured(self) -> list[tuple[str, str]]:
+        """(checkpoint, why) for each --checkpoint that gave no ready set: it could not be
+        planned, or a copy of its set failed to load."""
+        failed = list(self._unplanned)
+        for ts in self.store.configured:
+            if ts.state is SetState.FAILED and all(c != ts.checkpoint for c, _ in failed):
+                failed.append((ts.checkpoint, str(ts.error)))
+        return failed
 
     async def load(self, intent: LoadIntent) -> AsyncGenerator[Progress | Loaded, None]:
         """Load a checkpoint's set (a copy per node with --numa per-node), prove what was held

@@ -231,7 +231,7 @@ class StatusReply(_message.Message):
     def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ...) -> None: ...
 
 class DaemonInfo(_message.Message):
-    __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings", "worker_share_per_uid", "worker_set_grace_s")
+    __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings", "worker_share_per_uid", "worker_set_grace_s", "failed_checkpoints")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -240,6 +240,7 @@ class DaemonInfo(_message.Message):
     WRITABLE_GPU_MAPPINGS_FIELD_NUMBER: _ClassVar[int]
     WORKER_SHARE_PER_UID_FIELD_NUMBER: _ClassVar[int]
     WORKER_SET_GRACE_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_CHECKPOINTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     pid: int
     uptime_s: float
@@ -248,7 +249,16 @@ class DaemonInfo(_message.Message):
     writable_gpu_mappings: bool
     worker_share_per_uid: float
     worker_set_grace_s: float
-    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ..., writable_gpu_mappings: _Optional[bool] = ..., worker_share_per_uid: _Optional[float] = ..., worker_set_grace_s: _Optional[float] = ...) -> None: ...
+    failed_checkpoints: _containers.RepeatedCompositeFieldContainer[FailedCheckpoint]
+    def __init__(self, version: _Optional[str] = ..., pid: _Optional[int] = ..., uptime_s: _Optional[float] = ..., socket: _Optional[str] = ..., ready: _Optional[bool] = ..., writable_gpu_mappings: _Optional[bool] = ..., worker_share_per_uid: _Optional[float] = ..., worker_set_grace_s: _Optional[float] = ..., failed_checkpoints: _Optional[_Iterable[_Union[FailedCheckpoint, _Mapping]]] = ...) -> None: ...
+
+class FailedCheckpoint(_message.Message):
+    __slots__ = ("checkpoint", "error")
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    checkpoint: str
+    error: str
+    def __init__(self, checkpoint: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class ShmInfo(_message.Message):
     __slots__ = ("dir", "total_bytes", "used_bytes", "free_bytes", "huge_pages", "page_size")

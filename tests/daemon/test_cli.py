@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -113,6 +114,11 @@ def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "lookups/s" in result.stdout and "all checks passed" in result.stdout
     assert demo_folders() == before
+    # It says up front how long it takes, then shows each step of the long stretch.
+    first, *lines = result.stdout.splitlines()
+    assert first.startswith("engramd demo: 2 replicas") and " s on " in first, first
+    assert [f"replica {r} attached in" in "\n".join(lines) for r in (0, 1)] == [True, True]
+    assert sum(" M lookups/s, 0 of " in line for line in lines) == 3, result.stdout
 
 
 def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
@@ -126,7 +132,7 @@ def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:
     )
     assert demo.stdout is not None
     for line in demo.stdout:
-        if line.startswith("engramd loaded the set"):
+        if "engramd loaded the set" in line:
             break
     children = psutil.Process(demo.pid).children(recursive=True)
     assert children, "the demo started no daemon"
@@ -245,3 +251,38 @@ def test_commands_import_only_what_they_use(sock_dir: Path) -> None:
             [sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=60
         )
         assert result.stderr.splitlines()[-1] == "[]", (args, result.stderr)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_demo_stopped_by_a_signal_leaves_nothing(sig: signal.Signals) -> None:
+    """As `timeout`, a CI runner or a service manager stops it (SIGTERM), or a closed
+    terminal (SIGHUP): mid-run, while replicas hold leases."""
+    before = demo_folders()
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "engramd", "demo", "--rows", "20000", "--steps", "400"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert demo.stdout is not None and demo.stderr is not None
+    for line in demo.stdout:
+        if "replica 0 attached in" in line:
+            break
+    children = psutil.Process(demo.pid).children(recursive=True)
+    [daemon] = [c for c in children if "serve" in c.cmdline()]
+    args = daemon.cmdline()
+    sock_dir = Path(args[args.index("--socket") + 1]).parent
+    shm = Path(args[args.index("--shm-dir") + 1])
+    checkpoint = Path(args[args.index("--checkpoint") + 1])
+    assert sock_dir.exists() and shm.exists() and checkpoint.exists()
+    demo.send_signal(sig)
+    assert demo.wait(timeout=60) == 128 + sig
+    out, err = demo.stdout.read(), demo.stderr.read()
+    assert f"stopped by {sig.name}" in out, out
+    assert "Traceback" not in err, err
+    alive = [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, [c.cmdline() for c in alive]
+    assert demo_folders() == before
+    assert not sock_dir.exists() and not checkpoint.exists()
+    mounts = Path("/proc/self/mounts").read_text()
+    assert str(shm) not in mounts

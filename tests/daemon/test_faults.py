@@ -37,7 +37,7 @@ from engramd_shared.layout import (
 )
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
-from helpers import reason
+from helpers import reason, set_folders
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +90,7 @@ def test_sigkill_at_any_point_of_a_load(big_checkpoint: Path, daemons: Any) -> N
         call.cancel()
         channel.close()
         partial = [p for p in root.iterdir() if LOADING_MARK in p.name]
-        complete = [p for p in root.iterdir() if LOADING_MARK not in p.name]
+        complete = [p for p in set_folders(d.shm_dir) if LOADING_MARK not in p.name]
         for folder in complete:  # anything under a set's name is whole
             manifest = read_manifest(folder, os.geteuid())
             check_complete(folder, manifest, os.geteuid())
@@ -119,8 +119,9 @@ def test_tmpfs_filled_by_another_writer(checkpoint: Path, sock_dir: Path, tmp_pa
         backing.claim()
         with pytest.raises(ShmCapacityError, match="ran out of space while reserving"):
             load_set(plan, backing, 2, LoadProgress(plan.nbytes))
-        assert [p.name for p in (shm / "engramd").iterdir()] == []
+        assert [p.name for p in set_folders(shm)] == []
         filler.unlink()
+        backing.release()  # the daemon below takes the shm folder: one per folder
 
         # The daemon, racing a writer that fills the tmpfs while it loads:
         # every attempt ends loaded or refused, never a SIGBUS or a leftover.
@@ -222,7 +223,7 @@ def test_a_failed_piece_fails_the_load_with_its_own_error(one_big_tensor: Path) 
         # Threads waiting for the failed piece's turn stop too; the error is the write's.
         with pytest.raises(OSError, match="injected write error"):
             load_set(plan, backing, 2, LoadProgress(plan.nbytes))
-        assert list(sets_root(str(shm)).iterdir()) == []
+        assert list(set_folders(str(shm))) == []
 
 
 def _load_against_a_filler(d: Daemon, ckpt: Path, shm: Path, n: int) -> str:
@@ -259,7 +260,7 @@ def _load_against_a_filler(d: Daemon, ckpt: Path, shm: Path, n: int) -> str:
     stop.set()
     writer.join()
     path.unlink()
-    assert not [p for p in (shm / "engramd").iterdir() if LOADING_MARK in p.name]
+    assert not [p for p in set_folders(shm) if LOADING_MARK in p.name]
     if outcome == "loaded":
         with grpc.insecure_channel(f"unix:{d.socket.with_name('admin.sock')}") as admin:
             [s] = [s for s in d.status().sets if s.checkpoint == str(ckpt)]

@@ -29,7 +29,7 @@ from engramd_client import plan_tables
 from engramd_shared.errors import ShmCapacityError
 from engramd_shared.layout import sets_root
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import attach_error, reason, reference_digests
+from helpers import attach_error, reason, reference_digests, set_folders
 
 MiB = 1 << 20
 HUGE = 2 * MiB
@@ -258,7 +258,7 @@ def test_a_writer_that_fills_the_shm_folder_after_the_check_fails_the_reservatio
             (shm / "other-writer").write_bytes(b"\1" * (8 * MiB))
             with pytest.raises(ShmCapacityError, match="ran out of space while reserving"):
                 load_set(plan, backing, 2, LoadProgress(plan.nbytes))
-            assert list(sets_root(shm).iterdir()) == []
+            assert list(set_folders(shm)) == []
             (shm / "other-writer").unlink()
             manifest = load_set(plan, backing, 2, LoadProgress(plan.nbytes))
             pages = backing.page_census(manifest)

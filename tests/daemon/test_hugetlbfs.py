@@ -26,7 +26,7 @@ from engramd_client import plan_tables
 from engramd_shared.errors import ShmCapacityError
 from engramd_shared.layout import PACKED_NAME, read_manifest, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import attach_error, memfd_mappings, reason, reference_digests
+from helpers import attach_error, memfd_mappings, reason, reference_digests, set_folders
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -104,7 +104,7 @@ def test_a_set_beyond_the_free_huge_pages_is_refused_before_copying(
             assert "nr_hugepages" in details and "hugepages=" in details, details
             # Bound to a node, the node's own pool is what counts.
             assert ("/node0/hugepages/" in details) == (numa == "node:0"), details
-            assert pool(2 * MiB).free == free and list(sets_root(shm).iterdir()) == []
+            assert pool(2 * MiB).free == free and list(set_folders(shm)) == []
         finally:
             d.stop()
 

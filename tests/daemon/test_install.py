@@ -102,7 +102,7 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         base / "dist",
         cwd=base,
     )
-    (wheel,) = (base / "dist").glob("engramd-*.whl")
+    (wheel,) = (base / "dist").glob("engramd_node-*.whl")
     run(sys.executable, "-m", "venv", base / "venv", cwd=base)
     link_installed("torch", next((base / "venv" / "lib").glob("python*/site-packages")))
     pip: list[str | Path] = [base / "venv" / "bin" / "python", "-m", "pip", "install", "-q"]

@@ -44,6 +44,7 @@ from helpers import (
     attach_error,
     in_process_config,
     reference_digests,
+    set_folders,
     shmem_bytes,
 )
 
@@ -257,7 +258,7 @@ def test_per_node_keeps_a_copy_on_each_node_of_a_recorded_two_node_host(
         wait_until(lambda: d.server.store.ready, 60, "the set's one copy")
         [ts] = d.server.store.sets.all()
         assert (ts.node, ts.adopted) == (None, False)
-        assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [set_id]
+        assert sorted(p.name for p in set_folders(shm_dir)) == [set_id]
 
 
 def test_per_node_loads_a_worker_s_copy_on_demand(
@@ -294,7 +295,7 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
             call.cancel()
         reply = d.run(d.server.store.drop(set_id, force=True))
         assert reply[0] == 2 * plan_tables(checkpoint).nbytes
-        assert list(sets_root(shm_dir).iterdir()) == []
+        assert list(set_folders(shm_dir)) == []
         # An operator's load makes every node's copy.
         with grpc.insecure_channel(f"unix:{d.server.config.admin_socket}") as channel:
             events = list(
@@ -303,7 +304,7 @@ def test_per_node_loads_a_worker_s_copy_on_demand(
                 )
             )
         assert events[-1].ready.set_id == set_id
-        assert sorted(p.name for p in sets_root(shm_dir).iterdir()) == [
+        assert sorted(p.name for p in set_folders(shm_dir)) == [
             f"{set_id}-node0",
             f"{set_id}-node1",
         ]

@@ -27,7 +27,7 @@ GPU_ONLY = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device in this process"),
     pytest.mark.skipif(
         importlib.util.find_spec("cuda") is None,
-        reason="NVIDIA's cuda-bindings is not installed (pip install 'engramd[cuda]')",
+        reason="NVIDIA's cuda-bindings is not installed (pip install cuda-bindings)",
     ),
 ]
 pytestmark = GPU_ONLY

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from engramd.config import DaemonConfig
 from engramd.lifecycle import Daemon, create_server
 from engramd_shared.errors import REASON_KEY
+from engramd_shared.layout import LOCK_NAME, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from harness.daemon_process import DaemonProcess
@@ -31,6 +32,11 @@ T = TypeVar("T")
 def reason(err: grpc.RpcError) -> str:
     """The daemon's reason for an error status (trailing metadata)."""
     return next((str(v) for k, v in err.trailing_metadata() or () if k == REASON_KEY), "")
+
+
+def set_folders(shm_dir: str | Path) -> list[Path]:
+    """What `<shm_dir>/engramd/` holds besides the daemon's lock: sets and loads."""
+    return sorted(p for p in sets_root(shm_dir).iterdir() if p.name != LOCK_NAME)
 
 
 def attach_error(d: DaemonProcess | Path, request: pb.AttachRequest) -> grpc.RpcError | None:

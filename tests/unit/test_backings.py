@@ -19,6 +19,7 @@ from engramd_shared.checkpoint import plan_tables
 from engramd_shared.errors import ShmCapacityError
 from engramd_shared.layout import LOADING_MARK, ManifestError, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
+from helpers import set_folders
 
 
 def test_tmpfs_backing_bookkeeping(checkpoint: Path) -> None:
@@ -46,23 +47,23 @@ def _bookkeeping(checkpoint: Path, shm_dir: Path) -> None:
 
     plan = plan_tables(checkpoint)
     abandoned = backing.stage(plan)
-    [staging] = sets_root(shm_dir).iterdir()
+    [staging] = set_folders(shm_dir)
     assert staging.name.startswith(plan.set_id + LOADING_MARK)
     abandoned.discard()
-    assert list(sets_root(shm_dir).iterdir()) == []
+    assert list(set_folders(shm_dir)) == []
     manifest = copy_in(backing, plan)
     sums = [t.checksum for t in manifest.tensors]
     (sets_root(shm_dir) / f"{'cd' * 10}{LOADING_MARK}1-x").mkdir()  # an interrupted load
     (sets_root(shm_dir) / "junk").mkdir()
     assert backing.adopt() == [manifest]
-    assert [p.name for p in sets_root(shm_dir).iterdir()] == [plan.set_id]
+    assert [p.name for p in set_folders(shm_dir)] == [plan.set_id]
     assert [backing.checksum(manifest, i) for i in range(len(sums))] == sums
     [handle, *_] = (tensor_handle(h) for h in backing.handles(manifest, HandleKind.SHM))
     assert handle.WhichOneof("handle") == "shm" and handle.shm.set_dir.endswith(plan.set_id)
     assert handle.kind == pb.HANDLE_KIND_SHM
     check_descriptors(backing, manifest, plan)
     backing.remove(plan.set_id)
-    assert list(sets_root(shm_dir).iterdir()) == []
+    assert list(set_folders(shm_dir)) == []
 
 
 def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:

@@ -79,3 +79,37 @@ def test_the_readme_stays_a_quickstart() -> None:
     assert lines < 250, (
         f"README.md has {lines} lines: keep it under 250 and move the details into docs/"
     )
+
+
+#: Every `pip install` in the documents, the deployment files and the messages.
+PIP_INSTALL = re.compile(r"pip install ([^\n`]*)")
+INSTALL_SOURCES = [
+    *DOCS,
+    *sorted((ROOT / "deploy").rglob("*")),
+    *sorted((ROOT / "engramd").rglob("*.py")),
+    *sorted((ROOT / "engramd_shared").rglob("*.py")),
+    *sorted((ROOT / "client").rglob("*.py")),
+]
+
+
+def test_the_distribution_is_ours_and_no_install_line_fetches_the_other_engramd() -> None:
+    """`engramd` on PyPI is an unrelated project with an `engramd` command of its own: an
+    install by that name puts foreign code (and no plugin) into an engine's image."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == "engramd-node"
+    assert project["scripts"] == {"engramd": "engramd.cli.commands:main"}
+    fetching_theirs = re.compile(r"""(^|\s)['"]?engramd(\[[^\]]*\])?['"]?(\s|$)""")
+    for source in INSTALL_SOURCES:
+        if not source.is_file():
+            continue
+        # What the documents warn against is no install line.
+        text = re.sub(
+            r"never `pip install engramd`", "", source.read_text(errors="replace"), flags=re.I
+        )
+        for args in PIP_INSTALL.findall(text):
+            assert not fetching_theirs.search(args), f"{source}: pip install {args}"
+    readme = (ROOT / "README.md").read_text()
+    assert "engramd-node" in readme and "never `pip install engramd`" in readme
+    assert "engramd-node" in (ROOT / "docs" / "deploy.md").read_text()
