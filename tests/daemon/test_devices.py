@@ -103,7 +103,7 @@ def test_a_device_without_cuda_is_a_clear_error_in_every_mode(
         pytest.skip("this torch sees a CUDA device: the CPU-only error cannot happen here")
     # No daemon at this socket: the device is refused before anything is tried.
     socket = str(sock_dir / "none.sock")
-    with pytest.raises(DeviceError, match=r"needs CUDA.*engramd\[cuda\]"):
+    with pytest.raises(DeviceError, match=r"needs CUDA.*cuda-bindings.*\[cuda\] extra"):
         attach(checkpoint, share=share, socket=socket, device="cuda:0")
     monkeypatch.setenv("ENGRAMD_DEVICE", "cuda:1")
     with pytest.raises(DeviceError, match="device='cuda:1' needs CUDA"):

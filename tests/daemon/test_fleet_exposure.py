@@ -41,6 +41,7 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT, Daemon, wait_until
+from engramd.sources.trust import FleetKey
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import UCX_TCP, Net
 from engramd.testing.synth import SynthSpec, synthesize
@@ -319,10 +320,13 @@ def test_during_a_fill_only_the_transfer_processes_listen(
     assert {s.host for s in listeners(net.b)} == {net.ip_b}
 
     token = TOKEN.encode()
-    # The search finds the token where it is: in the daemon, which compares it.
-    assert memory_holds(ra.pid, [token]) == [token]
+    # What the daemons keep of the token: the keys derived from it (trust.FleetKey).
+    keys = list(FleetKey(TOKEN)._keys.values())
+    secrets = [token, token.hex().encode(), *keys, *(k.hex().encode() for k in keys)]
+    # The search finds a secret where it is: in the daemon, which proves and checks with it.
+    assert memory_holds(ra.pid, keys)
     for pid in [*serve, *recv]:
-        assert memory_holds(pid, [token, token.hex().encode()]) == [], pid
+        assert memory_holds(pid, secrets) == [], pid
 
     served_dir = sets_root(a.shm_dir) / served
     served_files = {str(served_dir / t["file"]) for t in manifest(served_dir)["tensors"]}
