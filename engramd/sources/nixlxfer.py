@@ -1,15 +1,11 @@
 """NIXL as engramd uses it: an agent in a transfer process of its own, driven from here.
 
-No NIXL agent runs in the daemon (xferproc.py says why): an Agent starts a
-transfer process, hands it the memory a transfer moves as descriptors, and
-forwards each call to it. The calls relied on are nixl_cu12/_api.py's
-(nixl-cu12 1.5.1): nixl_agent(name, nixl_agent_config(enable_listen_thread=
-False, backends=[...])), create_backend, register_memory / deregister_memory,
-get_agent_metadata / add_remote_agent / remove_remote_agent (the metadata
-travels over engramd's own gRPC, so no listener thread and no etcd),
-get_xfer_descs, initialize_xfer("READ", ...), transfer, check_xfer_state,
-release_xfer_handle. An Agent lives for one fill: UCX listens, and its
-progress thread runs, only while a fill does.
+No NIXL agent runs in the daemon (xferproc.py says why): an Agent takes a
+started transfer process (the spare, or a new one), hands it the memory a
+transfer moves as descriptors, and forwards each call to it; xferproc.py
+names the NIXL calls it makes. The metadata travels over engramd's own gRPC,
+so no listener thread and no etcd. An Agent lives for one fill: UCX listens,
+and its progress thread runs, only while a fill does.
 """
 
 from __future__ import annotations
@@ -181,11 +177,6 @@ class Agent:
             self.close()
             raise TransferFailed(f"cannot start a NIXL agent ({e})") from None
         self._sock.settimeout(None)
-
-    @property
-    def pid(self) -> int:
-        """The transfer process's pid."""
-        return self._process.pid
 
     def _call(self, op: str, fds: list[int] | None = None, **args: Any) -> Any:
         if self._dead:

@@ -16,10 +16,16 @@ Started by nixlxfer (`python -m engramd.sources.xferproc FD NAME`) with a
 scrubbed environment, ahead of the fill that takes it; FD is its end of a
 SOCK_SEQPACKET socketpair. Until a fill starts it, it has NIXL loaded and
 its agent made without backends: no listener, no thread, no memory of a
-set. Each
-request is one JSON message (descriptors attached where a request maps
-memory), each reply one JSON message: {"ok": ...} or {"error": "..."}. It
-dies with the daemon (PR_SET_PDEATHSIG) and when the socket closes.
+set. Each request is one JSON message (descriptors attached where a request
+maps memory), each reply one JSON message: {"ok": ...} or {"error": "..."}.
+It ends when its end of the socket closes: when the daemon closes the fill,
+or dies (no request keeps it from the socket for longer than a poll).
+
+The NIXL calls it makes are nixl_cu12/_api.py's (nixl-cu12 1.5.1):
+nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[])),
+get_plugin_params, create_backend, register_memory, get_agent_metadata,
+add_remote_agent, get_xfer_descs, initialize_xfer("READ", ...), transfer,
+check_xfer_state, release_xfer_handle.
 """
 
 from __future__ import annotations
@@ -99,18 +105,12 @@ class _Transfers:
         self.registered[key] = handle
         return key
 
-    def deregister(self, handle: int) -> None:
-        self.agent.deregister_memory(self.registered.pop(handle))
-
     def metadata(self) -> str:
         return base64.b64encode(self.agent.get_agent_metadata()).decode()
 
     def add_remote(self, metadata: str) -> str:
         name = self.agent.add_remote_agent(base64.b64decode(metadata))
         return name.decode() if isinstance(name, bytes) else str(name)
-
-    def remove_remote(self, name: str) -> None:
-        self.agent.remove_remote_agent(name)
 
     def post(
         self, local: list[list[int]], remote: list[list[int]], remote_mem: str, agent: str
