@@ -43,16 +43,20 @@ def filesystem_type(path: str | os.PathLike[str]) -> int:
     return ctypes.c_ulong.from_buffer(buf).value & 0xFFFFFFFF
 
 
-def map_read_only(fd: int, size: int, offset: int = 0, writable: bool = False) -> int:
+def map_read_only(
+    fd: int, size: int, offset: int = 0, writable: bool = False, populate: bool | None = None
+) -> int:
     """The address of a shared read-only mapping of `size` bytes of `fd` from `offset`.
 
     `writable`: mapped read-write instead, its page tables filled at once (a staged
     set a transfer engine fills: its pages are reserved already, and a fault per 4 KiB
     page in the middle of a transfer costs more than one populating call).
+    `populate`: fill its page tables at once all the same (default: when writable).
     Raises OSError with the kernel's reason; `libc.munmap(addr, size)` undoes it.
     """
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if writable else 0)
+    populate = writable if populate is None else populate
+    flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
     addr = libc.mmap(None, size, prot, flags, fd, offset)
     if addr in (None, ctypes.c_void_p(-1).value):
         err = ctypes.get_errno()

@@ -104,20 +104,21 @@ class PeerSource:
         will not, or sends other bytes; the regions' contents are then undefined.
         """
         with self._lock, ThreadPoolExecutor(1, "engramd-recv") as starter:
-            # The transfer process starts its backend while the peer offers.
-            starting = starter.submit(Agent, {"UCX": {}}, peer=address)
+            # The transfer process starts its backend and maps the staged set (populating
+            # its page tables: a second or so a GiB here) while the peer offers.
+            starting = starter.submit(_receiving, address, regions)
             channel = grpc.insecure_channel(address)
             try:
                 return self._fill(channel, starting, address, plan, regions, progress)
             finally:
                 channel.close()
                 with contextlib.suppress(SourceFailed):
-                    starting.result().close()
+                    starting.result()[0].close()
 
     def _fill(
         self,
         channel: grpc.Channel,
-        starting: Future[Agent],
+        starting: Future[tuple[Agent, list[int]]],
         address: str,
         plan: TablePlan,
         regions: list[Region],
@@ -168,8 +169,7 @@ class PeerSource:
                 raise SourceFailed("the peer answered without an offer")
             offer = second.offer
             manifest, strong = _check_offer(plan, offer, self._key)
-            agent = starting.result()
-            local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
+            agent, local = starting.result()
             remote = agent.add_remote(offer.nixl_metadata)
             pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
             for _, _, n in pieces:
@@ -235,6 +235,17 @@ class PeerSource:
             )
             reads.add(handle, n, deadline)
         reads.finish()
+
+
+def _receiving(address: str, regions: list[Region]) -> tuple[Agent, list[int]]:
+    """A transfer process for a fill from `address`, `regions` mapped writable in it; the
+    agent and where each region lies there."""
+    agent = Agent({"UCX": {}}, peer=address)
+    try:
+        return agent, agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
+    except BaseException:
+        agent.close()
+        raise
 
 
 class _Replies(Protocol):

@@ -27,12 +27,14 @@ class Region:
     the transfer process maps it writable (nixlxfer.Agent.attach).
     """
 
-    def __init__(self, fd: int, offset: int, nbytes: int, writable: bool = False) -> None:
+    def __init__(
+        self, fd: int, offset: int, nbytes: int, writable: bool = False, populate: bool = False
+    ) -> None:
         align = os.fstat(fd).st_blksize
         start = offset - offset % align
         self._skip = offset - start
         self._size = max(self._skip + nbytes, 1)
-        self._base = map_read_only(fd, self._size, start, writable=writable)
+        self._base = map_read_only(fd, self._size, start, writable, populate or writable)
         #: The tensor's first byte.
         self.address = self._base + self._skip
         self.nbytes = nbytes
@@ -54,7 +56,8 @@ class Region:
 
 
 def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
-    """Each tensor of a staged set mapped (its pages are reserved already).
+    """Each tensor of a staged set mapped, its pages touched: a reserved tmpfs page is
+    zeroed at its first fault, here, as part of the reservation, before a source runs.
 
     Raises NotImplementedError for a backing whose memory is no file.
     """
@@ -62,7 +65,7 @@ def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
     try:
         for index, nbytes in enumerate(sizes):
             fd, offset = staged.memory(index)
-            regions.append(Region(fd, offset, nbytes))
+            regions.append(Region(fd, offset, nbytes, populate=True))
     except BaseException:
         close_all(regions)
         raise
