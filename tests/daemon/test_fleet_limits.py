@@ -30,6 +30,7 @@ from fleet_nodes import TOKEN, nixl_missing, ready_set, receiving, serving
 from conftest import SUPPORT, wait_until
 from engramd.api.metrics import CONNECTIONS_PER_ADDRESS
 from engramd.api.sockets import REQUEST_TIMEOUT_S
+from engramd.host.libc import libc, map_read_only
 from engramd.sources.base import WINDOW_BYTES
 from engramd.testing.fleet_lab import Net, free_port
 from engramd.testing.synth import SynthSpec, synthesize
@@ -249,18 +250,7 @@ def test_idle_http_connections_to_the_metrics_port_take_no_threads(
 
 # -- what a fill reads of the receiver's files ----------------------------------------------
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
 def _cached(folder: Path) -> int:
@@ -270,15 +260,14 @@ def _cached(folder: Path) -> int:
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
-            address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+            address = map_read_only(fd, size)
             try:
                 pages = -(-size // mmap.PAGESIZE)
                 vector = ctypes.create_string_buffer(pages)
-                assert _libc.mincore(address, size, vector) == 0, ctypes.get_errno()
+                assert libc.mincore(address, size, vector) == 0, ctypes.get_errno()
                 total += sum(b & 1 for b in vector.raw) * mmap.PAGESIZE
             finally:
-                _libc.munmap(address, size)
+                libc.munmap(address, size)
         finally:
             os.close(fd)
     return total
