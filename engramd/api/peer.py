@@ -11,12 +11,13 @@ published. A set this node filled is offered with the origin's strong
 digests and attestation, kept in its manifest. Only sets the operator
 published (loaded by --checkpoint or `engramd load`) are offered; a set
 a worker's attach loaded stays owner-only and is answered as absent, like
-any set not held. The offered copy is mapped read-only and registered with the serving NIXL agent
-while a stream uses it; the receiver reads it, a window at a time, each
-granted once the daemon's rate cap (--peer-rate, all peers together)
-allows. Registration and mapping run on their own threads, and the reads
-are served by NIXL's progress thread: the worker socket's event loop only
-hands out grants.
+any set not held. Each stream's copy is mapped read-only and registered by
+a transfer process of that stream's own (Export: sources/xferproc.py says
+why none runs in the daemon), for the stream's life; the receiver reads it,
+a window at a time, each granted once the daemon's rate cap (--peer-rate,
+all peers together) allows. The export is made on a pool thread, and the
+reads are served by the transfer process's UCX: the worker socket's event
+loop only hands out grants.
 """
 
 from __future__ import annotations

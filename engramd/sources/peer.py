@@ -9,7 +9,9 @@ and each tensor's address; the receiver refuses an offer that is not this
 set (set id, fingerprint, tensor names, dtypes, shapes, sizes) or whose
 digests (checksums and strong digests) the fleet's key did not attest, then
 asks for windows and reads each granted one straight into its staged
-memory. Once every byte is in, each tensor's strong digest and checksum
+memory, through a transfer process of the fill's own (nixlxfer.Agent) that
+maps it. Once every byte is in and that process has ended, each tensor's
+strong digest and checksum
 must equal the attested ones and random ranges must equal the node's own
 checkpoint (base.spot_check): a peer that sends other bytes is refused, and
 the next source runs.
