@@ -69,6 +69,14 @@ AdminSocket = Annotated[str, _shared("admin_socket")]
 _CLIENT_KEYS = ("socket", "admin_socket")
 
 
+def read_config(path: Path) -> dict[str, Any]:
+    """The TOML file `--config` names; an unreadable one is the flag's error."""
+    try:
+        return tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+
+
 def _client_config(ctx: typer.Context, path: Path | None) -> Path | None:
     """The daemon's socket paths from its TOML file, below the flags and their variables.
 
@@ -76,10 +84,7 @@ def _client_config(ctx: typer.Context, path: Path | None) -> Path | None:
     """
     if path is None:
         return None
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+    doc = read_config(path)
     values = {}
     for key, value in doc.items():
         field = key.replace("-", "_")

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import inspect
 import logging
-import tomllib
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from engramd.cli.logs import setup_logging
-from engramd.cli.options import FLAGS, default, option
+from engramd.cli.options import FLAGS, default, option, read_config
 from engramd.config import DaemonConfig
 
 # Each command imports what it needs inside it: the daemon's modules (asyncio,
@@ -30,10 +29,7 @@ def _read_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
     """The file's values as the defaults of the flags, below flags and variables."""
     if path is None:
         return None
-    try:
-        doc = tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+    doc = read_config(path)
     # A key is a flag's name; the value goes to the parameter the flag fills.
     params = {
         p.opts[0].removeprefix("--").replace("-", "_"): p
