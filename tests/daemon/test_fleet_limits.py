@@ -25,6 +25,7 @@ from typing import Any
 
 import psutil
 import pytest
+from engine_harness import drop_cache
 from fleet_nodes import TOKEN, nixl_missing, ready_set, receiving, serving
 
 from conftest import SUPPORT, wait_until
@@ -284,19 +285,6 @@ def _cached(folder: Path) -> int:
     return total
 
 
-def _evict(folder: Path) -> None:
-    """Drop the folder's files from the page cache. Written back first: drop_caches and
-    FADV_DONTNEED leave dirty pages, so a file just written stays cached whole (what made a
-    fill look as if it read every byte of the file the checkpoint's writer wrote last)."""
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 def test_a_peer_fill_reads_next_to_nothing_of_the_receivers_files(
     net: Net, nodes: Any, token_file: Path, tmp_path: Path
 ) -> None:
@@ -308,7 +296,9 @@ def test_a_peer_fill_reads_next_to_nothing_of_the_receivers_files(
     shutil.copytree(theirs, mine)
     a, b = nodes("a"), nodes("b")
     ready_set(serving(a, theirs, net, token_file))
-    _evict(mine)
+    # Written back first (drop_cache fsyncs): drop_caches and FADV_DONTNEED leave dirty
+    # pages, so a file just written stays cached whole, as if a fill had read all of it.
+    drop_cache(mine)
     assert _cached(mine) == 0
     rb = receiving(b, mine, net, token_file)
     s = ready_set(rb)
