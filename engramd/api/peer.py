@@ -91,7 +91,7 @@ class Export:
         opened = ts.backing.descriptors(ts.manifest)
         fds = dict(opened)
         try:
-            self.agent = Agent({"UCX": {}}, peer=receiver)
+            self.agent = Agent({"UCX": {}}, peer=receiver, serves=True)
             try:
                 tensors = ts.manifest.tensors
                 addresses = self.agent.attach(
@@ -320,7 +320,12 @@ class _Opening:
 
 def copy_strong_digests(ts: TableSet) -> list[str]:
     """Each tensor's strong digest, from the pages of the published copy `ts` (mapped
-    read-only here while they are hashed)."""
+    read-only here while they are hashed).
+
+    Raises UnknownSet when a tensor's bytes lost the checksum they were loaded
+    with: a copy changed since is never attested (a receiver checks only the
+    strong digests this node attests).
+    """
     manifest = ts.manifest
     assert manifest is not None
     opened = ts.backing.descriptors(manifest)
@@ -329,7 +334,21 @@ def copy_strong_digests(ts: TableSet) -> list[str]:
         fds = dict(opened)
         for t in manifest.tensors:
             regions.append(Region(fds[t.file], t.offset, t.nbytes))
-        return digest_views([r.view() for r in regions], checksums=False).strong
+        got = digest_views([r.view() for r in regions])
+        for t, checksum in zip(manifest.tensors, got.checksums, strict=True):
+            if checksum != t.checksum:
+                log.warning(
+                    "set %s: tensor %r of its copy no longer has the checksum it was loaded "
+                    "with; not offered to peers (engramd verify %s says more)",
+                    ts.copy,
+                    t.name,
+                    manifest.set_id,
+                )
+                raise UnknownSet(
+                    f"this daemon's copy of set {manifest.set_id} changed since it was loaded "
+                    f"(tensor {t.name!r}); it is not offered to peers"
+                )
+        return got.strong
     finally:
         close_all(regions)
         for _, fd in opened:

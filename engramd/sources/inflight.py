@@ -1,6 +1,6 @@
 """Reads in flight, completed in order, `depth` at most: the next reads are on the wire while
-the oldest completes. Nothing is digested here: the transfer process can write until it ends,
-so what landed is digested only once it has (regions.digests)."""
+the oldest completes, and each completed read's `then` runs (its window moves out of the
+landing ring: landing.py)."""
 
 from __future__ import annotations
 
@@ -20,19 +20,17 @@ class InOrder:
         progress: Progress,
         depth: int,
         what: str,
-        landed: Callable[[int], None] | None = None,
     ) -> None:
         self._agent = agent
         self._progress = progress
         self._depth = depth
         self._what = what
-        self._landed = landed
-        self._in_flight: deque[tuple[int, int, float]] = deque()
+        self._in_flight: deque[tuple[int, int, float, Callable[[], None]]] = deque()
 
-    def add(self, handle: int, nbytes: int, deadline: float) -> None:
-        """A posted read of `nbytes`; completes the oldest reads that are done, and the
-        oldest in any case once `depth` are in flight."""
-        self._in_flight.append((handle, nbytes, deadline))
+    def add(self, handle: int, nbytes: int, deadline: float, then: Callable[[], None]) -> None:
+        """A posted read of `nbytes`, and what to do once it completed; completes the oldest
+        reads that are done, and the oldest in any case once `depth` are in flight."""
+        self._in_flight.append((handle, nbytes, deadline, then))
         while self._in_flight and (len(self._in_flight) >= self._depth or self._oldest_done()):
             self._complete()
 
@@ -48,11 +46,10 @@ class InOrder:
             self._complete()
 
     def _complete(self) -> None:
-        handle, nbytes, deadline = self._in_flight.popleft()
+        handle, nbytes, deadline, then = self._in_flight.popleft()
         try:
             self._agent.wait(handle, deadline, self._progress.cancel)
         except TransferFailed as e:
             raise SourceFailed(f"the read from {self._what} failed: {e}") from None
+        then()
         self._progress.add(nbytes)
-        if self._landed is not None:
-            self._landed(nbytes)

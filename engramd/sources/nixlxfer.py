@@ -5,7 +5,7 @@ started transfer process (the spare, or a new one), hands it the memory a
 transfer moves as descriptors, and forwards each call to it; xferproc.py
 names the NIXL calls it makes. The metadata travels over engramd's own gRPC,
 so no listener thread and no etcd. An Agent lives for one fill: UCX listens,
-and its progress thread runs, only while a fill does.
+and a serving agent's progress thread runs, only while a fill does.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ class _Spare:
         """From now on, keep one ready."""
         with self._lock:
             self._kept = True
-        self._refill()
+        self.refill()
 
     def take(self) -> _Process:
         """A started process: the spare if one is ready and alive, else a new one."""
@@ -132,10 +132,11 @@ class _Spare:
         if spare is not None and spare.popen.poll() is not None:
             spare.sock.close()
             spare = None
-        self._refill()
         return spare if spare is not None else _Process()
 
-    def _refill(self) -> None:
+    def refill(self) -> None:
+        """Start the next spare, if one is kept and none is ready: when a fill ends, so that
+        an interpreter's start never takes a core from a fill."""
         with self._lock:
             if not self._kept or self._ready is not None:
                 return
@@ -156,11 +157,16 @@ class Agent:
     address of the other end (a receiver or a server), whose route names the
     only network interface UCX may use; "" for an agent without UCX (object
     storage, which is given the daemon's AWS_ variables: its SDK takes
-    credentials from them, and nothing listens there). `close` ends the
+    credentials from them, and nothing listens there). `serves`: the other
+    end reads from this agent, so UCX's progress thread must serve it; an
+    agent that reads drives its own transfers (`wait` polls them) and runs no
+    such thread, which would spin on a core the fill needs. `close` ends the
     process; every call after a failure of the process raises TransferFailed.
     """
 
-    def __init__(self, backends: dict[str, dict[str, str]], peer: str = "") -> None:
+    def __init__(
+        self, backends: dict[str, dict[str, str]], peer: str = "", serves: bool = False
+    ) -> None:
         try:
             env = transfer_env(interface_of(peer)) if peer else transfer_env("", ("AWS_",))
         except (OSError, ValueError) as e:
@@ -172,7 +178,7 @@ class Agent:
         self._dead = ""
         self._sock.settimeout(START_TIMEOUT_S)
         try:
-            self._call("start", backends=backends, env=env)
+            self._call("start", backends=backends, env=env, progress_thread=serves)
         except TransferFailed as e:
             self.close()
             raise TransferFailed(f"cannot start a NIXL agent ({e})") from None
@@ -306,6 +312,7 @@ class Agent:
             self._process.kill()
         self._process.wait()
         self._dead = self._dead or "the transfer process was closed"
+        spare.refill()
 
     def __enter__(self) -> Agent:
         return self

@@ -9,8 +9,9 @@ a store without one is refused (the files then fill the set). Before a byte
 of a tensor is read, each object must match the node's file where the set
 id looks: the header, and the data samples the fingerprint takes (the last
 of which ends at the file's end, so a truncated object fails here). Then
-every tensor is read by ranges straight into the staged memory, digested,
-and spot-checked against the node's file; its strong digest and checksum
+every tensor is read by ranges into the landing ring of the fill's transfer
+process (landing.py), moved into the staged set and digested there, and
+spot-checked against the node's file; its strong digest and checksum
 must be the attested ones. Endpoint and keys come the way the
 AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
@@ -23,13 +24,16 @@ import struct
 import threading
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
-from engramd.sources.base import Progress, SourceFailed, spans, spot_check, windows
+from engramd.sources.base import Progress, SourceFailed, spans, spot_check
 from engramd.sources.inflight import InOrder
+from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
-from engramd.sources.regions import Region, digests
+from engramd.sources.regions import Region
+from engramd.sources.strong import pieces
 from engramd.sources.trust import (
     OBJECT_HEADER_BYTES,
     OBJECT_MAX_BYTES,
@@ -41,7 +45,7 @@ from engramd.sources.trust import (
 )
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
-from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry
 
 #: Windows per NIXL request: the OBJ backend reads a request's ranges on its own threads.
 WINDOWS_PER_READ = 8
@@ -96,20 +100,19 @@ class ObjectStoreSource:
         Raises SourceFailed."""
         with self._lock, Agent({"OBJ": self._params}) as agent:
             attested = self._attested(agent, plan, progress)
-            self._fill(agent, plan, regions, progress)
-        # Digested only once the transfer process is gone: a request NIXL reported
-        # failed may still have been writing.
-        got = digests(regions)
+            with Landing(agent, regions, READS_IN_FLIGHT * WINDOWS_PER_READ) as landing:
+                self._fill(agent, landing, plan, progress)
+                got = landing.digests()
         check_received(
             [t.name for t in attested.tensors],
-            [t.checksum for t in attested.tensors],
             [t.strong for t in attested.tensors],
             got,
             "the bucket holds other bytes than the checkpoint's",
         )
         for entry, region in zip(plan.tensors, regions, strict=True):
             spot_check(entry, region.view())
-        return Filled(got.checksums, got.strong, attested.attestation)
+        # Every byte has the attested strong digest: the attested checksums are theirs.
+        return Filled([t.checksum for t in attested.tensors], got, attested.attestation)
 
     def _attested(self, agent: Agent, plan: TablePlan, progress: Progress) -> AttestedManifest:
         """The set's attested manifest from the bucket, once it proved to be this set's,
@@ -163,37 +166,38 @@ class ObjectStoreSource:
                 "`engramd manifest CHECKPOINT` and upload it there"
             ) from None
 
-    def _fill(
-        self, agent: Agent, plan: TablePlan, regions: list[Region], progress: Progress
-    ) -> None:
+    def _fill(self, agent: Agent, landing: Landing, plan: TablePlan, progress: Progress) -> None:
         files = _names(plan)
         devices = {path: i for i, path in enumerate(files)}
         agent.register(
             [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
             "OBJ",
         )
-        local = agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
         for path, (name, size) in files.items():
             self._check_object(agent, path, self.key(name), size, devices[path], progress)
-        # (tensor, offset in it, bytes) and where they are: a table joined from row
-        # shards reads each shard's objects in turn.
-        pieces = [
-            ((i, start + at, n), (span.offset + at, n, devices[str(span.file)]))
+        # A window is a piece of the strong digest, digested as it lands; a piece of a
+        # table joined from row shards may take a range of each of two shards' objects.
+        windows = [
+            (i, at, _ranges(t, at, n, devices))
             for i, t in enumerate(plan.tensors)
-            for span, start in spans(t)
-            for at, n in windows(span.nbytes)
+            for at, n in pieces(t.nbytes)
         ]
         reads = InOrder(agent, progress, READS_IN_FLIGHT, self.url)
-        for k in range(0, len(pieces), WINDOWS_PER_READ):
-            batch = pieces[k : k + WINDOWS_PER_READ]
-            handle = agent.post(
-                [(local[i] + at, n, 0) for (i, at, n), _ in batch],
-                [remote for _, remote in batch],
-                "OBJ",
-                agent.name,
-            )
+        for k in range(0, len(windows), WINDOWS_PER_READ):
+            batch = [(*landing.slot(), *window) for window in windows[k : k + WINDOWS_PER_READ]]
+            local, remote = [], []
+            for _, there, _, _, ranges in batch:
+                for into, (offset, n, device) in ranges:
+                    local.append((there + into, n, 0))
+                    remote.append((offset, n, device))
+            handle = agent.post(local, remote, "OBJ", agent.name)
             deadline = time.monotonic() + WINDOW_TIMEOUT_S * len(batch)
-            reads.add(handle, sum(n for (_, _, n), _ in batch), deadline)
+            reads.add(
+                handle,
+                sum(n for _, n, _ in local),
+                deadline,
+                partial(_move, landing, [(slot, i, at) for slot, _, i, at, _ in batch]),
+            )
         reads.finish()
 
     def _check_object(
@@ -230,6 +234,25 @@ class ObjectStoreSource:
                     "is not this checkpoint's file; upload the checkpoint's file again"
                 )
             at_local += n
+
+
+def _ranges(
+    entry: TensorEntry, at: int, nbytes: int, devices: dict[str, int]
+) -> list[tuple[int, tuple[int, int, int]]]:
+    """Where bytes `at`..`at + nbytes` of a tensor are: (offset in the window, (offset in the
+    object, bytes, the object's device)) for each of its spans they overlap."""
+    found = []
+    for span, start in spans(entry):
+        lo, hi = max(at, start), min(at + nbytes, start + span.nbytes)
+        if lo < hi:
+            found.append((lo - at, (span.offset + lo - start, hi - lo, devices[str(span.file)])))
+    return found
+
+
+def _move(landing: Landing, windows: list[tuple[int, int, int]]) -> None:
+    """Move each (slot, tensor, offset) of a request that completed."""
+    for slot, index, at in windows:
+        landing.landed(slot, index, at)
 
 
 def _read_ranges(agent: Agent, ranges: list[tuple[int, int, int]], progress: Progress) -> bytes:

@@ -8,13 +8,13 @@ its manifest with the attestation of its digests, its NIXL agent's metadata
 and each tensor's address; the receiver refuses an offer that is not this
 set (set id, fingerprint, tensor names, dtypes, shapes, sizes) or whose
 digests (checksums and strong digests) the fleet's key did not attest, then
-asks for windows and reads each granted one straight into its staged
-memory, through a transfer process of the fill's own (nixlxfer.Agent) that
-maps it. Once every byte is in and that process has ended, each tensor's
-strong digest and checksum
-must equal the attested ones and random ranges must equal the node's own
-checkpoint (base.spot_check): a peer that sends other bytes is refused, and
-the next source runs.
+asks for windows and reads each granted one into the landing ring of a
+transfer process of the fill's own (nixlxfer.Agent, landing.Landing), from
+which the daemon moves it into the staged set and digests it. Once every
+byte is in, each tensor's strong digest and checksum must equal the attested
+ones and random ranges must equal the node's own checkpoint
+(base.spot_check): a peer that sends other bytes is refused, and the next
+source runs.
 """
 
 from __future__ import annotations
@@ -28,14 +28,17 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
 from typing import Protocol
 
 import grpc
 
-from engramd.sources.base import Progress, SourceFailed, spot_check, windows
+from engramd.sources.base import Progress, SourceFailed, spot_check
 from engramd.sources.inflight import InOrder
+from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent
-from engramd.sources.regions import Region, digests
+from engramd.sources.regions import Region
+from engramd.sources.strong import pieces as strong_pieces
 from engramd.sources.trust import Filled, FleetKey, check_received, nonce, proven
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
@@ -106,24 +109,25 @@ class PeerSource:
         will not, or sends other bytes; the regions' contents are then undefined.
         """
         with self._lock, ThreadPoolExecutor(1, "engramd-recv") as starter:
-            # The transfer process starts its backend and maps the staged set (populating
-            # its page tables: a second or so a GiB here) while the peer offers.
+            # The transfer process starts its backend and maps its landing ring while the
+            # peer offers.
             starting = starter.submit(_receiving, address, regions)
             channel = grpc.insecure_channel(address)
             try:
-                return self._fill(channel, starting, address, plan, regions, progress)
+                return self._fill(channel, starting, address, plan, progress)
             finally:
                 channel.close()
                 with contextlib.suppress(SourceFailed):
-                    starting.result()[0].close()
+                    agent, landing = starting.result()
+                    landing.close()
+                    agent.close()
 
     def _fill(
         self,
         channel: grpc.Channel,
-        starting: Future[tuple[Agent, list[int]]],
+        starting: Future[tuple[Agent, Landing]],
         address: str,
         plan: TablePlan,
-        regions: list[Region],
         progress: Progress,
     ) -> Filled:
         requests: queue.SimpleQueue[peer_pb2.FillRequest | None] = queue.SimpleQueue()
@@ -171,46 +175,43 @@ class PeerSource:
                 raise SourceFailed("the peer answered without an offer")
             offer = second.offer
             manifest, strong = _check_offer(plan, offer, self._key)
-            agent, local = starting.result()
+            agent, landing = starting.result()
             remote = agent.add_remote(offer.nixl_metadata)
-            pieces = [(i, at, n) for i, t in enumerate(plan.tensors) for at, n in windows(t.nbytes)]
+            # A window is a piece of the strong digest, digested as it lands.
+            pieces = [
+                (i, at, n) for i, t in enumerate(plan.tensors) for at, n in strong_pieces(t.nbytes)
+            ]
             for _, _, n in pieces:
                 requests.put(peer_pb2.FillRequest(window=n))
-            self._read(replies, agent, remote, offer, local, pieces, progress)
+            self._read(replies, agent, landing, remote, offer, pieces, progress)
+            got = landing.digests()
         finally:
             requests.put(None)
             replies.cancel()
-        # Digested only once the transfer process is gone: until then anyone who
-        # reaches its UCX port could write into the staged pages.
-        agent.close()
-        got = digests(regions)
-        check_received(
-            [t.name for t in plan.tensors],
-            [t.checksum for t in manifest.tensors],
-            strong,
-            got,
-            "the peer sent other bytes",
-        )
-        for entry, region in zip(plan.tensors, regions, strict=True):
+        check_received([t.name for t in plan.tensors], strong, got, "the peer sent other bytes")
+        for entry, region in zip(plan.tensors, landing.regions, strict=True):
             spot_check(entry, region.view())
-        return Filled(got.checksums, got.strong, offer.attestation)
+        # Every byte has the attested strong digest: the attested checksums are theirs.
+        return Filled([t.checksum for t in manifest.tensors], got, offer.attestation)
 
     def _read(
         self,
         replies: _Replies,
         agent: Agent,
+        landing: Landing,
         remote: str,
         offer: peer_pb2.SetOffer,
-        local: list[int],
         pieces: list[tuple[int, int, int]],
         progress: Progress,
     ) -> None:
-        """Read each granted window, READS_IN_FLIGHT at a time."""
+        """Read each granted window, READS_IN_FLIGHT at a time, each into a slot of the
+        landing ring, moved into the staged set once it is in."""
         started = time.monotonic()
         done = 0
 
-        def landed(n: int) -> None:
+        def landed(slot: int, index: int, at: int, n: int) -> None:
             nonlocal done
+            landing.landed(slot, index, at)
             done += n
             elapsed = time.monotonic() - started
             if self._min_rate and elapsed > FLOOR_AFTER_S and done / elapsed < self._min_rate:
@@ -219,13 +220,14 @@ class PeerSource:
                     f"{self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
                 )
 
-        reads = InOrder(agent, progress, READS_IN_FLIGHT, "the peer", landed)
+        reads = InOrder(agent, progress, READS_IN_FLIGHT, "the peer")
         for index, at, n in pieces:
             reply = _next_grant(replies)
             if reply.granted != n:
                 raise SourceFailed("the peer granted another window than asked for")
+            slot, there = landing.slot()
             handle = agent.post(
-                [(local[index] + at, n, 0)],
+                [(there, n, 0)],
                 [(offer.regions[index].address + at, n, 0)],
                 "DRAM",
                 remote,
@@ -235,16 +237,15 @@ class PeerSource:
                 if self._min_rate
                 else WINDOW_TIMEOUT_S
             )
-            reads.add(handle, n, deadline)
+            reads.add(handle, n, deadline, partial(landed, slot, index, at, n))
         reads.finish()
 
 
-def _receiving(address: str, regions: list[Region]) -> tuple[Agent, list[int]]:
-    """A transfer process for a fill from `address`, `regions` mapped writable in it; the
-    agent and where each region lies there."""
+def _receiving(address: str, regions: list[Region]) -> tuple[Agent, Landing]:
+    """A transfer process for a fill from `address`, and its landing ring for `regions`."""
     agent = Agent({"UCX": {}}, peer=address)
     try:
-        return agent, agent.attach([(r.fd, r.offset, r.nbytes) for r in regions], writable=True)
+        return agent, Landing(agent, regions, READS_IN_FLIGHT)
     except BaseException:
         agent.close()
         raise

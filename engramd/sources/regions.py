@@ -1,5 +1,5 @@
 """A set's memory mapped for a transfer: in the daemon read-only, to digest what landed; in
-the transfer process writable (a staged set) or read-only (a published one).
+the transfer process writable (its landing ring) or read-only (a published set).
 
 NIXL registers addresses, so the memory is mapped with mmap(2) through libc
 (Python's mmap gives no address of a read-only mapping, and keeps buffer
@@ -14,7 +14,6 @@ import os
 from typing import TYPE_CHECKING
 
 from engramd.host.libc import libc, map_read_only
-from engramd.sources.strong import Digests, digest_views
 
 if TYPE_CHECKING:
     from engramd.backings import StagedSet
@@ -23,8 +22,9 @@ if TYPE_CHECKING:
 class Region:
     """One tensor's bytes, mapped: `address` is where its first byte is.
 
-    The daemon maps what a transfer fills read-only, to digest what landed;
-    the transfer process maps it writable (nixlxfer.Agent.attach).
+    The daemon maps a staged set read-only, to digest what landed (landing.py
+    writes it); a transfer process maps its landing ring writable and a served
+    set read-only (nixlxfer.Agent.attach).
     """
 
     def __init__(
@@ -70,12 +70,6 @@ def staged_regions(staged: StagedSet, sizes: list[int]) -> list[Region]:
         close_all(regions)
         raise
     return regions
-
-
-def digests(regions: list[Region]) -> Digests:
-    """Each region's checksum and strong digest (the manifest's formats), taken from its pages
-    as they are now, on threads."""
-    return digest_views([region.view() for region in regions])
 
 
 def close_all(regions: list[Region]) -> None:

@@ -4,11 +4,12 @@ XXH3-64 (engramd.checksum) catches accidents at ~50 GB/s a core, but it
 is no defence against bytes built on purpose to share a tensor's digest.
 What a fill publishes is therefore compared with this digest too, and it
 is what the fleet's attestation covers (trust.py). A tensor is cut into
-pieces of PIECE_BYTES (a fill's window; the last piece shorter, an empty
-tensor none); its digest is "sha256-pieces:" and the hex SHA-256 of its
-pieces' 32-byte digests back to back. So a piece can be checked on its own
-against its digest, and a list of piece digests against the one attested
-tensor digest, whoever sent them.
+pieces of PIECE_BYTES (16 MiB, a fill's window; the last piece shorter, an
+empty tensor none); its digest is "sha256-pieces:" and the hex SHA-256 of
+its pieces' 32-byte digests back to back. So a piece can be checked on its
+own against its digest, and a list of piece digests against the one
+attested tensor digest, whoever sent them; and a receiver digests each
+window as it lands, on any core, in any order (landing.py).
 
 hashlib releases the GIL while it hashes, so the pieces are hashed on a
 pool of threads, one per core (os.cpu_count()).
@@ -28,13 +29,14 @@ from pathlib import Path
 import xxhash
 
 from engramd.checksum import label
-from engramd.sources.base import WINDOW_BYTES, windows
 from engramd_shared.fileid import open_regular
 
 #: The strong digest's name in manifests and offers ("sha256-pieces:<64 hex digits>").
 STRONG = "sha256-pieces"
-#: The bytes of a piece (the last of a tensor may be shorter).
-PIECE_BYTES = WINDOW_BYTES
+#: The bytes of a piece (the last of a tensor may be shorter): small enough that a window of
+#: a fill is one piece and a ring of them stays small, large enough that hashing it is all of
+#: its cost.
+PIECE_BYTES = 16 << 20
 
 _STRONG = re.compile(rf"^{STRONG}:[0-9a-f]{{64}}$")
 
@@ -46,7 +48,7 @@ def threads() -> int:
 
 def pieces(nbytes: int) -> list[tuple[int, int]]:
     """(offset, size) of each piece of a tensor of `nbytes`."""
-    return windows(nbytes)
+    return [(at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
 
 
 def piece_digest(piece: memoryview | bytes) -> bytes:
@@ -76,11 +78,11 @@ def _checksum(view: memoryview) -> str:
     return label(xxhash.xxh3_64(view))
 
 
-def digest_views(views: Sequence[memoryview], checksums: bool = True) -> Digests:
-    """Each tensor's strong digest (and with `checksums` its XXH3-64) from its bytes in memory,
-    its pieces hashed on threads (`checksums` False: Digests.checksums is empty)."""
+def digest_views(views: Sequence[memoryview]) -> Digests:
+    """Each tensor's XXH3-64 and strong digest from its bytes in memory, its pieces hashed on
+    threads."""
     with ThreadPoolExecutor(threads(), "engramd-digest") as pool:
-        sums = [pool.submit(_checksum, v) for v in views] if checksums else []
+        sums = [pool.submit(_checksum, v) for v in views]
         hashed = [
             [pool.submit(piece_digest, v[at : at + n]) for at, n in pieces(len(v))] for v in views
         ]

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engramd.sources.base import SourceFailed
-from engramd.sources.strong import Digests, digest_files, is_strong
+from engramd.sources.strong import digest_files, is_strong
 from engramd_shared.checkpoint import TablePlan
 
 #: Random bytes each side adds to a fill's handshake.
@@ -163,25 +163,16 @@ class Filled:
 
 
 def check_received(
-    names: Sequence[str],
-    checksums: Sequence[str],
-    strong: Sequence[str],
-    got: Digests,
-    culprit: str,
+    names: Sequence[str], strong: Sequence[str], got: Sequence[str], culprit: str
 ) -> None:
     """Raise SourceFailed naming the first tensor whose received bytes do not have the
-    attested digests: the strong digest first (what bytes built to share an XXH3 meet), then
-    the checksum the published manifest keeps. `culprit` ends the message."""
-    for name, want, mine in zip(names, strong, got.strong, strict=True):
+    attested strong digest (`got`: theirs). Every byte is covered, so the attested XXH3
+    checksums are then the received bytes' too. `culprit` ends the message."""
+    for name, want, mine in zip(names, strong, got, strict=True):
         if mine != want:
             raise SourceFailed(
                 f"tensor {name!r} arrived with strong digest {mine}, the attested one is "
                 f"{want}: {culprit}"
-            )
-    for name, want, mine in zip(names, checksums, got.checksums, strict=True):
-        if mine != want:
-            raise SourceFailed(
-                f"tensor {name!r} arrived with digest {mine}, the attested one is {want}: {culprit}"
             )
 
 

@@ -4,13 +4,14 @@ UCX over TCP serves RMA reads and writes at any address of the process that
 owns the agent, to anyone who can reach its port, whatever was registered
 (NIXL checks descriptors on the initiator's side only). So no agent lives in
 the daemon: each fill starts one of these processes, which holds only what
-that fill moves (the mapped tensors of one set, read-only on the serving
-side), no token, no other set and none of the daemon's heap, and which ends
-with the fill. A fault that a peer provokes over the network (a write into a
+that fill moves (the mapped tensors of one set, read-only, on the serving
+side; a landing ring of its own on the receiving side, never the set being
+filled: landing.py), no token, no other set and none of the daemon's heap,
+and which ends with the fill. A fault that a peer provokes over the network (a write into a
 read-only mapping, a read of an unmapped address) ends this process; the
 daemon sees the fill fail and moves on. Late writes of a request NIXL has
-already reported failed (its OBJ backend does that) end with the process,
-before the daemon reuses the memory.
+already reported failed (its OBJ backend does that) land in its own
+memory and end with the process.
 
 Started by nixlxfer (`python -m engramd.sources.xferproc FD NAME`) with a
 scrubbed environment, ahead of the fill that takes it; FD is its end of a
@@ -22,7 +23,8 @@ It ends when its end of the socket closes: when the daemon closes the fill,
 or dies (no request keeps it from the socket for longer than a poll).
 
 The NIXL calls it makes are nixl_cu12/_api.py's (nixl-cu12 1.5.1):
-nixl_agent(name, nixl_agent_config(enable_listen_thread=False, backends=[])),
+nixl_agent(name, nixl_agent_config(enable_prog_thread=..., enable_listen_thread=False,
+backends=[])),
 get_plugin_params, create_backend, register_memory, get_agent_metadata,
 add_remote_agent, get_xfer_descs, initialize_xfer("READ", ...), transfer,
 check_xfer_state, release_xfer_handle.
@@ -53,6 +55,8 @@ class _Transfers:
     """The agent, the memory mapped for it and its transfers, by the ids the daemon uses."""
 
     def __init__(self) -> None:
+        self.api: Any = None
+        self.name = ""
         self.agent: Any = None
         self.regions: list[Region] = []
         self.registered: dict[int, Any] = {}
@@ -66,19 +70,30 @@ class _Transfers:
         return self._next
 
     def prepare(self, name: str) -> None:
-        """The agent without backends, its plugins loaded: nothing listens, nothing runs."""
-        api = importlib.import_module(f"{os.environ['ENGRAMD_NIXL_BUILD']}._api")
-        self.agent = api.nixl_agent(
-            name, api.nixl_agent_config(enable_listen_thread=False, backends=[])
-        )
-        # Loading a plugin is most of an agent's start (0.4 s of 0.5 here); its
-        # backend, made per fill, opens UCX's listener.
+        """NIXL's plugins loaded: nothing listens, nothing runs."""
+        self.api = importlib.import_module(f"{os.environ['ENGRAMD_NIXL_BUILD']}._api")
+        self.name = name
+        # Loading a plugin is most of an agent's start (0.4 s of 0.5 here), and the
+        # plugins stay loaded for the process (NIXL's plugin manager is one per
+        # process); the fill's agent and its backends are made when it starts.
+        loader = self._agent(progress_thread=False)
         for plugin in PLUGINS:
-            self.agent.get_plugin_params(plugin)
+            loader.get_plugin_params(plugin)
 
-    def start(self, backends: dict[str, dict[str, str]], env: dict[str, str]) -> None:
+    def _agent(self, progress_thread: bool) -> Any:
+        return self.api.nixl_agent(
+            self.name,
+            self.api.nixl_agent_config(
+                enable_prog_thread=progress_thread, enable_listen_thread=False, backends=[]
+            ),
+        )
+
+    def start(
+        self, backends: dict[str, dict[str, str]], env: dict[str, str], progress_thread: bool
+    ) -> None:
         # UCX and the AWS SDK read their settings when the backend is made.
         os.environ.update(env)
+        self.agent = self._agent(progress_thread)
         for backend, values in backends.items():
             self.agent.create_backend(backend, values)
 

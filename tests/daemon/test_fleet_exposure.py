@@ -293,7 +293,8 @@ def test_during_a_fill_only_the_transfer_processes_listen(
 ) -> None:
     """While B fills from A, the UCX listeners are the transfer processes' (the daemons'
     children), on the veth's addresses only; the serving one holds no token and maps only
-    the served set, not the other set A holds; the receiving one only the staged set."""
+    the served set, not the other set A holds; the receiving one only its landing ring,
+    none of the staged set (the daemon moves the landed windows there)."""
     a, b = nodes("a"), nodes("b")
     ra = serving(
         a, big_checkpoint, net, token_file, "--checkpoint", str(checkpoint), "--peer-rate", "2M"
@@ -335,7 +336,12 @@ def test_during_a_fill_only_the_transfer_processes_listen(
     for f in serving_maps:
         assert other not in f and str(big_checkpoint) not in f and str(checkpoint) not in f, f
     receiving_maps = mapped_files(next(iter(recv)))
-    staged = {f for f in receiving_maps if f.startswith(str(b.shm_dir))}
+    assert not {f for f in receiving_maps if f.startswith(str(b.shm_dir))}, receiving_maps
+    assert {f for f in receiving_maps if f.startswith("/memfd:")} == {
+        "/memfd:engramd-landing (deleted)"
+    }, receiving_maps
+    # The daemon maps the staged set, read-only, to digest what it moved there.
+    staged = {f for f in mapped_files(rb.pid) if f.startswith(str(b.shm_dir))}
     assert len(staged) == len(served_files), staged
     assert all(Path(f).parent.name.startswith(f"{served}.loading-") for f in staged), staged
 

@@ -77,7 +77,7 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
         self.row = (first.nbytes // 2) // ROW_BYTES * ROW_BYTES
         view[self.row : self.row + ROW_BYTES] = bytes(ROW_BYTES)
         self._own_strong = digest_views(
-            [view[s : s + n] for s, n in zip(starts, sizes, strict=True)], checksums=False
+            [view[s : s + n] for s, n in zip(starts, sizes, strict=True)]
         ).strong
         tensors = tuple(
             ManifestTensor(

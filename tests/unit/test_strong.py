@@ -1,4 +1,4 @@
-"""A tensor's strong digest (engramd/sources/strong.py): SHA-256 of each 64 MiB piece, SHA-256
+"""A tensor's strong digest (engramd/sources/strong.py): SHA-256 of each 16 MiB piece, SHA-256
 over the pieces' digests; from memory on threads and from files in one pass with XXH3."""
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ def tensor() -> bytes:
     return os.urandom(2 * P + 1)
 
 
-def test_the_pieces_are_64_mib_and_the_last_is_shorter() -> None:
-    assert P == 64 << 20
+def test_the_pieces_are_16_mib_and_the_last_is_shorter() -> None:
+    assert P == 16 << 20
     assert pieces(0) == []
     assert pieces(1) == [(0, 1)]
     assert pieces(P) == [(0, P)]
@@ -83,7 +83,6 @@ def test_every_tensor_gets_both_digests_in_order(tensor: bytes) -> None:
         by_hand(b"abc", []),
         by_hand(tensor[:P], []),
     ]
-    assert digest_views(views, checksums=False) == type(both)([], both.strong)
 
 
 def test_files_give_the_digests_of_their_spans_back_to_back(tmp_path: Path, tensor: bytes) -> None:

@@ -1,0 +1,139 @@
+"""Where a fill's transfer process puts the bytes it reads: a ring of slots of its own, which
+the daemon moves into the staged set, digesting each window as it moves it.
+
+The transfer process maps the ring and nothing of the set: over TCP its UCX
+port serves writes at any address of that process to whoever connects, so
+the ring is all that anyone can write into. The daemon copies each landed
+window out of its slot into the staged set (write(2) into the set's file,
+which the transfer process never maps) and digests the copy there, so the
+digests are of exactly the bytes that will be published, taken while the
+next windows are on the wire, on every core. A window is one piece of the
+strong digest (strong.PIECE_BYTES), so windows move and digest in any order.
+A slot is reused once its window has moved.
+
+    ring (memfd, slots x PIECE_BYTES)          staged set (the daemon's)
+    [ slot 0 | slot 1 | ... | slot n-1 ]  -->  tensor i, piece k
+       ^ the transfer process reads here          ^ written, then digested
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engramd.sources.nixlxfer import Agent
+from engramd.sources.regions import Region
+from engramd.sources.strong import PIECE_BYTES, piece_digest, pieces, tensor_digest, threads
+
+#: Threads that move and digest windows at most (a core each, at about 1.4 GB/s with SHA-NI).
+MAX_MOVERS = 32
+
+
+def movers() -> int:
+    """Threads that move and digest windows: half the cores (the transfer processes' polling
+    and the kernel's copies take the others: on 2 cores a second mover made fills slower)."""
+    return max(1, min(threads() // 2, MAX_MOVERS))
+
+
+class Landing:
+    """A ring of slots of one piece each, mapped by `agent`'s transfer process and by the
+    daemon, for fills of the staged `regions` (mapped read-only in the daemon, to digest
+    them) with at most `in_flight` windows on the wire at once."""
+
+    def __init__(self, agent: Agent, regions: list[Region], in_flight: int) -> None:
+        #: The staged set's tensors.
+        self.regions = regions
+        # Two windows a mover keep it busy while the next ones land.
+        slots = in_flight + 2 * movers()
+        self._pieces = [[b""] * len(pieces(r.nbytes)) for r in regions]
+        fd = os.memfd_create("engramd-landing", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, slots * PIECE_BYTES)
+            self._ring = Region(fd, 0, slots * PIECE_BYTES, populate=True)
+            try:
+                (self._there,) = agent.attach([(fd, 0, slots * PIECE_BYTES)], writable=True)
+            except BaseException:
+                self._ring.close()
+                raise
+        finally:
+            os.close(fd)
+        self._free = deque(range(slots))
+        self._moves: deque[Future[None]] = deque()
+        self._movers = ThreadPoolExecutor(movers(), "engramd-landing")
+        #: Tensors written through a writable mapping of the daemon's (hugetlbfs).
+        self._mapped: dict[int, Region] = {}
+        self._mapping = threading.Lock()
+
+    def slot(self) -> tuple[int, int]:
+        """A free slot and its address in the transfer process; waits for the oldest move
+        when every slot holds a window (raises what a move raised)."""
+        while not self._free:
+            if not self._moves:
+                raise RuntimeError("every slot of the landing ring is in flight")
+            self._moves.popleft().result()
+        slot = self._free.popleft()
+        return slot, self._there + slot * PIECE_BYTES
+
+    def landed(self, slot: int, index: int, at: int) -> None:
+        """The window in `slot` arrived: it is the piece of tensor `index` at `at`."""
+        while self._moves and self._moves[0].done():
+            self._moves.popleft().result()
+        self._moves.append(self._movers.submit(self._move, slot, index, at))
+
+    def _move(self, slot: int, index: int, at: int) -> None:
+        region = self.regions[index]
+        if at % PIECE_BYTES or not 0 <= at < region.nbytes:
+            raise ValueError(f"no piece of tensor {index} starts at {at}")
+        nbytes = min(PIECE_BYTES, region.nbytes - at)
+        self._write(index, at, slot * PIECE_BYTES, nbytes)
+        self._pieces[index][at // PIECE_BYTES] = piece_digest(region.view()[at : at + nbytes])
+        self._free.append(slot)
+
+    def _write(self, index: int, at: int, start: int, nbytes: int) -> None:
+        """Bytes `start`.. of the ring to bytes `at`.. of tensor `index`: by write(2), not by
+        stores through a writable mapping, which would cost an unmap of pages the daemon
+        dirtied (~0.2 s a GiB of 4 KiB pages) before a memfd set may be sealed."""
+        region = self.regions[index]
+        if index not in self._mapped:
+            window = self._ring.view()[start : start + nbytes]
+            try:
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(region.fd, window[done:], region.offset + at + done)
+                return
+            except OSError as e:
+                # hugetlbfs takes no write(2); its pages are huge, its mappings cheap.
+                if e.errno != errno.EINVAL:
+                    raise
+            with self._mapping:
+                if index not in self._mapped:
+                    self._mapped[index] = Region(region.fd, region.offset, region.nbytes, True)
+        ctypes.memmove(self._mapped[index].address + at, self._ring.address + start, nbytes)
+
+    def digests(self) -> list[str]:
+        """Each tensor's strong digest, once every landed window has moved; raises ValueError
+        naming a tensor with a piece that never landed."""
+        while self._moves:
+            self._moves.popleft().result()
+        for index, found in enumerate(self._pieces):
+            if b"" in found:
+                raise ValueError(f"piece {found.index(b'')} of tensor {index} never landed")
+        return [tensor_digest(found) for found in self._pieces]
+
+    def close(self) -> None:
+        """Stop moving (windows not moved yet are dropped) and unmap the ring."""
+        self._movers.shutdown(wait=True, cancel_futures=True)
+        self._ring.close()
+        for region in self._mapped.values():
+            region.close()
+        self._mapped.clear()
+
+    def __enter__(self) -> Landing:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
