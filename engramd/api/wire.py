@@ -146,6 +146,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         numa_node=ts.node,
         huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
         family=family.name if (family := family_of_selection(ts.selection)) else "",
+        changed_tensors=ts.changed,
     )
 
 

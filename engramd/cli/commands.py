@@ -210,7 +210,11 @@ def verify(
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
 ) -> None:
-    """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    """Recompute a set's checksums; name every tensor that no longer matches (exit 1).
+
+    A copy with changed bytes is then served no more: new attaches are refused,
+    its workers are told it is stale, until `engramd load` loads it again.
+    """
     import grpc
 
     from engramd.units import gib
@@ -225,9 +229,16 @@ def verify(
     if reply.corrupted:
         for name in reply.corrupted:
             typer.echo(f"corrupted: {name}")
+        # No fix: a daemon older than the field, which kept serving the copy.
+        served = (
+            f"engramd hands out that copy no more; leases told it is stale: "
+            f"{reply.stale_leases}; {reply.fix}"
+            if reply.fix
+            else "drop the set and load it again"
+        )
         typer.echo(
             f"set {set_id}: {len(reply.corrupted)} of {reply.tensors} tensors differ "
-            "from their checksums; drop the set and load it again",
+            f"from their checksums; {served}",
             err=True,
         )
         raise typer.Exit(1)
