@@ -219,6 +219,7 @@ def status_reply(
                 stands_in_for=b.stands_in_for,
                 reason=b.reason,
                 small_pages_reason=b.small_pages_reason,
+                small_pages_fix=b.small_pages_fix,
             )
             for b, bu in usages
         ],

@@ -275,6 +275,8 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
     for b in reply.backings:
         if b.small_pages_reason:
             parts.append(Text(escape(b.small_pages_reason), style="yellow"))
+            if b.small_pages_fix:
+                parts.append(Text(f"  the fix: {escape(b.small_pages_fix)}", style="yellow"))
     parts.append(_sets(reply) if reply.sets else Text("no sets"))
     if any(s.leases for s in reply.sets):
         parts.append(_leases(reply))

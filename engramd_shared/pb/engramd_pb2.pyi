@@ -287,7 +287,7 @@ class ShmInfo(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class BackingInfo(_message.Message):
-    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart", "stands_in_for", "reason", "small_pages_reason")
+    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart", "stands_in_for", "reason", "small_pages_reason", "small_pages_fix")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -298,6 +298,7 @@ class BackingInfo(_message.Message):
     STANDS_IN_FOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SMALL_PAGES_REASON_FIELD_NUMBER: _ClassVar[int]
+    SMALL_PAGES_FIX_FIELD_NUMBER: _ClassVar[int]
     name: str
     where: str
     total_bytes: int
@@ -308,7 +309,8 @@ class BackingInfo(_message.Message):
     stands_in_for: str
     reason: str
     small_pages_reason: str
-    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ...) -> None: ...
+    small_pages_fix: str
+    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
     __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors")
