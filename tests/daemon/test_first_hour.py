@@ -27,6 +27,7 @@ from engramd.host.hugeroot import unmount_below
 from engramd_shared.errors import Reason
 from engramd_shared.layout import LOCK_NAME, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from helpers import attach_error, engramd, reason, reference_digests
 
 
@@ -332,6 +333,21 @@ def test_a_verify_that_finds_changed_bytes_stops_serving_the_copy_until_it_is_lo
     [shown] = doc["sets"]
     assert (shown["state"], shown["changed_tensors"]) == ("failed-verification", [victim["name"]])
     assert [lease["stale"] for lease in shown["leases"]] == [True]
+    # A worker whose stream broke meanwhile gets its lease back, and the news at once.
+    request = pb.AttachRequest(
+        set_id=s.set_id, pid=os.getpid(), accept=[pb.HANDLE_KIND_FD], reattach=True
+    )
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=30)
+        kinds = []
+        for event in call:
+            kinds.append(event.WhichOneof("event"))
+            if kinds[-1] == "stale":
+                assert said in event.stale.reason
+                assert list(event.stale.tensors) == [victim["name"]]
+                break
+        call.cancel()
+    assert kinds == ["attached", "stale"]
     # Still so after another verify: only a load makes a new copy.
     assert engramd("verify", s.set_id, *socket).returncode == 1
     assert [x.state for x in d.status().sets] == ["failed-verification"]
