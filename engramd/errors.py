@@ -40,6 +40,8 @@ CODES: dict[Reason, grpc.StatusCode] = {
     Reason.BUSY: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Reason.READERS: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    # Not to be retried until the operator loads the set again (gRPC's own rule for it).
+    Reason.FAILED_VERIFICATION: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 

@@ -43,6 +43,8 @@ class Reason(enum.StrEnum):
     QUOTA = "quota"
     #: One owner's files already hold the large header reads the daemon does at once.
     READERS = "readers"
+    #: A verify found bytes of the daemon's copy that no longer match their checksums.
+    FAILED_VERIFICATION = "failed-verification"
 
 
 class EngramdError(Exception):
@@ -129,6 +131,14 @@ class FingerprintMismatch(ShareError):
 
     cause = "fingerprint"
     reason = Reason.FINGERPRINT
+
+
+class FailedVerification(ShareError):
+    """The daemon's copy of the set failed verification (`engramd verify` found changed
+    bytes): it hands it out no more until the operator loads it again."""
+
+    cause = "failed-verification"
+    reason = Reason.FAILED_VERIFICATION
 
 
 class NotAllowed(ShareError):
@@ -218,6 +228,7 @@ CAUSES = frozenset(
         ShmCapacityError,
         SegmentNotVisible,
         FingerprintMismatch,
+        FailedVerification,
         NotAllowed,
         SelectionRefused,
         UnknownSet,

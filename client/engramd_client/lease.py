@@ -4,7 +4,9 @@ The daemon counts a worker as attached while its Attach stream is open. When
 the daemon restarts, the stream breaks; the worker keeps its mappings (the
 files stay mapped even if they were unlinked) and this thread re-attaches by
 set id with backoff until the new daemon answers, so the lease reappears in
-status without the worker doing anything.
+status without the worker doing anything. The stream also brings the news
+that makes the lease stale: the set loaded again (a new copy), or the copy
+this worker maps failed verification.
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ class Lease:
         self._nonce = ""
         #: The daemon's id of the lease; changes when it is re-established.
         self.lease_id = ""
-        #: The daemon holds another copy of the set than the one this worker maps.
+        #: The daemon holds another copy of the set than the one this worker maps, or
+        #: told it that copy failed verification.
         self.stale = False
+        self._told_failed = False
         self._call: Any = self._stub.Attach(request)  # a grpc.Call that is also the event iterator
         self._thread = threading.Thread(target=self._run, name="engramd-lease", daemon=True)
         self._thread.start()
@@ -153,11 +157,14 @@ class Lease:
         while True:
             try:
                 for event in call:
-                    if event.WhichOneof("event") == "attached":
+                    kind = event.WhichOneof("event")
+                    if kind == "attached":
                         self._adopt(event.attached)
                         delay = self._config.reconnect_min_s
                         last_error = ""
-                    elif event.WhichOneof("event") == "draining":
+                    elif kind == "stale":
+                        self._failed_verification(request.set_id, event.stale)
+                    elif kind == "draining":
                         break
             except grpc.RpcError as e:
                 if self._closed.is_set():
@@ -185,6 +192,12 @@ class Lease:
         # from the moment the daemon sent it, before the fd channel's round trip.
         if attachment.nonce == self._nonce:
             log.info("engramd lease for set %s re-established", attachment.set_id)
+        elif self._told_failed:
+            log.info(
+                "engramd holds a new copy of set %s, loaded again after this worker's copy "
+                "failed verification: Tables.refresh() moves to it",
+                attachment.set_id,
+            )
         elif not self.stale:
             # The set was dropped and loaded again (after a failed verify, say):
             # this worker still reads the earlier copy, which nobody checks any
@@ -199,6 +212,22 @@ class Lease:
             )
         if attachment.fd_channel.secret:
             self._show_self(attachment)
+
+    def _failed_verification(self, set_id: str, news: pb.Stale) -> None:
+        # The daemon found changed bytes in the copy this worker maps: one warning
+        # (a re-established lease hears it again). The mapping stays under live
+        # tensors; the model moves when it calls Tables.refresh().
+        self.stale = True
+        if self._told_failed:
+            return
+        self._told_failed = True
+        log.warning(
+            "engramd lease for set %s: %s; this worker still reads that copy, and status "
+            "marks its lease stale: call Tables.refresh() and bind the tables it returns "
+            "(in auto mode, private tables until the set is loaded again)",
+            set_id,
+            news.reason,
+        )
 
     def _show_self(self, attachment: pb.Attachment) -> None:
         """Meet the daemon on the fd channel, where the kernel names this process.

@@ -87,7 +87,10 @@ class Tables(Mapping[str, torch.Tensor]):
 
     @property
     def stale(self) -> bool:
-        """The daemon holds a newer copy of the set than this one (dropped and loaded again)."""
+        """The daemon holds a newer copy of the set than this one (dropped and loaded again),
+        or told this worker its copy failed verification (`engramd verify` found changed
+        bytes): `refresh()` attaches again (private tables, in auto mode, while the set
+        is not loaded again)."""
         return self._lease is not None and self._lease.stale
 
     def refresh(self) -> Tables:

@@ -65,28 +65,38 @@ class AdminService(pb_grpc.AdminServiceServicer):
     async def Verify(
         self, request: pb.VerifyRequest, context: grpc.aio.ServicerContext
     ) -> pb.VerifyReply:
-        """Recompute a set's checksums; name the tensors that differ."""
+        """Recompute a set's checksums; name the tensors that differ (their copy is then
+        served no more, and its workers told it is stale)."""
         try:
-            ts, corrupted = await self._sets.verify(request.set_id)
+            verified = await self._sets.verify(request.set_id)
         except Exception as e:
             log.warning("verify of set %s failed (%s): %s", request.set_id, ASKER, e)
             await abort(context, e)
             raise
+        ts, corrupted = verified.ts, verified.corrupted
         if corrupted:
             log.error(
                 "verify of set %s (%s): %d of %d tensors differ from their checksums (%s); "
-                "drop the set and load it again",
+                "engramd hands out that copy no more; leases told it is stale: %d; %s",
                 request.set_id,
                 ASKER,
                 len(corrupted),
                 ts.ntensors,
                 ", ".join(corrupted),
+                verified.told,
+                verified.fix or "it was dropped or loaded again meanwhile",
             )
         else:
             log.info(
                 "verified set %s (%s): all %d tensors match", request.set_id, ASKER, ts.ntensors
             )
-        return pb.VerifyReply(tensors=ts.ntensors, bytes=ts.nbytes, corrupted=corrupted)
+        return pb.VerifyReply(
+            tensors=ts.ntensors,
+            bytes=ts.nbytes,
+            corrupted=corrupted,
+            stale_leases=verified.told,
+            fix=verified.fix,
+        )
 
     async def Status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext

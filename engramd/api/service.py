@@ -6,6 +6,7 @@ and their answers back to messages; the sets decide.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -43,7 +44,8 @@ class TableService(pb_grpc.TableServiceServicer):
     async def Attach(
         self, request: pb.AttachRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttachEvent]:
-        """Wait for the set to be ready, hand out its handles, hold the lease."""
+        """Wait for the set to be ready, hand out its handles, hold the lease (telling the
+        worker if its copy fails verification meanwhile)."""
         granted: Granted | None = None
         try:
             # Closed at once when the worker hangs up: a proof in progress stops.
@@ -62,7 +64,9 @@ class TableService(pb_grpc.TableServiceServicer):
         ts, lease, kind = granted.ts, granted.lease, granted.kind
         try:
             yield pb.AttachEvent(attached=self._attachment(ts, lease, kind, granted.reveal_sources))
-            await lease.ended.wait()
+            if await _told_stale(lease):
+                yield pb.AttachEvent(stale=pb.Stale(reason=str(ts.error), tensors=ts.changed))
+                await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
         finally:
@@ -127,3 +131,14 @@ class TableService(pb_grpc.TableServiceServicer):
             self._config.worker_set_grace,
             self._sets.failed_configured(),
         )
+
+
+async def _told_stale(lease: Lease) -> bool:
+    """Wait until the lease ends or its copy fails verification; True for the latter."""
+    waits = [asyncio.ensure_future(e.wait()) for e in (lease.ended, lease.told_stale)]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+    return lease.told_stale.is_set() and not lease.ended.is_set()

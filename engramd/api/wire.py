@@ -146,6 +146,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         numa_node=ts.node,
         huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
         family=family.name if (family := family_of_selection(ts.selection)) else "",
+        changed_tensors=ts.changed,
     )
 
 
@@ -218,6 +219,7 @@ def status_reply(
                 stands_in_for=b.stands_in_for,
                 reason=b.reason,
                 small_pages_reason=b.small_pages_reason,
+                small_pages_fix=b.small_pages_fix,
             )
             for b, bu in usages
         ],

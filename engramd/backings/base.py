@@ -89,8 +89,11 @@ class Backing(ABC):
     stands_in_for: str = ""
     #: Why the backing asked for cannot work here, or "".
     reason: str = ""
-    #: Why new sets get 4 KiB pages here where huge pages could back them, with the fix; or "".
+    #: Why new sets get 4 KiB pages here where huge pages could back them (one short line),
+    #: or "".
     small_pages_reason: str = ""
+    #: With small_pages_reason: the fix, in full.
+    small_pages_fix: str = ""
     #: The NUMA node pages come from where the backing picks them by node (a hugetlb
     #: pool, cuMem host memory): --numa node:N's, or its own choice; else None.
     node: int | None = None

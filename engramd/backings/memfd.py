@@ -76,9 +76,11 @@ class MemfdBacking(Backing):
         self.page_size = huge_page_size or page_size_of_memfd()
         if self.page_size <= 4096:
             self.small_pages_reason = (
-                f"memfd sets get 4 KiB pages: shmem_enabled is {shmem_enabled()}; for 2 MiB pages "
-                "set /sys/kernel/mm/transparent_hugepage/shmem_enabled to within_size, or use "
-                "--page-size 2M (a hugetlb pool)"
+                f"memfd sets get 4 KiB pages: shmem_enabled is {shmem_enabled()}"
+            )
+            self.small_pages_fix = (
+                "for 2 MiB pages set /sys/kernel/mm/transparent_hugepage/shmem_enabled to "
+                "within_size, or use --page-size 2M (a hugetlb pool)"
             )
         #: hugetlb pages come from this NUMA node's pool (--numa node:N), else from any.
         self.node = node

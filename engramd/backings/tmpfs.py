@@ -23,7 +23,7 @@ from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmOnDisk
 from engramd.host.fdstore import FdStore
-from engramd.host.hugeroot import claim_huge_root
+from engramd.host.hugeroot import SMALL_PAGES_DOCS, claim_huge_root, small_pages_fix
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from engramd.host.shmroot import RootLock, claim_root
@@ -147,8 +147,12 @@ class TmpfsBacking(Backing):
         # A tmpfs mounted over the root just now hides the folder's lock from later daemons.
         self._lock.take(root)
         if self.small_pages_reason:
-            # Asked for with --no-huge-tmpfs: said, not warned about.
-            (log.warning if self._huge_tmpfs else log.info)("%s", self.small_pages_reason)
+            self.small_pages_fix = small_pages_fix(root)
+            # Asked for with --no-huge-tmpfs: said, not warned about. One short line: the
+            # fix, commands and all, is in status and the docs.
+            (log.warning if self._huge_tmpfs else log.info)(
+                "%s; the fix: engramd status, %s", self.small_pages_reason, SMALL_PAGES_DOCS
+            )
         if is_mount_point(root):
             self._root_mount = root
             # engramd sizes its mount to the shm folder's total and counts its sets

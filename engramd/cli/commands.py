@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -18,6 +19,7 @@ from engramd.cli.serve import serve
 from engramd.config import admin_socket_for
 from engramd_shared.checkpoint import DEFAULT_TENSORS
 from engramd_shared.config import DEFAULT_SOCKET
+from engramd_shared.families import ENGRAM
 
 if TYPE_CHECKING:
     import grpc
@@ -210,7 +212,11 @@ def verify(
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
 ) -> None:
-    """Recompute a set's checksums; name every tensor that no longer matches (exit 1)."""
+    """Recompute a set's checksums; name every tensor that no longer matches (exit 1).
+
+    A copy with changed bytes is then served no more: new attaches are refused,
+    its workers are told it is stale, until `engramd load` loads it again.
+    """
     import grpc
 
     from engramd.units import gib
@@ -225,9 +231,16 @@ def verify(
     if reply.corrupted:
         for name in reply.corrupted:
             typer.echo(f"corrupted: {name}")
+        # No fix: a daemon older than the field, which kept serving the copy.
+        served = (
+            f"engramd hands out that copy no more; leases told it is stale: "
+            f"{reply.stale_leases}; {reply.fix}"
+            if reply.fix
+            else "drop the set and load it again"
+        )
         typer.echo(
             f"set {set_id}: {len(reply.corrupted)} of {reply.tensors} tensors differ "
-            "from their checksums; drop the set and load it again",
+            f"from their checksums; {served}",
             err=True,
         )
         raise typer.Exit(1)
@@ -276,18 +289,72 @@ def manifest(
 @app.command()
 def synth(
     out: Annotated[Path, typer.Argument(help="Folder to write the checkpoint into.")],
-    layers: int = 2,
-    rows: Annotated[int, typer.Option(help="Rows per Engram table.")] = 1_000_000,
-    dim: int = 256,
-    shards: int = 2,
+    family: Annotated[
+        Literal["engram", "ple"],
+        typer.Option(
+            help="engram: DeepSeek-V4.1's Engram tables (fp8, e8m0 scales); ple: Qwen4Exp's "
+            "PLE n-gram tables in row shards."
+        ),
+    ] = "engram",
+    layers: Annotated[int, typer.Option(help="Layers that carry a table.")] = 2,
+    rows: Annotated[int, typer.Option(help="Rows per table.")] = 1_000_000,
+    dim: Annotated[
+        int | None, typer.Option(help="Values per row (default: 256 engram, 64 ple).")
+    ] = None,
+    shards: Annotated[int, typer.Option(help="Files the checkpoint is spread over.")] = 2,
+    parts: Annotated[
+        int | None, typer.Option(help="ple: row shards per table (shard_N) (default: 7).")
+    ] = None,
+    table_format: Annotated[
+        str | None,
+        typer.Option(
+            "--format", help="ple: the tables' format, BF16, F8_E4M3 or NVFP4 (default: BF16)."
+        ),
+    ] = None,
     seed: int = 0,
 ) -> None:
-    """Write a synthetic Engram checkpoint (fp8 tables with e8m0 scales) with safetensors."""
-    from engramd.testing.synth import SynthSpec, synthesize
+    """Write a synthetic checkpoint with safetensors whose every table byte can be recomputed:
+    Engram tables, or Qwen4Exp's PLE n-gram tables (--family ple)."""
+    from engramd.testing.synth import (
+        NVFP4_BLOCK,
+        PLE_FORMATS,
+        PleSpec,
+        SynthSpec,
+        synthesize,
+        synthesize_ple,
+    )
 
-    spec = SynthSpec(layers=layers, rows=rows, dim=dim, shards=shards, seed=seed)
-    synthesize(out, spec)
-    typer.echo(f"wrote {out}: {layers} Engram layers, {spec.table_bytes / 2**30:.2f} GiB of tables")
+    if family == ENGRAM.name:
+        for flag, value in (("--parts", parts), ("--format", table_format)):
+            if value is not None:
+                raise typer.BadParameter("applies to --family ple only", param_hint=flag)
+        spec = SynthSpec(layers=layers, rows=rows, shards=shards, seed=seed)
+        if dim is not None:
+            spec = dataclasses.replace(spec, dim=dim)
+        synthesize(out, spec)
+        what = f"{layers} Engram layers"
+        nbytes = spec.table_bytes
+    else:
+        # Every other decoder layer from 0 carries a table, as in the tests' checkpoints.
+        ple = PleSpec(layers=tuple(range(0, 2 * layers, 2)), rows=rows, files=shards, seed=seed)
+        ple = dataclasses.replace(
+            ple,
+            dim=ple.dim if dim is None else dim,
+            parts=ple.parts if parts is None else parts,
+            fmt=table_format or ple.fmt,
+        )
+        if ple.fmt not in PLE_FORMATS:
+            raise typer.BadParameter(
+                f"{ple.fmt!r} is not one of {', '.join(PLE_FORMATS)}", param_hint="--format"
+            )
+        if ple.fmt == "NVFP4" and ple.dim % NVFP4_BLOCK:
+            raise typer.BadParameter(
+                f"NVFP4 takes a multiple of {NVFP4_BLOCK} values per row", param_hint="--dim"
+            )
+        synthesize_ple(out, ple)
+        what = f"{layers} Qwen4Exp PLE layers ({ple.fmt}, {ple.parts} row shards each)"
+        nbytes = ple.table_bytes
+    typer.echo(f"wrote {out}: {what}, {nbytes / 2**30:.2f} GiB of tables")
 
 
 @app.command()

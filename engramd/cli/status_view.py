@@ -25,6 +25,8 @@ from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 STATUS_TIMEOUT_S = 2.0
 #: Columns when the width is not bounded: tables then take their natural width.
 _UNBOUNDED = 10_000
+#: SetInfo.state of a copy `engramd verify` found changed bytes in.
+FAILED_VERIFICATION = "failed-verification"
 
 
 def fetch(socket: str, admin_socket: str = "", timeout: float = STATUS_TIMEOUT_S) -> pb.StatusReply:
@@ -185,7 +187,7 @@ def _leases(reply: pb.StatusReply) -> Table:
         for lease in s.leases:
             labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
             marks = ("" if lease.pid_verified else "unverified pid  ") + (
-                "STALE: maps an earlier copy" if lease.stale else ""
+                _stale(s) if lease.stale else ""
             )
             table.add_row(
                 s.set_id,
@@ -201,6 +203,13 @@ def _leases(reply: pb.StatusReply) -> Table:
             table.add_row(s.set_id, f"... and {s.lease_count - len(s.leases)} more leases")
     table.columns[0].min_width = 20
     return _whole(table)
+
+
+def _stale(s: pb.SetInfo) -> str:
+    """Why a lease of `s` is stale."""
+    if s.state == FAILED_VERIFICATION:
+        return "STALE: its copy failed verification"
+    return "STALE: maps an earlier copy"
 
 
 def _whole(table: Table) -> Table:
@@ -266,6 +275,8 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
     for b in reply.backings:
         if b.small_pages_reason:
             parts.append(Text(escape(b.small_pages_reason), style="yellow"))
+            if b.small_pages_fix:
+                parts.append(Text(f"  the fix: {escape(b.small_pages_fix)}", style="yellow"))
     parts.append(_sets(reply) if reply.sets else Text("no sets"))
     if any(s.leases for s in reply.sets):
         parts.append(_leases(reply))
@@ -275,8 +286,8 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
         parts.append(
             Text(
                 "(STALE: the set was loaded again, after a drop or a restart that did not keep "
-                "it; those workers still read their earlier copy until they call "
-                "Tables.refresh())"
+                "it, or its copy failed verification; those workers still read that copy until "
+                "they call Tables.refresh())"
             )
         )
     total = sum(saved_bytes(s) for s in reply.sets)

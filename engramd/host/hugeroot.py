@@ -47,6 +47,10 @@ _INIT_MNT_NS = 0xEFFFFFF8
 #: The options that give 2 MiB pages (with the size, mode and owner added).
 HUGE_OPTIONS = "huge=within_size"
 
+#: Where the fix for sets on 4 KiB pages is written out, commands and all (the one log line
+#: names it; `engramd status` shows the fix itself).
+SMALL_PAGES_DOCS = "docs/operations.md#fixing-4-kib-pages"
+
 FIX_SMALL_PAGES = (
     "for 2 MiB pages let engramd mount a huge tmpfs itself (run it as root or with "
     "CAP_SYS_ADMIN, in the host's mount namespace), mount one over {root} before it starts "
@@ -57,10 +61,16 @@ FIX_SMALL_PAGES = (
 )
 
 
+def small_pages_fix(root: Path) -> str:
+    """The fix for new sets in `root` on 4 KiB pages, in full (what status shows)."""
+    return FIX_SMALL_PAGES.format(root=root, knob=shmem_enabled())
+
+
 def claim_huge_root(shm_dir: str, root: Path, gid: int | None, enabled: bool) -> str:
     """Put `root` on 2 MiB pages where the daemon may; "" when new sets there get them.
 
-    Otherwise: why they get 4 KiB pages, and the fix (for one log line and status).
+    Otherwise: why they get 4 KiB pages, in one short line (for the log and status;
+    small_pages_fix is the fix).
     """
     if huge_pages(root):
         if is_mount_point(root):
@@ -71,33 +81,28 @@ def claim_huge_root(shm_dir: str, root: Path, gid: int | None, enabled: bool) ->
         why = _mount(shm_dir, root, gid)
     if not why:
         return ""
-    return f"new sets in {root} get 4 KiB pages: {why}; " + FIX_SMALL_PAGES.format(
-        root=root, knob=shmem_enabled()
-    )
+    return f"new sets in {root} get 4 KiB pages: {why}"
 
 
 def _why_not(shm_dir: str, root: Path, enabled: bool) -> str:
     """Why the daemon does not mount a huge tmpfs over `root`, or ""."""
     if not enabled:
-        return "the huge tmpfs is turned off (--no-huge-tmpfs, ENGRAMD_HUGE_TMPFS=false)"
+        return "the huge tmpfs is turned off (--no-huge-tmpfs)"
     knob = shmem_enabled()
     if knob == "deny":
-        return "shmem_enabled is deny, which keeps every tmpfs on 4 KiB pages"
+        return "shmem_enabled is deny, which keeps every tmpfs on them"
     fstype = find_mount(root).fstype
     if fstype != "tmpfs":
         return f"the shm folder is on {fstype or 'an unknown filesystem'}, not tmpfs"
     if is_mount_point(root):
-        return f"{root} is a tmpfs mounted without huge= (remount it with huge=within_size)"
+        return "it is a tmpfs mounted without huge= (remount it with huge=within_size)"
     if not _has_sys_admin():
-        return "engramd may not mount (it lacks CAP_SYS_ADMIN)"
+        return "engramd may not mount one (it lacks CAP_SYS_ADMIN)"
     outside = _outside_host_namespace()
     if outside:
         return outside
     if any(p.name != LOCK_NAME for p in root.iterdir()):
-        return (
-            f"{root} already holds sets of an earlier daemon on 4 KiB pages, and a mount would "
-            "hide them (drop them with engramd drop, then restart engramd)"
-        )
+        return "it holds sets of an earlier daemon that a mount would hide (drop them, restart)"
     return ""
 
 
@@ -116,20 +121,14 @@ def _outside_host_namespace() -> str:
     try:
         first = os.stat("/proc/1/ns/mnt").st_ino
     except OSError as e:
-        return (
-            "engramd cannot tell whether its mount namespace is the host's "
-            f"(/proc/1/ns/mnt: {e.strerror})"
-        )
+        return f"engramd cannot tell if its mount namespace is the host's ({e.strerror})"
     if own != first:
         return (
-            "engramd runs in a mount namespace of its own (systemd PrivateTmp=, ProtectSystem=, "
-            "unshare, ...): a tmpfs it mounted there would vanish with it, and its sets with it"
+            "engramd has a private mount namespace (PrivateTmp=, ProtectSystem=, unshare): a "
+            "mount would vanish with it"
         )
     if os.getpid() == 1:
-        return (
-            "engramd is its container's first process: a tmpfs it mounted would vanish "
-            "when it exits, and its sets with it"
-        )
+        return "engramd is its container's pid 1: a mount would vanish with it"
     return ""
 
 

@@ -12,7 +12,7 @@ from collections import Counter
 from engramd.backings import Backing
 from engramd.sets.leases import LeaseBook
 from engramd.sets.registry import SetRegistry
-from engramd.sets.tableset import SetState, TableSet
+from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.units import gib
 from engramd_shared.errors import BudgetExceeded, QuotaExceeded, ShmCapacityError
 
@@ -74,9 +74,7 @@ class Admission:
                 (
                     ts
                     for ts in self._sets.all()
-                    if ts.state is SetState.READY
-                    and not LeaseBook.count(ts)
-                    and ts.idle_after <= now
+                    if ts.state in COMPLETE and not LeaseBook.count(ts) and ts.idle_after <= now
                 ),
                 key=lambda ts: ts.last_used,
             )

@@ -87,3 +87,17 @@ class Loaded:
     """An operator's load done: the set (its first copy), published."""
 
     ts: TableSet
+
+
+@dataclass(frozen=True)
+class Verified:
+    """An operator's verify done: the set (its first copy) and what failed."""
+
+    ts: TableSet
+    #: Its tensors whose bytes changed (a per-node copy's named with its node), and any
+    #: other finding (an attestation that does not hold).
+    corrupted: list[str]
+    #: Leases whose workers were told their copy failed verification.
+    told: int = 0
+    #: How the operator gets a copy served again, where one failed ("" if none did).
+    fix: str = ""

@@ -9,7 +9,7 @@ translates its callers' messages to its verbs:
   load(intent)               `engramd load`: progress, then the published set
   attach(intent)             a worker's attach: progress, then the set and a lease
   drop(set_id, force)        `engramd drop`
-  verify(set_id)             `engramd verify`
+  verify(set_id)             `engramd verify`: a copy with changed bytes is served no more
   shown_to_group()           which sets the worker socket's status shows in full
   sweep(), close()           the lifecycle's upkeep and shutdown
 
@@ -30,13 +30,21 @@ from engramd.backings import Backing
 from engramd.backings.handles import HandleKind
 from engramd.config import DaemonConfig
 from engramd.host.blocking import BlockingPool
-from engramd.sets.intents import AttachIntent, GpuRoute, Granted, Loaded, LoadIntent, Progress
-from engramd.sets.leases import LeaseBook, Stats
+from engramd.sets.intents import (
+    AttachIntent,
+    GpuRoute,
+    Granted,
+    Loaded,
+    LoadIntent,
+    Progress,
+    Verified,
+)
+from engramd.sets.leases import LeaseBook, Stats, check_served
 from engramd.sets.loader import LoadProgress
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
-from engramd.sets.store import SetStore
+from engramd.sets.store import SetStore, reload_fix
 from engramd.sets.tableset import SetState, TableSet
 from engramd.sources.chain import SourceChain
 from engramd_shared.beneath import OutsideRoot, Root
@@ -164,12 +172,14 @@ class SetKeeper:
 
     async def load(self, intent: LoadIntent) -> AsyncGenerator[Progress | Loaded, None]:
         """Load a checkpoint's set (a copy per node with --numa per-node), prove what was held
-        under its id, publish it: progress, then the set."""
+        under its id, publish it: progress, then the set. A copy that failed verification is
+        dropped and loaded again."""
         plan = await self.readers.run(
             self.plans.plan,
             _operator_path(intent.checkpoint),
             intent.tensors or self._config.tensors,
         )
+        await self.store.replace_failed(plan.set_id)
         copies = await self.store.ensure_everywhere(plan)
         for ts in copies:
             async for step in load_progress(ts):
@@ -194,27 +204,44 @@ class SetKeeper:
         """Unlink every copy of a set: (bytes, leases ended); as SetStore.drop."""
         return await self.store.drop(set_id, force)
 
-    async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
-        """The set and its tensors whose bytes changed; as SetStore.verify.
+    async def verify(self, set_id: str) -> Verified:
+        """Recompute every copy's checksums; a copy with changed bytes fails verification:
+        no new attach is served it, its leases' workers are told it is stale
+        (SetStore.fail_verification), and the operator's next load of it loads it again.
 
         A filled set's checksums and kept strong digests must also still be the
         ones its origin attested (checked with the fleet's key, where this daemon
         has one); the strong digests are not taken again here.
         """
-        ts, corrupted = await self.store.verify(set_id)
+        checked = await self.store.verify(set_id)
+        corrupted: list[str] = []
+        told, fix = 0, ""
+        for ts, tensors in checked:
+            notes = self._unattested(ts)
+            if not tensors and not notes:
+                continue
+            if self.store.sets.holds(ts):
+                told += self.store.fail_verification(ts, tensors, notes)
+                fix = reload_fix(ts)
+            at = "" if ts.node is None else f" (node {ts.node})"
+            corrupted += [name + at for name in tensors + notes]
+        return Verified(checked[0][0], corrupted, told, fix)
+
+    def _unattested(self, ts: TableSet) -> list[str]:
+        """Why a filled copy's manifest is not the one its origin attested (none: it is, or
+        this daemon has no fleet key to tell)."""
         key = self._sources.key if self._sources is not None else None
         m = ts.manifest
-        if key is not None and m is not None and m.attestation is not None:
-            if m.strong_digests is None:
-                corrupted.append(
-                    "manifest.json: an older engramd filled it and kept no strong digests, so "
-                    "its attestation cannot be checked; drop the set and load it again"
-                )
-            elif not key.attested(
-                m.attestation, m.set_id, m.fingerprint, m.tensors, m.strong_digests
-            ):
-                corrupted.append("manifest.json: its digests are not the ones its origin attested")
-        return ts, corrupted
+        if key is None or m is None or m.attestation is None:
+            return []
+        if m.strong_digests is None:
+            return [
+                "manifest.json: an older engramd filled it and kept no strong digests, so "
+                "its attestation cannot be checked"
+            ]
+        if not key.attested(m.attestation, m.set_id, m.fingerprint, m.tensors, m.strong_digests):
+            return ["manifest.json: its digests are not the ones its origin attested"]
+        return []
 
     # -- workers' attaches ----------------------------------------------------
 
@@ -224,6 +251,8 @@ class SetKeeper:
         # Refused before any load when no backing could serve the worker.
         self._handle_kind(intent, self.store.backings)
         ts, plan = await self._resolve(intent)
+        # Before any proof reads the worker's files (the lease book checks again).
+        check_served(ts, intent)
         async for step in load_progress(ts):
             yield step
         if plan is not None:
@@ -495,7 +524,7 @@ async def load_progress(ts: TableSet) -> AsyncGenerator[Progress, None]:
         yield Progress(ts.bytes_loaded, ts.nbytes)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ts.done.wait(), PROGRESS_INTERVAL_S)
-    if ts.error is not None:
+    if ts.state is SetState.FAILED and ts.error is not None:
         # One stored error, raised for each waiter: not chained to what any of them handles.
         raise ts.error from None
 

@@ -2,8 +2,9 @@
 
 Every lease lives on its set (`TableSet.leases`); this room alone writes
 them: it adds them, redeems their fd-channel secret for the caller the kernel
-names, charges them to uids, and ends them (their stream closed, their
-process gone, the set dropped, the daemon stopping).
+names, charges them to uids, tells their workers when their copy failed
+verification, and ends them (their stream closed, their process gone, the set
+dropped, the daemon stopping).
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ from engramd.backings.handles import HandleKind
 from engramd.sets.intents import AttachIntent, GpuRoute
 from engramd.sets.policy import may_read
 from engramd.sets.registry import SetRegistry
-from engramd.sets.tableset import SetKey, SetState, TableSet, set_key
+from engramd.sets.tableset import COMPLETE, SetKey, SetState, TableSet, set_key
 from engramd_shared.beneath import Opened
-from engramd_shared.errors import NotAllowed, SegmentNotVisible, TooManyLeases, UnknownSet
+from engramd_shared.errors import (
+    FailedVerification,
+    NotAllowed,
+    SegmentNotVisible,
+    TooManyLeases,
+    UnknownSet,
+)
 from engramd_shared.layout import ManifestError, NotOwned
 from engramd_shared.process import pid_namespace, start_ticks
 
@@ -114,6 +121,8 @@ class Lease:
     ended: asyncio.Event = field(default_factory=asyncio.Event)
     #: The lease was ended because the daemon is stopping.
     draining: bool = False
+    #: Set when the copy the lease maps failed verification: its worker is told it is stale.
+    told_stale: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def set_key(self) -> SetKey:
@@ -158,6 +167,7 @@ class LeaseBook:
         """
         if not self._sets.holds(ts):
             raise UnknownSet(f"set {ts.set_id} was dropped while the worker waited; attach again")
+        check_served(ts, intent)
         # A first lease of descriptors is granted, and charged to its uid, when
         # it collects them (COLLECT_DEADLINE_S): only then does the kernel say
         # who holds it, so uncollected ones count against no limit and cannot
@@ -187,6 +197,10 @@ class LeaseBook:
             collects=collects,
             readers=readers,
         )
+        if ts.state is SetState.FAILED_VERIFICATION:
+            # A worker re-attaching to the copy it maps: it gets its lease back, and the news.
+            lease.stale = True
+            lease.told_stale.set()
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
         return lease
@@ -241,7 +255,7 @@ class LeaseBook:
         if lease.ended.is_set():
             # Ended (by the sweep, a drop, the stream) while the files were judged.
             raise NotAllowed(f"lease {lease.lease_id} ended; attach again")
-        if ts.state is not SetState.READY or ts.manifest is None:
+        if ts.state not in COMPLETE or ts.manifest is None:
             raise SegmentNotVisible(f"set {ts.set_id} is no longer held; attach again")
         self.own(lease, caller.uid)
         if caller.own_pid is not None:
@@ -392,6 +406,15 @@ class LeaseBook:
         return list(itertools.islice(ts.leases.values(), limit))
 
     @staticmethod
+    def tell_stale(ts: TableSet) -> int:
+        """Mark every lease of `ts` stale and tell its worker (its copy failed verification);
+        returns how many."""
+        for lease in ts.leases.values():
+            lease.stale = True
+            lease.told_stale.set()
+        return len(ts.leases)
+
+    @staticmethod
     def end_all(ts: TableSet) -> int:
         """End every lease of a set leaving the store; returns how many."""
         ended = len(ts.leases)
@@ -399,6 +422,17 @@ class LeaseBook:
             lease.ended.set()
         ts.leases.clear()
         return ended
+
+
+def check_served(ts: TableSet, intent: AttachIntent) -> None:
+    """Raise the set's FailedVerification for a new attach of a copy that failed verification.
+
+    A worker re-attaching (its stream broke) maps that copy already: it gets its lease
+    back, marked stale, so status shows who still reads it.
+    """
+    if ts.state is SetState.FAILED_VERIFICATION and not intent.reattach:
+        # A new exception each time: the stored one is status's, not every caller's traceback.
+        raise FailedVerification(str(ts.error))
 
 
 def _uncollected(lease: Lease) -> bool:

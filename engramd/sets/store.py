@@ -1,4 +1,5 @@
-"""The sets' states: adopted at start, loaded, published, pinned, verified, dropped.
+"""The sets' states: adopted at start, loaded, published, pinned, verified (and failed
+verification), dropped.
 
 The sets themselves are in the registry (registry.py), where a load may go is
 admission's call (admission.py), and the workers' leases are the lease book's
@@ -10,7 +11,10 @@ Runs on the daemon's event loop; copying, checksumming, pinning and
 unlinking run on daemon threads (blocking.py), so a drop of 189 GiB never
 stalls health, status or attaches. A set is served only once its folder is
 published and complete (state "ready"); a set that failed keeps its error
-for status and is replaced by the next load of the same checkpoint.
+for status and is replaced by the next load of the same checkpoint. A copy
+that failed verification (`engramd verify` found changed bytes) takes no new
+lease, its workers are told it is stale, and the operator's next load of it
+loads it again.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable, Coroutine
 from pathlib import Path
+from shlex import quote
 from typing import Any
 
 from engramd.backings import Backing
@@ -32,7 +37,7 @@ from engramd.sets.admission import Admission
 from engramd.sets.leases import LeaseBook
 from engramd.sets.loader import DEFAULT_PLACEMENT, Fill, LoadCancelled, LoadProgress, load_set
 from engramd.sets.registry import SetRegistry
-from engramd.sets.tableset import SetState, TableSet
+from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.units import gib
 from engramd.values import Placement
 from engramd_shared.checkpoint import TablePlan, plan_tables
@@ -40,10 +45,12 @@ from engramd_shared.errors import (
     CheckpointError,
     Draining,
     DropRefused,
+    FailedVerification,
     LoadFailed,
     ShareError,
     UnknownSet,
 )
+from engramd_shared.families import family_of_selection
 from engramd_shared.layout import Manifest, ManifestError, copy_name
 
 log = logging.getLogger("engramd")
@@ -321,16 +328,14 @@ class SetStore:
             log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
         return sum(ts.nbytes for ts in copies), sum(ended)
 
-    async def verify(self, set_id: str) -> tuple[TableSet, list[str]]:
-        """The set, and the names of its tensors whose bytes no longer match the manifest.
-
-        Every ready copy is checked; a tensor of a per-node copy is named with its node.
-        """
-        ready = [ts for ts in self.sets.copies(set_id) if ts.manifest is not None]
-        if not ready:
+    async def verify(self, set_id: str) -> list[tuple[TableSet, list[str]]]:
+        """Every complete copy of a set, each with the names of its tensors whose bytes no
+        longer match the manifest (fail_verification marks it)."""
+        complete = [ts for ts in self.sets.copies(set_id) if ts.manifest is not None]
+        if not complete:
             raise UnknownSet(f"engramd holds no ready set {set_id}")
-        corrupted = []
-        for ts in ready:
+        checked = []
+        for ts in complete:
             assert ts.manifest is not None
             try:
                 names = await self._files.run(_corrupted, ts.backing, ts.manifest)
@@ -338,8 +343,37 @@ class SetStore:
                 if self.sets.holds(ts):
                     raise
                 raise UnknownSet(f"set {set_id} was dropped while it was being verified") from None
-            corrupted += [name if ts.node is None else f"{name} (node {ts.node})" for name in names]
-        return ready[0], corrupted
+            checked.append((ts, names))
+        return checked
+
+    def fail_verification(self, ts: TableSet, tensors: list[str], notes: list[str]) -> int:
+        """Serve copy `ts` no more: a verify found `tensors` changed (and `notes`, other
+        findings); its leases' workers are told it is stale. Returns how many were told.
+
+        It stays so until the operator loads the set again (replace_failed) or drops it.
+        """
+        what = list(notes)
+        if tensors:
+            what.insert(0, f"the bytes of {', '.join(tensors)} no longer match their checksums")
+        ts.state = SetState.FAILED_VERIFICATION
+        ts.changed = list(tensors)
+        ts.error = FailedVerification(
+            f"set {ts.copy} failed verification: {'; '.join(what)}; engramd hands out this "
+            f"copy no more; {reload_fix(ts)}"
+        )
+        return self.leases.tell_stale(ts)
+
+    async def replace_failed(self, set_id: str) -> None:
+        """Drop the copies of a set that failed verification, so that a load makes them anew.
+
+        Their leases end; their workers keep their mappings and re-attach to the new
+        copy, which status and the workers mark stale.
+        """
+        failed = [ts for ts in self.sets.copies(set_id) if ts.state is SetState.FAILED_VERIFICATION]
+        for ts in failed:
+            log.info("loading set %s again: it failed verification", ts.copy)
+        if failed:
+            await self._drop(failed)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -435,7 +469,7 @@ class SetStore:
             if (
                 ts.charges is not None
                 and not ts.published
-                and ts.state is SetState.READY
+                and ts.state in COMPLETE
                 and not self.leases.count(ts)
                 and now - ts.last_used > grace_s
                 and self.sets.holds(ts)
@@ -463,12 +497,22 @@ class SetStore:
                 ts.progress.cancel.set()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=grace)
-        ready = [ts for ts in self.sets.all() if ts.state is SetState.READY]
-        release = asyncio.ensure_future(self._files.run(_release_all, ready, drop))
+        complete = [ts for ts in self.sets.all() if ts.state in COMPLETE]
+        release = asyncio.ensure_future(self._files.run(_release_all, complete, drop))
         await asyncio.wait([release], timeout=grace)
         if drop:
-            for ts in ready:
+            for ts in complete:
                 log.info("dropped set %s", ts.copy)
+
+
+def reload_fix(ts: TableSet) -> str:
+    """How the operator gets set `ts` served again once a copy of it failed verification."""
+    if not ts.published:
+        # A worker's attach loaded it: the next one loads it again from its own files.
+        return f"drop it (engramd drop {ts.set_id} --force): the next attach loads it again"
+    # A selection of the operator's own is named: `load` takes each family's by default.
+    selection = "" if family_of_selection(ts.selection) else f" --tensors {quote(ts.selection)}"
+    return f"load it again: engramd load {quote(ts.checkpoint)}{selection}"
 
 
 def _remove(backing: Backing, pins: PinnedFiles, copy: str) -> None:

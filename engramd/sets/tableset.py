@@ -27,6 +27,15 @@ class SetState(enum.StrEnum):
     READY = "ready"
     #: The load failed; the error is kept for status until the next load.
     FAILED = "failed"
+    #: Complete, but a verify found bytes that no longer match their checksums: new
+    #: attaches are refused and the leases' workers told their copy is stale, until the
+    #: operator loads the set again (engramd load) or drops it.
+    FAILED_VERIFICATION = "failed-verification"
+
+
+#: States of a copy whose files are complete in its backing: what shutdown unlocks and
+#: unlinks, and what the fd channel still hands to leases already granted.
+COMPLETE = frozenset({SetState.READY, SetState.FAILED_VERIFICATION})
 
 
 #: A set is known by its id, its backing's name and the NUMA node of a per-node copy:
@@ -61,7 +70,10 @@ class TableSet:
     published: bool = False
     manifest: Manifest | None = None
     progress: LoadProgress | None = None
+    #: Why the load failed (state failed), or what a verify found (failed-verification).
     error: BaseException | None = None
+    #: The tensors whose bytes a verify found changed (state failed-verification).
+    changed: list[str] = field(default_factory=list)
     load_seconds: float = 0.0
     pins: PinnedFiles = field(default_factory=PinnedFiles)
     #: Every page of the set is locked in memory.
@@ -94,8 +106,8 @@ class TableSet:
 
     @property
     def bytes_loaded(self) -> int:
-        """Bytes copied so far (all of them once ready)."""
-        if self.state is SetState.READY:
+        """Bytes copied so far (all of them once complete)."""
+        if self.state in COMPLETE:
             return self.nbytes
         return self.progress.done if self.progress else 0
 

@@ -203,6 +203,12 @@ class PleSpec:
             return {"weight": ("U8", self.dim // 2), "weight_scale": ("F8_E4M3", self.dim // 16)}
         return {"weight": (self.fmt, self.dim * DTYPES[self.fmt][0])}
 
+    @property
+    def table_bytes(self) -> int:
+        """Bytes of every PLE table together (every part of every shard)."""
+        row = sum(width for _, width in self.widths().values())
+        return sum(self.rows_of(layer) for layer in self.layers) * row
+
 
 def expected_ple_rows(spec: PleSpec, layer: int, part: str, rows: torch.Tensor) -> torch.Tensor:
     """The bytes (uint8, [len(rows), row bytes]) of rows of a synthetic PLE table's `part`."""

@@ -71,14 +71,16 @@ class AttachRequest(_message.Message):
     def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., pid: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., accept: _Optional[_Iterable[_Union[HandleKind, str]]] = ..., reattach: _Optional[bool] = ..., nonce: _Optional[str] = ..., pid_namespace: _Optional[int] = ..., pid_start: _Optional[int] = ..., numa_node: _Optional[int] = ..., device: _Optional[str] = ..., gpu_route: _Optional[_Union[GpuRoute, str]] = ...) -> None: ...
 
 class AttachEvent(_message.Message):
-    __slots__ = ("progress", "attached", "draining")
+    __slots__ = ("progress", "attached", "draining", "stale")
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     ATTACHED_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    STALE_FIELD_NUMBER: _ClassVar[int]
     progress: LoadProgress
     attached: Attachment
     draining: Draining
-    def __init__(self, progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., attached: _Optional[_Union[Attachment, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+    stale: Stale
+    def __init__(self, progress: _Optional[_Union[LoadProgress, _Mapping]] = ..., attached: _Optional[_Union[Attachment, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., stale: _Optional[_Union[Stale, _Mapping]] = ...) -> None: ...
 
 class LoadProgress(_message.Message):
     __slots__ = ("bytes_done", "bytes_total")
@@ -91,6 +93,14 @@ class LoadProgress(_message.Message):
 class Draining(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class Stale(_message.Message):
+    __slots__ = ("reason", "tensors")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reason: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Attachment(_message.Message):
     __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "tensors", "sources", "fd_channel", "gpu_route")
@@ -277,7 +287,7 @@ class ShmInfo(_message.Message):
     def __init__(self, dir: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., huge_pages: _Optional[bool] = ..., page_size: _Optional[int] = ...) -> None: ...
 
 class BackingInfo(_message.Message):
-    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart", "stands_in_for", "reason", "small_pages_reason")
+    __slots__ = ("name", "where", "total_bytes", "used_bytes", "free_bytes", "page_size", "survives_restart", "stands_in_for", "reason", "small_pages_reason", "small_pages_fix")
     NAME_FIELD_NUMBER: _ClassVar[int]
     WHERE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +298,7 @@ class BackingInfo(_message.Message):
     STANDS_IN_FOR_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     SMALL_PAGES_REASON_FIELD_NUMBER: _ClassVar[int]
+    SMALL_PAGES_FIX_FIELD_NUMBER: _ClassVar[int]
     name: str
     where: str
     total_bytes: int
@@ -298,10 +309,11 @@ class BackingInfo(_message.Message):
     stands_in_for: str
     reason: str
     small_pages_reason: str
-    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ...) -> None: ...
+    small_pages_fix: str
+    def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +341,7 @@ class SetInfo(_message.Message):
     HUGE_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -349,7 +362,8 @@ class SetInfo(_message.Message):
     huge_page_bytes: int
     family: str
     source: str
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+    changed_tensors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")
@@ -437,11 +451,15 @@ class VerifyRequest(_message.Message):
     def __init__(self, set_id: _Optional[str] = ...) -> None: ...
 
 class VerifyReply(_message.Message):
-    __slots__ = ("tensors", "bytes", "corrupted")
+    __slots__ = ("tensors", "bytes", "corrupted", "stale_leases", "fix")
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     CORRUPTED_FIELD_NUMBER: _ClassVar[int]
+    STALE_LEASES_FIELD_NUMBER: _ClassVar[int]
+    FIX_FIELD_NUMBER: _ClassVar[int]
     tensors: int
     bytes: int
     corrupted: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., corrupted: _Optional[_Iterable[str]] = ...) -> None: ...
+    stale_leases: int
+    fix: str
+    def __init__(self, tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., corrupted: _Optional[_Iterable[str]] = ..., stale_leases: _Optional[int] = ..., fix: _Optional[str] = ...) -> None: ...

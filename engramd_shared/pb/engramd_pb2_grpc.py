@@ -57,8 +57,9 @@ class TableServiceServicer:
     def Attach(self, request, context):
         """Attach to a table set, starting its load when the daemon may. The reply
         stream is the lease: the daemon sends progress while the set loads, then
-        one Attached event, then keeps the stream open. The lease ends when
-        either side closes the stream (a worker that exits or dies closes it).
+        one Attached event, then keeps the stream open (sending Stale if the copy
+        fails verification meanwhile). The lease ends when either side closes the
+        stream (a worker that exits or dies closes it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -241,7 +242,8 @@ class AdminServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Recompute every tensor's checksum and name the ones that differ.
+        """Recompute every tensor's checksum and name the ones that differ; a copy
+        with changed bytes is then served no more until the set is loaded again.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

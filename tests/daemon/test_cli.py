@@ -1,4 +1,4 @@
-"""`engramd status`, `synth` and `demo` as an operator runs them."""
+"""`engramd status`, `synth` (Engram and PLE checkpoints) and `demo` as an operator runs them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 
 from conftest import Worker
 from engramd.config import flags
-from engramd.testing.synth import expected_rows
+from engramd.testing.synth import PleSpec, expected_ple_rows, expected_rows
+from engramd_client import attach
+from engramd_shared.checkpoint import INDEX_FILE
 from helpers import engramd
 
 
@@ -88,6 +90,36 @@ def test_synth_writes_what_the_reference_reader_reads(tmp_path: Path) -> None:
         assert torch.equal(s.view(torch.uint8), expected_rows(0, layer, "scale", rows, 8))
         assert not torch.isnan(w.float()).any()
     assert any(".engram." not in name for name in tensors)
+
+
+def test_synth_writes_a_ple_checkpoint_a_daemon_serves_as_that_family(
+    tmp_path: Path, daemons: Any
+) -> None:
+    out = tmp_path / "qwen4exp"
+    args = ("--rows", "3000", "--format", "NVFP4", "--parts", "5", "--shards", "3")
+    result = engramd("synth", str(out), "--family", "ple", *args)
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}: 2 Qwen4Exp PLE layers (NVFP4, 5 row shards each)" in result.stdout
+    # The tests' own generator wrote it: every row is the one it computes.
+    spec = PleSpec(layers=(0, 2), rows=3000, fmt="NVFP4", parts=5, files=3)
+    assert len(set(json.loads((out / INDEX_FILE).read_text())["weight_map"].values())) == 3
+    d = daemons("--checkpoint", str(out))
+    [s] = d.status().sets
+    assert (s.family, s.state, s.tensors, s.bytes) == ("ple", "ready", 4, spec.table_bytes)
+    tables = attach(out, share=True, socket=str(d.socket))
+    try:
+        assert tables.mode == "shared"
+        for layer in spec.layers:
+            for part in spec.widths():
+                served = tables[f"{spec.table(layer)}.{part}"].view(torch.uint8)
+                rows = torch.arange(spec.rows)
+                assert torch.equal(served, expected_ple_rows(spec, layer, part, rows)), part
+    finally:
+        tables.close()
+    # What only PLE checkpoints take is refused for Engram's, not ignored.
+    refused = engramd("synth", str(tmp_path / "engram"), "--parts", "5")
+    assert refused.returncode == 2 and "applies to --family ple only" in refused.stderr
+    assert not (tmp_path / "engram").exists()
 
 
 def demo_folders() -> set[Path]:

@@ -2,8 +2,9 @@
 
 Each test makes the mistake a new operator would (a second daemon on one shm
 folder, colliding sockets, a broken configured checkpoint, a client command
-pointed at the daemon's config file) against real daemons, and asserts the
-message that names the setting and the fix.
+pointed at the daemon's config file) or meets the failure they would (a set
+whose bytes changed) against real daemons, and asserts the message that
+names the setting and the fix.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from conftest import Daemon, Worker, as_user, mounted_hugetlbfs, wait_until
 from engramd.host.hugeroot import unmount_below
+from engramd_shared.errors import Reason
 from engramd_shared.layout import LOCK_NAME, sets_root
-from helpers import engramd
+from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
+from helpers import attach_error, engramd, reason, reference_digests
 
 
 def _exit_code(d: Daemon) -> int:
@@ -265,6 +270,104 @@ def test_failed_admin_calls_leave_a_log_line(
     assert f"verify of set {'0' * 20} failed (asked on the admin socket" in log
     assert f"verify of set {held.set_id} (asked on the admin socket" in log
     assert "1 of 4 tensors differ from their checksums" in log
+
+
+def test_a_verify_that_finds_changed_bytes_stops_serving_the_copy_until_it_is_loaded_again(
+    checkpoint: Path, daemons: Any, workers: list[Worker]
+) -> None:
+    d = daemons("--checkpoint", str(checkpoint))
+    socket = ("--socket", str(d.socket))
+    holder = Worker(checkpoint, d.socket)
+    workers.append(holder)
+    assert holder.hello["mode"] == "shared", holder.hello
+    [s] = d.status().sets
+    # A verify that finds nothing changed changes nothing.
+    assert engramd("verify", s.set_id, *socket).returncode == 0
+    [same] = d.status().sets
+    assert same.state == "ready" and [lease.stale for lease in same.leases] == [False]
+
+    # One byte changed, as root (or a writer with the daemon's rights) could change it.
+    folder = sets_root(d.shm_dir) / s.set_id
+    victim = json.loads((folder / "manifest.json").read_text())["tensors"][1]
+    with open(folder / victim["file"], "r+b") as f:
+        f.seek(victim["offset"] + victim["nbytes"] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    bad = engramd("verify", s.set_id, *socket)
+    assert bad.returncode == 1
+    assert bad.stdout.strip() == f"corrupted: {victim['name']}"
+    fix = f"load it again: engramd load {checkpoint}"
+    assert (
+        "engramd hands out that copy no more; leases told it is stale: 1; " + fix
+    ) in bad.stderr, bad.stderr
+    said = f"set {s.set_id} failed verification: the bytes of {victim['name']} no longer match"
+    # One line in the daemon's log, naming who asked.
+    wait_until(lambda: f"verify of set {s.set_id} (" in d.log, 10, "the verify's log line")
+    [line] = [x for x in d.log.splitlines() if f"verify of set {s.set_id} (" in x]
+    assert "asked on the admin socket" in line and victim["name"] in line and fix in line, line
+
+    # New attaches are refused, naming the set, the tensor and the fix: auto falls back.
+    late = Worker(checkpoint, d.socket)
+    workers.append(late)
+    assert late.hello["mode"] == "private" and said in late.hello["reason"], late.hello
+    assert fix in late.hello["reason"]
+    assert late.hello["digests"] == reference_digests(checkpoint)
+    wait_until(
+        lambda: "fell back to private tables (failed-verification" in d.log, 10, "the report"
+    )
+    err = attach_error(d, pb.AttachRequest(set_id=s.set_id))
+    assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert reason(err) == Reason.FAILED_VERIFICATION and said in str(err.details())
+
+    # The worker holding it is told its copy is stale; status says so.
+    wait_until(lambda: holder.ask("lease")["stale"] is True, 10, "the holder told stale")
+    [failed] = d.status().sets
+    assert failed.state == "failed-verification" and list(failed.changed_tensors) == [
+        victim["name"]
+    ]
+    assert [lease.stale for lease in failed.leases] == [True] and said in failed.error
+    text = engramd("status", *socket).stdout
+    assert "failed-verification" in text and "STALE: its copy failed verification" in text
+    doc = json.loads(engramd("status", *socket, "--json").stdout)
+    [shown] = doc["sets"]
+    assert (shown["state"], shown["changed_tensors"]) == ("failed-verification", [victim["name"]])
+    assert [lease["stale"] for lease in shown["leases"]] == [True]
+    # A worker whose stream broke meanwhile gets its lease back, and the news at once.
+    request = pb.AttachRequest(
+        set_id=s.set_id, pid=os.getpid(), accept=[pb.HANDLE_KIND_FD], reattach=True
+    )
+    with d.channel() as ch:
+        call = pb_grpc.TableServiceStub(ch).Attach(request, timeout=30)
+        kinds = []
+        for event in call:
+            kinds.append(event.WhichOneof("event"))
+            if kinds[-1] == "stale":
+                assert said in event.stale.reason
+                assert list(event.stale.tensors) == [victim["name"]]
+                break
+        call.cancel()
+    assert kinds == ["attached", "stale"]
+    # Still so after another verify: only a load makes a new copy.
+    assert engramd("verify", s.set_id, *socket).returncode == 1
+    assert [x.state for x in d.status().sets] == ["failed-verification"]
+
+    loaded = engramd("load", str(checkpoint), *socket)
+    assert loaded.returncode == 0, loaded.stderr
+    [again] = d.status().sets
+    assert again.state == "ready" and not again.changed_tensors and not again.error
+    fresh = Worker(checkpoint, d.socket, share="on")
+    workers.append(fresh)
+    assert fresh.hello["mode"] == "shared"
+    assert fresh.hello["digests"] == reference_digests(checkpoint)
+    # The holder moves to the new copy when it refreshes.
+    assert holder.ask("refresh")["stale"] is False
+    assert holder.ask("digest")["digests"] == reference_digests(checkpoint)
+    assert engramd("verify", s.set_id, *socket).returncode == 0
+    assert holder.exit() == 0
+    [warning] = [x for x in holder.stderr().splitlines() if "failed verification" in x]
+    assert warning.startswith(f"WARNING engramd_client: engramd lease for set {s.set_id}: {said}")
+    assert "Tables.refresh()" in warning
 
 
 OUTSIDER = "engramd-t1h"

@@ -21,6 +21,7 @@ import pytest
 
 from conftest import Worker, mounted_tmpfs, wait_until
 from engramd.backings import TmpfsBacking
+from engramd.cli.status_view import render
 from engramd.host.hugeroot import claim_huge_root, unmount_below
 from engramd.host.pagesize import census
 from engramd.host.shmfs import find_mount, is_mount_point, mounts_below, shmem_enabled
@@ -126,13 +127,22 @@ def test_turned_off_stays_on_small_pages_and_says_why(
     assert mounts_below(shm_dir) == []
     s = _ready(d)
     assert (s.page_size, s.huge_page_bytes) == (4096, 0)
-    [backing] = d.status().backings
-    why = backing.small_pages_reason
-    assert "--no-huge-tmpfs" in why and "srv-engramd-shm.mount" in why
-    assert f"shmem_enabled is {shmem_enabled()}" in why or f"(it is {shmem_enabled()})" in why
-    # One log line, the same words as status.
+    status = d.status()
+    [backing] = status.backings
+    why, fix = backing.small_pages_reason, backing.small_pages_fix
+    root = sets_root(shm_dir)
+    assert (
+        why == f"new sets in {root} get 4 KiB pages: the huge tmpfs is turned off (--no-huge-tmpfs)"
+    )
+    # The fix in full, where an operator reads it: status.
+    assert "mount -t tmpfs -o huge=within_size,size=<bytes>,mode=0750" in fix and str(root) in fix
+    assert "srv-engramd-shm.mount" in fix and f"(it is {shmem_enabled()})" in fix
+    assert why in render(status) and fix in render(status)
+    # One short log line: the same words as status, and where the fix is written.
     [line] = [line for line in d.log.splitlines() if "get 4 KiB pages" in line]
-    assert why in line
+    said = line.split(" engramd: ", 1)[1]
+    assert said == f"{why}; the fix: engramd status, docs/operations.md#fixing-4-kib-pages"
+    assert len(said) < 200, said
 
 
 def test_a_root_that_holds_sets_is_not_mounted_over(
@@ -148,7 +158,8 @@ def test_a_root_that_holds_sets_is_not_mounted_over(
     assert s.adopted and (s.page_size, s.huge_page_bytes) == (4096, 0)
     assert mounts_below(shm_dir) == [], "a mount would have hidden the adopted set"
     [backing] = d.status().backings
-    assert "already holds sets" in backing.small_pages_reason
+    assert "holds sets of an earlier daemon" in backing.small_pages_reason
+    assert "drop them" in backing.small_pages_reason
 
 
 @pytest.mark.parametrize(

@@ -25,15 +25,20 @@ def relative_links(doc: Path) -> list[str]:
     return [t for t in targets if not re.match(r"[a-z][a-z0-9+.-]*:", t)]
 
 
+def slug(heading: str) -> str:
+    """The anchor a renderer gives a heading's text (GitHub's: lower case, no punctuation)."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
 def anchors(doc: Path) -> set[str]:
-    """The anchors a renderer gives `doc`'s headings (GitHub's: lower case, no punctuation)."""
+    """The anchors a renderer gives `doc`'s headings."""
     found: set[str] = set()
     for line in FENCE.sub("", doc.read_text()).splitlines():
         heading = re.match(r"#{1,6} (.*)", line)
         if heading:
-            slug = re.sub(r"[^\w\- ]", "", heading.group(1).lower()).replace(" ", "-")
-            n = sum(1 for a in found if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
-            found.add(f"{slug}-{n}" if n else slug)
+            name = slug(heading.group(1))
+            n = sum(1 for a in found if a == name or re.fullmatch(re.escape(name) + r"-\d+", a))
+            found.add(f"{name}-{n}" if n else name)
     return found
 
 
@@ -72,6 +77,28 @@ def test_every_relative_link_points_to_a_file_that_exists(doc: Path) -> None:
     assert not missing, (
         f"{doc.relative_to(ROOT)} links to files or headings that do not exist: {missing}"
     )
+
+
+def test_the_small_pages_log_line_points_to_the_fix_commands() -> None:
+    """The daemon's one line about 4 KiB pages names a section; it holds every fix."""
+    from engramd.host.hugeroot import SMALL_PAGES_DOCS
+
+    name, _, anchor = SMALL_PAGES_DOCS.partition("#")
+    doc = ROOT / name
+    assert anchor in anchors(doc), f"{SMALL_PAGES_DOCS}: no such heading"
+    text = doc.read_text()
+    [heading] = [h for h in re.findall(r"^#{1,6} (.*)$", text, re.M) if slug(h) == anchor]
+    # To the next heading (## and deeper: a `#` line in the section's code is a comment).
+    section = re.split(r"^#{2,6} ", text.split(f" {heading}\n", 1)[1], flags=re.M)[0]
+    for command in (
+        "mount -t tmpfs -o huge=within_size",
+        "deploy/systemd/srv-engramd-shm.mount",
+        "mount -o remount,huge=within_size",
+        "engramd drop",
+        "/sys/kernel/mm/transparent_hugepage/shmem_enabled",
+        "--page-size 2M",
+    ):
+        assert command in section, f"{SMALL_PAGES_DOCS} lacks {command}"
 
 
 def test_the_readme_stays_a_quickstart() -> None:

@@ -104,8 +104,8 @@ def test_a_load_publishes_the_set_once_its_bytes_are_in(
         assert ts.set_id == set_id and ts.state is SetState.READY and ts.published
         # Published once, after the load: the group's files are the complete set's.
         assert shared == [set_id]
-        checked, corrupted = await sets.verify(set_id)
-        assert checked is ts and corrupted == []
+        verified = await sets.verify(set_id)
+        assert verified.ts is ts and verified.corrupted == [] and verified.fix == ""
         # A second load of the same checkpoint is the set already held.
         again = await steps(sets.load(LoadIntent(str(small))))
         assert again == [Loaded(ts)] and sets.store.held() == [ts]
