@@ -116,6 +116,9 @@ test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),setup)
 
 # The loaders the load section measures engramd against, into .venv for the bench only.
 bench: setup test-tools
+	@# The cold section reads the files with fio as the device's ceiling (its own reader without).
+	@command -v fio >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || { apt-get update -qq && $(APT_GET) fio >/dev/null; }
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"
 	$(PY) -c "import runai_model_streamer, fastsafetensors" 2>/dev/null || $(PIP) -r bench/requirements-anchors.txt
 	$(PY) -c "import boto3" 2>/dev/null || $(PIP) -r bench/requirements-fleet.txt

@@ -1,8 +1,9 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
-    python -m bench [--size-gib 2] [--load-gib 1] [--replicas 1,2,4,8] [--attach-sizes 0.25,1,4]
-                    [--fleet-gib 1] [--reps 5] [--storm 64] [--cumem-gib 1,8,32]
-                    [--only memory,attach,...,gpu,cumem,fleet]
+    python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
+                    [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--reps 5] [--storm 64]
+                    [--cumem-gib 1,8,32]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -20,6 +21,7 @@ import time
 from pathlib import Path
 
 from .attach import attach_and_restart
+from .cold import cold_loads
 from .common import Figure, as_json, checkpoint, machine
 from .cumem import cumem_figures
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
@@ -38,6 +40,7 @@ SECTIONS = [
     "attach",
     "restart",
     "load",
+    "cold",
     "gather",
     "storm",
     "fds",
@@ -64,6 +67,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--load-gib", type=float, default=1.0, help="checkpoint for the load section (default 1)"
+    )
+    parser.add_argument(
+        "--cold-gib", type=float, default=2.0, help="checkpoint for the cold section (default 2)"
     )
     parser.add_argument("--replicas", default="1,2,4,8", help="replica counts for host memory")
     parser.add_argument("--attach-sizes", default="0.25,1,4", help="set sizes (GiB) for attach")
@@ -121,6 +127,9 @@ def main() -> int:
     if "load" in only:
         print("load throughput: engramd, cp and the anchor loaders, warm and cold")
         figures += load_throughput(checkpoint(args.workdir, args.load_gib), args.reps)
+    if "cold" in only:
+        print("cold load against the device: fio direct, a buffered read, engramd's load")
+        figures += cold_loads(checkpoint(args.workdir, args.cold_gib), max(3, args.reps // 2))
     if "gather" in only:
         print("gather throughput and the first gather after attach")
         figures += gather_throughput(main_ckpt, args.reps)

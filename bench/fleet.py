@@ -38,7 +38,7 @@ from engramd.testing.fleet_lab import (
 )
 from engramd_shared.checkpoint import plan_tables
 
-from .common import Figure, compare, drop_page_cache, shm_folder
+from .common import Figure, compare, drop_caches, drop_page_cache, sequential_read, shm_folder
 
 TOKEN = "bench-fleet-token-0123456789"
 PEER_PORT = 7077
@@ -160,23 +160,6 @@ def _boto3(env: dict[str, str], bucket: str, keys: dict[str, int], parts: int = 
     return sum(keys.values()) / (time.perf_counter() - start) / 1e9
 
 
-def _cold_read(files: list[Path]) -> float:
-    total = 0
-    start = time.perf_counter()
-    buffer = bytearray(8 << 20)
-    for f in files:
-        with open(f, "rb", buffering=0) as src:
-            while n := src.readinto(buffer):
-                total += n
-    return total / (time.perf_counter() - start) / 1e9
-
-
-def _drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
     """Peer, object-store and cold local fills beside their ceilings."""
     missing = netns_missing() or s3rver_missing()
@@ -226,12 +209,12 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
                     )
                 )
                 rates["boto3"].append(_boto3(env, s3.bucket, file_bytes))
-                _drop_caches()
+                drop_caches()
                 rates["cold"].append(_fill_rate(["--checkpoint", str(ckpt)], "files"))
                 for f in files:
                     drop_page_cache(f.parent)
-                _drop_caches()
-                rates["read"].append(_cold_read(files))
+                drop_caches()
+                rates["read"].append(sequential_read(files, 8 << 20))
                 print(
                     f"  turn {turn + 1}: "
                     + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items())

@@ -16,7 +16,7 @@ a while is slow (the hypervisor backs it again): measured 0.29-0.97 GB/s
 into huge pages there, against 4.2-4.9 GB/s into pages a huge-page tmpfs
 held a moment before (and anonymous THP freed before did not help). So
 every way starts on memory just written and freed through a huge-page tmpfs
-(`_recycle`, untimed), and none inherits the one before it's; one row, the
+(`recycle`, untimed), and none inherits the one before it's; one row, the
 default without that step, shows what a daemon meets on such a VM.
 
 The anchor loaders come from bench/requirements-anchors.txt
@@ -33,16 +33,18 @@ from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
-from engramd.sets.loader import LoadProgress, load_set
+from engramd.sets.loader import LoadProgress, copy_threads, load_set
 from engramd_client import plan_tables
 from engramd_shared.checkpoint import TablePlan
 
-from .common import Figure, GiB, compare, huge_tmpfs, shm_folder, timed
+from .common import Figure, GiB, compare, drop_caches, huge_tmpfs, shm_folder, timed
 
-#: What `engramd serve` does by default: the default backing, --load-threads 2.
-DEFAULT = "engramd, default backing, 2 threads"
+#: What `engramd serve` does by default: the default backing, its default load threads.
+DEFAULT = "engramd, default backing, default threads"
 #: The default on memory as the way before left it (the module's docstring).
-FRESH = "engramd, default backing, 2 threads, memory not recycled"
+FRESH = "engramd, default backing, default threads, memory not recycled"
+#: The daemon's default --load-threads on this machine.
+THREADS = copy_threads(DaemonConfig().load_threads)
 #: Where the anchors come from.
 ANCHORS = "bench/requirements-anchors.txt"
 
@@ -114,7 +116,7 @@ def _warm(ckpt: Path) -> None:
                 pass
 
 
-def _recycle(nbytes: int) -> None:
+def recycle(nbytes: int) -> None:
     """Write and free `nbytes` (and a margin) through a huge-page tmpfs (a /dev/shm folder
     where mounting is not permitted), so the next way gets memory the VM backs now."""
     size = nbytes + nbytes // 8
@@ -128,12 +130,6 @@ def _recycle(nbytes: int) -> None:
             os.close(fd)
 
 
-def _drop_caches() -> None:
-    os.sync()
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")
-
-
 def load_throughput(ckpt: Path, reps: int) -> list[Figure]:
     """GB/s of each way reading the checkpoint into memory, alternating them; warm and cold."""
     plan = plan_tables(ckpt)
@@ -141,10 +137,10 @@ def load_throughput(ckpt: Path, reps: int) -> list[Figure]:
     huge = DaemonConfig().huge_tmpfs
     ways: dict[str, tuple[Way, int]] = {
         "cp": (_cp, file_bytes),
-        DEFAULT: (_engramd(huge, 2), plan.nbytes),
-        FRESH: (_engramd(huge, 2), plan.nbytes),
+        DEFAULT: (_engramd(huge, THREADS), plan.nbytes),
+        FRESH: (_engramd(huge, THREADS), plan.nbytes),
         "engramd, default backing, 1 thread": (_engramd(huge, 1), plan.nbytes),
-        "engramd, /dev/shm 4 KiB pages, 2 threads": (_engramd(False, 2), plan.nbytes),
+        "engramd, /dev/shm 4 KiB pages, default threads": (_engramd(False, THREADS), plan.nbytes),
         "runai-model-streamer (CPU)": (_holding(_runai), file_bytes),
         "fastsafetensors (CPU, nogds)": (_holding(_fastsafetensors), file_bytes),
         "safetensors load_file + clone": (_holding(_load_file), file_bytes),
@@ -172,9 +168,9 @@ def load_throughput(ckpt: Path, reps: int) -> list[Figure]:
         for _ in range(reps if cache == "warm" else max(3, reps // 2)):
             for name, (way, nbytes) in ways.items():
                 if name != FRESH:
-                    _recycle(nbytes)
+                    recycle(nbytes)
                 if cache == "cold":
-                    _drop_caches()
+                    drop_caches()
                 else:
                     _warm(ckpt)
                 rates[name].append(nbytes / _scratch(way, plan) / 1e9)

@@ -183,8 +183,9 @@ class DaemonConfig:
     drop_on_exit: bool = setting(False, "Remove the sets at shutdown.")
     #: Lock each set's pages in memory (mlock) so they are never swapped out.
     mlock: bool = setting(True, "Lock the sets' pages in memory.")
-    #: Threads that copy tensors into tmpfs during a load.
-    load_threads: int = setting(2, "Threads that copy a set.", min=1)
+    #: Threads that read a checkpoint into a set's pages during a load; 0: from the
+    #: machine (engramd.sets.loader.copy_threads).
+    load_threads: int = setting(0, "Threads that copy a set (0: one per core, 4-32).", min=0)
     #: TCP port for gRPC health checks only (Kubernetes probes); 0: none.
     health_port: int = setting(0, "TCP port for gRPC health (0: off).")
     #: Address of the health port.

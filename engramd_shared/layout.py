@@ -29,7 +29,7 @@ manifest.json::
                   "size": ..., "mtime_ns": ..., "ctime_ns": ...}, ...],
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
                   "shape": [rows, 256], "file": "0000.bin", "offset": 0,
-                  "nbytes": ..., "checksum": "xxh3-64:<16 hex digits>"}, ...],
+                  "nbytes": ..., "checksum": "xxh3-64-pieces:<16 hex>"}, ...],
      "node": N,                              only in a copy kept for node N
      "attestation": "hmac-sha256:<hex>",     only in a set filled from a peer or an
                                              object store: the origin's attestation

@@ -159,7 +159,7 @@ class Backing(ABC):
 
     @abstractmethod
     def checksum(self, manifest: Manifest, index: int) -> str:
-        """The digest of the index-th tensor as it is now (the manifest's format)."""
+        """The checksum of the index-th tensor as it is now, of the kind its manifest names."""
 
     @abstractmethod
     def remove(self, copy: str) -> None:

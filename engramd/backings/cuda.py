@@ -52,7 +52,7 @@ from engramd.backings.cudacopy import (
 )
 from engramd.backings.cudaprobe import trial
 from engramd.backings.handles import CuMemRange, Handle, HandleKind
-from engramd.checksum import BUFFER_BYTES, label, new_digest
+from engramd.checksum import BUFFER_BYTES, Digest
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import check_memory, memory_limit
@@ -187,7 +187,8 @@ class CudaBackingBase(Backing):
         """Nothing to do: cuMem allocations are pinned from cuMemCreate on."""
 
     def checksum(self, manifest: Manifest, index: int) -> str:
-        """The digest of the tensor's bytes as they are in the allocation now."""
+        """The checksum, of the manifest's kind, of the tensor's bytes as they are in the
+        allocation now."""
         t = manifest.tensors[index]
         with self._lock:
             copy = self._copies.get(manifest.copy)
@@ -199,13 +200,13 @@ class CudaBackingBase(Backing):
         with copy.lock:
             if copy.released:
                 raise gone
-            return self._digest(copy.mapped.pointer + t.offset, t.nbytes)
+            return self._digest(copy.mapped.pointer + t.offset, t.nbytes, t.checksum)
 
-    def _digest(self, pointer: int, nbytes: int) -> str:
-        digest = new_digest()
+    def _digest(self, pointer: int, nbytes: int, like: str) -> str:
+        digest = Digest.like(like)
         for at in range(0, nbytes, BUFFER_BYTES):
             digest.update(self._read(pointer + at, min(BUFFER_BYTES, nbytes - at)))
-        return label(digest)
+        return digest.label()
 
     @abstractmethod
     def _read(self, pointer: int, nbytes: int) -> memoryview:

@@ -122,7 +122,7 @@ class StagedCopy(StagedSet):
         """Check every tensor against its load-time checksum, drop to read-only, hand it out."""
         backing = self._backing
         for t in manifest.tensors:
-            found = backing._digest(self._mapped.pointer + t.offset, t.nbytes)
+            found = backing._digest(self._mapped.pointer + t.offset, t.nbytes, t.checksum)
             if found != t.checksum:
                 raise LoadFailed(
                     f"tensor {t.name!r} of set {manifest.set_id} reads back from "

@@ -199,11 +199,11 @@ class MemfdBacking(Backing):
             os.close(fd)
 
     def checksum(self, manifest: Manifest, index: int) -> str:
-        """The digest of the tensor's range as it is now."""
+        """The checksum, of the manifest's kind, of the tensor's range as it is now."""
         t = manifest.tensors[index]
         fd = self._dup(manifest.copy)
         try:
-            return digest_fd(fd, t.offset, t.nbytes)
+            return digest_fd(fd, t.offset, t.nbytes, t.checksum)
         finally:
             os.close(fd)
 

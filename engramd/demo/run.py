@@ -11,7 +11,6 @@ runner, a service manager) and SIGHUP (a closed terminal).
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
 import signal
 import statistics
@@ -23,6 +22,7 @@ from typing import Any
 
 import psutil
 
+from engramd.host.blocking import cores
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.daemon_process import DaemonProcess
@@ -100,14 +100,9 @@ def _say(text: str, started: float) -> None:
     print(f"[{time.perf_counter() - started:5.0f} s] {text}", flush=True)
 
 
-def cpus() -> int:
-    """The cores this process may run on."""
-    return max(len(os.sched_getaffinity(0)), 1)
-
-
 def estimate_s(spec: SynthSpec, replicas: int, steps: int, tokens: int) -> float:
     """About how long the demo runs on this machine, from the development VM's rates."""
-    starts = (replicas + 1) * REPLICA_START_CPU_S / min(cpus(), max(replicas, 1))
+    starts = (replicas + 1) * REPLICA_START_CPU_S / min(cores(), max(replicas, 1))
     # Each replica gathers and checks 24 heads x `tokens` rows per layer and step (+1 warm-up).
     rows = (replicas + 1) * (steps + 1) * tokens * 24 * spec.layers
     # Synthesizing, then the daemon's load and the private replica's, each reading it once.
@@ -169,7 +164,7 @@ def _demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | Non
     print(
         f"engramd demo: {replicas} replicas share one copy of {gib(spec.table_bytes)} of "
         f"tables, then 1 private replica; about {estimate_s(spec, replicas, steps, tokens):.0f} s "
-        f"on {cpus()} cores (scaled from the 2-core development VM; most of it the replicas "
+        f"on {cores()} cores (scaled from the 2-core development VM; most of it the replicas "
         "checking every row they gather); Ctrl-C stops it and removes what it made",
         flush=True,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -115,6 +116,11 @@ class BlockingPool:
                         return
                 continue
             job()
+
+
+def cores() -> int:
+    """The cores this process may run on (its CPU affinity, as a container's cpuset limits it)."""
+    return max(len(os.sched_getaffinity(0)), 1)
 
 
 def map_on_threads(fn: Callable[[T], R], items: list[T], threads: int, name: str) -> list[R]:

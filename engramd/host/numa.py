@@ -1,11 +1,13 @@
 """NUMA placement of a set's pages: the policy, the nodes, where pages ended up.
 
-A set's pages are allocated when the loader reserves them (posix_fallocate
-in the load thread), so the policy is the loading thread's memory policy,
-set with set_mempolicy(2) around the reservation and reset after (the copy
-then writes into pages that already exist). Python has no binding for it
-and libnuma may be absent, so the syscall is made through ctypes. Where pages are is read back from
-/proc/<pid>/numa_maps (N<node>=<pages> of each mapping).
+A set's pages are allocated when the loader reserves them (posix_fallocate),
+so the policy is the loading thread's memory policy, set with
+set_mempolicy(2) around the reservation and reset after (the copy then
+writes into pages that already exist); a backing that reserves on several
+threads reads it (get_mempolicy(2)) and sets it on each. Python has no
+binding for either and libnuma may be absent, so the syscalls are made
+through ctypes. Where pages are is read back from /proc/<pid>/numa_maps
+(N<node>=<pages> of each mapping).
 
 The placement itself (`--numa`, parsed once) is engramd.values.Placement.
 """
@@ -22,8 +24,11 @@ from collections.abc import Iterator
 from engramd.values import NumaError, Placement
 
 MPOL_DEFAULT, MPOL_BIND, MPOL_INTERLEAVE = 0, 2, 3
-# set_mempolicy(2) has no libc wrapper everywhere; its number per architecture.
+# set_mempolicy(2) and get_mempolicy(2) have no libc wrapper everywhere; their numbers.
 _SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+_GET_MEMPOLICY = {"x86_64": 239, "aarch64": 236}
+# Nodes get_mempolicy(2) may report: far above any machine's (Linux's MAX_NUMNODES is 1024).
+_MAX_NODES = 4096
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -46,10 +51,32 @@ def node_mask(node_ids: list[int]) -> tuple[ctypes.Array[ctypes.c_ulong], int]:
     return mask, words * bits + 1
 
 
-@contextlib.contextmanager
-def applied(placement: Placement) -> Iterator[None]:
+def applied(placement: Placement) -> contextlib.AbstractContextManager[None]:
     """This thread allocates pages by `placement` inside the block (the kernel's way after)."""
-    mode, node_ids = mode_and_nodes(placement)
+    return following(mode_and_nodes(placement))
+
+
+def thread_policy() -> tuple[int, list[int]]:
+    """This thread's memory policy (mode, nodes), to apply on other threads (`following`):
+    a backing that reserves on several threads allocates as its caller's thread would."""
+    number = _GET_MEMPOLICY.get(platform.machine())
+    if number is None:
+        return MPOL_DEFAULT, []
+    bits = ctypes.sizeof(ctypes.c_ulong) * 8
+    mode, mask = ctypes.c_int(), (ctypes.c_ulong * (_MAX_NODES // bits))()
+    flags = ctypes.c_ulong(0)
+    if _libc.syscall(number, ctypes.byref(mode), mask, ctypes.c_ulong(_MAX_NODES), None, flags):
+        errno = ctypes.get_errno()
+        raise NumaError(f"get_mempolicy: {os.strerror(errno)}")
+    if mode.value == MPOL_DEFAULT:
+        return MPOL_DEFAULT, []
+    return mode.value, [n for n in range(_MAX_NODES) if mask[n // bits] >> (n % bits) & 1]
+
+
+@contextlib.contextmanager
+def following(policy: tuple[int, list[int]]) -> Iterator[None]:
+    """This thread allocates pages by `policy` (mode, nodes) inside the block."""
+    mode, node_ids = policy
     if mode == MPOL_DEFAULT:
         yield
         return

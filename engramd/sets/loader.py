@@ -10,18 +10,24 @@
    page can never raise SIGBUS later in the daemon or in any worker. The
    pages are allocated here, under the NUMA placement (numa.py).
 2. Copy: every tensor is cut into BUFFER_BYTES pieces, handed out in
-   order (largest tensor first) to the copy threads, so one large tensor is
-   copied on every thread. A thread reads its piece into a small buffer of
-   its own, waits for the tensor's previous piece to be digested, feeds its
-   piece to the tensor's one streaming XXH3-64 digest while the bytes are
-   still in its CPU cache, and writes it through the backing beside the
-   other threads. The manifest keeps one digest per tensor, so verify and
-   adoption are unchanged; the wait is one digest of 2 MiB (~0.1 ms), as
-   threads take neighbouring pieces. The threads of a tensor share its
+   order (largest tensor first) to the copy threads (`copy_threads`: one per
+   core, 4 to 32, unless --load-threads says), so one large tensor is copied
+   on every thread. A thread reads its piece straight into the set's
+   reserved pages through a writable mapping of them (a backing whose memory
+   is no file, cuMem, reads into a buffer of the thread's and writes that)
+   and digests it there while it is still in its CPU cache: the manifest's
+   checksum is built from the digests of the pieces (engramd.checksum), so
+   no thread waits for another's. The threads of a tensor share its
    descriptor: they read it near-sequentially, so its readahead holds.
+   The reads are buffered: a safetensors tensor starts anywhere in its file
+   (8 bytes of length, then a JSON header of any length), so its bytes and
+   the set's page-aligned pages in general share no alignment O_DIRECT
+   could use (and on the bench's disk O_DIRECT reads were the slower,
+   docs/performance.md).
    The checkpoint is not mapped, so a file truncated under the daemon gives
    a short read (a clear error) instead of a SIGBUS. Measured by bench/
-   (load) against cp and the loaders an operator would pick instead.
+   (load, cold) against cp, the device and the loaders an operator would
+   pick instead.
 Sources (engramd/sources): a `fill` given to `load_set` may write the
    reserved memory from elsewhere (a peer, an object store) and return the
    tensors' digests (checksums and strong digests) with the attestation they
@@ -43,9 +49,10 @@ import time
 from collections.abc import Callable, Mapping
 
 from engramd.backings import Backing, StagedSet
-from engramd.checksum import BUFFER_BYTES, label, new_digest
-from engramd.host.blocking import map_on_threads
+from engramd.checksum import BUFFER_BYTES, combined, piece_digest
+from engramd.host.blocking import cores, map_on_threads
 from engramd.host.numa import applied
+from engramd.sources.regions import Region
 from engramd.sources.trust import Filled
 from engramd.values import Placement
 from engramd_shared.beneath import Opened
@@ -56,6 +63,12 @@ from engramd_shared.headers import TensorEntry
 from engramd_shared.layout import Manifest, ManifestTensor
 
 DEFAULT_PLACEMENT = Placement()
+
+#: Load threads with --load-threads 0: one per core the daemon may run on, within these.
+#: A thread spends most of a cold load blocked in the kernel while the device reads, so
+#: even a small machine wants several reads in flight; past 32 the copy out of the page
+#: cache, not the count of requests, is the limit.
+MIN_THREADS, MAX_THREADS = 4, 32
 
 # How often a copy thread reports progress and checks for cancellation.
 PROGRESS_BYTES = 64 << 20
@@ -102,6 +115,14 @@ class LoadProgress:
 Fill = Callable[[TablePlan, StagedSet, LoadProgress], Filled | None]
 
 
+def copy_threads(asked: int) -> int:
+    """The threads a load copies on: `asked`, or with 0 one per core this process may run
+    on, MIN_THREADS to MAX_THREADS."""
+    if asked:
+        return asked
+    return max(MIN_THREADS, min(MAX_THREADS, cores()))
+
+
 def load_set(
     plan: TablePlan,
     backing: Backing,
@@ -129,30 +150,23 @@ def load_set(
             if filled is not None
             else sorted(range(len(plan.tensors)), key=lambda i: -plan.tensors[i].nbytes)
         )
-        copies = {i: _TensorCopy(plan.tensors[i], sources, staged, i, plan.held) for i in order}
-        pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
+        copies: dict[int, _TensorCopy] = {}
         buffers = threading.local()
-        failures: list[BaseException] = []
 
         def copy(piece: tuple[_TensorCopy, int]) -> None:
             if not hasattr(buffers, "buffer"):
                 buffers.buffer = memoryview(bytearray(BUFFER_BYTES))
-            try:
-                progress.add(piece[0].copy(piece[1], buffers.buffer))
-            except _Aborted:
-                raise
-            except BaseException as e:
-                failures.append(e)
-                # Threads waiting for a piece of this thread's turn must not wait forever.
-                for c in copies.values():
-                    c.abort()
-                raise
+            progress.add(piece[0].copy(piece[1], buffers.buffer))
 
         try:
+            for i in order:
+                copies[i] = _TensorCopy(plan.tensors[i], sources, staged, i, plan.held)
+            pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
             map_on_threads(copy, pieces, threads, "load")
-        except _Aborted:
-            # Raised by a thread woken by the failure, which may have come first.
-            raise failures[0] from None
+        except BaseException:
+            for c in copies.values():
+                c.fail()
+            raise
         finally:
             for c in copies.values():
                 c.close()
@@ -212,12 +226,9 @@ def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
         )
 
 
-class _Aborted(Exception):
-    """Another piece of the load failed; its error is the load's."""
-
-
 class _TensorCopy:
-    """One tensor's copy, piece by piece on several threads, digested in order.
+    """One tensor's copy, piece by piece on several threads, each piece digested by its
+    thread.
 
     A table joined from row shards reads its shards back to back: a piece
     may end one shard and start the next.
@@ -239,58 +250,78 @@ class _TensorCopy:
         self._starts = [span.start for span in self._spans]
         self._staged = staged
         self._index = index
-        self._turn = threading.Condition()
-        #: Offset of the next piece to digest; the tensor's size once all are.
-        self._digested = 0
-        self._aborted = False
-        self._digest = new_digest()
+        self._region = _mapped(staged, index, entry.nbytes)
+        self._view = self._region.view() if self._region is not None else None
+        self._lock = threading.Lock()
+        self._digests: list[bytes | None] = [None] * len(self.pieces())
+        self._failed = False
 
     def pieces(self) -> range:
         """Offsets of the tensor's pieces, in order."""
         return range(0, self._entry.nbytes, BUFFER_BYTES)
 
     def copy(self, at: int, buffer: memoryview) -> int:
-        """Read, digest (in order) and write the piece at `at`; its size in bytes."""
+        """Read, digest and write the piece at `at`; its size in bytes.
+
+        Where the backing's memory is a file the piece is read straight into the set's
+        reserved pages and digested there; else through `buffer`, then written.
+        """
         entry = self._entry
         n = min(BUFFER_BYTES, entry.nbytes - at)
-        data = buffer[:n]
+        data = self._view[at : at + n] if self._view is not None else buffer[:n]
         first = bisect.bisect_right(self._starts, at) - 1
         for span in itertools.takewhile(lambda s: s.start < at + n, self._spans[first:]):
             begin, end = max(at, span.start), min(at + n, span.start + span.entry.nbytes)
-            with self._turn:
+            with self._lock:
                 span.open()
             span.read(data[begin - at : end - at], begin - span.start)
-            with self._turn:
+            with self._lock:
                 span.count(end - begin)
-        with self._turn:
-            self._turn.wait_for(lambda: self._digested == at or self._aborted)
-            if self._aborted:
-                raise _Aborted
-            self._digest.update(data)
-            self._digested = at + n
-            self._turn.notify_all()
-        self._staged.write(self._index, data, at)
+        self._digests[at // BUFFER_BYTES] = piece_digest(data)
+        if self._view is None:
+            self._staged.write(self._index, data, at)
         return n
 
-    def abort(self) -> None:
-        """Wake every thread waiting for its turn here: another piece of the load failed."""
-        with self._turn:
-            self._aborted = True
-            self._turn.notify_all()
+    def fail(self) -> None:
+        """A piece of the load failed: the source files are not checked at close."""
+        self._failed = True
 
     def close(self) -> None:
-        """Check the source files are still the ones planned, and close their descriptors."""
+        """Check the source files are still the ones planned, close their descriptors and
+        unmap the set's pages (a memfd with a writable mapping cannot be sealed)."""
         try:
             for span in self._spans:
-                span.close(check=not self._aborted)
+                span.close(check=not self._failed)
         finally:
             for span in self._spans:
                 span.close(check=False)
+            self._view = None
+            if self._region is not None:
+                self._region.close()
 
     def checksum(self) -> str:
         """The manifest's digest of the whole tensor (every piece copied)."""
-        assert self._digested == self._entry.nbytes
-        return label(self._digest)
+        digests = [d for d in self._digests if d is not None]
+        assert len(digests) == len(self._digests)
+        return combined(digests)
+
+
+def _mapped(staged: StagedSet, index: int, nbytes: int) -> Region | None:
+    """The index-th tensor's reserved pages mapped writable, or None where the backing's
+    memory is no file (cuMem) or the tensor is empty.
+
+    Reading the checkpoint into them saves a copy through a buffer and a write(2): on
+    huge pages 4.4-4.8 GB/s from the page cache against 0.8-2.0 (bench/load.py). The
+    pages are reserved already, so no store here can fault for want of memory.
+    """
+    if nbytes == 0:
+        return None
+    try:
+        fd, offset = staged.memory(index)
+    except NotImplementedError:
+        return None
+    # Not populated: the copy threads fault their own pieces in, on every thread.
+    return Region(fd, offset, nbytes, writable=True, populate=False)
 
 
 def _starts(spans: tuple[TensorEntry, ...]) -> list[tuple[TensorEntry, int]]:

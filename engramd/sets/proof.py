@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd.checksum import chunks, label, new_digest
+from engramd.checksum import CHECKSUM, Digest, chunks, kind_of
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
 from engramd_shared.beneath import Opened
@@ -79,12 +79,13 @@ class Prover:
             t for t in plan.tensors if not all(str(p.file) in trusted for p in t.spans)
         )
         sources = {s.path: s for s in plan.sources}
+        kinds = {t.name: kind_of(t.checksum) for t in manifest.tensors}
         with self._lock:
             kept = {
                 t.name
                 for t in unproven
                 if all(sources[str(p.file)] in stamped for p in t.spans)
-                and _key(sources, t) in self._digests
+                and kind_of(self._digests.get(_key(sources, t), "")) == kinds.get(t.name)
             }
         return Proof(
             plan=plan,
@@ -104,14 +105,16 @@ class Prover:
         for entry in proof.unproven:
             files = [sources[str(p.file)] for p in entry.spans]
             key = _key(sources, entry)
+            expected = checksums.get(entry.name, CHECKSUM)
             with self._lock:
                 digest = self._digests.get(key)
-            if digest is None:
-                digest = _digest(sources, entry, proof.plan.held)
+            # A kept digest of another kind (a set loaded by an earlier engramd) is no answer.
+            if digest is None or kind_of(digest) != kind_of(expected):
+                digest = _digest(sources, entry, proof.plan.held, expected)
                 if all(f in proof.stamped for f in files):
                     self._keep(key, digest)
                 progress.add(entry.nbytes)
-            if digest == checksums.get(entry.name):
+            if digest == expected:
                 continue
             changed = next((f.path for f in files if f.path in loaded), None)
             if changed is not None:
@@ -151,12 +154,15 @@ def _where(plan: TablePlan, source: SourceFile) -> str:
     return held.magic if held is not None else source.path
 
 
-def _digest(sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[str, Opened]) -> str:
-    """The manifest checksum of a tensor's bytes ("short" where a file ends first).
+def _digest(
+    sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[str, Opened], like: str
+) -> str:
+    """The checksum, of the kind `like` names, of a tensor's bytes ("short" where a file
+    ends first).
 
     A file the plan holds (opened beneath a root) is digested, never its path again.
     """
-    digest = new_digest()
+    digest = Digest.like(like)
     for span in entry.spans:
         source = sources[str(span.file)]
         opened = held.get(source.path)
@@ -178,4 +184,4 @@ def _digest(sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[st
                     f"{source.path} changed while engramd compared it with its set; attach "
                     "again once the file is final"
                 )
-    return label(digest)
+    return digest.label()

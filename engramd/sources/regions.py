@@ -3,8 +3,8 @@ the transfer process writable (its landing ring) or read-only (a published set).
 
 NIXL registers addresses, so the memory is mapped with mmap(2) through libc
 (Python's mmap gives no address of a read-only mapping, and keeps buffer
-exports that block its close). Mappings start at the file's block size (a
-hugetlbfs file's huge page), as the workers' do.
+exports that block its close). Mappings start and end at the file's block
+size (a hugetlbfs file's huge page), as the workers' do.
 """
 
 from __future__ import annotations
@@ -28,13 +28,19 @@ class Region:
     """
 
     def __init__(
-        self, fd: int, offset: int, nbytes: int, writable: bool = False, populate: bool = False
+        self,
+        fd: int,
+        offset: int,
+        nbytes: int,
+        writable: bool = False,
+        populate: bool | None = None,
     ) -> None:
         align = os.fstat(fd).st_blksize
         start = offset - offset % align
         self._skip = offset - start
-        self._size = max(self._skip + nbytes, 1)
-        self._base = map_read_only(fd, self._size, start, writable, populate or writable)
+        # Whole blocks: a hugetlb mapping cannot be unmapped in part of a huge page.
+        self._size = -(-max(self._skip + nbytes, 1) // align) * align
+        self._base = map_read_only(fd, self._size, start, writable, populate)
         #: The tensor's first byte.
         self.address = self._base + self._skip
         self.nbytes = nbytes
@@ -50,7 +56,9 @@ class Region:
     def close(self) -> None:
         """Unmap."""
         if self._base:
-            libc.munmap(self._base, self._size)
+            if libc.munmap(self._base, self._size) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"munmap of a set's tensor: {os.strerror(err)}")
             self._base = 0
             os.close(self.fd)
 

@@ -1,6 +1,6 @@
 """A tensor's strong digest: SHA-256 of each fixed piece, and SHA-256 over the pieces' digests.
 
-XXH3-64 (engramd.checksum) catches accidents at ~50 GB/s a core, but it
+XXH3-64 (engramd.checksum) catches accidents at ~12 GB/s a core, but it
 is no defence against bytes built on purpose to share a tensor's digest.
 What a fill publishes is therefore compared with this digest too, and it
 is what the fleet's attestation covers (trust.py). A tensor is cut into
@@ -26,9 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import xxhash
-
-from engramd.checksum import label
+from engramd.checksum import CHECKSUM, Digest
 from engramd_shared.fileid import open_regular
 
 #: The strong digest's name in manifests and offers ("sha256-pieces:<64 hex digits>").
@@ -68,21 +66,25 @@ def is_strong(text: str) -> bool:
 
 @dataclass(frozen=True)
 class Digests:
-    """Each tensor's XXH3-64 (the manifest's checksum) and strong digest, in order."""
+    """Each tensor's checksum (the manifest's) and strong digest, in order."""
 
     checksums: list[str]
     strong: list[str]
 
 
-def _checksum(view: memoryview) -> str:
-    return label(xxhash.xxh3_64(view))
+def _checksum(view: memoryview, like: str) -> str:
+    digest = Digest.like(like)
+    digest.update(view)
+    return digest.label()
 
 
-def digest_views(views: Sequence[memoryview]) -> Digests:
-    """Each tensor's XXH3-64 and strong digest from its bytes in memory, its pieces hashed on
-    threads."""
+def digest_views(views: Sequence[memoryview], like: Sequence[str] | None = None) -> Digests:
+    """Each tensor's checksum and strong digest from its bytes in memory, its pieces hashed
+    on threads; each checksum of the kind its place in `like` names (a manifest's checksums;
+    None: this engramd's)."""
+    kinds = like if like is not None else [CHECKSUM] * len(views)
     with ThreadPoolExecutor(threads(), "engramd-digest") as pool:
-        sums = [pool.submit(_checksum, v) for v in views]
+        sums = [pool.submit(_checksum, v, k) for v, k in zip(views, kinds, strict=True)]
         hashed = [
             [pool.submit(piece_digest, v[at : at + n]) for at, n in pieces(len(v))] for v in views
         ]
@@ -91,15 +93,15 @@ def digest_views(views: Sequence[memoryview]) -> Digests:
 
 
 def digest_files(spans: Sequence[tuple[Path, int, int]]) -> tuple[str, str]:
-    """(XXH3-64 checksum, strong digest) of a tensor read from files: `spans` are its
-    (file, offset, bytes) back to back (one, or its row shards).
+    """(checksum, strong digest) of a tensor read from files: `spans` are its (file, offset,
+    bytes) back to back (one, or its row shards).
 
-    The pieces are read in order on this thread, which also takes the XXH3
-    (a streaming digest), and hashed on the pool: one piece buffer a thread
-    in flight. Raises ValueError when a file is shorter than its span.
+    The pieces are read in order on this thread, which also takes the checksum,
+    and hashed on the pool: one piece buffer a thread in flight. Raises
+    ValueError when a file is shorter than its span.
     """
     width = threads()
-    xxh3 = xxhash.xxh3_64()
+    checksum = Digest()
     pending: deque[tuple[Future[bytes], bytearray]] = deque()
     done: list[bytes] = []
     with _Spans(spans) as reader, ThreadPoolExecutor(width, "engramd-digest") as pool:
@@ -111,10 +113,10 @@ def digest_files(spans: Sequence[tuple[Path, int, int]]) -> tuple[str, str]:
                 buffer = bytearray(PIECE_BYTES)
             view = memoryview(buffer)[:n]
             reader.read_into(view)
-            xxh3.update(view)
+            checksum.update(view)
             pending.append((pool.submit(piece_digest, view), buffer))
         done += [future.result() for future, _ in pending]
-    return label(xxh3), tensor_digest(done)
+    return checksum.label(), tensor_digest(done)
 
 
 class _Spans:

@@ -29,8 +29,10 @@ from engramd.host.numa import (
     MPOL_INTERLEAVE,
     applied,
     bytes_per_node,
+    following,
     mode_and_nodes,
     node_mask,
+    thread_policy,
 )
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd.values import NumaError, Placement
@@ -75,6 +77,27 @@ def test_policies_reach_the_kernel_and_are_undone() -> None:
     with applied(Placement.parse("node:0")):
         assert this_threads_policy() == (MPOL_BIND, [0])
     assert this_threads_policy()[0] == MPOL_DEFAULT
+
+
+def test_a_threads_policy_is_read_back_and_followed_on_another_thread() -> None:
+    """What a backing reserving on several threads relies on: each thread allocates as the
+    caller's thread would, and is back to the kernel's way after."""
+    assert thread_policy() == (MPOL_DEFAULT, [])
+    for placement in ("interleave", "node:0"):
+        with applied(Placement.parse(placement)):
+            policy = thread_policy()
+            assert policy == this_threads_policy() != (MPOL_DEFAULT, [])
+        seen: list[tuple[int, list[int]]] = []
+
+        def reserve(policy: tuple[int, list[int]] = policy) -> None:
+            with following(policy):
+                seen.append(this_threads_policy())
+            seen.append(this_threads_policy())
+
+        t = threading.Thread(target=reserve)
+        t.start()
+        t.join()
+        assert seen == [policy, (MPOL_DEFAULT, [])]
 
 
 def test_two_nodes_from_a_recorded_sysfs(tmp_path: Path) -> None:

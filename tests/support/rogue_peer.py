@@ -43,7 +43,6 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-import xxhash
 
 from engramd.sources.strong import digest_views
 from engramd_shared.checkpoint import plan_tables
@@ -76,9 +75,8 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
         first = plan.tensors[0]
         self.row = (first.nbytes // 2) // ROW_BYTES * ROW_BYTES
         view[self.row : self.row + ROW_BYTES] = bytes(ROW_BYTES)
-        self._own_strong = digest_views(
-            [view[s : s + n] for s, n in zip(starts, sizes, strict=True)]
-        ).strong
+        own = digest_views([view[s : s + n] for s, n in zip(starts, sizes, strict=True)])
+        self._own_strong = own.strong
         tensors = tuple(
             ManifestTensor(
                 name=t.name,
@@ -87,9 +85,9 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
                 file=tensor_file_name(i),
                 offset=0,
                 nbytes=t.nbytes,
-                checksum=f"xxh3-64:{xxhash.xxh3_64(view[s : s + t.nbytes]).hexdigest()}",
+                checksum=checksum,
             )
-            for i, (t, s) in enumerate(zip(plan.tensors, starts, strict=True))
+            for i, (t, checksum) in enumerate(zip(plan.tensors, own.checksums, strict=True))
         )
         manifest = Manifest(
             set_id=plan.set_id,

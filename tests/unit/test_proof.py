@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from backing_fill import sample_manifest
 
-from engramd.checksum import digest_fd
+from engramd.checksum import CHECKSUM, WHOLE, digest_fd
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.sets.loader import LoadProgress
 from engramd.sets.proof import Prover, stamps_writes
@@ -23,13 +23,14 @@ from engramd_shared.headers import TensorEntry
 from engramd_shared.layout import Manifest, ManifestTensor
 
 
-def loaded_from(plan: TablePlan) -> Manifest:
-    """The manifest of the set a load of `plan` makes: each tensor's checksum, the files."""
+def loaded_from(plan: TablePlan, kind: str = CHECKSUM) -> Manifest:
+    """The manifest of the set a load of `plan` makes: each tensor's checksum (of `kind`),
+    the files."""
     tensors = []
     for i, t in enumerate(plan.tensors):
         fd = os.open(t.file, os.O_RDONLY)
         try:
-            checksum = digest_fd(fd, t.offset, t.nbytes)
+            checksum = digest_fd(fd, t.offset, t.nbytes, f"{kind}:")
         finally:
             os.close(fd)
         tensors.append(
@@ -114,6 +115,25 @@ def test_a_changed_byte_in_a_copy_is_found(ours: Path, tmp_path: Path) -> None:
     with pytest.raises(FingerprintMismatch, match="does not hold the bytes") as info:
         proven(Prover(), changed, manifest)
     assert repr(victim.name) in str(info.value) and manifest.set_id not in str(info.value)
+
+
+def test_a_set_loaded_before_piece_checksums_is_proven_by_its_own_kind(
+    ours: Path, tmp_path: Path
+) -> None:
+    """A set of an earlier engramd (one XXH3-64 of each whole tensor) still proves a copy of
+    its files, and still finds a changed byte; a digest kept for the other kind is no proof."""
+    plan = plan_tables(ours)
+    whole, pieces = loaded_from(plan, WHOLE), loaded_from(plan)
+    assert all(t.checksum.startswith("xxh3-64:") for t in whole.tensors)
+    assert [t.checksum for t in whole.tensors] != [t.checksum for t in pieces.tensors]
+    copy = plan_tables(shutil.copytree(ours, tmp_path / "copy"))
+    prover = Prover()
+    assert proven(prover, copy, pieces) == copy.nbytes
+    assert proven(prover, copy, whole) == copy.nbytes
+    victim = copy.tensors[-1]
+    flip_byte(victim, at=victim.nbytes - 1)
+    with pytest.raises(FingerprintMismatch, match="does not hold the bytes"):
+        proven(Prover(), plan_tables(copy.checkpoint), whole)
 
 
 def test_a_loaded_file_changed_in_place_is_named_as_changed_on_disk(ours: Path) -> None:

@@ -1,5 +1,6 @@
 """A tensor's strong digest (engramd/sources/strong.py): SHA-256 of each 16 MiB piece, SHA-256
-over the pieces' digests; from memory on threads and from files in one pass with XXH3."""
+over the pieces' digests; from memory on threads and from files in one pass with the
+manifest's checksum."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
-import xxhash
+from checksums import checksum_by_hand
 
 from engramd.sources.strong import (
     PIECE_BYTES,
@@ -60,7 +61,7 @@ def test_the_digest_is_over_the_pieces_digests_cut_at_each_64_mib(tensor: bytes)
 def test_an_empty_tensor_has_the_digest_of_no_pieces() -> None:
     empty = digest_views([memoryview(b"")])
     assert empty.strong == [tensor_digest([])] == ["sha256-pieces:" + hashlib.sha256().hexdigest()]
-    assert empty.checksums == [f"xxh3-64:{xxhash.xxh3_64(b'').hexdigest()}"]
+    assert empty.checksums == [checksum_by_hand(b"")]
     # Distinct from a tensor of one empty piece, and from one of a single zero byte.
     assert empty.strong[0] != tensor_digest([hashlib.sha256(b"").digest()])
     assert empty.strong[0] != digest_views([memoryview(b"\0")]).strong[0]
@@ -77,7 +78,7 @@ def test_one_changed_byte_in_any_piece_changes_the_digest(tensor: bytes, at: int
 def test_every_tensor_gets_both_digests_in_order(tensor: bytes) -> None:
     views = [memoryview(tensor), memoryview(b"abc"), memoryview(tensor[:P])]
     both = digest_views(views)
-    assert both.checksums == [f"xxh3-64:{xxhash.xxh3_64(v).hexdigest()}" for v in views]
+    assert both.checksums == [checksum_by_hand(bytes(v)) for v in views]
     assert both.strong == [
         by_hand(tensor, [P, 2 * P]),
         by_hand(b"abc", []),
@@ -94,10 +95,10 @@ def test_files_give_the_digests_of_their_spans_back_to_back(tmp_path: Path, tens
     second.write_bytes(b"x" * 100 + tensor[cut:])
     spans = [(first, 8, cut), (second, 100, len(tensor) - cut)]
     checksum, strong = digest_files(spans)
-    assert checksum == f"xxh3-64:{xxhash.xxh3_64(tensor).hexdigest()}"
+    assert checksum == checksum_by_hand(tensor)
     assert strong == by_hand(tensor, [P, 2 * P])
     assert digest_files([(first, 8, 0)]) == (
-        f"xxh3-64:{xxhash.xxh3_64(b'').hexdigest()}",
+        checksum_by_hand(b""),
         tensor_digest([]),
     )
 

@@ -1,0 +1,170 @@
+"""Cold loads against the device: engramd's load beside the fastest reads of the same files.
+
+Each turn drops the page cache before each side and runs, in this order:
+
+- direct: fio reading the files with O_DIRECT, 1 MiB requests, 32 in flight
+  (io_uring, else libaio); where fio is missing, the bench's own reader does
+  the same on 32 threads (one 1 MiB `preadv` each, O_DIRECT);
+- buffered: one sequential read of the files, 16 MiB a call, as `cat` reads;
+- engramd: the daemon's loader (`load_set`) into its default backing on its
+  default load threads, timed as the daemon times `load_seconds`, with its
+  CPU seconds (user + system of every thread of the process) per GiB.
+
+Memory is recycled before the load, untimed, as in bench/load.py (this VM
+backs memory it has not touched for a while slowly; a node's daemon meets
+memory the kernel holds). The device's figure of a turn is the faster of
+direct and buffered; each ratio is one turn's, their median the figure.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import resource
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+from engramd.backings import TmpfsBacking
+from engramd.config import DaemonConfig
+from engramd.sets.loader import LoadProgress, copy_threads, load_set
+from engramd_client import plan_tables
+
+from .common import Figure, GiB, MiB, compare, drop_caches, sequential_read, shm_folder
+from .load import recycle
+
+#: The direct reader's request size and requests in flight.
+BLOCK, DEPTH = 1 * MiB, 32
+
+
+def _fio(files: list[Path]) -> float:
+    """GB/s of fio reading `files` with O_DIRECT."""
+    for engine in ("io_uring", "libaio"):
+        run = subprocess.run(
+            [
+                "fio",
+                "--name=cold",
+                "--rw=read",
+                "--direct=1",
+                f"--bs={BLOCK}",
+                f"--iodepth={DEPTH}",
+                f"--ioengine={engine}",
+                "--output-format=json",
+                "--filename=" + ":".join(str(f) for f in files),
+            ],
+            capture_output=True,
+            text=True,
+        )
+        if run.returncode == 0:
+            read = json.loads(run.stdout)["jobs"][0]["read"]
+            return float(read["io_bytes"]) / (read["runtime"] / 1000) / 1e9
+    raise RuntimeError(f"fio failed: {run.stderr.strip()}")
+
+
+def _direct_read(files: list[Path]) -> float:
+    """GB/s of DEPTH threads reading `files` in BLOCK requests with O_DIRECT, in order."""
+    work = iter([(f, at) for f in files for at in range(0, f.stat().st_size, BLOCK)])
+    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
+    lock = threading.Lock()
+    total = 0
+
+    def reader() -> None:
+        nonlocal total
+        buffer = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
+        got = 0
+        while True:
+            with lock:
+                request = next(work, None)
+            if request is None:
+                break
+            got += os.preadv(fds[request[0]], [buffer], request[1])
+        buffer.close()
+        with lock:
+            total += got
+
+    threads = [threading.Thread(target=reader) for _ in range(DEPTH)]
+    start = time.perf_counter()
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return total / (time.perf_counter() - start) / 1e9
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _engramd(ckpt: Path, threads: int) -> tuple[float, float]:
+    """(GB/s, CPU seconds per GiB) of the daemon's loader reading `ckpt` cold."""
+    plan = plan_tables(ckpt)
+    with shm_folder() as shm:
+        backing = TmpfsBacking(str(shm), None, huge_tmpfs=DaemonConfig().huge_tmpfs)
+        backing.claim()  # mounts the huge-page tmpfs: untimed, the daemon does it once
+        try:
+            recycle(plan.nbytes)
+            drop_caches()
+            cpu, start = _cpu(), time.perf_counter()
+            load_set(plan, backing, threads, LoadProgress(plan.nbytes))
+            seconds, cpu = time.perf_counter() - start, _cpu() - cpu
+        finally:
+            backing.release()
+    return plan.nbytes / seconds / 1e9, cpu / (plan.nbytes / GiB)
+
+
+def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
+    """engramd's cold load against the device's fastest read of the same files."""
+    if os.geteuid() != 0:
+        print("  cold: not measured (dropping the page cache needs root)", flush=True)
+        return []
+    files = sorted(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
+    fio = shutil.which("fio") is not None
+    direct_name = "fio direct" if fio else "direct reader (fio missing)"
+    threads = copy_threads(DaemonConfig().load_threads)
+    direct, buffered, ours, cpus = [], [], [], []
+    print(f"  turn  {direct_name:>26}  buffered 16 MiB  engramd ({threads} threads)  CPU  ratio")
+    for turn in range(turns):
+        drop_caches()
+        direct.append(_fio(files) if fio else _direct_read(files))
+        drop_caches()
+        buffered.append(sequential_read(files))
+        rate, cpu = _engramd(ckpt, threads)
+        ours.append(rate)
+        cpus.append(cpu)
+        device = max(direct[-1], buffered[-1])
+        print(
+            f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
+            f"  {rate:>15.2f} GB/s  {cpu:.2f} s/GiB  {rate / device:.2f}x",
+            flush=True,
+        )
+    best = [max(d, b) for d, b in zip(direct, buffered, strict=True)]
+    size = f"{sum(f.stat().st_size for f in files) / GiB:.1f} GiB"
+    return [
+        compare(
+            f"cold load ({size}): engramd vs the device's fastest read",
+            "GB/s",
+            ours,
+            best,
+            higher_is_better=True,
+            target=">= 0.95x",
+            at_least=0.95,
+            paired=True,
+            note=f"the faster of {direct_name} and a buffered 16 MiB read, each turn",
+        ),
+        compare(
+            f"cold load ({size}): engramd's CPU per GiB",
+            "s/GiB",
+            cpus,
+            None,
+            higher_is_better=False,
+            note=f"user + system of the loading process, {threads} threads",
+        ),
+    ]
