@@ -79,6 +79,12 @@ def test_policies_reach_the_kernel_and_are_undone() -> None:
     assert this_threads_policy()[0] == MPOL_DEFAULT
 
 
+def _follow(policy: tuple[int, list[int]], seen: list[tuple[int, list[int]]]) -> None:
+    with following(policy):
+        seen.append(this_threads_policy())
+    seen.append(this_threads_policy())
+
+
 def test_a_threads_policy_is_read_back_and_followed_on_another_thread() -> None:
     """What a backing reserving on several threads relies on: each thread allocates as the
     caller's thread would, and is back to the kernel's way after."""
@@ -88,13 +94,7 @@ def test_a_threads_policy_is_read_back_and_followed_on_another_thread() -> None:
             policy = thread_policy()
             assert policy == this_threads_policy() != (MPOL_DEFAULT, [])
         seen: list[tuple[int, list[int]]] = []
-
-        def reserve(policy: tuple[int, list[int]] = policy) -> None:
-            with following(policy):
-                seen.append(this_threads_policy())
-            seen.append(this_threads_policy())
-
-        t = threading.Thread(target=reserve)
+        t = threading.Thread(target=_follow, args=(policy, seen))
         t.start()
         t.join()
         assert seen == [policy, (MPOL_DEFAULT, [])]
