@@ -6,6 +6,9 @@ Each turn drops the page cache before each side and runs, in this order:
   (io_uring, else libaio); where fio is missing, the bench's own reader does
   the same on 32 threads (one 1 MiB `preadv` each, O_DIRECT);
 - buffered: one sequential read of the files, 16 MiB a call, as `cat` reads;
+- parallel: the files read buffered in 2 MiB pieces on as many threads as
+  engramd loads on, pieces handed out in order (engramd's reads without its
+  set: what this device gives many buffered readers);
 - engramd: the daemon's loader (`load_set`) into its default backing on its
   default load threads, timed as the daemon times `load_seconds`, with its
   CPU seconds (user + system of every thread of the process) per GiB.
@@ -13,7 +16,9 @@ Each turn drops the page cache before each side and runs, in this order:
 Memory is recycled before the load, untimed, as in bench/load.py (this VM
 backs memory it has not touched for a while slowly; a node's daemon meets
 memory the kernel holds). The device's figure of a turn is the faster of
-direct and buffered; each ratio is one turn's, their median the figure.
+direct and buffered (the target's); the parallel read is engramd's own
+reads without the set, beside it. Each ratio is one turn's, their median
+the figure.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import time
 from pathlib import Path
 
 from engramd.backings import TmpfsBacking
+from engramd.checksum import BUFFER_BYTES
 from engramd.config import DaemonConfig
 from engramd.sets.loader import LoadProgress, copy_threads, load_set
 from engramd_client import plan_tables
@@ -38,6 +44,8 @@ from .load import recycle
 
 #: The direct reader's request size and requests in flight.
 BLOCK, DEPTH = 1 * MiB, 32
+#: The parallel buffered reader's piece: the loader's.
+PIECE = BUFFER_BYTES
 
 
 def _fio(files: list[Path]) -> float:
@@ -98,6 +106,34 @@ def _direct_read(files: list[Path]) -> float:
     return total / (time.perf_counter() - start) / 1e9
 
 
+def _parallel_read(files: list[Path], threads: int) -> float:
+    """GB/s of `threads` threads reading `files` buffered in PIECE pieces, handed out in order."""
+    work = iter([(f, at) for f in files for at in range(0, f.stat().st_size, PIECE)])
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    lock = threading.Lock()
+
+    def reader() -> None:
+        buffer = memoryview(bytearray(PIECE))
+        while True:
+            with lock:
+                request = next(work, None)
+            if request is None:
+                return
+            os.preadv(fds[request[0]], [buffer], request[1])
+
+    workers = [threading.Thread(target=reader) for _ in range(threads)]
+    start = time.perf_counter()
+    try:
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sum(f.stat().st_size for f in files) / (time.perf_counter() - start) / 1e9
+
+
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -129,20 +165,26 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
     fio = shutil.which("fio") is not None
     direct_name = "fio direct" if fio else "direct reader (fio missing)"
     threads = copy_threads(DaemonConfig().load_threads)
-    direct, buffered, ours, cpus = [], [], [], []
-    print(f"  turn  {direct_name:>26}  buffered 16 MiB  engramd ({threads} threads)  CPU  ratio")
+    direct, buffered, parallel, ours, cpus = [], [], [], [], []
+    print(
+        f"  turn  {direct_name:>26}  buffered 16 MiB  buffered, {threads} threads"
+        f"  engramd ({threads} threads)  CPU  ratio  ratio to {threads} readers"
+    )
     for turn in range(turns):
         drop_caches()
         direct.append(_fio(files) if fio else _direct_read(files))
         drop_caches()
         buffered.append(sequential_read(files))
+        drop_caches()
+        parallel.append(_parallel_read(files, threads))
         rate, cpu = _engramd(ckpt, threads)
         ours.append(rate)
         cpus.append(cpu)
         device = max(direct[-1], buffered[-1])
         print(
             f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
-            f"  {rate:>15.2f} GB/s  {cpu:.2f} s/GiB  {rate / device:.2f}x",
+            f"  {parallel[-1]:>14.2f} GB/s  {rate:>15.2f} GB/s  {cpu:.2f} s/GiB"
+            f"  {rate / device:.2f}x  {rate / parallel[-1]:.2f}x",
             flush=True,
         )
     best = [max(d, b) for d, b in zip(direct, buffered, strict=True)]
@@ -158,6 +200,15 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
             at_least=0.95,
             paired=True,
             note=f"the faster of {direct_name} and a buffered 16 MiB read, each turn",
+        ),
+        compare(
+            f"cold load ({size}): engramd vs {threads} buffered readers",
+            "GB/s",
+            ours,
+            parallel,
+            higher_is_better=True,
+            paired=True,
+            note=f"the same 2 MiB reads on {threads} threads into buffers: engramd without its set",
         ),
         compare(
             f"cold load ({size}): engramd's CPU per GiB",
