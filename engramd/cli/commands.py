@@ -116,7 +116,7 @@ def _check_admin_access(path: str) -> None:
 
     try:
         st = os.stat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return  # gRPC's "not answering" names the path
     except PermissionError:
         typer.echo(

@@ -406,6 +406,16 @@ def test_admin_commands_of_another_user_name_the_fix(
     assert [s.set_id for s in d.status().sets] == [held.set_id]
 
 
+def test_admin_commands_at_a_socket_under_a_file_say_so(tmp_path: Path) -> None:
+    a_file = tmp_path / "afile"
+    a_file.write_text("")
+    for command in (["drop", "0" * 20], ["verify", "0" * 20], ["load", str(tmp_path)]):
+        run = engramd(*command, "--socket", str(a_file / "d.sock"))
+        assert run.returncode == 1, run.stderr
+        assert f"{a_file}/admin.sock" in run.stderr and "Not a directory" in run.stderr
+        assert "Traceback" not in run.stderr, run.stderr
+
+
 def test_settings_that_would_be_ignored_are_refused(sock_dir: Path, shm_dir: Path) -> None:
     sock = str(sock_dir / "d.sock")
     error = _refused(sock_dir, shm_dir, "--socket", sock, "--page-size", "2M")
