@@ -56,7 +56,11 @@ def _engramd(huge: bool, threads: int) -> Way:
     def run(plan: TablePlan, shm: Path) -> float:
         backing = TmpfsBacking(str(shm), None, huge_tmpfs=huge)
         backing.claim()  # mounts the huge-page tmpfs: untimed, the daemon does it once
-        return timed(lambda: load_set(plan, backing, threads, LoadProgress(plan.nbytes)))
+        try:
+            return timed(lambda: load_set(plan, backing, threads, LoadProgress(plan.nbytes)))
+        finally:
+            # Its lock on the shm folder would keep the detached mount, and its set, alive.
+            backing.release()
 
     return run
 
