@@ -72,54 +72,24 @@ def _fio(files: list[Path]) -> float:
     raise RuntimeError(f"fio failed: {run.stderr.strip()}")
 
 
-def _direct_read(files: list[Path]) -> float:
-    """GB/s of DEPTH threads reading `files` in BLOCK requests with O_DIRECT, in order."""
-    work = iter([(f, at) for f in files for at in range(0, f.stat().st_size, BLOCK)])
-    fds = {f: os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files}
-    lock = threading.Lock()
-    total = 0
-
-    def reader() -> None:
-        nonlocal total
-        buffer = mmap.mmap(-1, BLOCK)  # page-aligned, as O_DIRECT needs
-        got = 0
-        while True:
-            with lock:
-                request = next(work, None)
-            if request is None:
-                break
-            got += os.preadv(fds[request[0]], [buffer], request[1])
-        buffer.close()
-        with lock:
-            total += got
-
-    threads = [threading.Thread(target=reader) for _ in range(DEPTH)]
-    start = time.perf_counter()
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    return total / (time.perf_counter() - start) / 1e9
-
-
-def _parallel_read(files: list[Path], threads: int) -> float:
-    """GB/s of `threads` threads reading `files` buffered in PIECE pieces, handed out in order."""
-    work = iter([(f, at) for f in files for at in range(0, f.stat().st_size, PIECE)])
-    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+def _threaded_read(files: list[Path], threads: int, block: int, flags: int = 0) -> float:
+    """GB/s of `threads` threads reading `files` in `block` requests handed out in order, each
+    into a page-aligned buffer of its own (as O_DIRECT needs), the files opened with `flags`."""
+    work = iter([(f, at) for f in files for at in range(0, f.stat().st_size, block)])
+    fds = {f: os.open(f, os.O_RDONLY | flags) for f in files}
     lock = threading.Lock()
 
     def reader() -> None:
-        buffer = memoryview(bytearray(PIECE))
-        while True:
-            with lock:
-                request = next(work, None)
-            if request is None:
-                return
-            os.preadv(fds[request[0]], [buffer], request[1])
+        buffer = mmap.mmap(-1, block)
+        try:
+            while True:
+                with lock:
+                    request = next(work, None)
+                if request is None:
+                    return
+                os.preadv(fds[request[0]], [buffer], request[1])
+        finally:
+            buffer.close()
 
     workers = [threading.Thread(target=reader) for _ in range(threads)]
     start = time.perf_counter()
@@ -172,11 +142,11 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
     )
     for turn in range(turns):
         drop_caches()
-        direct.append(_fio(files) if fio else _direct_read(files))
+        direct.append(_fio(files) if fio else _threaded_read(files, DEPTH, BLOCK, os.O_DIRECT))
         drop_caches()
         buffered.append(sequential_read(files))
         drop_caches()
-        parallel.append(_parallel_read(files, threads))
+        parallel.append(_threaded_read(files, threads, PIECE))
         rate, cpu = _engramd(ckpt, threads)
         ours.append(rate)
         cpus.append(cpu)
