@@ -100,6 +100,13 @@ def test_a_threads_policy_is_read_back_and_followed_on_another_thread() -> None:
         assert seen == [policy, (MPOL_DEFAULT, [])]
 
 
+def test_a_refused_get_mempolicy_reads_as_the_kernels_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the call is refused (a seccomp profile without CAP_SYS_NICE), so is setting a
+    policy: a load's reservation threads then follow the kernel's way, not fail."""
+    monkeypatch.setitem(numa_module._GET_MEMPOLICY, platform.machine(), 100_000)  # ENOSYS
+    assert thread_policy() == (MPOL_DEFAULT, [])
+
+
 def test_two_nodes_from_a_recorded_sysfs(tmp_path: Path) -> None:
     (tmp_path / "has_memory").write_text("0-1\n")
     (tmp_path / "online").write_text("0-1\n")
