@@ -134,7 +134,7 @@ class DaemonConfig:
     backing: BackingSpec = setting(
         BackingSpec(),
         f"Where sets live: {', '.join(BACKING_NAMES)} (auto: tmpfs when the shm folder can "
-        "hold the set, else memfd; cuda-device:N: GPU N's memory).",
+        "hold the set, else memfd; disk: files in --disk-dir; cuda-device:N: GPU N's memory).",
         parse=BackingSpec.parse,
     )
     #: memfd sets on hugetlb pages of this size (2 MiB or 1 GiB; MFD_HUGETLB); 0: the kernel's.
@@ -151,6 +151,13 @@ class DaemonConfig:
     #: tmpfs (or hugetlbfs) folder that holds the sets (under <shm_dir>/engramd/).
     shm_dir: str = setting(
         "/dev/shm", "tmpfs or hugetlbfs folder for the sets (detected).", parse=path
+    )
+    #: Local disk folder that holds the sets of --backing disk (under <disk_dir>/engramd/).
+    disk_dir: str = setting(
+        "/var/lib/engramd/tables",
+        "Local disk folder for --backing disk's sets: tables larger than memory, served "
+        "from the page cache, kept across reboots.",
+        parse=path,
     )
     #: Accept a shm folder on a disk filesystem: the tables then go to disk and the page cache.
     allow_disk_backed_tables: bool = setting(

@@ -18,7 +18,7 @@ from engramd_shared.topology import NODES, nodes
 #: Written out here so that the CLI's help need not import the backings, whose CUDA
 #: lookups and mapping helpers cost every command a tenth of a second; a test keeps
 #: the two in step.
-BACKING_NAMES = ("tmpfs", "hugetlbfs", "memfd", "cuda-host", "cuda-device", "auto")
+BACKING_NAMES = ("tmpfs", "hugetlbfs", "memfd", "disk", "cuda-host", "cuda-device", "auto")
 #: The backings that take a device index: `--backing cuda-device:N` is GPU N's memory.
 DEVICE_BACKINGS = ("cuda-device",)
 #: `--numa per-node`: a copy of each set on every node with memory.

@@ -63,12 +63,16 @@ class Worker(JsonLinesChild):
         prefix: list[str] | None = None,
         user: str | None = None,
         wait: bool = True,
+        untouched: bool = False,
     ) -> None:
         """Start the worker; `prefix` runs it under another command (unshare...), as `user`.
 
-        `wait`: read its first line now; else `greeted` reads it later.
+        `wait`: read its first line now; else `greeted` reads it later. `untouched`: it
+        reads no byte of the tables until asked (its first line has no digests).
         """
         args = [str(WORKER), str(checkpoint), "--socket", str(socket), "--share", share]
+        if untouched:
+            args.append("--untouched")
         for k, v in (labels or {}).items():
             args += ["--label", f"{k}={v}"]
         python = as_user(user) if user else [sys.executable]

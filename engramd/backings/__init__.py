@@ -22,6 +22,7 @@ from engramd.values import BackingSpec
 
 if TYPE_CHECKING:
     from engramd.backings.cuda import CudaDeviceBacking, CudaHostBacking
+    from engramd.backings.disk import DiskBacking
     from engramd.backings.hugetlbfs import HugetlbfsBacking
     from engramd.backings.memfd import MemfdBacking
     from engramd.backings.tmpfs import TmpfsBacking
@@ -31,6 +32,7 @@ _CLASSES: dict[str, tuple[str, str]] = {
     "tmpfs": ("tmpfs", "TmpfsBacking"),
     "hugetlbfs": ("hugetlbfs", "HugetlbfsBacking"),
     "memfd": ("memfd", "MemfdBacking"),
+    "disk": ("disk", "DiskBacking"),
     "cuda-host": ("cuda", "CudaHostBacking"),
     "cuda-device": ("cuda", "CudaDeviceBacking"),
 }
@@ -120,6 +122,7 @@ __all__ = [
     "BackingUnavailable",
     "CudaDeviceBacking",
     "CudaHostBacking",
+    "DiskBacking",
     "HugetlbfsBacking",
     "MemfdBacking",
     "StagedSet",

@@ -83,6 +83,8 @@ class Backing(ABC):
     handle_kinds: frozenset[HandleKind]
     #: `descriptors` can open the set's files writable (--allow-writable-gpu-mappings).
     writable_descriptors: ClassVar[bool] = False
+    #: Its sets' pages are locked in memory with --mlock (a disk's are the page cache's).
+    lockable: ClassVar[bool] = True
     #: Bytes per page backing new sets (fixed for the backing's life).
     page_size: int
     #: The backing asked for that this one replaces (it cannot work here), or "".
@@ -194,6 +196,15 @@ class Backing(ABC):
 
     def share_with_group(self, manifest: Manifest) -> None:
         """Let the socket group map a published set by path; sets that are no files have none."""
+        return None
+
+    def damage(self, manifest: Manifest) -> list[str]:
+        """What makes a held set unfit to hand out now, checked at each attach; none here."""
+        return []
+
+    def resident(self, manifest: Manifest) -> int | None:
+        """Bytes of the set in memory where the kernel may evict them (a disk's page
+        cache); None where the set is held in memory whole."""
         return None
 
     @staticmethod

@@ -73,6 +73,12 @@ class TmpfsBacking(Backing):
     name: ClassVar[str] = "tmpfs"
     handle_kinds = frozenset({HandleKind.SHM, HandleKind.FD})
     writable_descriptors = True
+    #: A set's files until the operator publishes it, and after (share_with_group).
+    private_mode: ClassVar[int] = 0o600
+    shared_mode: ClassVar[int] = 0o640
+    #: Files and manifest reach the disk before the set is published (a disk's sets
+    #: outlive a reboot; a tmpfs's do not).
+    durable: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -121,7 +127,16 @@ class TmpfsBacking(Backing):
             folder.mkdir(parents=True, exist_ok=True)
             # Its group must pass through it to the sets, whatever the umask.
             self.secure_folder(folder)
-        fstype, _ = mount_of(self.shm_dir)
+        self._accept_filesystem(mount_of(self.shm_dir)[0])
+        root = claim_root(self.shm_dir, self._gid)
+        # Before anything in it is adopted, changed or mounted over.
+        self._lock.take(root)
+        if self.disk_filesystem or self.name != TmpfsBacking.name:
+            return
+        self._claim_huge_root(root)
+
+    def _accept_filesystem(self, fstype: str) -> None:
+        """Refuse a shm folder on a disk, unless the operator accepted it."""
         if fstype not in _MEMORY_FILESYSTEMS:
             if not self._allow_disk:
                 # Tables there are written to the disk and read through the
@@ -140,11 +155,8 @@ class TmpfsBacking(Backing):
                 self.shm_dir,
                 self.disk_filesystem,
             )
-        root = claim_root(self.shm_dir, self._gid)
-        # Before anything in it is adopted, changed or mounted over.
-        self._lock.take(root)
-        if self.disk_filesystem or self.name != TmpfsBacking.name:
-            return
+
+    def _claim_huge_root(self, root: Path) -> None:
         self.small_pages_reason = claim_huge_root(self.shm_dir, root, self._gid, self._huge_tmpfs)
         # A tmpfs mounted over the root just now hides the folder's lock from later daemons.
         self._lock.take(root)
@@ -236,13 +248,14 @@ class TmpfsBacking(Backing):
             os.chown(folder, -1, self._gid)
 
     def make_file(self, path: Path) -> int:
-        """Create `path` (not there before), 0600, group `gid`; a read-write descriptor.
+        """Create `path` (not there before), `private_mode`, group `gid`; a read-write
+        descriptor.
 
         The group may read it once the operator publishes its set (share_with_group).
         """
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.private_mode)
         # Explicitly: open's mode passes through the umask.
-        os.fchmod(fd, 0o600)
+        os.fchmod(fd, self.private_mode)
         if self._gid is not None:
             os.fchown(fd, -1, self._gid)
         return fd
@@ -262,8 +275,9 @@ class TmpfsBacking(Backing):
                     raise ManifestError("not a set folder")
                 manifest = read_manifest(folder, self._owner)
                 check_complete(folder, manifest, self._owner)
+                self._check_unchanged(folder, manifest)
                 # Published again only by the operator: an earlier daemon's modes do not stand.
-                self._set_mode(manifest, 0o600)
+                self._set_mode(manifest, self.private_mode)
             except (OSError, ManifestError) as e:
                 log.warning("removing %s: not a complete set of engramd's own (%s)", folder, e)
                 shutil.rmtree(folder, ignore_errors=True)
@@ -271,9 +285,22 @@ class TmpfsBacking(Backing):
             found.append(manifest)
         return found
 
+    def _check_unchanged(self, folder: Path, manifest: Manifest) -> None:
+        """Raise ManifestError where an adopted set's files may have changed since it was
+        published; a tmpfs's files are the daemon's alone and live no longer than the boot."""
+
+    def damage(self, manifest: Manifest) -> list[str]:
+        """What makes the set's files unfit to hand out now (a file cut short: a worker's
+        mapping would fault past its end); none when they are whole."""
+        try:
+            check_complete(set_dir(self.shm_dir, manifest.copy), manifest, self._owner)
+        except (OSError, ManifestError) as e:
+            return [str(e)]
+        return []
+
     def share_with_group(self, manifest: Manifest) -> None:
-        """Make the set's files 0640: the socket group may map them by path."""
-        self._set_mode(manifest, 0o640)
+        """Give the set's files `shared_mode`: the socket group may map them by path."""
+        self._set_mode(manifest, self.shared_mode)
 
     def _set_mode(self, manifest: Manifest, mode: int) -> None:
         folder = set_dir(self.shm_dir, manifest.copy)
@@ -412,11 +439,21 @@ class _StagedFolder(StagedSet):
             done += os.pwrite(self._fds[index], data[done:], offset + done)
 
     def publish(self, manifest: Manifest) -> None:
-        """Write the manifest last, then rename the folder to the copy's name."""
+        """Write the manifest last, then rename the folder to the copy's name (on a durable
+        backing, each step on the disk before the next)."""
+        durable = self._backing.durable
         try:
+            if durable:
+                for fd in self._fds:
+                    os.fsync(fd)
             with os.fdopen(self._backing.make_file(self._folder / MANIFEST_NAME), "w") as f:
                 f.write(manifest.to_json())
+                if durable:
+                    f.flush()
+                    os.fsync(f.fileno())
             os.rename(self._folder, self._folder.with_name(manifest.copy))
+            if durable:
+                _sync_folder(self._folder.parent)
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -438,3 +475,11 @@ class _StagedFolder(StagedSet):
         for fd in self._fds:
             os.close(fd)
         self._fds = []
+
+
+def _sync_folder(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -164,7 +164,7 @@ def _sets(reply: pb.StatusReply) -> Table:
             _set_pages(s),
             gib(s.bytes),
             f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
-            "yes" if s.locked else "no",
+            _locked(s),
             str(s.lease_count),
             Text(escape(_source(s))),
             Text(escape(s.checkpoint)),
@@ -172,6 +172,13 @@ def _sets(reply: pb.StatusReply) -> Table:
         if s.error:
             table.add_row("", Text(f"error: {escape(s.error)}", style="red"), end_section=True)
     return _whole(table)
+
+
+def _locked(s: pb.SetInfo) -> str:
+    """Whether the set is locked in memory; a disk-backed set's bytes in the page cache."""
+    if s.HasField("resident_bytes"):
+        return f"no, {gib(s.resident_bytes)} cached"
+    return "yes" if s.locked else "no"
 
 
 def _source(s: pb.SetInfo) -> str:

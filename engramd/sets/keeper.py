@@ -270,6 +270,7 @@ class SetKeeper:
                 async with contextlib.aclosing(self._prove(ts, plan)) as steps:
                     async for step in steps:
                         yield step
+        await self._check_whole(ts, intent)
         kind = self._handle_kind(intent, [ts.backing], ts)
         route = self._gpu_route(intent, ts.backing, kind)
         # The files the plan read and the proof judged, held open: the fd
@@ -282,6 +283,16 @@ class SetKeeper:
         reveal = ts.published or await self.readers.run(open_to_group, readers, self._group)
         lease = self.leases.add(ts, intent, kind, route, readers)
         yield Granted(ts, lease, kind, reveal)
+
+    async def _check_whole(self, ts: TableSet, intent: AttachIntent) -> None:
+        """Serve a copy whose files were cut short (root truncated one) no more."""
+        if ts.manifest is None or intent.reattach:
+            return
+        damage = await self._checks.run(ts.backing.damage, ts.manifest)
+        if damage and self.store.sets.holds(ts):
+            log.error("set %s: %s", ts.copy, "; ".join(damage))
+            self.store.fail_verification(ts, [], damage)
+        check_served(ts, intent)
 
     @staticmethod
     def _handle_kind(

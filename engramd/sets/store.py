@@ -436,7 +436,7 @@ class SetStore:
         if ts.manifest is None:
             return
         ts.pages = await self._files.run(_census, ts.backing, ts.manifest)
-        if not self._mlock:
+        if not self._mlock or not ts.backing.lockable:
             return
         for index in range(len(ts.manifest.tensors)):
             if not self.sets.holds(ts):

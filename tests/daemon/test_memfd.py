@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import os
-import secrets
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +20,14 @@ from engramd.cli.status_view import render
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import plan_tables
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import attach_error, memfd_mappings, reason, reference_digests, shmem_bytes
+from helpers import (
+    attach_error,
+    memfd_mappings,
+    memory_cgroup,
+    reason,
+    reference_digests,
+    shmem_bytes,
+)
 
 
 @pytest.fixture(scope="module")
@@ -101,44 +105,6 @@ def test_auto_puts_a_set_in_tmpfs_when_it_fits_else_in_memfd(
         assert status.backings[0].where == str(shm) and status.backings[0].survives_restart
         d.stop()
     large.unlink()
-
-
-@contextlib.contextmanager
-def memory_cgroup(limit: int) -> Iterator[tuple[list[str], str]]:
-    """(command prefix that starts Python in a new memory cgroup of `limit` bytes, its name).
-
-    cgroup v2 (memory.max) or v1 (memory.limit_in_bytes); skips where neither can be made.
-    """
-    name = f"engramd-test-{secrets.token_hex(4)}"
-    for root, limit_file in (
-        (Path("/sys/fs/cgroup"), "memory.max"),
-        (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
-    ):
-        # A cgroup hierarchy, not a plain folder (v1 mounts a tmpfs at /sys/fs/cgroup).
-        if not (root / "cgroup.procs").exists():
-            continue
-        folder = root / name
-        try:
-            folder.mkdir()
-        except OSError:
-            continue
-        try:
-            (folder / limit_file).write_text(str(limit))
-        except OSError:
-            folder.rmdir()
-            continue
-        break
-    else:
-        pytest.skip("cannot make a memory cgroup here (needs root and cgroup v1 or v2 memory)")
-    join = f'echo $$ > {folder / "cgroup.procs"} && exec "$@"'
-    try:
-        yield ["sh", "-c", join, "sh", sys.executable], f"{name} {limit_file}"
-    finally:
-        wait_until(
-            lambda: subprocess.run(["rmdir", str(folder)], capture_output=True).returncode == 0,
-            30,
-            "the cgroup to empty",
-        )
 
 
 def test_memfd_capacity_is_the_cgroup_limit_and_the_error_names_it(

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import hashlib
 import os
+import secrets
 import subprocess
 import sys
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
 import grpc
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -195,3 +199,49 @@ def reference_digests(checkpoint: Path) -> dict[str, str]:
             if ".engram.embed." in name:
                 out[name] = hashlib.sha256(t.view(torch.uint8).numpy().data).hexdigest()
     return out
+
+
+@contextlib.contextmanager
+def memory_cgroup_folder(limit: int) -> Iterator[tuple[Path, str]]:
+    """(a new memory cgroup of `limit` bytes, the name of its limit's file); removed after.
+
+    cgroup v2 (memory.max) or v1 (memory.limit_in_bytes); skips where neither can be made.
+    """
+    name = f"engramd-test-{secrets.token_hex(4)}"
+    for root, limit_file in (
+        (Path("/sys/fs/cgroup"), "memory.max"),
+        (Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+    ):
+        # A cgroup hierarchy, not a plain folder (v1 mounts a tmpfs at /sys/fs/cgroup).
+        if not (root / "cgroup.procs").exists():
+            continue
+        folder = root / name
+        try:
+            folder.mkdir()
+        except OSError:
+            continue
+        try:
+            (folder / limit_file).write_text(str(limit))
+        except OSError:
+            folder.rmdir()
+            continue
+        break
+    else:
+        pytest.skip("cannot make a memory cgroup here (needs root and cgroup v1 or v2 memory)")
+    try:
+        yield folder, limit_file
+    finally:
+        deadline = time.monotonic() + 30
+        # Its processes are gone, but the kernel may take a moment to let the cgroup go.
+        while subprocess.run(["rmdir", str(folder)], capture_output=True).returncode != 0:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the cgroup {folder} did not empty in 30 s")
+            time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def memory_cgroup(limit: int) -> Iterator[tuple[list[str], str]]:
+    """(command prefix that starts Python in a new memory cgroup of `limit` bytes, its name)."""
+    with memory_cgroup_folder(limit) as (folder, limit_file):
+        join = f'echo $$ > {folder / "cgroup.procs"} && exec "$@"'
+        yield ["sh", "-c", join, "sh", sys.executable], f"{folder.name} {limit_file}"

@@ -1,0 +1,115 @@
+"""Sets as files on a local disk (`--backing disk`, `--disk-dir`): tables larger than memory.
+
+The tmpfs layout and lifecycle (engramd.backings.tmpfs) on a disk file system
+the operator names (an NVMe's): a `.loading-*` folder renamed once complete,
+read-only mappings by descriptor or path, adoption at start. What a disk
+changes:
+
+- the set is the page cache's: never locked (--mlock does not apply), its
+  pages evicted under memory pressure and read back from the disk at the next
+  fault, in the daemon and in every worker; status shows the bytes resident;
+- files are written once, by the daemon, and then read-only to everyone:
+  0400 until the operator publishes the set, 0440 after; the folder is the
+  daemon's (0750) inside one that no other user may write;
+- a load is durable before it is published: the files, then the manifest,
+  then the renamed folder reach the disk (fsync) in that order, so a power
+  loss leaves a `.loading-*` folder (removed at the next start) or a whole set;
+- adoption after a restart or a reboot reads no table byte: the folder and
+  every file are the daemon's own and writable by no one else (layout's
+  ownership checks), every file is at its full size, and none was modified
+  after its manifest was written (each file is fsynced before the manifest
+  is made: a later write leaves a file's mtime past the manifest's). Only
+  root or the daemon's user can get past that; `engramd verify` reads
+  every byte against the manifest's checksums;
+- a file cut short (root's truncate) is refused at the next attach and the
+  copy marked failed verification: a worker's mapping would fault past the
+  file's end.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import ClassVar
+
+from engramd.backings.base import Usage
+from engramd.backings.tmpfs import TmpfsBacking
+from engramd.config import DaemonConfig
+from engramd.errors import ShmOnDisk
+from engramd.host.fdstore import FdStore
+from engramd.host.pagecache import resident_bytes
+from engramd.host.pagesize import PageCensus
+from engramd.host.pinning import PinnedFiles
+from engramd.host.shmfs import usage
+from engramd_shared.layout import MANIFEST_NAME, Manifest, ManifestError, open_owned, set_dir
+
+log = logging.getLogger("engramd")
+
+#: File systems whose bytes others (another host) may change under the daemon's manifest.
+_SHARED_FILESYSTEMS = frozenset(
+    {"nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "fuse.sshfs"}
+)
+
+
+class DiskBacking(TmpfsBacking):
+    """Files under `<disk_dir>/engramd/`, one per tensor, group `gid`, read-only once written."""
+
+    name: ClassVar[str] = "disk"
+    writable_descriptors = False
+    lockable = False
+    private_mode = 0o400
+    shared_mode = 0o440
+    durable = True
+
+    @classmethod
+    def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> DiskBacking:
+        """Files under `config.disk_dir`."""
+        holder = f"pid {os.getpid()}, socket {config.socket}"
+        return cls(config.disk_dir, gid, allow_disk=True, huge_tmpfs=False, holder=holder)
+
+    def _accept_filesystem(self, fstype: str) -> None:
+        """Any local file system; a network one is refused."""
+        if fstype in _SHARED_FILESYSTEMS:
+            raise ShmOnDisk(
+                f"--disk-dir {self.shm_dir} is on {fstype}, a network file system: other "
+                "machines could change the tables under the daemon's checksums; point "
+                "--disk-dir at a local disk's folder (an NVMe's)"
+            )
+        self.disk_filesystem = fstype or "unknown"
+
+    def usage(self) -> Usage:
+        """The file system's sizes; its page size is the page cache's."""
+        u = usage(self.shm_dir)
+        return Usage(f"{u.dir} (disk, {self.disk_filesystem})", u.total, u.used, u.free, 4096)
+
+    def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
+        """Never: the set's pages are the page cache's to evict (lockable is False)."""
+        raise NotImplementedError("a disk-backed set is never locked in memory")
+
+    def page_census(self, manifest: Manifest) -> PageCensus | None:
+        """None: a census touches a byte of every 2 MiB, which on a disk reads it in."""
+        return None
+
+    def resident(self, manifest: Manifest) -> int | None:
+        """Bytes of the set's tensors in the page cache now (no page read in)."""
+        folder = set_dir(self.shm_dir, manifest.copy)
+        total = 0
+        for t in manifest.tensors:
+            fd = open_owned(folder / t.file, self._owner)
+            try:
+                total += resident_bytes(fd, t.offset, t.nbytes)
+            finally:
+                os.close(fd)
+        return total
+
+    def _check_unchanged(self, folder: Path, manifest: Manifest) -> None:
+        """Raise ManifestError where a file was modified after the manifest was written."""
+        written = os.stat(folder / MANIFEST_NAME).st_mtime_ns
+        for file in dict.fromkeys(t.file for t in manifest.tensors):
+            modified = os.stat(folder / file).st_mtime_ns
+            if modified > written:
+                raise ManifestError(
+                    f"{file} was modified after its manifest was written (mtime "
+                    f"{modified} ns > {written} ns); load the set again"
+                )
