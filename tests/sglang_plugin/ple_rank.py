@@ -32,7 +32,13 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 import tvshim  # noqa: E402, F401 (before anything imports sglang)
-from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
+from engine_harness import (  # noqa: E402
+    anonymous_kib,
+    drop_cache,
+    io_read_bytes,
+    io_write_bytes,
+    mapping_of,
+)
 from sglang_plugin.sglang_rank import cached_bytes  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -139,6 +145,31 @@ def checkpoint_rows(folder: Path, layer_id: int, start: int, stop: int) -> torch
     return torch.cat(parts)[start:stop]
 
 
+def file_backend(table: Any, rows: torch.Tensor) -> dict[str, Any]:
+    """What SGLang's file backend runs beside the gather, on the layer's table: a prefill's
+    prefetch, its resident-set trimmer (SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB), then whether
+    the rows read the same."""
+    weight = table.weight.data
+    prefetcher, trimmer = table._file_prefetcher, table._file_rss_trimmer
+    ids = torch.arange(
+        table.shard_indices.org_vocab_start_index, table.shard_indices.org_vocab_end_index
+    )
+    queued = prefetcher is not None and prefetcher.enqueue(
+        ids.repeat(2048 // len(ids) + 1),
+        vocab_start=table.shard_indices.org_vocab_start_index,
+        vocab_end=table.shard_indices.org_vocab_end_index,
+    )
+    freed = trimmer.trim_once() if trimmer is not None else 0
+    return {
+        "prefetcher": type(prefetcher).__name__,
+        "prefetch_queued": bool(queued),
+        "trimmed_bytes": freed,
+        "same_after_trim": bool(
+            torch.equal(rows.view(torch.uint8), weight[: len(rows)].view(torch.uint8))
+        ),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -214,7 +245,13 @@ def main() -> None:
     folder_config = type(
         "Config", (), {"text_config": config, "tie_word_embeddings": False, "num_experts": None}
     )()
-    started = time.monotonic()
+    if args.backend == "file":
+        # What SGLang's loader runs first on CUDA (load_model_utils; skipped by its own
+        # variable where no device reads host page tables, as here).
+        from sglang.srt.models.qwen4_exp_ple_table import check_file_backend_supported
+
+        check_file_backend_supported(0)
+    written, started = io_write_bytes(), time.monotonic()
     net = Net(config, folder_config)
     out["build_s"] = time.monotonic() - started
     if not args.no_load:
@@ -235,6 +272,7 @@ def main() -> None:
             )
             out["read_bytes"] = io_read_bytes() - before
             out["load_s"] = time.monotonic() - started
+            out["write_bytes"] = io_write_bytes() - written
             out["loaded"] = sorted(n for n in loaded if ".ple." in n)
             out["table_bytes_cached"] = sum(
                 cached_bytes(path, lo, hi)
@@ -280,6 +318,8 @@ def main() -> None:
                     torch.equal(f.get_tensor(key), block.value_proj.weight)
                 )
             info["weight_scale"] = float(table.weight_scale.float().item())
+            if args.backend == "file":
+                info.update(file_backend(table, expected[:real]))
         found[str(layer_id)] = info
     out["layers"] = found
     print(json.dumps(out), flush=True)

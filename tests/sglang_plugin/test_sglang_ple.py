@@ -191,20 +191,99 @@ def test_strict_with_daemon_down_fails_start_up(ple_model: Model, tmp_path: Path
     assert "DaemonUnavailable" in done.stderr, done.stderr[-3000:]
 
 
-def test_file_backend_stands_aside_with_one_line(
-    ple_model: Model, ple_served: Any, tmp_path: Path
+#: SGLang's file backend on CPU: its device check skipped by its own variable, its
+#: resident-set trimmer's budget small enough that a trim has something to drop.
+FILE_BACKEND_ENV = {
+    "SGLANG_QWEN4_PLE_FILE_SKIP_DEVICE_CHECK": "1",
+    "SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB": "0.0001",
+}
+
+
+@pytest.fixture
+def on_disk(ple_model: Model, daemons: Any, tmp_path: Path) -> Any:
+    """A daemon holding the checkpoint's PLE tables on a disk folder (--backing disk)."""
+    disk = tmp_path / "tables"
+    disk.mkdir()
+    args = ("--backing", "disk", "--disk-dir", str(disk), "--checkpoint", str(ple_model.folder))
+    d = daemons(*args)
+    d.disk, d.args = disk, args
+    return d
+
+
+def _file_ranks(
+    model: Model, world: int, socket: Path, tmp: Path, tp1_engines: int = 0
+) -> list[dict[str, Any]]:
+    env = {"ENGRAMD_SOCKET": str(socket), **FILE_BACKEND_ENV}
+    extra = ("--backend", "file", "--offload-dir", str(tmp / "sglang-ple"))
+    if tp1_engines:
+        return [result(d) for d in run_servers(model, tp1_engines, env, tmp, extra)]
+    return [result(d) for d in run_ple_ranks(model, world, env, tmp, extra)]
+
+
+def _check_file_served(model: Model, out: dict[str, Any], disk: Path, tmp: Path) -> None:
+    """SGLang's file backend ran over the daemon's disk copy: it wrote no table, and its
+    prefetcher and trimmer worked on the mapping."""
+    for info in out["layers"].values():
+        assert info["prefetcher"] == "MappedPrefetcher" and info["prefetch_queued"], info
+        assert info["trimmed_bytes"] > 0 and info["same_after_trim"], info
+    # No table file of SGLang's own: its folder was never made, its loader dirtied no page.
+    assert not (tmp / "sglang-ple").exists()
+    assert out["write_bytes"] < model.table_bytes / 100, out["write_bytes"]
+
+
+def test_file_backend_tp2_maps_the_daemons_disk_copy(
+    ple_model: Model, on_disk: Any, tmp_path: Path
 ) -> None:
-    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    ranks = _file_ranks(ple_model, 2, on_disk.socket, tmp_path)
+    for rank, out in enumerate(ranks):
+        _check_served(ple_model, out, on_disk.disk, rank, 2)
+        _check_file_served(ple_model, out, on_disk.disk, tmp_path)
+    [s] = on_disk.status().sets
+    assert s.backing == "disk" and s.lease_count == 0 and not s.locked
+
+
+def test_file_backend_engines_and_a_daemon_restart_read_and_write_no_table_bytes(
+    ple_model: Model, on_disk: Any, daemons: Any, tmp_path: Path
+) -> None:
+    (tmp_path / "a").mkdir()
+    first = _file_ranks(ple_model, 1, on_disk.socket, tmp_path / "a", tp1_engines=2)
+    for out in first:
+        _check_served(ple_model, out, on_disk.disk, 0, 1, alone=False)
+        _check_file_served(ple_model, out, on_disk.disk, tmp_path / "a")
+    for layer in LAYERS:
+        # The same file (path and inode) behind both engines' tables.
+        one, two = (out["layers"][layer]["map"].split() for out in first)
+        assert one[3:] == two[3:], (one, two)
+    on_disk.stop()
+    # The next daemon takes the copy over from the disk; an engine started after it maps
+    # the same file, reading and writing no table byte.
+    again = daemons(*on_disk.args)
+    [s] = again.status().sets
+    assert s.adopted and s.backing == "disk"
+    (tmp_path / "b").mkdir()
+    [out] = _file_ranks(ple_model, 1, again.socket, tmp_path / "b")
+    _check_served(ple_model, out, on_disk.disk, 0, 1)
+    _check_file_served(ple_model, out, on_disk.disk, tmp_path / "b")
+    for layer in LAYERS:
+        assert (
+            out["layers"][layer]["map"].split()[3:] == first[0]["layers"][layer]["map"].split()[3:]
+        )
+
+
+def test_file_backend_without_a_daemon_runs_sglangs_own_file_with_one_warning(
+    ple_model: Model, tmp_path: Path
+) -> None:
+    env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock"), **FILE_BACKEND_ENV}
     extra = ("--backend", "file", "--offload-dir", str(tmp_path / "ple"))
     (done,) = run_ple_ranks(ple_model, 1, env, tmp_path, extra)
     out = result(done)
     for info in out["layers"].values():
-        # SGLang's own sparse file, filled by its loader.
+        # SGLang's own sparse file, filled by its loader, prefetched by its own prefetcher.
         assert str(tmp_path / "ple") in info["map"] and info["same_bytes"]
+        assert info["prefetcher"] == "PleFilePrefetcher"
+    assert out["write_bytes"] >= ple_model.table_bytes, out["write_bytes"]
     log = _output(done)
-    assert log.count("--ple-offload-backend file: engramd's SGLang plugin stands aside") == 1
-    assert WARNING not in log
-    assert len(ple_served.status().sets[0].leases) == 0
+    assert log.count(WARNING) == 1, log[-3000:]
 
 
 def test_a_checkpoint_sglang_would_place_otherwise_is_not_served(

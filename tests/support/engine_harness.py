@@ -97,10 +97,20 @@ def result(done: subprocess.CompletedProcess[str]) -> dict[str, Any]:
 
 
 def io_read_bytes() -> int:
+    return _io("read_bytes")
+
+
+def io_write_bytes() -> int:
+    """Bytes this process sent, or dirtied for, the storage layer (pages of a shared file
+    mapping it wrote count when it dirties them)."""
+    return _io("write_bytes")
+
+
+def _io(field: str) -> int:
     for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1])
-    raise AssertionError("no read_bytes in /proc/self/io")
+    raise AssertionError(f"no {field} in /proc/self/io")
 
 
 def disk_read_bytes(folder: Path) -> int:

@@ -7,6 +7,7 @@ SGLang whose seams differ gets one warning and no hook.
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -119,6 +120,24 @@ def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
         and "rows" in host.__init__.__code__.co_consts
         and {"weight", "data_ptr"} <= _names(host.gather),
         "Qwen4ExpPinnedHostEmbedding",
+    )
+    prefetcher = getattr(qwen4_exp, "make_ple_file_prefetcher", None)
+    ple_table = sys.modules.get("sglang.srt.models.qwen4_exp_ple_table")
+    pages = getattr(getattr(ple_table, "PleFilePrefetcher", None), "pages_for_rows", None)
+    SGLANG.expect(
+        callable(prefetcher)
+        and params(prefetcher) == ["table"]
+        and callable(pages)
+        and params(pages) == ["row_ids", "row_bytes"]
+        and isinstance(getattr(ple_table, "PLE_FILE_PREFETCH_MIN_ROWS", None), int)
+        and {"_file_prefetcher", "enqueue"} <= _names(host.gather),
+        "the PLE file prefetcher",
+    )
+    # The trimmer takes a table for a file-backed one by this attribute (ple_file.served_table).
+    trimmer = getattr(ple_table, "make_ple_file_rss_trimmer", None)
+    SGLANG.expect(
+        callable(trimmer) and "_sglang_ple_file_path" in trimmer.__code__.co_consts,
+        "the PLE file trimmer",
     )
     base = getattr(vocab, "VocabParallelEmbedding", None)
     SGLANG.expect(

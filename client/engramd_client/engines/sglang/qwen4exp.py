@@ -2,7 +2,8 @@
 
 With `--ple-offload-embedding` (SGLang's default for a bf16 Qwen4Exp on
 CUDA) and the `pinned` backend, SGLang keeps each PLE layer's TP rank's
-vocab range of the table in pinned host memory, and its loader copies the
+vocab range of the table in pinned host memory (with the `file` backend, in
+a file it maps: ple_file.py), and its loader copies the
 overlapping rows of the checkpoint's row shards into it. With the daemon on
 the node, that range is a read-only view of the daemon's one copy of the
 layer's table (the shards back to back, engramd_shared.checkpoint):
@@ -31,14 +32,11 @@ SGLang imports that module, see `install`; guard.check_ple_seams first):
   computed by SGLang's own VocabParallelEmbedding (built on the meta device
   as SGLang builds the layer's); each call checks its layer's shape, dtype
   and tag against it. The kernel reads `weight.data_ptr()` directly: with a
-  CUDA device the table SGLang gets is engramd's CUDA view of the rows.
-
-The `file` backend (for unified-memory GPUs) is not served: engramd stands
-aside with one line and SGLang maps its own sparse file. SGLang rewrites
-that file through its loader at every start, prefetches and trims it by its
-path and address; a daemon's read-only shared copy would need none of that
-machinery but cannot be written, so serving it would mean replacing the
-backend rather than its allocation.
+  CUDA device and the `pinned` backend the table SGLang gets is engramd's
+  CUDA view of the rows; with the `file` backend the host mapping itself,
+  which the GPU reads through the host page tables as it reads SGLang's own.
+- `make_ple_file_prefetcher`, as that module imports it (replaced for the
+  tables engramd serves: ple_file.MappedPrefetcher).
 
 One decision per TP group, as for the Engram tables: rank 0 asks the daemon
 and SGLang's TP group broadcasts the answer. A checkpoint whose shards
@@ -68,7 +66,7 @@ from engramd_client.engines.common import (
     settle,
     share_mode,
 )
-from engramd_client.engines.sglang import weights
+from engramd_client.engines.sglang import ple_file, weights
 from engramd_client.engines.sglang.guard import check_ple_seams
 from engramd_client.engines.sglang.process import PROCESS, engine_path, log
 from engramd_client.mapping import torch_dtype
@@ -79,13 +77,16 @@ from engramd_shared.families import PLE
 from engramd_shared.headers import TensorEntry
 
 QWEN4_EXP = "sglang.srt.models.qwen4_exp"
+PLE_TABLE = "sglang.srt.models.qwen4_exp_ple_table"
 VOCAB = "sglang.srt.layers.vocab_parallel_embedding"
 #: SGLang's own pattern of the PLE shards its Qwen4Exp loader takes (`load_qwen4_exp_ple_shard`).
 PLE_TABLES = re.compile(r"\.ngram_embedding\.shard_(\d+)\.weight$")
 #: What SGLang does where engramd does not serve, for the one warning.
 OWN_TABLES = "PLE n-gram host tables (--ple-offload-embedding)"
-#: The backend engramd serves (SGLang's --ple-offload-backend).
-SERVED_BACKEND = "pinned"
+#: The backends engramd serves (SGLang's --ple-offload-backend).
+SERVED_BACKENDS = ("pinned", "file")
+#: Set on the tables engramd serves to the file backend (its prefetcher finds them by it).
+SERVED_MARK = "_engramd_ple_rows"
 #: SGLang's default `split_ngram_parts` (its loader's, where the config names none).
 SPLIT_NGRAM_PARTS = 512
 
@@ -138,6 +139,7 @@ def install(module: ModuleType) -> None:
     calls = PROCESS.calls
     calls.replace(module.Qwen4ExpNGramEmbedding, "__init__", _embedding_init)
     calls.replace(module, "allocate_ple_host_table", _allocate)
+    calls.replace(module, "make_ple_file_prefetcher", _prefetcher)
     log.debug("engramd's SGLang plugin serves Qwen4Exp PLE n-gram tables")
 
 
@@ -166,23 +168,43 @@ def _allocate(
     building = _building.get()
     if building is None:
         return own()
-    if backend != SERVED_BACKEND:
+    if backend not in SERVED_BACKENDS:
         say_once(
             log,
             logging.INFO,
             "ple-backend",
             "--ple-offload-backend %s: engramd's SGLang plugin stands aside for the PLE n-gram "
-            "tables (it serves the %s backend); SGLang maps its own table file",
+            "tables (it serves the %s backends)",
             backend,
-            SERVED_BACKEND,
+            "/".join(SERVED_BACKENDS),
         )
         return own()
     if not _decide(building, dtype):
         return own()
-    tables = PROCESS.tables or _attach(dtype)
+    tables = PROCESS.tables or _attach(dtype, backend)
     name = _table_of(building.prefix, tables)
     _check(name, tables, tuple(int(d) for d in shape), dtype, tag)
+    if backend == "file":
+        # Read by the GPU through the host page tables, as SGLang's own file: no CUDA view.
+        table = ple_file.served_table(tables[name], f"engramd set {tables.set_id}: {name}")
+        setattr(table, SERVED_MARK, True)
+        return table
     return tables.cuda(name) if tables.device is not None else tables[name]
+
+
+def _prefetcher(table: torch.Tensor) -> Any:
+    """SGLang's prefetcher for its own file; for a table engramd serves, one that advises
+    the daemon's pages by address (ple_file.MappedPrefetcher)."""
+    if not getattr(table, SERVED_MARK, False):
+        return PROCESS.calls.call(_prefetcher, table)
+    from sglang.srt.environ import envs
+
+    if not envs.SGLANG_QWEN4_PLE_FILE_PREFETCH.get():
+        return None
+    ple_table = importlib.import_module(PLE_TABLE)
+    return ple_file.MappedPrefetcher(
+        table, ple_table.PleFilePrefetcher.pages_for_rows, ple_table.PLE_FILE_PREFETCH_MIN_ROWS
+    )
 
 
 def _decide(building: _Building, dtype: torch.dtype) -> bool:
@@ -255,15 +277,16 @@ def _ranges(tables: list[TensorEntry], dtype: torch.dtype) -> dict[str, tuple[in
     return ranges
 
 
-def _attach(dtype: torch.dtype) -> Tables:
-    """Every PLE table's rows for this rank, attached once."""
+def _attach(dtype: torch.dtype, backend: str) -> Tables:
+    """Every PLE table's rows for this rank, attached once (registered with CUDA for the
+    pinned backend only: the file backend's GPU reads pageable memory)."""
     from sglang.srt.runtime_context import get_parallel
 
     plan = list(plan_tables(PROCESS.folder, PLE.selection).tensors)
     PROCESS.rows = _ranges(plan, dtype)
     PROCESS.table_rows = {t.name: t.shape[0] for t in plan}
     device = None
-    if torch.cuda.is_available():
+    if backend == "pinned" and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"
     # SGLang builds its model under its device as the default: the host tables (and a
     # private copy) must be made in host memory whatever that default is.
