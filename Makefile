@@ -9,7 +9,8 @@ TORCH ?= torch==2.13.0
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
-.PHONY: setup test-tools demo test test-unit test-vllm test-sglang test-gpu bench bench-vllm proto docs lint format clean
+.PHONY: setup test-tools demo test test-unit test-vllm test-sglang test-gpu bench bench-vllm \
+	bench-sglang-file proto docs lint format clean
 
 setup: $(VENV)/.installed
 
@@ -96,6 +97,10 @@ SGLANG_PIP = $(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-vers
 
 test-sglang: $(SGLANG_STAMP) test-tools
 	$(SGLANG_VENV)/bin/python -m pytest $(SGLANG_DIR) $(ARGS)
+
+# SGLang's own file PLE backend against engramd's disk-backed copy (bench/sglang_ple_file.py).
+bench-sglang-file: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m bench.sglang_ple_file $(ARGS)
 
 $(SGLANG_VENV)/.installed-%:
 	rm -rf $(SGLANG_VENV)
