@@ -16,7 +16,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from engramd.testing.child import JsonLinesChild
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.layout import sets_root
 from harness.daemon_process import DaemonProcess as Daemon
+from helpers import wait_until as wait_until  # the tests import it from here
 
 TESTS = Path(__file__).resolve().parent
 #: Helper scripts and modules (on sys.path through pyproject's pytest `pythonpath`).
@@ -257,13 +257,3 @@ def start_workers(
         into.append(w)
         started.append(w)
     return [w.greeted() for w in started]
-
-
-def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:
-    """Poll `predicate` (an RPC, a file check) until true; returns the seconds it took."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-    return time.monotonic() - start

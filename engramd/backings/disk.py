@@ -9,8 +9,9 @@ changes:
   pages evicted under memory pressure and read back from the disk at the next
   fault, in the daemon and in every worker; status shows the bytes resident;
 - files are written once, by the daemon, and then read-only to everyone:
-  0400 until the operator publishes the set, 0440 after; the folder is the
-  daemon's (0750) inside one that no other user may write;
+  0400 until the operator publishes the set, 0440 after; `<disk_dir>/engramd`
+  is the daemon's (0750), in a folder where no one else may replace it
+  (shmroot.claim_root: not writable by all without its sticky bit);
 - a load is durable before it is published: the files, then the manifest,
   then the renamed folder reach the disk (fsync) in that order, so a power
   loss leaves a `.loading-*` folder (removed at the next start) or a whole set;
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 from typing import ClassVar
 
 from engramd.backings.base import Usage
@@ -42,14 +42,18 @@ from engramd.host.pagecache import resident_bytes
 from engramd.host.pagesize import PageCensus
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import usage
-from engramd_shared.layout import MANIFEST_NAME, Manifest, ManifestError, open_owned, set_dir
+from engramd_shared.layout import Manifest, open_owned, set_dir
 
 log = logging.getLogger("engramd")
 
 #: File systems whose bytes others (another host) may change under the daemon's manifest.
 _SHARED_FILESYSTEMS = frozenset(
-    {"nfs", "nfs4", "cifs", "smb3", "9p", "ceph", "glusterfs", "lustre", "fuse.sshfs"}
-)
+    {
+        "nfs", "nfs4", "cifs", "smb3", "9p", "virtiofs", "ceph", "glusterfs", "lustre",
+        "gpfs", "beegfs", "ocfs2", "gfs2", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse",
+        "fuse.juicefs", "fuse.ceph-fuse",
+    }
+)  # fmt: skip
 
 
 class DiskBacking(TmpfsBacking):
@@ -60,7 +64,8 @@ class DiskBacking(TmpfsBacking):
     lockable = False
     private_mode = 0o400
     shared_mode = 0o440
-    durable = True
+    folder_kind = "the disk folder"
+    space_fix = "free space on that disk, drop unused sets, or point --disk-dir at a larger disk"
 
     @classmethod
     def from_config(cls, config: DaemonConfig, gid: int | None, fd_store: FdStore) -> DiskBacking:
@@ -102,14 +107,3 @@ class DiskBacking(TmpfsBacking):
             finally:
                 os.close(fd)
         return total
-
-    def _check_unchanged(self, folder: Path, manifest: Manifest) -> None:
-        """Raise ManifestError where a file was modified after the manifest was written."""
-        written = os.stat(folder / MANIFEST_NAME).st_mtime_ns
-        for file in dict.fromkeys(t.file for t in manifest.tensors):
-            modified = os.stat(folder / file).st_mtime_ns
-            if modified > written:
-                raise ManifestError(
-                    f"{file} was modified after its manifest was written (mtime "
-                    f"{modified} ns > {written} ns); load the set again"
-                )

@@ -76,9 +76,9 @@ class TmpfsBacking(Backing):
     #: A set's files until the operator publishes it, and after (share_with_group).
     private_mode: ClassVar[int] = 0o600
     shared_mode: ClassVar[int] = 0o640
-    #: Files and manifest reach the disk before the set is published (a disk's sets
-    #: outlive a reboot; a tmpfs's do not).
-    durable: ClassVar[bool] = False
+    #: What the folder is called in errors, and how to give it more room.
+    folder_kind: ClassVar[str] = "the shm folder"
+    space_fix: ClassVar[str] = FIX_SHM_SIZE
 
     def __init__(
         self,
@@ -174,6 +174,12 @@ class TmpfsBacking(Backing):
             self._counted_in_shm = usage(root).total == usage(self.shm_dir).total
         self._set_page_size(root)
 
+    @property
+    def durable(self) -> bool:
+        """Files and manifest reach the disk before a set is published: a folder on a disk
+        (its sets outlive a reboot, and are adopted after one); a tmpfs's die with the boot."""
+        return bool(self.disk_filesystem)
+
     def release(self) -> None:
         """Let the next daemon take the shm folder."""
         self._lock.release()
@@ -216,13 +222,13 @@ class TmpfsBacking(Backing):
         u = self.usage()
         if needed > u.total:
             raise ShmCapacityError(
-                f"{what} needs {gib(needed)} but the shm folder {u.where} holds "
-                f"{gib(u.total)} in all; {FIX_SHM_SIZE}"
+                f"{what} needs {gib(needed)} but {self.folder_kind} {u.where} holds "
+                f"{gib(u.total)} in all; {self.space_fix}"
             )
         if needed > u.free + reclaimable:
             raise ShmCapacityError(
-                f"{what} needs {gib(needed)} but the shm folder {u.where} has {gib(u.free)} free "
-                f"of {gib(u.total)}; drop unused sets or {FIX_SHM_SIZE}"
+                f"{what} needs {gib(needed)} but {self.folder_kind} {u.where} has "
+                f"{gib(u.free)} free of {gib(u.total)}; drop unused sets or {self.space_fix}"
             )
 
     def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
@@ -286,8 +292,19 @@ class TmpfsBacking(Backing):
         return found
 
     def _check_unchanged(self, folder: Path, manifest: Manifest) -> None:
-        """Raise ManifestError where an adopted set's files may have changed since it was
-        published; a tmpfs's files are the daemon's alone and live no longer than the boot."""
+        """On a disk (durable), raise ManifestError where a file was modified after the
+        manifest was written: each file is fsynced before the manifest is made, so a later
+        write leaves a later mtime. A tmpfs's files live no longer than the boot."""
+        if not self.durable:
+            return
+        written = os.stat(folder / MANIFEST_NAME).st_mtime_ns
+        for file in dict.fromkeys(t.file for t in manifest.tensors):
+            modified = os.stat(folder / file).st_mtime_ns
+            if modified > written:
+                raise ManifestError(
+                    f"{file} was modified after its manifest was written (mtime "
+                    f"{modified} ns > {written} ns); load the set again"
+                )
 
     def damage(self, manifest: Manifest) -> list[str]:
         """What makes the set's files unfit to hand out now (a file cut short: a worker's
@@ -419,9 +436,9 @@ class _StagedFolder(StagedSet):
 
     def _ran_out(self) -> ShmCapacityError:
         return ShmCapacityError(
-            f"the shm folder {self._backing.shm_dir} ran out of space while reserving "
-            f"{gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer took the "
-            f"space after the capacity check?); {FIX_SHM_SIZE}"
+            f"{self._backing.folder_kind} {self._backing.shm_dir} ran out of space while "
+            f"reserving {gib(self._plan.nbytes)} for set {self._plan.set_id} (another writer "
+            f"took the space after the capacity check?); {self._backing.space_fix}"
         )
 
     def placement(self, index: int) -> tuple[str, int]:
@@ -452,6 +469,8 @@ class _StagedFolder(StagedSet):
                     f.flush()
                     os.fsync(f.fileno())
             os.rename(self._folder, self._folder.with_name(manifest.copy))
+            # Removed by discard if what follows fails: a set never outlives a failed load.
+            self._folder = self._folder.with_name(manifest.copy)
             if durable:
                 _sync_folder(self._folder.parent)
         except OSError as e:
@@ -459,9 +478,9 @@ class _StagedFolder(StagedSet):
                 raise
             # Only the folder and the manifest are not reserved up front.
             raise ShmCapacityError(
-                f"the shm folder {self._backing.shm_dir} ran out of space while loading set "
-                f"{manifest.set_id} ({gib(manifest.nbytes)}; another writer took the space?); "
-                f"{FIX_SHM_SIZE}"
+                f"{self._backing.folder_kind} {self._backing.shm_dir} ran out of space while "
+                f"loading set {manifest.set_id} ({gib(manifest.nbytes)}; another writer took "
+                f"the space?); {self._backing.space_fix}"
             ) from None
         finally:
             self._close()

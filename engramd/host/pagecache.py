@@ -49,16 +49,24 @@ def resident_bytes(fd: int, offset: int, length: int) -> int:
     return _mincore(fd, offset, length)
 
 
+#: Bytes mincore looks at per mapping: its vector (a byte a page) stays at 256 KiB.
+_WINDOW = 1 << 30
+
+
 def _mincore(fd: int, offset: int, length: int) -> int:
     start = offset - offset % mmap.PAGESIZE
-    size = offset + length - start
-    address = map_read_only(fd, size, start)
-    try:
-        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
-        if libc.mincore(address, size, vec) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-        # Bit 0 says resident; the kernel leaves the others zero.
-        return min((len(vec) - bytes(vec).count(0)) * mmap.PAGESIZE, length)
-    finally:
-        libc.munmap(address, size)
+    end = offset + length
+    resident = 0
+    for at in range(start, end, _WINDOW):
+        size = min(_WINDOW, end - at)
+        address = map_read_only(fd, size, at)
+        try:
+            vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+            if libc.mincore(address, size, vec) != 0:
+                err = ctypes.get_errno()
+                raise OSError(err, os.strerror(err))
+            # Bit 0 says resident; the kernel leaves the others zero.
+            resident += (len(vec) - bytes(vec).count(0)) * mmap.PAGESIZE
+        finally:
+            libc.munmap(address, size)
+    return min(resident, length)

@@ -114,6 +114,7 @@ def test_a_file_cut_short_is_refused_at_the_next_attach_and_not_adopted(
     d = _serve(daemons, disk, tables)
     [folder] = set_folders(disk)
     victim = sorted(p for p in folder.iterdir() if p.name != MANIFEST_NAME)[0]
+    os.chmod(victim, 0o600)  # root needs no mode to write; the daemon's user would
     os.truncate(victim, victim.stat().st_size // 2)
     w = Worker(tables, d.socket, share="on")
     workers.append(w)

@@ -245,3 +245,13 @@ def memory_cgroup(limit: int) -> Iterator[tuple[list[str], str]]:
     with memory_cgroup_folder(limit) as (folder, limit_file):
         join = f'echo $$ > {folder / "cgroup.procs"} && exec "$@"'
         yield ["sh", "-c", join, "sh", sys.executable], f"{folder.name} {limit_file}"
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> float:
+    """Poll `predicate` (an RPC, a file check) until true; returns the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(interval)
+    return time.monotonic() - start

@@ -133,10 +133,14 @@ def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
         and {"_file_prefetcher", "enqueue"} <= _names(host.gather),
         "the PLE file prefetcher",
     )
-    # The trimmer takes a table for a file-backed one by this attribute (ple_file.served_table).
-    trimmer = getattr(ple_table, "make_ple_file_rss_trimmer", None)
+    factory = getattr(qwen4_exp, "make_ple_file_rss_trimmer", None)
+    trimmer = getattr(ple_table, "PleFileRssTrimmer", None)
     SGLANG.expect(
-        callable(trimmer) and "_sglang_ple_file_path" in trimmer.__code__.co_consts,
+        callable(factory)
+        and params(factory) == ["table"]
+        and trimmer is not None
+        and params(trimmer.__init__)[:5] == ["self", "addr", "nbytes", "budget_bytes", "interval_s"]
+        and callable(getattr(trimmer, "start", None)),
         "the PLE file trimmer",
     )
     base = getattr(vocab, "VocabParallelEmbedding", None)

@@ -10,17 +10,18 @@ memory is smaller than the tables), its padding rows zero pages of the
 worker's own, never registered with CUDA: SGLang creates, truncates and
 writes no table file, and its loader copies no row (weights.py).
 
-What SGLang does around the mapping keeps working on it:
+What SGLang does around its own mapping is done on this one:
 
 - `MADV_RANDOM` over the table, as SGLang's allocator applies to its own;
-- its resident-set trimmer (`make_ple_file_rss_trimmer`: MADV_DONTNEED in
-  slices over the table's addresses) needs only the table's address and the
-  path attribute its factory looks for, which the served table carries;
-- its prefetcher (`make_ple_file_prefetcher`) opens the path and advises
-  offsets counted from the rank's first row, which in the daemon's file
-  are not at offset 0: the served table's prefetcher (`MappedPrefetcher`)
-  advises the same pages through the mapping instead (madvise WILLNEED on
-  a file mapping starts the same readahead as posix_fadvise WILLNEED).
+- its resident-set trimmer (SGLang's PleFileRssTrimmer: MADV_DONTNEED in
+  slices), over the table's file pages only (`file_span`): a rank's rows
+  need not start on a page, and the last partial page before the padding
+  rows is a private copy, which MADV_DONTNEED would turn to zeros;
+- its prefetcher advises offsets of its own per-rank file, counted from the
+  rank's first row, which in the daemon's file are elsewhere: the served
+  table's prefetcher (`MappedPrefetcher`) advises the same rows' pages
+  through the mapping instead (madvise WILLNEED on a file mapping starts
+  the readahead posix_fadvise WILLNEED starts).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import ctypes
 import logging
 import mmap
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,8 +39,7 @@ log = logging.getLogger("engramd_client")
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-#: The attribute SGLang's prefetcher and trimmer factories find a file-backed table by.
-PATH_ATTRIBUTE = "_sglang_ple_file_path"
+_PAGE = mmap.PAGESIZE
 
 
 def madvise(table: torch.Tensor, advice: int) -> bool:
@@ -49,13 +50,26 @@ def madvise(table: torch.Tensor, advice: int) -> bool:
     return _libc.madvise(start, length, advice) == 0
 
 
-def served_table(table: torch.Tensor, source: str) -> torch.Tensor:
-    """The rank's mapped rows as SGLang's file backend hands its own table out: random
-    access advised, and marked with where the bytes are (`source`) for SGLang's factories."""
+def advise_random(table: torch.Tensor, source: str) -> None:
+    """MADV_RANDOM over the table, as SGLang's file backend advises its own mapping."""
     if not madvise(table, mmap.MADV_RANDOM):
         log.info("madvise(MADV_RANDOM) refused on the PLE table of %s: readahead stays on", source)
-    setattr(table, PATH_ATTRIBUTE, source)
-    return table
+
+
+def file_span(table: torch.Tensor) -> tuple[int, int]:
+    """(address, bytes) of the file pages the table's mapping holds, whole pages from the
+    table's first: its mapping's file-backed range (/proc/self/maps), cut to the table."""
+    address = table.data_ptr()
+    end = address + table.numel() * table.element_size()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, _, _, _, inode, *_ = line.split()
+        low, high = (int(x, 16) for x in span.split("-"))
+        if low <= address < high:
+            if inode == "0":
+                break
+            start = address - address % _PAGE
+            return start, min(high, end) - start
+    raise ValueError(f"the PLE table at {address:#x} is no file mapping")
 
 
 class MappedPrefetcher:
@@ -90,12 +104,13 @@ class MappedPrefetcher:
         return True
 
     def _advise(self, pages: list[int]) -> None:
-        base = self._address
         for page in pages:
-            at = base + page * mmap.PAGESIZE
-            # The table need not start on a page: advise the pages the rows' bytes touch.
-            start = at - at % mmap.PAGESIZE
-            if _libc.madvise(start, 2 * mmap.PAGESIZE, mmap.MADV_WILLNEED) != 0:
+            # SGLang's page N of its file is bytes [N x 4 KiB, +4 KiB) from the table's
+            # first; the table need not start on a page: the pages those bytes touch.
+            first = self._address + page * _PAGE
+            start = first - first % _PAGE
+            length = -(-(first + _PAGE - start) // _PAGE) * _PAGE
+            if _libc.madvise(start, length, mmap.MADV_WILLNEED) != 0:
                 return
 
     def close(self) -> None:

@@ -35,8 +35,9 @@ SGLang imports that module, see `install`; guard.check_ple_seams first):
   CUDA device and the `pinned` backend the table SGLang gets is engramd's
   CUDA view of the rows; with the `file` backend the host mapping itself,
   which the GPU reads through the host page tables as it reads SGLang's own.
-- `make_ple_file_prefetcher`, as that module imports it (replaced for the
-  tables engramd serves: ple_file.MappedPrefetcher).
+- `make_ple_file_prefetcher` and `make_ple_file_rss_trimmer`, as that module
+  imports them (around: for the tables engramd serves, ple_file.py's
+  prefetcher, and SGLang's PleFileRssTrimmer over the table's file pages).
 
 One decision per TP group, as for the Engram tables: rank 0 asks the daemon
 and SGLang's TP group broadcasts the answer. A checkpoint whose shards
@@ -140,6 +141,7 @@ def install(module: ModuleType) -> None:
     calls.replace(module.Qwen4ExpNGramEmbedding, "__init__", _embedding_init)
     calls.replace(module, "allocate_ple_host_table", _allocate)
     calls.replace(module, "make_ple_file_prefetcher", _prefetcher)
+    calls.replace(module, "make_ple_file_rss_trimmer", _trimmer)
     log.debug("engramd's SGLang plugin serves Qwen4Exp PLE n-gram tables")
 
 
@@ -186,8 +188,12 @@ def _allocate(
     _check(name, tables, tuple(int(d) for d in shape), dtype, tag)
     if backend == "file":
         # Read by the GPU through the host page tables, as SGLang's own file: no CUDA view.
-        table = ple_file.served_table(tables[name], f"engramd set {tables.set_id}: {name}")
-        setattr(table, SERVED_MARK, True)
+        table = tables[name]
+        if tables.mode == "shared":
+            ple_file.advise_random(table, f"engramd set {tables.set_id}: {name}")
+            setattr(table, SERVED_MARK, True)
+        # else engramd's private copy: memory of this process's own, with nothing to
+        # prefetch, and no file pages a trimmer could drop without losing rows.
         return table
     return tables.cuda(name) if tables.device is not None else tables[name]
 
@@ -205,6 +211,27 @@ def _prefetcher(table: torch.Tensor) -> Any:
     return ple_file.MappedPrefetcher(
         table, ple_table.PleFilePrefetcher.pages_for_rows, ple_table.PLE_FILE_PREFETCH_MIN_ROWS
     )
+
+
+def _trimmer(table: torch.Tensor) -> Any:
+    """SGLang's resident-set trimmer for its own file; for a table engramd serves, SGLang's
+    PleFileRssTrimmer over the table's file pages only (ple_file.file_span)."""
+    if not getattr(table, SERVED_MARK, False):
+        return PROCESS.calls.call(_trimmer, table)
+    from sglang.srt.environ import envs
+
+    budget = float(envs.SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB.get())
+    if budget <= 0:
+        return None
+    address, nbytes = ple_file.file_span(table)
+    trimmer = importlib.import_module(PLE_TABLE).PleFileRssTrimmer(
+        addr=address,
+        nbytes=nbytes,
+        budget_bytes=int(budget * 2**30),
+        interval_s=float(envs.SGLANG_QWEN4_PLE_FILE_RSS_INTERVAL_S.get()),
+    )
+    trimmer.start()
+    return trimmer
 
 
 def _decide(building: _Building, dtype: torch.dtype) -> bool:
