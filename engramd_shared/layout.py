@@ -40,9 +40,10 @@ manifest.json::
                                              (engramd/sources/strong.py)
 
 A set folder never changes after its rename: the daemon writes everything
-under the `.loading-*` name, fsyncs nothing (tmpfs), writes the manifest last
-and renames. A crash at any point leaves either no set folder or a complete
-one. The nonce lets a worker prove that the file it opened is the one the
+under the `.loading-*` name, writes the manifest last and renames; on a
+disk (engramd/backings/disk.py) each step is fsynced before the next, on a
+tmpfs nothing is. A crash at any point leaves either no set folder or a
+complete one. The nonce lets a worker prove that the file it opened is the one the
 daemon described: a worker in another mount or IPC namespace sees another
 /dev/shm, where the manifest is missing or carries another nonce.
 

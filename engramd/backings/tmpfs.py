@@ -307,13 +307,26 @@ class TmpfsBacking(Backing):
                 )
 
     def damage(self, manifest: Manifest) -> list[str]:
-        """What makes the set's files unfit to hand out now (a file cut short: a worker's
-        mapping would fault past its end); none when they are whole."""
-        try:
-            check_complete(set_dir(self.shm_dir, manifest.copy), manifest, self._owner)
-        except (OSError, ManifestError) as e:
-            return [str(e)]
-        return []
+        """The set's files cut short since it was published (a worker's mapping would fault
+        past a file's end); none when they are whole. A file that is gone or not the
+        daemon's is the handles' to refuse (SegmentNotVisible), not damage."""
+        folder = set_dir(self.shm_dir, manifest.copy)
+        found = []
+        for t in manifest.tensors:
+            try:
+                fd = open_owned(folder / t.file, self._owner)
+            except (OSError, ManifestError):
+                continue
+            try:
+                size = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            if size < t.offset + t.nbytes:
+                found.append(
+                    f"tensor {t.name!r}: {t.file} is {size} bytes, manifest says at least "
+                    f"{t.offset + t.nbytes} (cut short since it was published)"
+                )
+        return found
 
     def share_with_group(self, manifest: Manifest) -> None:
         """Give the set's files `shared_mode`: the socket group may map them by path."""
