@@ -17,6 +17,7 @@ from typing import Any
 
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.pagecache import evict
 from engramd.testing.synth import SCALE_GROUP, SynthSpec, synthesize
 
 GiB = 1 << 30
@@ -251,14 +252,7 @@ def any_shm(huge: bool, size_gib: float) -> contextlib.AbstractContextManager[Pa
 
 def drop_page_cache(folder: Path) -> None:
     """Evict a folder's files from the page cache (cold reads)."""
-    os.sync()
-    for f in folder.iterdir():
-        if f.is_file():
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict(folder)
 
 
 def drop_caches() -> None:

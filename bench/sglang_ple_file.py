@@ -45,6 +45,7 @@ from pathlib import Path
 import torch
 
 from engramd.testing.daemon_process import DaemonProcess
+from engramd.testing.pagecache import evict
 from engramd_shared.layout import tensor_file_name
 
 TESTS = Path(__file__).resolve().parent.parent / "tests"
@@ -72,19 +73,6 @@ def start(model: Model, env: dict[str, str], work: Path, offload: Path) -> dict[
         "write_bytes": out["write_bytes"],
         "read_bytes": out["read_bytes"],
     }
-
-
-def evict(folder: Path) -> None:
-    """Write a folder's files' dirty pages back and drop them from the page cache (as a
-    reboot would find them)."""
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def gather_rate(path: Path, row_bytes: int, rows: int, gathers: int, cold: bool) -> float:

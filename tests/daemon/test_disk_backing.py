@@ -15,6 +15,7 @@ from engine_harness import drop_cache
 from conftest import Worker
 from engramd.cli.status_view import render
 from engramd.host.pagecache import resident_bytes
+from engramd.testing.pagecache import evict
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.layout import MANIFEST_NAME, sets_root
 from helpers import memory_cgroup_folder, reference_digests, set_folders
@@ -50,16 +51,6 @@ def _cached(folder: Path) -> int:
             finally:
                 os.close(fd)
     return total
-
-
-def _evict(folder: Path) -> None:
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
 
 
 def _serve(daemons: Any, disk: Path, checkpoint: Path, *args: str) -> Any:
@@ -99,7 +90,7 @@ def test_a_disk_set_is_read_only_never_locked_and_adopted_without_reading_the_ch
     assert s.adopted and s.state == "ready" and s.source == "adopted"
     assert again.log.count("loading set") == 1  # the first daemon's (one log)
     assert _cached(tables) < s.bytes / 20, _cached(tables)
-    _evict(disk)
+    evict(disk)
     assert again.status().sets[0].resident_bytes < s.bytes / 20
     w = Worker(tables, again.socket, share="on")
     workers.append(w)
@@ -159,7 +150,7 @@ def test_a_worker_under_a_memory_cgroup_smaller_than_the_set_reads_every_byte(
     d = _serve(daemons, disk, tables)
     [s] = d.status().sets
     # Out of the page cache (no process maps them): each is read again at a worker's fault.
-    _evict(disk)
+    evict(disk)
     assert d.status().sets[0].resident_bytes < s.bytes / 20
     with memory_cgroup_folder(1 << 40) as (group, limit_file):
         join = f'echo $$ > {group / "cgroup.procs"} && exec "$@"'

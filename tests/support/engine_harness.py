@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engramd.testing.pagecache import evict
+
 
 def readahead(folder: Path) -> int:
     """Bytes the kernel reads ahead on the block device that holds `folder`."""
@@ -126,13 +128,7 @@ def disk_read_bytes(folder: Path) -> int:
 
 def drop_cache(folder: Path) -> None:
     """Evict the checkpoint's pages, so every byte read is counted as read from disk."""
-    for path in folder.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict(folder, "*.safetensors")
 
 
 def mapping_of(address: int) -> str:
