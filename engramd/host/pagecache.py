@@ -17,7 +17,7 @@ from engramd.host.libc import libc, map_read_only
 
 libc.syscall.restype = ctypes.c_long
 libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-#: cachestat's number, the same on every architecture (the generic syscall table).
+#: cachestat's number on x86-64 and arm64 alike (Linux 6.5: the unified syscall numbers).
 _SYS_CACHESTAT = 451
 
 
