@@ -1,7 +1,9 @@
 """Fill a set from a peer daemon that holds it: gRPC for the offer, NIXL reads for the bytes.
 
-The receiver opens one PeerService.Fill stream per peer tried, with the set
-id it computed from its own checkpoint and a nonce. The peer must first
+The receiver tries the peers in an order of its own for each set (`spread`:
+rendezvous hashing of set, receiver and peer) and opens one PeerService.Fill
+stream per peer tried, with the set id it computed from its own checkpoint
+and a nonce. The peer must first
 prove it holds the fleet's token (trust.py): one that cannot is told nothing
 more. Then the receiver proves it holds the token too, and the peer offers
 its manifest with the attestation of its digests, its NIXL agent's metadata
@@ -32,6 +34,7 @@ from functools import partial
 from typing import Protocol
 
 import grpc
+import xxhash
 
 from engramd.sources.base import Progress, SourceFailed, spot_check
 from engramd.sources.inflight import InOrder
@@ -86,6 +89,22 @@ def addresses(peers: list[str]) -> list[str]:
     return list(found)
 
 
+def spread(peers: list[str], set_id: str, receiver: str) -> list[str]:
+    """`peers` in the order `receiver` tries them for `set_id`: rendezvous hashing.
+
+    Each (set, receiver, peer) gets a score, XXH3-64 of the three; the peers are tried
+    highest first. Every node of a fleet (its host name) thus has an order of its own
+    for each set, the same at every try, and among N warm peers each is the first
+    choice of about 1/N of the receivers: a headless Service's first address is not
+    everyone's source. A peer added or gone moves only the receivers that ranked it.
+    """
+
+    def score(peer: str) -> int:
+        return xxhash.xxh3_64_intdigest(f"{set_id}\0{receiver}\0{peer}".encode())
+
+    return sorted(peers, key=score, reverse=True)
+
+
 class PeerSource:
     """Fills sets from peers; one fill at a time, each with a transfer process of its own."""
 
@@ -95,9 +114,10 @@ class PeerSource:
         self._min_rate = min_rate
         self._lock = threading.Lock()
 
-    def addresses(self) -> list[str]:
-        """The peers to try, resolved now (a Service's members change)."""
-        return addresses(self._peers)
+    def addresses(self, set_id: str) -> list[str]:
+        """The peers to try for a set, resolved now (a Service's members change), in this
+        node's order for that set (spread)."""
+        return spread(addresses(self._peers), set_id, socket.gethostname())
 
     def fill(
         self, address: str, plan: TablePlan, regions: list[Region], progress: Progress
