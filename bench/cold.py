@@ -6,11 +6,12 @@ Each turn drops the page cache before each side and runs, in this order:
   (io_uring, else libaio); where fio is missing, the bench's own reader does
   the same on 32 threads (one 1 MiB `preadv` each, O_DIRECT);
 - buffered: one sequential read of the files, 16 MiB a call, as `cat` reads;
-- parallel: the files read buffered in 2 MiB pieces on as many threads as
-  engramd loads on, pieces handed out in order (engramd's reads without its
-  set: what this device gives many buffered readers);
-- engramd: the daemon's loader (`load_set`) into its default backing on its
-  default load threads, timed as the daemon times `load_seconds`, with its
+- parallel: the files read buffered in engramd's reads (sized to the
+  device, `reads_for`) on as many threads as engramd loads on, handed out in
+  order (engramd's reads without its set: what this device gives many
+  buffered readers);
+- engramd: the daemon's loader (`load_set`) into its default backing with
+  its default reads, timed as the daemon times `load_seconds`, with its
   CPU seconds (user + system of every thread of the process) per GiB.
 
 Memory is recycled before the load, untimed, as in bench/load.py (this VM
@@ -34,9 +35,8 @@ import time
 from pathlib import Path
 
 from engramd.backings import TmpfsBacking
-from engramd.checksum import BUFFER_BYTES
 from engramd.config import DaemonConfig
-from engramd.sets.loader import LoadProgress, copy_threads, load_set
+from engramd.sets.loader import LoadProgress, load_set, reads_for
 from engramd_client import plan_tables
 
 from .common import Figure, GiB, MiB, compare, drop_caches, sequential_read, shm_folder
@@ -44,8 +44,6 @@ from .load import recycle
 
 #: The direct reader's request size and requests in flight.
 BLOCK, DEPTH = 1 * MiB, 32
-#: The parallel buffered reader's piece: the loader's.
-PIECE = BUFFER_BYTES
 
 
 def _fio(files: list[Path]) -> float:
@@ -109,7 +107,7 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def _engramd(ckpt: Path, threads: int) -> tuple[float, float]:
+def _engramd(ckpt: Path) -> tuple[float, float]:
     """(GB/s, CPU seconds per GiB) of the daemon's loader reading `ckpt` cold."""
     plan = plan_tables(ckpt)
     with shm_folder() as shm:
@@ -119,7 +117,7 @@ def _engramd(ckpt: Path, threads: int) -> tuple[float, float]:
             recycle(plan.nbytes)
             drop_caches()
             cpu, start = _cpu(), time.perf_counter()
-            load_set(plan, backing, threads, LoadProgress(plan.nbytes))
+            load_set(plan, backing, DaemonConfig().load_threads, LoadProgress(plan.nbytes))
             seconds, cpu = time.perf_counter() - start, _cpu() - cpu
         finally:
             backing.release()
@@ -134,7 +132,12 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
     files = sorted(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
     fio = shutil.which("fio") is not None
     direct_name = "fio direct" if fio else "direct reader (fio missing)"
-    threads = copy_threads(DaemonConfig().load_threads)
+    reads = reads_for(plan_tables(ckpt), DaemonConfig().load_threads)
+    threads = reads.threads
+    print(
+        f"  engramd's reads: {reads.size // MiB} MiB, {threads} in flight "
+        f"({reads.device or 'no device'})"
+    )
     direct, buffered, parallel, ours, cpus = [], [], [], [], []
     print(
         f"  turn  {direct_name:>26}  buffered 16 MiB  buffered, {threads} threads"
@@ -146,8 +149,8 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         drop_caches()
         buffered.append(sequential_read(files))
         drop_caches()
-        parallel.append(_threaded_read(files, threads, PIECE))
-        rate, cpu = _engramd(ckpt, threads)
+        parallel.append(_threaded_read(files, threads, reads.size))
+        rate, cpu = _engramd(ckpt)
         ours.append(rate)
         cpus.append(cpu)
         device = max(direct[-1], buffered[-1])
@@ -178,7 +181,8 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
             parallel,
             higher_is_better=True,
             paired=True,
-            note=f"the same 2 MiB reads on {threads} threads into buffers: engramd without its set",
+            note=f"the same {reads.size // MiB} MiB reads on {threads} threads into buffers: "
+            "engramd without its set",
         ),
         compare(
             f"cold load ({size}): engramd's CPU per GiB",

@@ -33,7 +33,7 @@ from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
-from engramd.sets.loader import LoadProgress, copy_threads, load_set
+from engramd.sets.loader import LoadProgress, load_set
 from engramd_client import plan_tables
 from engramd_shared.checkpoint import TablePlan
 
@@ -43,8 +43,8 @@ from .common import Figure, GiB, compare, drop_caches, huge_tmpfs, shm_folder, t
 DEFAULT = "engramd, default backing, default threads"
 #: The default on memory as the way before left it (the module's docstring).
 FRESH = "engramd, default backing, default threads, memory not recycled"
-#: The daemon's default --load-threads on this machine.
-THREADS = copy_threads(DaemonConfig().load_threads)
+#: The daemon's default --load-threads (0: the reads sized to the checkpoint's device).
+THREADS = DaemonConfig().load_threads
 #: Where the anchors come from.
 ANCHORS = "bench/requirements-anchors.txt"
 

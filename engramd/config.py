@@ -190,9 +190,13 @@ class DaemonConfig:
     drop_on_exit: bool = setting(False, "Remove the sets at shutdown.")
     #: Lock each set's pages in memory (mlock) so they are never swapped out.
     mlock: bool = setting(True, "Lock the sets' pages in memory.")
-    #: Threads that read a checkpoint into a set's pages during a load; 0: from the
-    #: machine (engramd.sets.loader.copy_threads).
-    load_threads: int = setting(0, "Threads that copy a set (0: one per core, 4-32).", min=0)
+    #: Threads that read a checkpoint into a set's pages during a load; 0: sized to the
+    #: checkpoint's block device and the cores (engramd.sets.loader.reads_for).
+    load_threads: int = setting(
+        0,
+        "Threads that copy a set (0: to fill the device's queue, a core each at least, 4-32).",
+        min=0,
+    )
     #: TCP port for gRPC health checks only (Kubernetes probes); 0: none.
     health_port: int = setting(0, "TCP port for gRPC health (0: off).")
     #: Address of the health port.

@@ -31,6 +31,7 @@ from engramd.config import DaemonConfig
 from engramd.errors import UntrustedShm
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MappedWriter, Pool, fs_page_size, pool
+from engramd.host.reserve import reserve_files
 from engramd.host.shmfs import mount_of
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
@@ -146,9 +147,9 @@ class _StagedPacked(StagedSet):
             backing.make_folder(self._folder)
             self._fd = backing.make_file(self._folder / PACKED_NAME)
             try:
-                # Every huge page now: an empty pool fails here, never as a
-                # SIGBUS at the first touch of a page.
-                os.posix_fallocate(self._fd, 0, self._size)
+                # Every huge page now, on every core: an empty pool fails here,
+                # never as a SIGBUS at the first touch of a page.
+                reserve_files([(self._fd, self._size)], backing.page_size)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise

@@ -19,6 +19,7 @@ import contextlib
 import fcntl
 import itertools
 import logging
+import mmap
 import os
 import stat
 import threading
@@ -33,6 +34,7 @@ from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
 from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
 from engramd.host.pinning import PinnedFiles
+from engramd.host.reserve import reserve_files
 from engramd.host.shmfs import shmem_enabled
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
@@ -251,9 +253,9 @@ class _StagedMemfd(StagedSet):
         try:
             os.ftruncate(self._fd, size)
             if size:
-                # Every page now: a set that does not fit fails here, not as a
-                # SIGBUS in the middle of the copy.
-                os.posix_fallocate(self._fd, 0, size)
+                # Every page now, on every core: a set that does not fit fails here,
+                # not as a SIGBUS in the middle of the copy.
+                reserve_files([(self._fd, size)], huge or mmap.PAGESIZE)
                 if huge:
                     self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()
         except OSError as e:

@@ -40,7 +40,7 @@ from engramd.sets.intents import (
     Verified,
 )
 from engramd.sets.leases import LeaseBook, Stats, check_served
-from engramd.sets.loader import LoadProgress, copy_threads
+from engramd.sets.loader import LoadProgress
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
@@ -96,7 +96,7 @@ class SetKeeper:
         self._sources = sources
         self.store = SetStore(
             backings,
-            copy_threads(config.load_threads),
+            config.load_threads,
             config.mlock,
             memory_budget=config.memory_budget,
             evict_idle=config.evict_idle,

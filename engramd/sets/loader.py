@@ -9,16 +9,18 @@
    backing too small fails there, before a byte is copied, and a reserved
    page can never raise SIGBUS later in the daemon or in any worker. The
    pages are allocated here, under the NUMA placement (numa.py).
-2. Copy: every tensor is cut into BUFFER_BYTES pieces, handed out in
-   order (largest tensor first) to the copy threads (`copy_threads`: one per
-   core, 4 to 32, unless --load-threads says), so one large tensor is copied
-   on every thread. A thread reads its piece straight into the set's
-   reserved pages through a writable mapping of them (a backing whose memory
-   is no file, cuMem, reads into a buffer of the thread's and writes that)
-   and digests it there while it is still in its CPU cache: the manifest's
-   checksum is built from the digests of the pieces (engramd.checksum), so
-   no thread waits for another's. The threads of a tensor share its
-   descriptor: they read it near-sequentially, so its readahead holds.
+2. Copy: every tensor is cut into reads sized to the checkpoint's block
+   device (`reads_for`: its largest request, in whole BUFFER_BYTES pieces),
+   handed out in order (largest tensor first) to as many threads as keep
+   the device's queue full (at least one per core, 4 to 32, unless
+   --load-threads says), so one large tensor is read on every thread. A
+   thread reads straight into the set's reserved pages through a writable
+   mapping of them (a backing whose memory is no file, cuMem, reads into a
+   buffer of the thread's and writes that) and digests each piece there
+   while it is still in its CPU cache: the manifest's checksum is built from
+   the digests of the pieces (engramd.checksum), so no thread waits for
+   another's. The threads of a tensor share its descriptor: they read it
+   near-sequentially, so its readahead holds.
    The reads are buffered: a safetensors tensor starts anywhere in its file
    (8 bytes of length, then a JSON header of any length), so its bytes and
    the set's page-aligned pages in general share no alignment O_DIRECT
@@ -42,14 +44,17 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import os
 import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 from engramd.backings import Backing, StagedSet
 from engramd.checksum import BUFFER_BYTES, combined, piece_digest
+from engramd.host.blockdev import DeviceQueue, queue_of
 from engramd.host.blocking import cores, map_on_threads
 from engramd.host.numa import applied
 from engramd.sources.regions import Region
@@ -61,6 +66,8 @@ from engramd_shared.errors import CheckpointError
 from engramd_shared.fileid import SourceFile, open_regular
 from engramd_shared.headers import TensorEntry
 from engramd_shared.layout import Manifest, ManifestTensor
+
+log = logging.getLogger("engramd")
 
 DEFAULT_PLACEMENT = Placement()
 
@@ -115,12 +122,63 @@ class LoadProgress:
 Fill = Callable[[TablePlan, StagedSet, LoadProgress], Filled | None]
 
 
+#: A read is whole pieces (the checksum's unit), and no longer than this: a longer one
+#: holds its thread past the readahead that keeps the device busy.
+MAX_READ_BYTES = 16 << 20
+#: Requests of its largest size kept in flight per drive: the depth at which NVMe drives
+#: reach their sequential rate (fio's usual 32), or the drive's own queue if shallower.
+DRIVE_REQUESTS = 32
+
+
 def copy_threads(asked: int) -> int:
-    """The threads a load copies on: `asked`, or with 0 one per core this process may run
-    on, MIN_THREADS to MAX_THREADS."""
+    """The threads a load copies on where no device says more: `asked`, or with 0 one per
+    core this process may run on, MIN_THREADS to MAX_THREADS."""
     if asked:
         return asked
     return max(MIN_THREADS, min(MAX_THREADS, cores()))
+
+
+@dataclass(frozen=True)
+class Reads:
+    """How a load reads its checkpoint: bytes a read, reads in flight (its threads)."""
+
+    size: int
+    threads: int
+    #: The block device they were sized to; "" where the files are on none (tmpfs, NFS).
+    device: str = ""
+
+
+def reads_for(plan: TablePlan, asked: int) -> Reads:
+    """Reads sized to the deepest block device under the plan's files (`sized_reads`)."""
+    queues = [q for q in map(queue_of, {s.dev for s in plan.sources}) if q is not None]
+    deepest = max(
+        queues,
+        key=lambda q: (q.depth or DRIVE_REQUESTS * q.members) * q.max_request,
+        default=None,
+    )
+    return sized_reads(deepest, asked)
+
+
+def sized_reads(queue: DeviceQueue | None, asked: int) -> Reads:
+    """Reads sized to `queue`: `asked` threads (--load-threads), or with 0 from the device.
+
+    A read asks for the device's largest request (max_sectors_kb, in whole
+    pieces, at most MAX_READ_BYTES), and enough of them are in flight to keep
+    DRIVE_REQUESTS of its requests queued on each drive (md and dm members
+    counted), within its own queue; never fewer threads than cores, since each
+    also copies and digests. No device (tmpfs, NFS): a piece a read, a thread
+    a core.
+    """
+    if queue is None:
+        return Reads(BUFFER_BYTES, copy_threads(asked))
+    pieces = max(1, -(-queue.max_request // BUFFER_BYTES))
+    size = min(MAX_READ_BYTES, pieces * BUFFER_BYTES)
+    requests = DRIVE_REQUESTS * queue.members
+    if queue.depth:
+        requests = min(requests, queue.depth)
+    depth = -(-requests * min(queue.max_request, size) // size)
+    threads = asked or max(MIN_THREADS, min(MAX_THREADS, max(cores(), depth)))
+    return Reads(size, threads, queue.name)
 
 
 def load_set(
@@ -134,8 +192,9 @@ def load_set(
 ) -> Manifest:
     """Copy the plan's tensors into `backing`, publish the set and return its manifest.
 
-    The backing reserves (allocates) every page in this thread, under
-    `placement`; a copy kept for NUMA `node` (--numa per-node) is bound there.
+    `threads` is --load-threads: 0 sizes them to the device (`reads_for`).
+    The backing reserves (allocates) every page under `placement`; a copy
+    kept for NUMA `node` (--numa per-node) is bound there.
     """
     sources = {s.path: s for s in plan.sources}
     for source in plan.sources:
@@ -152,17 +211,26 @@ def load_set(
         )
         copies: dict[int, _TensorCopy] = {}
         buffers = threading.local()
+        reads = reads_for(plan, threads)
+        if order:
+            log.info(
+                "set %s: reads of %d MiB, %d in flight (%s)",
+                plan.set_id,
+                reads.size >> 20,
+                reads.threads,
+                f"sized to {reads.device}" if reads.device else "on no block device",
+            )
 
         def copy(piece: tuple[_TensorCopy, int]) -> None:
             if not hasattr(buffers, "buffer"):
-                buffers.buffer = memoryview(bytearray(BUFFER_BYTES))
+                buffers.buffer = memoryview(bytearray(reads.size))
             progress.add(piece[0].copy(piece[1], buffers.buffer))
 
         try:
             for i in order:
-                copies[i] = _TensorCopy(plan.tensors[i], sources, staged, i, plan.held)
-            pieces = [(copies[i], at) for i in order for at in copies[i].pieces()]
-            map_on_threads(copy, pieces, threads, "load")
+                copies[i] = _TensorCopy(plan.tensors[i], sources, staged, i, plan.held, reads.size)
+            pieces = [(copies[i], at) for i in order for at in copies[i].reads()]
+            map_on_threads(copy, pieces, reads.threads, "load")
         except BaseException:
             for c in copies.values():
                 c.fail()
@@ -227,8 +295,8 @@ def _check_identity(source: SourceFile, st: os.stat_result, when: str) -> None:
 
 
 class _TensorCopy:
-    """One tensor's copy, piece by piece on several threads, each piece digested by its
-    thread.
+    """One tensor's copy, read by read on several threads, each read's pieces digested by
+    its thread.
 
     A table joined from row shards reads its shards back to back: a piece
     may end one shard and start the next.
@@ -241,8 +309,10 @@ class _TensorCopy:
         staged: StagedSet,
         index: int,
         held: Mapping[str, Opened],
+        read_bytes: int,
     ):
         self._entry = entry
+        self._read_bytes = read_bytes
         self._spans = [
             _Span(p, sources[str(p.file)], at, held.get(str(p.file)))
             for p, at in _starts(entry.spans)
@@ -253,21 +323,22 @@ class _TensorCopy:
         self._region = _mapped(staged, index, entry.nbytes)
         self._view = self._region.view() if self._region is not None else None
         self._lock = threading.Lock()
-        self._digests: list[bytes | None] = [None] * len(self.pieces())
+        self._digests: list[bytes | None] = [None] * -(-entry.nbytes // BUFFER_BYTES)
         self._failed = False
 
-    def pieces(self) -> range:
-        """Offsets of the tensor's pieces, in order."""
-        return range(0, self._entry.nbytes, BUFFER_BYTES)
+    def reads(self) -> range:
+        """Offsets of the tensor's reads, in order (each a whole number of pieces)."""
+        return range(0, self._entry.nbytes, self._read_bytes)
 
     def copy(self, at: int, buffer: memoryview) -> int:
-        """Read, digest and write the piece at `at`; its size in bytes.
+        """Read the bytes at `at` (one read), digest and write each of their pieces; their
+        size in bytes.
 
-        Where the backing's memory is a file the piece is read straight into the set's
+        Where the backing's memory is a file they are read straight into the set's
         reserved pages and digested there; else through `buffer`, then written.
         """
         entry = self._entry
-        n = min(BUFFER_BYTES, entry.nbytes - at)
+        n = min(self._read_bytes, entry.nbytes - at)
         data = self._view[at : at + n] if self._view is not None else buffer[:n]
         first = bisect.bisect_right(self._starts, at) - 1
         for span in itertools.takewhile(lambda s: s.start < at + n, self._spans[first:]):
@@ -277,9 +348,11 @@ class _TensorCopy:
             span.read(data[begin - at : end - at], begin - span.start)
             with self._lock:
                 span.count(end - begin)
-        self._digests[at // BUFFER_BYTES] = piece_digest(data)
-        if self._view is None:
-            self._staged.write(self._index, data, at)
+        for piece in range(0, n, BUFFER_BYTES):
+            part = data[piece : piece + BUFFER_BYTES]
+            self._digests[(at + piece) // BUFFER_BYTES] = piece_digest(part)
+            if self._view is None:
+                self._staged.write(self._index, part, at + piece)
         return n
 
     def fail(self) -> None:

@@ -1,0 +1,94 @@
+"""Allocate every page of a set's files on several threads, one file included.
+
+posix_fallocate on tmpfs, a memfd or hugetlbfs holds the file's inode lock
+for the whole call, so one file (a memfd or hugetlbfs set, a 94 GiB tensor
+of a tmpfs set) reserves on one core: about 0.25 s a GiB of 4 KiB pages
+here, and hugetlbfs clears each huge page under that lock too. Instead each
+file is cut into slices, and each thread maps a slice shared and populates
+it for writing (MADV_POPULATE_WRITE, Linux 5.14): page faults in different
+parts of a file take no common lock. A page that cannot be had fails the
+call (EFAULT where a store would raise SIGBUS: a full tmpfs, an empty
+huge-page pool; ENOMEM: the memory cgroup) instead of sending a signal, so a
+set that does not fit still fails here, before a byte is copied; both are
+raised as ENOSPC. hugetlbfs reserves a shared mapping's pages at mmap, which
+fails with ENOMEM when the pool is short. Every thread allocates under the
+caller's memory policy (numa.following), as the caller would. A kernel
+without MADV_POPULATE_WRITE (EINVAL) gets posix_fallocate, slice by slice,
+and so do a disk's files (the disk backing): there it allocates blocks,
+where touching the pages would write every one of them back to the disk.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+from engramd.host.blocking import cores, map_on_threads
+from engramd.host.libc import libc, map_read_only
+from engramd.host.numa import following, thread_policy
+
+libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+MADV_POPULATE_WRITE = 23
+
+#: Bytes a thread populates at a time (whole pages): small enough that one large file
+#: keeps every thread busy to its end, large enough that a mapping per slice is cheap.
+SLICE_BYTES = 256 << 20
+
+
+def reserve_files(
+    files: list[tuple[int, int]], page_size: int, on_disk: bool = False, threads: int = 0
+) -> None:
+    """Allocate the first `size` bytes of each `(fd, size)` on `threads` threads (0: a core
+    each); every size a multiple of `page_size` for hugetlb files, which are never grown.
+
+    Files are grown to their size first (a mapping past the end of a file cannot be
+    populated). `on_disk`: the files are a disk's, their blocks are allocated instead.
+    Raises OSError(ENOSPC) where memory (or the disk) ran out.
+    """
+    slice_bytes = max(page_size, SLICE_BYTES // page_size * page_size)
+    slices = [
+        (fd, at, min(slice_bytes, size - at))
+        for fd, size in files
+        for at in range(0, size, slice_bytes)
+    ]
+    for fd, size in files:
+        if size and os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+    policy = thread_policy()
+
+    def populate(piece: tuple[int, int, int]) -> None:
+        with following(policy):
+            (_fallocate if on_disk else _populate)(*piece)
+
+    map_on_threads(populate, slices, threads or cores(), "reserve")
+
+
+def _populate(fd: int, offset: int, length: int) -> None:
+    try:
+        addr = map_read_only(fd, length, offset, writable=True, populate=False)
+    except OSError as e:
+        raise _ran_out(e) from None
+    try:
+        if libc.madvise(addr, length, MADV_POPULATE_WRITE) == 0:
+            return
+        err = ctypes.get_errno()
+    finally:
+        libc.munmap(addr, length)
+    if err == errno.EINVAL:
+        _fallocate(fd, offset, length)
+        return
+    raise _ran_out(OSError(err, os.strerror(err)))
+
+
+def _fallocate(fd: int, offset: int, length: int) -> None:
+    try:
+        os.posix_fallocate(fd, offset, length)
+    except OSError as e:
+        raise _ran_out(e) from None
+
+
+def _ran_out(e: OSError) -> OSError:
+    if e.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):
+        return OSError(errno.ENOSPC, f"no memory left for the set's pages ({e.strerror})")
+    return e
