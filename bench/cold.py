@@ -10,6 +10,10 @@ Each turn drops the page cache before each side and runs, in this order:
   device, `reads_for`) on as many threads as engramd loads on, handed out in
   order (engramd's reads without its set: what this device gives many
   buffered readers);
+- NIXL POSIX: the same reads through NIXL's POSIX backend on io_uring (the
+  wheel engramd ships), into a tmpfs file's shared mapping as engramd
+  reads, all posted at once and polled 1 ms apart: an asynchronous I/O
+  engine in place of the loader's threads;
 - engramd: the daemon's loader (`load_set`) into its default backing with
   its default reads, timed as the daemon times `load_seconds`, with its
   CPU seconds (user + system of every thread of the process) per GiB.
@@ -24,6 +28,8 @@ the figure.
 
 from __future__ import annotations
 
+import ctypes
+import importlib
 import json
 import mmap
 import os
@@ -33,10 +39,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.sets.loader import LoadProgress, load_set, reads_for
+from engramd.sources.nixlxfer import nixl_build
 from engramd_client import plan_tables
 
 from .common import Figure, GiB, MiB, compare, drop_caches, sequential_read, shm_folder
@@ -102,6 +110,68 @@ def _threaded_read(files: list[Path], threads: int, block: int, flags: int = 0) 
     return sum(f.stat().st_size for f in files) / (time.perf_counter() - start) / 1e9
 
 
+def _nixl_posix(files: list[Path], read: int) -> float:
+    """GB/s of NIXL's POSIX backend (io_uring) reading `files` in `read` requests into a
+    tmpfs file's shared mapping (make setup installs NIXL)."""
+    api: Any = importlib.import_module(f"{nixl_build()}._api")
+    agent = api.nixl_agent(
+        "engramd-bench-cold", api.nixl_agent_config(enable_prog_thread=False, backends=[])
+    )
+    agent.create_backend("POSIX", {"use_uring": "true"})
+    sizes = [f.stat().st_size for f in files]
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    with shm_folder() as shm:
+        maps = []
+        for i, size in enumerate(sizes):
+            out = os.open(shm / f"t{i}", os.O_RDWR | os.O_CREAT, 0o600)
+            os.posix_fallocate(out, 0, size)
+            maps.append(mmap.mmap(out, size))
+            os.close(out)
+        try:
+            addrs = [ctypes.addressof(ctypes.c_char.from_buffer(m)) for m in maps]
+            regs = [
+                agent.register_memory(
+                    [(a, n, 0, "") for a, n in zip(addrs, sizes, strict=True)], "DRAM"
+                ),
+                agent.register_memory(
+                    [(0, n, fd, "") for fd, n in zip(fds, sizes, strict=True)], "FILE"
+                ),
+            ]
+            start = time.perf_counter()
+            handles = [
+                agent.initialize_xfer(
+                    "READ",
+                    agent.get_xfer_descs(
+                        [(a + o, min(read, n - o), 0) for o in range(0, n, read)], "DRAM"
+                    ),
+                    agent.get_xfer_descs(
+                        [(o, min(read, n - o), fd) for o in range(0, n, read)], "FILE"
+                    ),
+                    agent.name,
+                )
+                for a, n, fd in zip(addrs, sizes, fds, strict=True)
+            ]
+            pending = [h for h in handles if agent.transfer(h) != "DONE"]
+            while pending:
+                states = [(h, agent.check_xfer_state(h)) for h in pending]
+                if any(state == "ERR" for _, state in states):
+                    raise RuntimeError("NIXL POSIX read failed")
+                pending = [h for h, state in states if state != "DONE"]
+                if pending:
+                    time.sleep(0.001)
+            seconds = time.perf_counter() - start
+            for h in handles:
+                agent.release_xfer_handle(h)
+            for reg in regs:
+                agent.deregister_memory(reg)
+        finally:
+            for m in maps:
+                m.close()
+            for fd in fds:
+                os.close(fd)
+    return sum(sizes) / seconds / 1e9
+
+
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
@@ -138,10 +208,10 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         f"  engramd's reads: {reads.size // MiB} MiB, {threads} in flight "
         f"({reads.device or 'no device'})"
     )
-    direct, buffered, parallel, ours, cpus = [], [], [], [], []
+    direct, buffered, parallel, uring, ours, cpus = [], [], [], [], [], []
     print(
         f"  turn  {direct_name:>26}  buffered 16 MiB  buffered, {threads} threads"
-        f"  engramd ({threads} threads)  CPU  ratio  ratio to {threads} readers"
+        f"  NIXL POSIX  engramd ({threads} threads)  CPU  ratio  ratio to {threads} readers"
     )
     for turn in range(turns):
         drop_caches()
@@ -150,13 +220,16 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         buffered.append(sequential_read(files))
         drop_caches()
         parallel.append(_threaded_read(files, threads, reads.size))
+        drop_caches()
+        uring.append(_nixl_posix(files, reads.size))
         rate, cpu = _engramd(ckpt)
         ours.append(rate)
         cpus.append(cpu)
         device = max(direct[-1], buffered[-1])
         print(
             f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
-            f"  {parallel[-1]:>14.2f} GB/s  {rate:>15.2f} GB/s  {cpu:.2f} s/GiB"
+            f"  {parallel[-1]:>14.2f} GB/s  {uring[-1]:>5.2f} GB/s"
+            f"  {rate:>15.2f} GB/s  {cpu:.2f} s/GiB"
             f"  {rate / device:.2f}x  {rate / parallel[-1]:.2f}x",
             flush=True,
         )
@@ -183,6 +256,15 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
             paired=True,
             note=f"the same {reads.size // MiB} MiB reads on {threads} threads into buffers: "
             "engramd without its set",
+        ),
+        compare(
+            f"cold load ({size}): engramd vs NIXL POSIX on io_uring",
+            "GB/s",
+            ours,
+            uring,
+            higher_is_better=True,
+            paired=True,
+            note=f"the same {reads.size // MiB} MiB reads posted at once into a tmpfs mapping",
         ),
         compare(
             f"cold load ({size}): engramd's CPU per GiB",
