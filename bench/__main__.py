@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from .attach import attach_and_restart
-from .cold import cold_loads
+from .cold import cold_loads, reservation
 from .common import Figure, as_json, checkpoint, machine
 from .cumem import cumem_figures
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
@@ -130,6 +130,7 @@ def main() -> int:
     if "cold" in only:
         print("cold load against the device: fio direct, a buffered read, engramd's load")
         figures += cold_loads(checkpoint(args.workdir, args.cold_gib), max(3, args.reps))
+        figures += reservation(args.cold_gib, args.reps)
     if "gather" in only:
         print("gather throughput and the first gather after attach")
         figures += gather_throughput(main_ckpt, args.reps)

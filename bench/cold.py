@@ -18,6 +18,12 @@ Each turn drops the page cache before each side and runs, in this order:
   its default reads, timed as the daemon times `load_seconds`, with its
   CPU seconds (user + system of every thread of the process) per GiB.
 
+Beside it, the reservation of one file (`reservation`): a memfd's pages
+allocated by posix_fallocate (one thread: it holds the inode's lock) against
+engramd's reserve_files (slices populated on every core); and the same with
+the pages zeroed too, as the copy's first touch zeroes what fallocate left
+(on every core, as the copy threads would).
+
 Memory is recycled before the load, untimed, as in bench/load.py (this VM
 backs memory it has not touched for a while slowly; a node's daemon meets
 memory the kernel holds). The device's figure of a turn is the faster of
@@ -43,6 +49,9 @@ from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
+from engramd.host.blocking import cores
+from engramd.host.libc import libc
+from engramd.host.reserve import MADV_POPULATE_WRITE, reserve_files
 from engramd.sets.loader import LoadProgress, load_set, reads_for
 from engramd.sources.nixlxfer import nixl_build
 from engramd_client import plan_tables
@@ -170,6 +179,62 @@ def _nixl_posix(files: list[Path], read: int) -> float:
             for fd in fds:
                 os.close(fd)
     return sum(sizes) / seconds / 1e9
+
+
+def _reserve_seconds(nbytes: int, fallocate: bool, zeroed: bool) -> float:
+    """Seconds to allocate (and with `zeroed` also zero) a memfd's `nbytes` of 4 KiB pages."""
+    fd = os.memfd_create("engramd-bench-reserve", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        start = time.perf_counter()
+        if not fallocate:
+            reserve_files([(fd, nbytes)], mmap.PAGESIZE)
+            return time.perf_counter() - start
+        os.posix_fallocate(fd, 0, nbytes)
+        if zeroed:
+            with mmap.mmap(fd, nbytes) as whole:
+                base = ctypes.addressof(ctypes.c_char.from_buffer(whole))
+                step = -(-nbytes // cores()) // mmap.PAGESIZE * mmap.PAGESIZE
+
+                def touch(at: int) -> None:
+                    libc.madvise(base + at, min(step, nbytes - at), MADV_POPULATE_WRITE)
+
+                workers = [
+                    threading.Thread(target=touch, args=(at,)) for at in range(0, nbytes, step)
+                ]
+                for t in workers:
+                    t.start()
+                for t in workers:
+                    t.join()
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+
+
+def reservation(gib: float, turns: int) -> list[Figure]:
+    """One file's pages reserved: posix_fallocate on one thread against engramd's, on every
+    core; then with the pages zeroed as the copy needs them."""
+    nbytes = int(gib * GiB) // mmap.PAGESIZE * mmap.PAGESIZE
+    figures = []
+    for zeroed in (False, True):
+        ours, theirs = [], []
+        for _ in range(turns):
+            theirs.append(nbytes / _reserve_seconds(nbytes, True, zeroed) / 1e9)
+            ours.append(nbytes / _reserve_seconds(nbytes, False, zeroed) / 1e9)
+        what = "allocated and zeroed" if zeroed else "allocated"
+        figures.append(
+            compare(
+                f"one {gib:g} GiB memfd {what}: engramd vs posix_fallocate",
+                "GB/s",
+                ours,
+                theirs,
+                higher_is_better=True,
+                paired=True,
+                note=f"4 KiB pages; engramd on {cores()} cores"
+                + ("; zeroed: fallocate's pages then touched on every core" if zeroed else ""),
+            )
+        )
+    return figures
 
 
 def _cpu() -> float:

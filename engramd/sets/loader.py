@@ -71,14 +71,11 @@ log = logging.getLogger("engramd")
 
 DEFAULT_PLACEMENT = Placement()
 
-#: Load threads with --load-threads 0: one per core the daemon may run on, within these.
-#: A thread spends most of a cold load blocked in the kernel while the device reads, so
-#: even a small machine wants several reads in flight; past 32 the copy out of the page
-#: cache, not the count of requests, is the limit.
+#: Load threads with --load-threads 0 (as the device asks, at least one per core the
+#: daemon may run on), within these. A thread spends most of a cold load blocked in the
+#: kernel while the device reads, so even a small machine wants several reads in flight;
+#: past 32 the copy out of the page cache, not the count of requests, is the limit.
 MIN_THREADS, MAX_THREADS = 4, 32
-
-# How often a copy thread reports progress and checks for cancellation.
-PROGRESS_BYTES = 64 << 20
 
 
 class LoadCancelled(Exception):
