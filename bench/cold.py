@@ -160,19 +160,21 @@ def _nixl_posix(files: list[Path], read: int) -> float:
                 )
                 for a, n, fd in zip(addrs, sizes, fds, strict=True)
             ]
-            pending = [h for h in handles if agent.transfer(h) != "DONE"]
-            while pending:
-                states = [(h, agent.check_xfer_state(h)) for h in pending]
-                if any(state == "ERR" for _, state in states):
-                    raise RuntimeError("NIXL POSIX read failed")
-                pending = [h for h, state in states if state != "DONE"]
-                if pending:
-                    time.sleep(0.001)
+            # Every transfer polled to its end, failed or not, before the mappings go.
+            states = {h: agent.transfer(h) for h in handles}
+            while any(state not in ("DONE", "ERR") for state in states.values()):
+                time.sleep(0.001)
+                states = {
+                    h: state if state in ("DONE", "ERR") else agent.check_xfer_state(h)
+                    for h, state in states.items()
+                }
             seconds = time.perf_counter() - start
             for h in handles:
                 agent.release_xfer_handle(h)
             for reg in regs:
                 agent.deregister_memory(reg)
+            if "ERR" in states.values():
+                raise RuntimeError("a NIXL POSIX read failed")
         finally:
             for m in maps:
                 m.close()

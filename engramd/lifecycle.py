@@ -177,6 +177,8 @@ def create_server(config: DaemonConfig) -> Daemon:
         replace(
             config,
             shm_dir=str(Path(config.shm_dir).resolve()),
+            # Path handles name the files by it: a relative one would resolve in the worker.
+            disk_dir=str(Path(config.disk_dir).resolve()),
             admin_socket=sockets[1],
             fd_socket=sockets[2],
         )

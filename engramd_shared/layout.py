@@ -4,10 +4,10 @@
 
     <shm_dir>/engramd/                       0750, owned by the daemon
         <set_id>/                            a complete set; appears by rename
-            manifest.json                    written last, 0640
-            0000.bin  0001.bin  ...          one file per tensor, 0640, the
+            manifest.json                    written last, 0640 (a disk's: 0440)
+            0000.bin  0001.bin  ...          one file per tensor, 0640 (0440), the
                                              tensor's bytes at offset 0, exactly
-                                             `nbytes` long (posix_fallocate'd)
+                                             `nbytes` long (every page allocated)
         <set_id>/                            a packed set (hugetlbfs: no write(),
             tables                           huge pages): every tensor in one file
                                              at 4 KiB-aligned offsets, the manifest

@@ -451,7 +451,12 @@ class _StagedFolder(StagedSet):
         return tensor_file_name(index), 0
 
     def memory(self, index: int) -> tuple[int, int]:
-        """The tensor's own reserved file, from its start."""
+        """The tensor's own reserved file, from its start; none on a disk (durable)."""
+        if self._backing.durable:
+            # A store through a mapping that the disk cannot take (an I/O error, a
+            # copy-on-write file system out of space) is a SIGBUS in the daemon;
+            # write(2) returns the error.
+            raise NotImplementedError("a set on a disk is written with write(2), never mapped")
         return self._fds[index], 0
 
     def write(self, index: int, data: memoryview, offset: int) -> None:

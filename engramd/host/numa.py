@@ -1,10 +1,10 @@
 """NUMA placement of a set's pages: the policy, the nodes, where pages ended up.
 
-A set's pages are allocated when the loader reserves them (posix_fallocate),
-so the policy is the loading thread's memory policy, set with
-set_mempolicy(2) around the reservation and reset after (the copy then
-writes into pages that already exist); a backing that reserves on several
-threads reads it (get_mempolicy(2)) and sets it on each. Python has no
+A set's pages are allocated when the loader reserves them (reserve.py), so
+the policy is the loading thread's memory policy, set with set_mempolicy(2)
+around the reservation and reset after (the copy then writes into pages
+that already exist); the reservation's threads read it (get_mempolicy(2))
+and set it on each. Python has no
 binding for either and libnuma may be absent, so the syscalls are made
 through ctypes. Where pages are is read back from /proc/<pid>/numa_maps
 (N<node>=<pages> of each mapping).

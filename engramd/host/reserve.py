@@ -40,18 +40,17 @@ def reserve_files(
     files: list[tuple[int, int]], page_size: int, on_disk: bool = False, threads: int = 0
 ) -> None:
     """Allocate the first `size` bytes of each `(fd, size)` on `threads` threads (0: a core
-    each); every size a multiple of `page_size` for hugetlb files, which are never grown.
+    each); for hugetlb files each size a multiple of `page_size`.
 
     Files are grown to their size first (a mapping past the end of a file cannot be
     populated). `on_disk`: the files are a disk's, their blocks are allocated instead.
     Raises OSError(ENOSPC) where memory (or the disk) ran out.
     """
-    slice_bytes = max(page_size, SLICE_BYTES // page_size * page_size)
-    slices = [
-        (fd, at, min(slice_bytes, size - at))
-        for fd, size in files
-        for at in range(0, size, slice_bytes)
-    ]
+    slices = []
+    for fd, size in files:
+        # A disk file's blocks in one call: its extents as contiguous as the file system can.
+        step = max(size, 1) if on_disk else max(page_size, SLICE_BYTES // page_size * page_size)
+        slices += [(fd, at, min(step, size - at)) for at in range(0, size, step)]
     for fd, size in files:
         if size and os.fstat(fd).st_size < size:
             os.ftruncate(fd, size)

@@ -5,22 +5,26 @@
    descriptor before and after each tensor's copy (regular files only), and
    by path again at the end. A file rewritten or replaced during the load is
    never published.
-1. Reserve: the backing reserves every byte first (`Backing.stage`). A
-   backing too small fails there, before a byte is copied, and a reserved
-   page can never raise SIGBUS later in the daemon or in any worker. The
-   pages are allocated here, under the NUMA placement (numa.py).
+1. Reserve: the backing reserves every byte first (`Backing.stage`, on
+   every core: engramd.host.reserve). A backing too small fails there,
+   before a byte is copied, and a reserved page can never raise SIGBUS
+   later in the daemon or in any worker. The pages are allocated here,
+   under the NUMA placement (numa.py).
 2. Copy: every tensor is cut into reads sized to the checkpoint's block
    device (`reads_for`: its largest request, in whole BUFFER_BYTES pieces),
    handed out in order (largest tensor first) to as many threads as keep
    the device's queue full (at least one per core, 4 to 32, unless
    --load-threads says), so one large tensor is read on every thread. A
    thread reads straight into the set's reserved pages through a writable
-   mapping of them (a backing whose memory is no file, cuMem, reads into a
-   buffer of the thread's and writes that) and digests each piece there
-   while it is still in its CPU cache: the manifest's checksum is built from
-   the digests of the pieces (engramd.checksum), so no thread waits for
-   another's. The threads of a tensor share its descriptor: they read it
-   near-sequentially, so its readahead holds.
+   mapping of them (where the backing's memory is no file, cuMem, or a
+   disk's, whose I/O errors a mapping would turn into a SIGBUS, it reads
+   into a buffer of its own and writes that) and digests each piece there,
+   just read: the manifest's checksum is built from the digests of the
+   pieces (engramd.checksum), so no thread waits for another's. The threads
+   of a tensor share its descriptor: they read it near-sequentially, so its
+   readahead holds. Neither NIXL's POSIX backend (io_uring, AIO) nor a
+   deeper queue of threads read faster here (bench/cold.py): buffered reads
+   are the page cache's copy either way.
    The reads are buffered: a safetensors tensor starts anywhere in its file
    (8 bytes of length, then a JSON header of any length), so its bytes and
    the set's page-aligned pages in general share no alignment O_DIRECT
@@ -160,11 +164,15 @@ def sized_reads(queue: DeviceQueue | None, asked: int) -> Reads:
     """Reads sized to `queue`: `asked` threads (--load-threads), or with 0 from the device.
 
     A read asks for the device's largest request (max_sectors_kb, in whole
-    pieces, at most MAX_READ_BYTES), and enough of them are in flight to keep
+    pieces, at most MAX_READ_BYTES), and enough reads are in flight to keep
     DRIVE_REQUESTS of its requests queued on each drive (md and dm members
-    counted), within its own queue; never fewer threads than cores, since each
-    also copies and digests. No device (tmpfs, NFS): a piece a read, a thread
-    a core.
+    counted), within its own queue. Each reader also has the kernel's
+    readahead in flight (twice read_ahead_kb: the loader reads
+    POSIX_FADV_SEQUENTIAL), so a reader keeps (read + readahead) /
+    max_request requests queued. Never fewer threads than cores, since each
+    also copies and digests; more only cost CPU (measured: 32 threads on 2
+    cores took 40% more CPU a GiB than 4, at the same rate). No device
+    (tmpfs, NFS): a piece a read, a thread a core.
     """
     if queue is None:
         return Reads(BUFFER_BYTES, copy_threads(asked))
@@ -173,7 +181,8 @@ def sized_reads(queue: DeviceQueue | None, asked: int) -> Reads:
     requests = DRIVE_REQUESTS * queue.members
     if queue.depth:
         requests = min(requests, queue.depth)
-    depth = -(-requests * min(queue.max_request, size) // size)
+    per_reader = max(1, (size + 2 * queue.readahead) // max(queue.max_request, 1))
+    depth = -(-requests // per_reader)
     threads = asked or max(MIN_THREADS, min(MAX_THREADS, max(cores(), depth)))
     return Reads(size, threads, queue.name)
 
@@ -377,8 +386,8 @@ class _TensorCopy:
 
 
 def _mapped(staged: StagedSet, index: int, nbytes: int) -> Region | None:
-    """The index-th tensor's reserved pages mapped writable, or None where the backing's
-    memory is no file (cuMem) or the tensor is empty.
+    """The index-th tensor's reserved pages mapped writable, or None where the backing
+    maps none (cuMem, a disk's) or the tensor is empty.
 
     Reading the checkpoint into them saves a copy through a buffer and a write(2): on
     huge pages 4.4-4.8 GB/s from the page cache against 0.8-2.0 (bench/load.py). The

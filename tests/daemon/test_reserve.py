@@ -27,9 +27,15 @@ def test_one_memfd_is_reserved_on_several_threads(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(reserve, "SLICE_BYTES", 4 * MiB)
     seen: set[int] = set()
     populate = reserve._populate
+    # The first slice of each thread waits for another thread's: one thread cannot take
+    # every slice before the others start, however the machine schedules them.
+    together = threading.Barrier(2, timeout=60)
 
     def counted(fd: int, offset: int, length: int) -> None:
-        seen.add(threading.get_ident())
+        if threading.get_ident() not in seen:
+            seen.add(threading.get_ident())
+            if len(seen) <= 2:
+                together.wait()
         populate(fd, offset, length)
 
     monkeypatch.setattr(reserve, "_populate", counted)

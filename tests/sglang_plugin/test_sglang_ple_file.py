@@ -42,20 +42,29 @@ def table(tmp_path: Path, daemons: Any, monkeypatch: pytest.MonkeyPatch) -> Any:
         "--backing", "disk", "--disk-dir", str(disk), "--tensors", "ple.weight",
         "--checkpoint", str(folder),
     )  # fmt: skip
-    tables = attach(
-        folder,
-        tensors="ple.weight",
-        rows={"ple.weight": (START, STOP)},
-        share=True,
-        socket=str(d.socket),
-        pad_rows=True,
-    )
-    served = tables["ple.weight"]
-    setattr(served, qwen4exp.SERVED_MARK, True)
+    held = []
+
+    def rank(start: int, stop: int) -> torch.Tensor:
+        """A rank's table of rows [start, stop), as the plugin serves it."""
+        tables = attach(
+            folder,
+            tensors="ple.weight",
+            rows={"ple.weight": (start, stop)},
+            share=True,
+            socket=str(d.socket),
+            pad_rows=True,
+        )
+        held.append(tables)
+        served = tables["ple.weight"]
+        setattr(served, qwen4exp.SERVED_MARK, True)
+        return served
+
+    served = rank(START, STOP)
     [file] = disk.rglob(tensor_file_name(0))
     monkeypatch.setenv("SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB", "0.0001")
-    yield served, rows, file
-    tables.close()
+    yield served, rows, file, rank
+    for tables in held:
+        tables.close()
 
 
 def _expected(rows: torch.Tensor) -> torch.Tensor:
@@ -64,8 +73,10 @@ def _expected(rows: torch.Tensor) -> torch.Tensor:
 
 
 def test_the_trimmer_drops_only_file_pages_and_every_row_reads_back(table: Any) -> None:
-    served, rows, _ = table
-    address, nbytes = ple_file.file_span(served)
+    served, rows, _, _ = table
+    span = ple_file.file_span(served)
+    assert span is not None
+    address, nbytes = span
     assert address % PAGE == 0 and address <= served.data_ptr()
     # The file pages end at the last whole page of the table's rows: the partial page
     # after them is a private copy (MADV_DONTNEED would zero it), then the padding.
@@ -84,7 +95,7 @@ def test_the_trimmer_drops_only_file_pages_and_every_row_reads_back(table: Any) 
 
 
 def test_the_prefetcher_reads_the_pages_of_the_rows_sglang_names(table: Any) -> None:
-    served, _, file = table
+    served, _, file, _ = table
     trimmer = qwen4exp._trimmer(served)
     trimmer.trim_once()  # no page of the file mapped here, so it can be evicted
     trimmer.close()
@@ -107,3 +118,13 @@ def test_the_prefetcher_reads_the_pages_of_the_rows_sglang_names(table: Any) -> 
         )
     finally:
         os.close(fd)
+
+
+def test_a_rank_of_padding_rows_only_gets_no_trimmer(table: Any) -> None:
+    """The last rank of a padded vocabulary may hold no row of the checkpoint: its table is
+    zeros of its own, with no file page for SGLang's trimmer to drop."""
+    _, _, _, rank = table
+    padding = rank(ROWS + 64, ROWS + 2048)
+    assert ple_file.file_span(padding) is None
+    assert qwen4exp._trimmer(padding) is None
+    assert not padding.view(torch.uint8).any()

@@ -143,6 +143,15 @@ def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
         and callable(getattr(trimmer, "start", None)),
         "the PLE file trimmer",
     )
+    # Read by the served table's prefetcher and trimmer (qwen4exp._prefetcher, _trimmer).
+    envs = getattr(sys.modules.get("sglang.srt.environ"), "envs", None)
+    SGLANG.expect(
+        all(
+            callable(getattr(getattr(envs, f"SGLANG_QWEN4_PLE_FILE_{name}", None), "get", None))
+            for name in ("PREFETCH", "RSS_BUDGET_GB", "RSS_INTERVAL_S")
+        ),
+        "SGLang's PLE file variables",
+    )
     base = getattr(vocab, "VocabParallelEmbedding", None)
     SGLANG.expect(
         base is not None

@@ -40,6 +40,9 @@ log = logging.getLogger("engramd_client")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _PAGE = mmap.PAGESIZE
+#: SGLang's page of a table file (qwen4_exp_ple_table._PAGE_SHIFT): 4 KiB whatever the
+#: kernel's page size (64 KiB on some arm64 kernels).
+_SGLANG_PAGE = 1 << 12
 
 
 def madvise(table: torch.Tensor, advice: int) -> bool:
@@ -56,9 +59,10 @@ def advise_random(table: torch.Tensor, source: str) -> None:
         log.info("madvise(MADV_RANDOM) refused on the PLE table of %s: readahead stays on", source)
 
 
-def file_span(table: torch.Tensor) -> tuple[int, int]:
+def file_span(table: torch.Tensor) -> tuple[int, int] | None:
     """(address, bytes) of the file pages the table's mapping holds, whole pages from the
-    table's first: its mapping's file-backed range (/proc/self/maps), cut to the table."""
+    table's first: its mapping's file-backed range (/proc/self/maps), cut to the table;
+    None where it starts in none (a rank of padding rows only, or of less than a page)."""
     address = table.data_ptr()
     end = address + table.numel() * table.element_size()
     for line in Path("/proc/self/maps").read_text().splitlines():
@@ -66,10 +70,10 @@ def file_span(table: torch.Tensor) -> tuple[int, int]:
         low, high = (int(x, 16) for x in span.split("-"))
         if low <= address < high:
             if inode == "0":
-                break
+                return None
             start = address - address % _PAGE
             return start, min(high, end) - start
-    raise ValueError(f"the PLE table at {address:#x} is no file mapping")
+    return None
 
 
 class MappedPrefetcher:
@@ -107,9 +111,9 @@ class MappedPrefetcher:
         for page in pages:
             # SGLang's page N of its file is bytes [N x 4 KiB, +4 KiB) from the table's
             # first; the table need not start on a page: the pages those bytes touch.
-            first = self._address + page * _PAGE
+            first = self._address + page * _SGLANG_PAGE
             start = first - first % _PAGE
-            length = -(-(first + _PAGE - start) // _PAGE) * _PAGE
+            length = -(-(first + _SGLANG_PAGE - start) // _PAGE) * _PAGE
             if _libc.madvise(start, length, mmap.MADV_WILLNEED) != 0:
                 return
 

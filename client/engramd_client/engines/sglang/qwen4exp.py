@@ -215,7 +215,8 @@ def _prefetcher(table: torch.Tensor) -> Any:
 
 def _trimmer(table: torch.Tensor) -> Any:
     """SGLang's resident-set trimmer for its own file; for a table engramd serves, SGLang's
-    PleFileRssTrimmer over the table's file pages only (ple_file.file_span)."""
+    PleFileRssTrimmer over the table's file pages only (ple_file.file_span), none where
+    it has none."""
     if not getattr(table, SERVED_MARK, False):
         return PROCESS.calls.call(_trimmer, table)
     from sglang.srt.environ import envs
@@ -223,7 +224,10 @@ def _trimmer(table: torch.Tensor) -> Any:
     budget = float(envs.SGLANG_QWEN4_PLE_FILE_RSS_BUDGET_GB.get())
     if budget <= 0:
         return None
-    address, nbytes = ple_file.file_span(table)
+    span = ple_file.file_span(table)
+    if span is None:
+        return None
+    address, nbytes = span
     trimmer = importlib.import_module(PLE_TABLE).PleFileRssTrimmer(
         addr=address,
         nbytes=nbytes,
