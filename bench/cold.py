@@ -20,7 +20,8 @@ Each turn drops the page cache before each side and runs, in this order:
 
 Beside it, the reservation of one file (`reservation`): a memfd's pages
 allocated by posix_fallocate (one thread: it holds the inode's lock) against
-engramd's reserve_files (slices populated on every core); and the same with
+engramd's slices populated on every core (reserve_files, as it reserves
+hugetlb files and, from POPULATE_CORES cores, shmem ones); and the same with
 the pages zeroed too, as the copy's first touch zeroes what fallocate left
 (on every core, as the copy threads would).
 
@@ -190,7 +191,7 @@ def _reserve_seconds(nbytes: int, fallocate: bool, zeroed: bool) -> float:
         os.ftruncate(fd, nbytes)
         start = time.perf_counter()
         if not fallocate:
-            reserve_files([(fd, nbytes)], mmap.PAGESIZE)
+            reserve_files([(fd, nbytes)], mmap.PAGESIZE, populate=True)
             return time.perf_counter() - start
         os.posix_fallocate(fd, 0, nbytes)
         if zeroed:

@@ -149,7 +149,7 @@ class _StagedPacked(StagedSet):
             try:
                 # Every huge page now, on every core: an empty pool fails here,
                 # never as a SIGBUS at the first touch of a page.
-                reserve_files([(self._fd, self._size)], backing.page_size)
+                reserve_files([(self._fd, self._size)], backing.page_size, hugetlb=True)
             except OSError as e:
                 if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
