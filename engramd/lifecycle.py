@@ -193,6 +193,13 @@ def _check_settings(config: DaemonConfig) -> None:
             "for huge pages there use the huge tmpfs (the default) or a --shm-dir on hugetlbfs, "
             "or pass --backing memfd"
         )
+    if config.backing.name == "disk" and config.numa.policy:
+        raise ValueError(
+            f"--numa {config.numa.policy} places the pages engramd allocates in memory; a "
+            "--backing disk set's pages are the page cache's, placed as each reader faults "
+            "them in, and one copy on the disk serves every node: leave --numa out, or use "
+            "--backing tmpfs"
+        )
     if config.evict_idle and not config.memory_budget:
         raise ValueError(
             "--evict-idle drops unleased sets to stay within --memory-budget, which is not set; "

@@ -478,6 +478,10 @@ class _StagedFolder(StagedSet):
                 if durable:
                     f.flush()
                     os.fsync(f.fileno())
+            if durable:
+                # The folder's entries (the files, the manifest) before the name that
+                # makes them a set.
+                _sync_folder(self._folder)
             os.rename(self._folder, self._folder.with_name(manifest.copy))
             # Removed by discard if what follows fails: a set never outlives a failed load.
             self._folder = self._folder.with_name(manifest.copy)

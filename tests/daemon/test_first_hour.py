@@ -422,6 +422,9 @@ def test_settings_that_would_be_ignored_are_refused(sock_dir: Path, shm_dir: Pat
     assert "--page-size applies to memfd sets only" in error and "--backing memfd" in error
     error = _refused(sock_dir, shm_dir, "--socket", sock, "--evict-idle")
     assert "--evict-idle" in error and "--memory-budget" in error, error
+    disk = ("--backing", "disk", "--disk-dir", str(sock_dir), "--numa", "interleave")
+    error = _refused(sock_dir, shm_dir, "--socket", sock, *disk)
+    assert "--numa interleave places the pages" in error and "--backing tmpfs" in error, error
 
 
 def test_small_pages_asked_for_are_no_warning(daemons: Any) -> None:
