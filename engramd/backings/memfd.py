@@ -253,8 +253,8 @@ class _StagedMemfd(StagedSet):
         try:
             os.ftruncate(self._fd, size)
             if size:
-                # Every page now, on every core: a set that does not fit fails here,
-                # not as a SIGBUS in the middle of the copy.
+                # Every page now, on several threads: a set that does not fit fails
+                # here, not as a SIGBUS in the middle of the copy.
                 reserve_files([(self._fd, size)], huge or mmap.PAGESIZE, hugetlb=bool(huge))
                 if huge:
                     self._writer = MappedWriter(self._fd, size)  # hugetlb has no write()

@@ -420,8 +420,8 @@ class _StagedFolder(StagedSet):
             backing.make_folder(self._folder)
             for i in range(len(plan.tensors)):
                 self._fds.append(backing.make_file(self._folder / tensor_file_name(i)))
-            # On every core, large files too: allocating 4 KiB pages costs ~0.25 s a GiB
-            # of one core.
+            # On several threads (reserve.py chooses how): allocating 4 KiB pages costs
+            # ~0.25 s a GiB of one core.
             try:
                 reserve_files(
                     [(fd, t.nbytes) for fd, t in zip(self._fds, plan.tensors, strict=True)],

@@ -6,7 +6,7 @@
    by path again at the end. A file rewritten or replaced during the load is
    never published.
 1. Reserve: the backing reserves every byte first (`Backing.stage`, on
-   every core: engramd.host.reserve). A backing too small fails there,
+   several threads: engramd.host.reserve). A backing too small fails there,
    before a byte is copied, and a reserved page can never raise SIGBUS
    later in the daemon or in any worker. The pages are allocated here,
    under the NUMA placement (numa.py).
