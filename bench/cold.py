@@ -51,8 +51,7 @@ from typing import Any
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
 from engramd.host.blocking import cores
-from engramd.host.libc import libc
-from engramd.host.reserve import MADV_POPULATE_WRITE, reserve_files
+from engramd.host.reserve import reserve_files
 from engramd.sets.loader import LoadProgress, load_set, reads_for
 from engramd.sources.nixlxfer import nixl_build
 from engramd_client import plan_tables
@@ -195,20 +194,8 @@ def _reserve_seconds(nbytes: int, fallocate: bool, zeroed: bool) -> float:
             return time.perf_counter() - start
         os.posix_fallocate(fd, 0, nbytes)
         if zeroed:
-            with mmap.mmap(fd, nbytes) as whole:
-                base = ctypes.addressof(ctypes.c_char.from_buffer(whole))
-                step = -(-nbytes // cores()) // mmap.PAGESIZE * mmap.PAGESIZE
-
-                def touch(at: int) -> None:
-                    libc.madvise(base + at, min(step, nbytes - at), MADV_POPULATE_WRITE)
-
-                workers = [
-                    threading.Thread(target=touch, args=(at,)) for at in range(0, nbytes, step)
-                ]
-                for t in workers:
-                    t.start()
-                for t in workers:
-                    t.join()
+            # The copy's first touch, on every core: populating fallocate's pages zeroes them.
+            reserve_files([(fd, nbytes)], mmap.PAGESIZE, populate=True)
         return time.perf_counter() - start
     finally:
         os.close(fd)
