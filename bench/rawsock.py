@@ -21,16 +21,27 @@ BUFFER = 8 << 20
 
 
 def send(port: int, nbytes: int) -> None:
-    """Accept one connection and send it `nbytes`."""
-    with socket.create_server(("0.0.0.0", port)) as server:
-        print("ready", flush=True)
-        conn, _ = server.accept()
-        with conn:
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
-            chunk = memoryview(os.urandom(BUFFER))
-            sent = 0
-            while sent < nbytes:
-                sent += conn.send(chunk[: min(BUFFER, nbytes - sent)])
+    """Accept one connection and send it `nbytes` from the pages of a tmpfs file, as a
+    serving daemon sends a set's: distinct bytes, not one buffer again and again (which
+    stays in the CPU's cache, where no set of a GiB does)."""
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        for at in range(0, nbytes, BUFFER):
+            f.write(os.urandom(min(BUFFER, nbytes - at)))
+        f.flush()
+        source = mmap.mmap(f.fileno(), nbytes, prot=mmap.PROT_READ)
+        view = memoryview(source)
+        try:
+            with socket.create_server(("0.0.0.0", port)) as server:
+                print("ready", flush=True)
+                conn, _ = server.accept()
+                with conn:
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, BUFFER)
+                    sent = 0
+                    while sent < nbytes:
+                        sent += conn.send(view[sent : sent + BUFFER])
+        finally:
+            view.release()
+            source.close()
 
 
 def recv(host: str, port: int, nbytes: int) -> float:

@@ -262,7 +262,7 @@ def manifest(
     """Write the attested manifest an object-store fill needs beside the checkpoint's files.
 
     Reads every selected byte of the checkpoint once (as a load does), takes
-    each tensor's XXH3 checksum and strong digest (SHA-256 of its 16 MiB
+    each tensor's XXH3 checksum and strong digest (BLAKE3 of its 16 MiB
     pieces, on every core) and attests them with the fleet's key; upload the
     file under the bucket's prefix with the name printed.
     """

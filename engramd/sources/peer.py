@@ -52,7 +52,7 @@ log = logging.getLogger("engramd")
 #: Seconds a peer has to connect and prove the token, and then to offer the set.
 OFFER_TIMEOUT_S = 10.0
 #: Bytes a second the serving node digests its copy at, at least, before its first offer of
-#: that copy (SHA-256 on all its cores, api/peer.py): the offer may take that much longer.
+#: that copy (BLAKE3 on all its cores, api/peer.py): the offer may take that much longer.
 OFFER_DIGEST_RATE = 1 << 30
 #: Seconds a window may wait for its grant, or take, when no rate floor is set
 #: (a peer gone silent).
@@ -196,6 +196,7 @@ class PeerSource:
             offer = second.offer
             manifest, strong = _check_offer(plan, offer, self._key)
             agent, landing = starting.result()
+            landing.expect(strong)
             remote = agent.add_remote(offer.nixl_metadata)
             # A window is a piece of the strong digest, digested as it lands.
             pieces = [

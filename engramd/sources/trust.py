@@ -12,7 +12,7 @@ one label each), so that no value made under one can stand for another:
   are new for every fill, so a proof seen once opens nothing later.
 - "manifest": a node that loaded a set from its own files attests its
   digests: HMAC(manifest key, the set id, its fingerprint and each tensor's
-  name, dtype, shape, size, XXH3-64 checksum and strong digest, SHA-256
+  name, dtype, shape, size, XXH3-64 checksum and strong digest, BLAKE3
   over its pieces: strong.py). A receiver checks the attestation before it
   reads a byte and publishes only bytes whose digests, both kinds, are the
   attested ones (`check_received`); a node that filled a set keeps the

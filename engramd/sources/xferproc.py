@@ -54,6 +54,29 @@ MAX_FDS = 4096
 POLL_PAUSE_S = 0.0005
 #: The plugins loaded ahead of a fill: the peers' and the object store's.
 PLUGINS = ("UCX", "OBJ")
+#: Microseconds UCX's progress thread (a serving agent's) waits on its workers' event
+#: descriptors before it polls them anyway. nixl_agent sets 0 (nixl_cu12/_api.py:
+#: `agent_config.pthrDelay = 0`), and the thread's poll(2) then never blocks: it spun a core
+#: for the whole fill, half of this 2-core host, beside the sends it exists for. Waiting,
+#: it wakes when a receiver's request arrives or a send buffer drains.
+PROGRESS_WAIT_US = 10_000
+
+
+def _waiting_config(config: Any) -> Any:
+    """NIXL's agent config class with `pthrDelay` held at PROGRESS_WAIT_US, whatever
+    nixl_agent assigns (it offers no setting of its own for it)."""
+    field = config.pthrDelay
+
+    class Waiting(config):  # type: ignore[misc, valid-type]
+        @property
+        def pthrDelay(self) -> int:  # NIXL's name
+            return int(field.__get__(self))
+
+        @pthrDelay.setter
+        def pthrDelay(self, _: int) -> None:
+            field.__set__(self, PROGRESS_WAIT_US)
+
+    return Waiting
 
 
 class _Transfers:
@@ -77,6 +100,7 @@ class _Transfers:
     def prepare(self, name: str) -> None:
         """NIXL's plugins loaded: nothing listens, nothing runs."""
         self.api = importlib.import_module(f"{os.environ['ENGRAMD_NIXL_BUILD']}._api")
+        self.api.nixlBind.nixlAgentConfig = _waiting_config(self.api.nixlBind.nixlAgentConfig)
         self.name = name
         # Loading a plugin is most of an agent's start (0.4 s of 0.5 here), and the
         # plugins stay loaded for the process (NIXL's plugin manager is one per

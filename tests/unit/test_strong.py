@@ -1,6 +1,6 @@
-"""A tensor's strong digest (engramd/sources/strong.py): SHA-256 of each 16 MiB piece, SHA-256
+"""A tensor's strong digest (engramd/sources/strong.py): BLAKE3 of each 16 MiB piece, BLAKE3
 over the pieces' digests; from memory on threads and from files in one pass with the
-manifest's checksum."""
+manifest's checksum; the older kind (SHA-256) still made and recognised for checks."""
 
 from __future__ import annotations
 
@@ -10,13 +10,18 @@ import os
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 from checksums import checksum_by_hand
 
 from engramd.sources.strong import (
+    OLDER,
     PIECE_BYTES,
+    STRONG,
     digest_files,
     digest_views,
     is_strong,
+    kind_of,
+    piece_digest,
     pieces,
     tensor_digest,
 )
@@ -27,8 +32,8 @@ P = PIECE_BYTES
 def by_hand(data: bytes, cuts: list[int]) -> str:
     """The strong digest of `data` cut at `cuts`, written out."""
     bounds = [0, *cuts, len(data)]
-    joined = b"".join(hashlib.sha256(data[a:b]).digest() for a, b in itertools.pairwise(bounds))
-    return "sha256-pieces:" + hashlib.sha256(joined).hexdigest()
+    joined = b"".join(blake3(data[a:b]).digest() for a, b in itertools.pairwise(bounds))
+    return "blake3-pieces:" + blake3(joined).hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +65,10 @@ def test_the_digest_is_over_the_pieces_digests_cut_at_each_64_mib(tensor: bytes)
 
 def test_an_empty_tensor_has_the_digest_of_no_pieces() -> None:
     empty = digest_views([memoryview(b"")])
-    assert empty.strong == [tensor_digest([])] == ["sha256-pieces:" + hashlib.sha256().hexdigest()]
+    assert empty.strong == [tensor_digest([])] == ["blake3-pieces:" + blake3().hexdigest()]
     assert empty.checksums == [checksum_by_hand(b"")]
     # Distinct from a tensor of one empty piece, and from one of a single zero byte.
-    assert empty.strong[0] != tensor_digest([hashlib.sha256(b"").digest()])
+    assert empty.strong[0] != tensor_digest([blake3(b"").digest()])
     assert empty.strong[0] != digest_views([memoryview(b"\0")]).strong[0]
 
 
@@ -108,3 +113,17 @@ def test_a_file_shorter_than_its_span_is_named(tmp_path: Path) -> None:
     short.write_bytes(b"y" * 100)
     with pytest.raises(ValueError, match="short is shorter than its header says"):
         digest_files([(short, 50, 60)])
+
+
+def test_the_older_kind_is_sha256_of_the_same_pieces(tensor: bytes) -> None:
+    """An engramd before BLAKE3 attested SHA-256 digests of the same pieces: they are made
+    by kind, recognised, and never equal the BLAKE3 digest of the same bytes."""
+    cuts = [(0, P), (P, 2 * P), (2 * P, len(tensor))]
+    older = tensor_digest([piece_digest(tensor[a:b], OLDER) for a, b in cuts], OLDER)
+    joined = b"".join(hashlib.sha256(tensor[a:b]).digest() for a, b in cuts)
+    assert older == "sha256-pieces:" + hashlib.sha256(joined).hexdigest()
+    newer = digest_views([memoryview(tensor)]).strong[0]
+    assert is_strong(older) and is_strong(newer) and older != newer
+    assert (kind_of(older), kind_of(newer)) == (OLDER, STRONG)
+    for wrong in ("sha512-pieces:" + "0" * 64, STRONG + ":" + "0" * 63, newer.upper(), older + "0"):
+        assert not is_strong(wrong)

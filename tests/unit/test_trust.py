@@ -29,7 +29,7 @@ from engramd_shared.layout import Manifest, ManifestError, ManifestTensor
 
 TOKEN = "unit-token-0123456789abcdef"
 SET = "0123456789abcdef0123"
-STRONG_A, STRONG_B, OTHER = (f"sha256-pieces:{c * 64}" for c in "abc")
+STRONG_A, STRONG_B, OTHER = (f"blake3-pieces:{c * 64}" for c in "abc")
 TENSORS = (
     AttestedTensor("a.weight", "F8_E4M3", (4, 256), 1024, "xxh3-64:00000000000000aa", STRONG_A),
     AttestedTensor("b.weight", "F8_E4M3", (8, 256), 2048, "xxh3-64:00000000000000bb", STRONG_B),
