@@ -67,7 +67,7 @@ def _waiting_config(config: Any) -> Any:
     nixl_agent assigns (it offers no setting of its own for it)."""
     field = config.pthrDelay
 
-    class Waiting(config):  # type: ignore[misc, valid-type]
+    class Waiting(config):
         @property
         def pthrDelay(self) -> int:  # NIXL's name
             return int(field.__get__(self))
