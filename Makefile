@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 
 .PHONY: setup test-tools demo test test-unit test-vllm test-sglang test-gpu bench bench-vllm \
-	bench-sglang-file proto docs lint format clean
+	bench-sglang-file bench-fleetsim proto docs lint format clean
 
 setup: $(VENV)/.installed
 
@@ -128,6 +128,11 @@ bench: setup test-tools
 	$(PY) -c "import runai_model_streamer, fastsafetensors" 2>/dev/null || $(PIP) -r bench/requirements-anchors.txt
 	$(PY) -c "import boto3" 2>/dev/null || $(PIP) -r bench/requirements-fleet.txt
 	$(PY) -m bench $(ARGS)
+
+# A fleet's fill time against its size, simulated with the daemon's schedule (bench/fleetsim.py).
+bench-fleetsim: setup
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PIP) -e ".[dev,bench]"
+	$(PY) -m bench.fleetsim $(ARGS)
 
 proto: setup
 	$(PY) tools/gen_proto.py
