@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .attach import attach_and_restart
 from .cold import cold_loads, reservation
-from .common import Figure, as_json, checkpoint, machine
+from .common import Figure, as_json, checkpoint, machine, pyplot, save_plot
 from .cumem import cumem_figures
 from .descriptors import attach_by_kind, gather_by_kind, isolated_memory
 from .fleet import fleet_fills
@@ -189,13 +189,8 @@ def _print(figures: list[Figure]) -> None:
 
 
 def _plot(curves: dict[str, dict[int, float]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, curve in curves.items():
@@ -205,11 +200,7 @@ def _plot(curves: dict[str, dict[int, float]], path: Path) -> None:
     ax.set_ylabel("host memory (GiB): Shmem + every replica's USS")
     ax.set_title("engramd: one shared copy versus private tables")
     ax.set_xticks(sorted(next(iter(curves.values()))))
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_plot(fig, ax, path)
 
 
 if __name__ == "__main__":

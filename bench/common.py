@@ -284,3 +284,26 @@ def timed(fn: Callable[[], object]) -> float:
 def as_json(figures: list[Figure]) -> dict[str, Any]:
     """Figures by name, for results/latest.json."""
     return {f.name: asdict(f) for f in figures}
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None (said) where the `bench` extra is
+    not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[bench]'); no plot")
+        return None
+    return plt
+
+
+def save_plot(fig: Any, ax: Any, path: Path) -> None:
+    """Grid and legend on `ax`, then `fig` written to `path` (said)."""
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    print(f"wrote {path}")

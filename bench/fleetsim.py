@@ -21,6 +21,8 @@ from typing import Any
 
 from engramd.testing.fleetsim import Fleet, simulate
 
+from .common import pyplot, save_plot
+
 #: The object store's aggregate rate, bytes a second (200 Gb/s for the whole fleet).
 STORE_GBPS = 25.0
 #: The set: DeepSeek-V4.1-Flash's Engram tables.
@@ -70,13 +72,8 @@ def main() -> int:
 
 
 def _plot(rows: list[dict[str, Any]], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install -e '.[bench]'); no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for gbit in sorted({r["gbit"] for r in rows}):
@@ -98,11 +95,7 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_xlabel("cold nodes filling at once (one warm node, a 200 Gb/s bucket)")
     ax.set_ylabel("seconds until the last is ready")
     ax.set_title("189 GiB of tables across a fleet (dotted: one node; dashed: 2x)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    print(f"wrote {path}")
+    save_plot(fig, ax, path)
 
 
 if __name__ == "__main__":

@@ -412,13 +412,11 @@ def test_an_object_store_fill_needs_the_token(s3: S3, nodes: Any, checkpoint: Pa
     assert "an object-store fill needs --peer-token-file" in d.log
 
 
-def test_a_filled_object_store_set_carries_the_attestation(
+def _filled_from_bucket(
     s3: S3, nodes: Any, checkpoint: Path, token_file: Path
-) -> None:
-    """The genuine manifest: the set comes from the bucket, its manifest keeps the bucket's
-    attestation, and `engramd verify` passes."""
-    s3.upload(checkpoint, "m")
-    s3.attest(checkpoint, "m", token_file)
+) -> tuple[Any, Any, Any]:
+    """A node started with the bucket's prefix "m" and the token; (node, daemon, set) once
+    its set is ready, which must have come from the bucket."""
     node = nodes("s")
     d = node.start(
         [
@@ -429,6 +427,17 @@ def test_a_filled_object_store_set_carries_the_attestation(
     )
     s = ready_set(d)
     assert s.source == f"s3://{s3.bucket}/m", d.log
+    return node, d, s
+
+
+def test_a_filled_object_store_set_carries_the_attestation(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """The genuine manifest: the set comes from the bucket, its manifest keeps the bucket's
+    attestation, and `engramd verify` passes."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    node, d, s = _filled_from_bucket(s3, nodes, checkpoint, token_file)
     m = manifest_of(node.shm_dir, s.set_id)
     assert m.attestation is not None and m.strong_digests == tuple(strong_of(checkpoint))
     assert FleetKey(TOKEN).attested(
@@ -470,16 +479,7 @@ def test_a_manifest_an_older_engramd_attested_fills_checked_with_sha256(
         manifest_key("m", plan.set_id),
         AttestedManifest(plan.set_id, plan.fingerprint, older, attestation).to_bytes(),
     )
-    node = nodes("s")
-    d = node.start(
-        [
-            *("--checkpoint", str(checkpoint), "--object-store", f"s3://{s3.bucket}/m"),
-            *("--peer-token-file", str(token_file)),
-        ],
-        env=s3.env(),
-    )
-    s = ready_set(d)
-    assert s.source == f"s3://{s3.bucket}/m", d.log
+    node, d, s = _filled_from_bucket(s3, nodes, checkpoint, token_file)
     m = manifest_of(node.shm_dir, s.set_id)
     assert (m.attestation, m.strong_digests) == (attestation, tuple(strong))
     assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
