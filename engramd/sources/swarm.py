@@ -40,9 +40,12 @@ warm node and a bucket face hundreds of cold ones:
 - **Busy**: a source with no free slot of its own (a serving node's
   requests at once, the bucket's) says so at once rather than queueing the
   request; the piece goes back to the pool and the source is not asked
-  again for about one request's time (the receiver's recent mean, at least
-  `BUSY_RETRY_S`), so a receiver's requests are never parked behind other
-  receivers' at one source while others idle.
+  again for about one request's time (the receiver's recent mean), or,
+  while it keeps answering busy, for twice as long each time from
+  `BUSY_RETRY_S` up to `MAX_REST_S` (jittered by receiver, so a fleet's
+  retries do not arrive together). A receiver's requests are thus never
+  parked behind other receivers' at one source while others idle, and a
+  thousand cold nodes do not ask a full bucket a thousand times a second.
 - **Failures**: a request that fails returns its piece to the pool; a
   source that fails `MAX_FAILURES` requests in a row, or that sent one piece
   whose digest is not the attested one, is dropped for the rest of the fill.
@@ -62,6 +65,8 @@ MAX_FAILURES = 3
 RATE_WEIGHT = 0.3
 #: Seconds a source that answered busy is left alone, at least.
 BUSY_RETRY_S = 0.01
+#: Seconds a source that keeps answering busy is left alone, at most.
+MAX_REST_S = 2.0
 
 
 class Tier(IntEnum):
@@ -92,6 +97,8 @@ class Source:
     failures: int = 0
     #: Not asked before this time (it answered busy).
     resting_until: float = 0.0
+    #: Busy answers in a row.
+    busy: int = 0
     #: Its rendezvous score for this receiver: the tie-break between equal sources.
     tie: int = 0
     #: Why it was dropped ("": it was not).
@@ -250,7 +257,7 @@ class Schedule:
             return []  # a request already moot: its piece came from another source
         for other in moot:
             self._end(piece, other)
-        source.failures = 0
+        source.failures = source.busy = 0
         source.delivered += self.sizes[piece]
         rate = self.sizes[piece] / max(seconds, 1e-9)
         self._typical = (
@@ -266,8 +273,13 @@ class Schedule:
 
     def busy(self, piece: int, name: str, now: float) -> None:
         """`name` had no free slot for the request: the piece goes back, the source rests."""
-        if self._end(piece, name) is not None:
-            self.sources[name].resting_until = now + max(BUSY_RETRY_S, self._typical)
+        source = self._end(piece, name)
+        if source is None:
+            return
+        source.busy += 1
+        backoff = min(MAX_REST_S, BUSY_RETRY_S * 2 ** (source.busy - 1))
+        jitter = 0.5 + _score(self._receiver, name, source.busy) / 2**64
+        source.resting_until = now + max(self._typical, backoff * jitter)
 
     def failed(self, piece: int, name: str, why: str, lied: bool = False) -> None:
         """The request ended without the piece; `lied`: bytes came with another digest, so

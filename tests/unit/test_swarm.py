@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from engramd.sources.swarm import BUSY_RETRY_S, MAX_FAILURES, Schedule, Tier
+from engramd.sources.swarm import BUSY_RETRY_S, MAX_FAILURES, MAX_REST_S, Schedule, Tier
 
 MIB = 1 << 20
 
@@ -77,14 +77,26 @@ def test_a_peer_that_verified_more_pieces_is_asked_for_them() -> None:
     assert s.stuck()  # piece 0: nobody
 
 
-def test_a_busy_source_rests_and_the_receiver_knows_when_to_ask_again() -> None:
+def test_a_busy_source_rests_longer_each_time_until_it_answers() -> None:
     s = schedule(pieces=4)
     s.add("a", Tier.PEER, depth=8)
     ((piece, _),) = s.start(0.0)
-    s.busy(piece, "a", 5.0)
-    assert s.start(5.0) == []
-    assert s.wake() == pytest.approx(5.0 + BUSY_RETRY_S)
-    assert s.start(5.0 + BUSY_RETRY_S) == [(piece, "a")]
+    now = 5.0
+    rests = []
+    for _ in range(12):
+        s.busy(piece, "a", now)
+        assert s.start(now) == []
+        wake = s.wake()
+        assert wake is not None and wake > now
+        rests.append(wake - now)
+        now = wake
+        assert s.start(now) == [(piece, "a")]
+    # Doubling from BUSY_RETRY_S up to MAX_REST_S, each jittered by x0.5 to x1.5.
+    for k, rest in enumerate(rests):
+        backoff = min(MAX_REST_S, BUSY_RETRY_S * 2**k)
+        assert 0.5 * backoff <= rest < 1.5 * backoff
+    s.landed(piece, "a", 0.01)
+    assert s.sources["a"].busy == 0
 
 
 def test_a_liar_is_dropped_at_once_and_a_failing_source_after_its_failures() -> None:
