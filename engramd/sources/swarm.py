@@ -3,9 +3,11 @@
 A set is filled in pieces (strong.PIECE_BYTES each, every one verifiable on
 its own against the attested digests), from every source that holds some:
 peers, the object store, and last the node's own files. The schedule only
-decides; the code that moves bytes asks it what to start and tells it what
-ended, and so does the fleet simulation (engramd/testing/fleetsim.py), which
-therefore measures the rules the daemon runs.
+decides; whatever moves the bytes asks it what to start and tells it what
+ended. Today that is the fleet simulation (engramd/testing/fleetsim.py);
+the daemon's fills still read a whole set from one source at a time
+(chain.py), and moving them onto this schedule is the next step
+(docs/fleet.md says what is missing).
 
 The rules, chosen as BitTorrent's and Dragonfly's are, for a fleet where one
 warm node and a bucket face hundreds of cold ones:
