@@ -163,11 +163,6 @@ class Schedule:
         """Whether every piece landed."""
         return not self._needed
 
-    @property
-    def held(self) -> int:
-        """Pieces landed and verified."""
-        return len(self.sizes) - len(self._needed)
-
     def stuck(self) -> bool:
         """Whether pieces are needed that no source still in the fill can give."""
         if not self._needed:
