@@ -39,6 +39,7 @@ from engramd.host.sdnotify import Notifier
 from engramd.sets.keeper import SetKeeper
 from engramd.sets.tableset import SetState
 from engramd.sources.chain import SourceChain
+from engramd.sources.filling import FillingSets
 from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
 from engramd.sources.trust import FleetKey, read_token
@@ -60,16 +61,18 @@ class Daemon:
         self.config = config
         gid = _socket_group(config)
         self.notifier = Notifier()
+        # Filled from peers by the loads, served to peers by the peer port as they fill.
+        filling = FillingSets()
         #: The node's sets: every verb that plans, loads, proves, publishes, leases or drops.
         self.sets = SetKeeper(
             config,
             backings_for(config, gid, FdStore(self.notifier)),
-            _sources(config),
+            _sources(config, filling),
             gid,
         )
         #: The sets' store: readiness (`store.ready`), the sets and their leases.
         self.store = self.sets.store
-        self.listeners = Listeners(config, self.sets, gid)
+        self.listeners = Listeners(config, self.sets, gid, filling)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def startup(self) -> None:
@@ -222,7 +225,7 @@ def _socket_group(config: DaemonConfig) -> int | None:
     return group_id(config.socket_group)
 
 
-def _sources(config: DaemonConfig) -> SourceChain | None:
+def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
     """Where loads' bytes come from before the files: the peers, then the object store."""
     if not config.peers and not config.object_store:
         return None
@@ -232,7 +235,11 @@ def _sources(config: DaemonConfig) -> SourceChain | None:
         if config.peers or config.peer_token_file
         else None
     )
-    peers = PeerSource(config.peers, key, config.peer_min_rate) if key and config.peers else None
+    peers = (
+        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen)
+        if key and config.peers
+        else None
+    )
     store = ObjectStoreSource(config.object_store, key) if config.object_store else None
     return SourceChain(peers, store, key)
 

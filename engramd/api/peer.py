@@ -1,23 +1,28 @@
-"""The peer port (--peer-listen): operator-published sets handed to the fleet's other daemons.
+"""The peer port (--peer-listen): operator-published sets handed to the fleet's other daemons,
+and the verified pieces of those this node is filling from them.
 
 PeerService.Fill over TCP, both ends authenticated by a challenge-response
 over the fleet's shared token (sources/trust.py: this server proves it
 first, the receiver then; the token never travels), the offer's digests
 (checksums and strong digests) attested with the fleet's key. A set this
-node loaded from its files gets its strong digests from its published
-copy's pages on the first offer of that copy (on a thread of their own,
-every core hashing), kept for later offers: a copy never changes once
+node loaded from its files gets its strong and piece digests from its
+published copy's pages on the first offer of that copy (on a thread of their
+own, every core hashing), kept for later offers: a copy never changes once
 published. A set this node filled is offered with the origin's strong
-digests and attestation, kept in its manifest. Only sets the operator
-published (loaded by --checkpoint or `engramd load`) are offered; a set
-a worker's attach loaded stays owner-only and is answered as absent, like
-any set not held. Each stream's copy is mapped read-only and registered by
-a transfer process of that stream's own (Export: sources/xferproc.py says
-why none runs in the daemon), for the stream's life; the receiver reads it,
-a window at a time, each granted once the daemon's rate cap (--peer-rate,
-all peers together) allows. The export is made on a pool thread, and the
-reads are served by the transfer process's UCX: the worker socket's event
-loop only hands out grants.
+digests and attestation, kept in its manifest (its pages are hashed on the
+first offer too, for the piece digests, and must give the attested strong
+digests). A set this node is filling from peers is offered with what its
+origin offered, and only its pieces verified here are granted
+(sources/filling.py); its receivers are told as more are. Only sets the
+operator published (loaded by --checkpoint or `engramd load`) are offered; a
+set a worker's attach loaded stays owner-only and is answered as absent, like
+any set not held. Each stream's copy is mapped read-only and registered by a
+transfer process of that stream's own (Export: sources/xferproc.py says why
+none runs in the daemon), for the stream's life; the receiver reads it, a
+piece at a time, each granted once the daemon's rate cap (--peer-rate, all
+peers together) allows. The export is made on a pool thread, and the reads
+are served by the transfer process's UCX: the worker socket's event loop
+only hands out grants.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,15 +44,23 @@ from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import WINDOW_BYTES, SourceFailed
+from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.nixlxfer import Agent, nixl_build, spare
 from engramd.sources.regions import Region, close_all
-from engramd.sources.strong import digest_views
+from engramd.sources.strong import Digests, digest_views, set_pieces
 from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd.units import gib
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 log = logging.getLogger("engramd")
+
+#: Seconds between two looks at a filling set's pieces, to tell a stream's receiver of new ones.
+HOLDING_EVERY_S = 0.05
+#: Pieces granted and not yet read, over all streams, beyond which a request is answered busy:
+#: a receiver then asks another source at once rather than queueing behind other receivers
+#: here (a warm node facing a cold fleet would otherwise send most of every copy itself).
+SERVE_SLOTS = 2
 
 
 class RateCap:
@@ -81,44 +95,46 @@ class RateCap:
             raise
 
 
+@dataclass(frozen=True)
+class Offered:
+    """What a receiver checks a copy with: the attestation, each tensor's strong digest and
+    its pieces' digests (32 bytes each, back to back)."""
+
+    attestation: str
+    strong: list[str]
+    pieces: list[bytes]
+
+
 class Export:
-    """One stream's served copy: a transfer process of its own that maps only that copy,
-    read-only, and has it registered with its NIXL agent for the stream's life."""
+    """One stream's served memory: a transfer process of its own that maps only that copy (a
+    published one, or the staged set of a fill), read-only, and has it registered with its
+    NIXL agent for the stream's life."""
 
-    def __init__(self, ts: TableSet, receiver: str) -> None:
-        assert ts.manifest is not None
-        self.copy = ts.copy
-        opened = ts.backing.descriptors(ts.manifest)
-        fds = dict(opened)
+    def __init__(self, memory: list[tuple[int, int, int]], receiver: str) -> None:
+        """`memory`: each tensor's (fd, offset, bytes); the caller closes the fds."""
+        self.agent = Agent({"UCX": {}}, peer=receiver, serves=True)
         try:
-            self.agent = Agent({"UCX": {}}, peer=receiver, serves=True)
-            try:
-                tensors = ts.manifest.tensors
-                addresses = self.agent.attach(
-                    [(fds[t.file], t.offset, t.nbytes) for t in tensors], writable=False
-                )
-                self._addresses = addresses
-                self._manifest = ts.manifest
-                self._metadata = self.agent.metadata()
-            except BaseException:
-                self.agent.close()
-                raise
-        finally:
-            for _, fd in opened:
-                os.close(fd)
+            self._addresses = self.agent.attach(memory, writable=False)
+            self._sizes = [n for _, _, n in memory]
+            self._metadata = self.agent.metadata()
+        except BaseException:
+            self.agent.close()
+            raise
 
-    def offer(self, attestation: str, strong: list[str]) -> peer_pb2.SetOffer:
-        """The copy described for the receiver: manifest, strong digests, their attestation,
-        where it lies."""
+    def offer(self, manifest_json: str, offered: Offered, held: bytes) -> peer_pb2.SetOffer:
+        """The copy described for the receiver: manifest, digests, their attestation, which
+        pieces it holds (b"": all), where it lies."""
         return peer_pb2.SetOffer(
-            manifest_json=self._manifest.to_json(),
+            manifest_json=manifest_json,
             nixl_metadata=self._metadata,
             regions=[
-                peer_pb2.RemoteRegion(address=a, nbytes=t.nbytes)
-                for a, t in zip(self._addresses, self._manifest.tensors, strict=True)
+                peer_pb2.RemoteRegion(address=a, nbytes=n)
+                for a, n in zip(self._addresses, self._sizes, strict=True)
             ],
-            attestation=attestation,
-            strong_digests=strong,
+            attestation=offered.attestation,
+            strong_digests=offered.strong,
+            piece_digests=offered.pieces,
+            held=held,
         )
 
     def ended(self) -> str:
@@ -130,6 +146,18 @@ class Export:
         self.agent.close()
 
 
+def published_memory(ts: TableSet) -> list[tuple[int, int, int]]:
+    """Each tensor of a published copy as (fd, offset, bytes), with descriptors of the
+    caller's own (to close)."""
+    assert ts.manifest is not None
+    opened = ts.backing.descriptors(ts.manifest)
+    fds = dict(opened)
+    memory = [(os.dup(fds[t.file]), t.offset, t.nbytes) for t in ts.manifest.tensors]
+    for _, fd in opened:
+        os.close(fd)
+    return memory
+
+
 def receiver_address(peer: str) -> str:
     """The IP of a gRPC peer string ("ipv4:10.0.0.2:5000", "ipv6:[::1]:5000")."""
     kind, _, rest = peer.partition(":")
@@ -138,72 +166,140 @@ def receiver_address(peer: str) -> str:
     return rest.rpartition(":")[0]
 
 
-class PeerService(peer_pb2_grpc.PeerServiceServicer):
-    """Fill: offer a published set, then grant windows under the rate cap."""
+class _Served:
+    """What one stream serves: a published copy, or the held pieces of a set being filled."""
 
-    def __init__(self, store: SetStore, key: FleetKey, rate: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        nbytes: int,
+        manifest_json: str,
+        offered: Offered,
+        memory: Callable[[], list[tuple[int, int, int]]],
+        pieces: list[int],
+        filling: Filling | None,
+    ) -> None:
+        self.name = name
+        self.nbytes = nbytes
+        self.manifest_json = manifest_json
+        self.offered = offered
+        #: Each tensor's (fd, offset, bytes), with descriptors of the caller's own.
+        self.memory = memory
+        #: Each piece's bytes.
+        self.pieces = pieces
+        self.filling = filling
+        self.told = -1
+
+    def held(self) -> bytes:
+        """The bitmap of the pieces held now (b"": all); remembered as told."""
+        if self.filling is None:
+            return b""
+        self.told, held = self.filling.held()
+        return held
+
+    def news(self) -> bytes | None:
+        """The held bitmap if more pieces are held than the receiver was told of."""
+        if self.filling is None or self.filling.version == self.told:
+            return None
+        return self.held()
+
+
+class PeerService(peer_pb2_grpc.PeerServiceServicer):
+    """Fill: offer a published set (or the verified pieces of one being filled), then grant
+    pieces under the rate cap."""
+
+    def __init__(self, store: SetStore, key: FleetKey, rate: int, filling: FillingSets) -> None:
         self._store = store
         self._key = key
         self._cap = RateCap(rate)
+        self._filling = filling
+        #: Pieces granted and not yet read, over all streams.
+        self._serving = 0
         self._pool = BlockingPool("peer", 2)
         # One copy digested at a time, each on every core: an Export is never queued behind.
         self._digesting = BlockingPool("peer-digest", 1)
-        #: The strong digests of each copy loaded from files, by (copy, its manifest's nonce):
-        #: a published copy's bytes never change, and a copy loaded again has another nonce.
-        self._strong: dict[tuple[str, str], asyncio.Future[list[str]]] = {}
+        #: The digests of each published copy, by (copy, its manifest's nonce): a published
+        #: copy's bytes never change, and a copy loaded again has another nonce.
+        self._offered: dict[tuple[str, str], asyncio.Future[Offered]] = {}
 
-    def _published(self, set_id: str) -> TableSet:
+    async def _served(self, set_id: str) -> _Served:
+        """The published copy of `set_id`, else its fill in progress here."""
         ts = self._store.offered(set_id)
-        if ts is None:
+        if ts is not None:
+            assert ts.manifest is not None
+            tensors = ts.manifest.tensors
+            return _Served(
+                ts.copy,
+                ts.nbytes,
+                ts.manifest.to_json(),
+                await self._offer_of(ts),
+                lambda: published_memory(ts),
+                [n for _, _, n in set_pieces([t.nbytes for t in tensors])],
+                None,
+            )
+        filling = self._filling.get(set_id)
+        if filling is None:
             # The same answer for a set not held and one only a worker's attach loaded.
             raise UnknownSet(f"this daemon serves no published set {set_id} to peers")
-        return ts
+        return _Served(
+            f"{set_id} (filling)",
+            sum(filling.sizes),
+            filling.manifest_json,
+            Offered(filling.attestation, filling.strong, filling.piece_digests),
+            filling.descriptors,
+            filling.sizes,
+            filling,
+        )
 
-    async def _attestation(self, ts: TableSet) -> tuple[str, list[str]]:
-        """The attestation and strong digests a receiver checks the copy with: the origin's,
-        kept in the manifest of a set this node filled (never signed again here), else this
-        node's own of its copy's digests (it took them from its files)."""
+    async def _offer_of(self, ts: TableSet) -> Offered:
+        """The attestation and digests a receiver checks the copy with, from its pages. A set
+        this node filled keeps the origin's attestation (never signed again here), and its
+        pages must give the attested strong digests; a set loaded from files is attested here
+        (this node took its digests from its files)."""
         manifest = ts.manifest
         assert manifest is not None
-        if manifest.attestation is not None:
-            if manifest.strong_digests is None:
-                # Filled by an engramd that attested checksums alone: nothing to forward.
-                raise UnknownSet(
-                    f"set {manifest.set_id} was filled by an older engramd that kept no strong "
-                    "digests; it is not served to peers until it is dropped and loaded again"
-                )
-            return manifest.attestation, list(manifest.strong_digests)
+        if manifest.attestation is not None and manifest.strong_digests is None:
+            # Filled by an engramd that attested checksums alone: nothing to forward.
+            raise UnknownSet(
+                f"set {manifest.set_id} was filled by an older engramd that kept no strong "
+                "digests; it is not served to peers until it is dropped and loaded again"
+            )
         key = (ts.copy, manifest.nonce)
-        digesting = self._strong.get(key)
+        digesting = self._offered.get(key)
         if digesting is None:
             # An earlier load of this copy is gone; its digests never count again.
-            for old in [k for k in self._strong if k[0] == ts.copy]:
-                del self._strong[old]
+            for old in [k for k in self._offered if k[0] == ts.copy]:
+                del self._offered[old]
             digesting = asyncio.ensure_future(self._digest(ts))
-            self._strong[key] = digesting
+            self._offered[key] = digesting
 
-            def forget(done: asyncio.Future[list[str]]) -> None:
+            def forget(done: asyncio.Future[Offered]) -> None:
                 # A failed digest (the copy dropped meanwhile) is tried again next time.
-                if (done.cancelled() or done.exception()) and self._strong.get(key) is done:
-                    del self._strong[key]
+                if (done.cancelled() or done.exception()) and self._offered.get(key) is done:
+                    del self._offered[key]
 
             digesting.add_done_callback(forget)
         # Shielded: a stream that ends while its copy is hashed leaves the digest to the next.
-        strong = await asyncio.shield(digesting)
-        attested = self._key.attest(manifest.set_id, manifest.fingerprint, manifest.tensors, strong)
-        return attested, strong
+        return await asyncio.shield(digesting)
 
-    async def _digest(self, ts: TableSet) -> list[str]:
+    async def _digest(self, ts: TableSet) -> Offered:
+        manifest = ts.manifest
+        assert manifest is not None
         started = time.monotonic()
-        strong = await self._digesting.run(copy_strong_digests, ts)
-        assert ts.manifest is not None
+        got = await self._digesting.run(copy_digests, ts)
         log.info(
             "set %s: strong digests of its %s taken for peers in %.2f s",
             ts.copy,
-            gib(ts.manifest.nbytes),
+            gib(manifest.nbytes),
             time.monotonic() - started,
         )
-        return strong
+        pieces = [b"".join(ds) for ds in got.pieces]
+        if manifest.attestation is not None:
+            return Offered(manifest.attestation, got.strong, pieces)
+        attested = self._key.attest(
+            manifest.set_id, manifest.fingerprint, manifest.tensors, got.strong
+        )
+        return Offered(attested, got.strong, pieces)
 
     async def Fill(
         self,
@@ -211,7 +307,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """One receiver's fill of one set: each side proves it holds the token, this one
-        first; then the offer."""
+        first; then the offer, then a grant for each piece asked for."""
         opening = _Opening()
         try:
             requests = aiter(request_iterator)
@@ -244,51 +340,155 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 if not proven(second.proof, self._key.client_proof(set_id, theirs, mine)):
                     log.warning("peer %s: wrong token; refused", context.peer())
                     raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
-                ts = self._published(set_id)
-                attested, strong = await self._attestation(ts)
-                export = await self._pool.run(opening.make, ts, receiver_address(context.peer()))
+                served = await self._served(set_id)
+                export = await self._pool.run(
+                    opening.make, served.memory, receiver_address(context.peer())
+                )
             except Exception as e:
                 await abort(context, e)
                 return
-            log.info("peer %s: filling set %s", context.peer(), ts.copy)
-            yield peer_pb2.FillReply(offer=export.offer(attested, strong))
-            # What this stream may still be granted: the set's bytes, a window at a time.
-            left = ts.nbytes
-            async for request in requests:
-                if request.WhichOneof("step") != "window":
-                    break
-                n = request.window
-                if not 0 < n <= min(WINDOW_BYTES, left):
-                    log.warning(
-                        "peer %s: asked for a window of %d bytes with %d left; ended",
-                        context.peer(),
-                        n,
-                        left,
-                    )
-                    await abort(
-                        context,
-                        InvalidRequest(
-                            f"a window of {n} bytes: windows are 1 to {WINDOW_BYTES} bytes, "
-                            f"and this fill has {left} bytes of set {ts.set_id} left to grant"
-                        ),
-                    )
-                left -= n
-                await self._cap.take(n)
-                if ended := export.ended():
-                    # A peer wrote into the read-only copy, or read outside it.
-                    log.warning(
-                        "peer %s: the transfer process serving set %s %s; fill ended",
-                        context.peer(),
-                        ts.copy,
-                        ended,
-                    )
-                    await context.abort(
-                        grpc.StatusCode.UNAVAILABLE, f"the transfer process {ended}"
-                    )
-                yield peer_pb2.FillReply(granted=n)
+            log.info("peer %s: filling set %s", context.peer(), served.name)
+            yield peer_pb2.FillReply(
+                offer=export.offer(served.manifest_json, served.offered, served.held())
+            )
+            async for reply in self._grants(served, export, requests, context):
+                yield reply
         finally:
             # Not awaited: a stream the receiver cancelled may be cancelled again here.
             opening.end()
+
+    async def _grants(
+        self,
+        served: _Served,
+        export: Export,
+        requests: AsyncIterator[peer_pb2.FillRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[peer_pb2.FillReply]:
+        """A grant for each piece (or window) asked for, and news of the pieces held."""
+        # The pieces granted on this stream and not yet read: their slots free when it ends.
+        outstanding: set[int] = set()
+        try:
+            async for reply in self._answers(served, export, requests, context, outstanding):
+                yield reply
+        finally:
+            self._serving -= len(outstanding)
+
+    async def _answers(
+        self,
+        served: _Served,
+        export: Export,
+        requests: AsyncIterator[peer_pb2.FillRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+        outstanding: set[int],
+    ) -> AsyncIterator[peer_pb2.FillReply]:
+        # What this stream may still be granted: the set's bytes twice over (a receiver asks
+        # again for a piece whose read failed).
+        left = 2 * served.nbytes
+        windows = served.nbytes
+        every = HOLDING_EVERY_S if served.filling is not None else None
+        async for request in _with_ticks(requests, every):
+            if (
+                request is not None
+                and request.WhichOneof("step") == "window"
+                and not served.filling
+            ):
+                # An engramd before pieces: windows in order, the set's bytes once.
+                n = request.window
+                if not 0 < n <= min(WINDOW_BYTES, windows):
+                    await self._refuse(
+                        context,
+                        served,
+                        f"a window of {n} bytes: windows are 1 to {WINDOW_BYTES} bytes, and "
+                        f"this fill has {windows} bytes of set {served.name} left to grant",
+                    )
+                windows -= n
+                await self._grant(n, export, served, context)
+                yield peer_pb2.FillReply(granted=n)
+                continue
+            if (news := served.news()) is not None:
+                yield peer_pb2.FillReply(holding=news)
+            if request is None:
+                continue
+            if request.WhichOneof("step") == "done":
+                if request.done in outstanding:
+                    outstanding.discard(request.done)
+                    self._serving -= 1
+                continue
+            if request.WhichOneof("step") != "piece":
+                break
+            p = request.piece
+            if not 0 <= p < len(served.pieces) or served.pieces[p] > left:
+                await self._refuse(
+                    context,
+                    served,
+                    f"piece {p}: set {served.name} has pieces 0 to {len(served.pieces) - 1}, "
+                    f"and this fill has {left} bytes left to grant",
+                )
+            if served.filling is not None and not served.filling.holds(p):
+                if served.filling.ended:
+                    await context.abort(
+                        grpc.StatusCode.UNAVAILABLE,
+                        f"the fill of set {served.name} here ended; ask again",
+                    )
+                yield peer_pb2.FillReply(missing=p)
+                continue
+            if self._serving >= SERVE_SLOTS or p in outstanding:
+                yield peer_pb2.FillReply(busy=p)
+                continue
+            left -= served.pieces[p]
+            outstanding.add(p)
+            self._serving += 1
+            await self._grant(served.pieces[p], export, served, context)
+            yield peer_pb2.FillReply(piece=p)
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext[Any, Any], served: _Served, why: str
+    ) -> None:
+        log.warning("peer %s: %s; ended", context.peer(), why)
+        await abort(context, InvalidRequest(why))
+
+    async def _grant(
+        self,
+        n: int,
+        export: Export,
+        served: _Served,
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        """Wait for `n` bytes of the rate cap; end the stream if its transfer process died."""
+        await self._cap.take(n)
+        if ended := export.ended():
+            # A peer wrote into the read-only copy, or read outside it.
+            log.warning(
+                "peer %s: the transfer process serving set %s %s; fill ended",
+                context.peer(),
+                served.name,
+                ended,
+            )
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the transfer process {ended}")
+
+
+async def _with_ticks(
+    requests: AsyncIterator[peer_pb2.FillRequest], every: float | None
+) -> AsyncIterator[peer_pb2.FillRequest | None]:
+    """The stream's requests, and None each `every` seconds none came (None: no ticks)."""
+    if every is None:
+        async for each in requests:
+            yield each
+        return
+    pending = asyncio.ensure_future(anext(requests, None))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=every)
+            if not done:
+                yield None
+                continue
+            got = pending.result()
+            if got is None:
+                return
+            yield got
+            pending = asyncio.ensure_future(anext(requests, None))
+    finally:
+        pending.cancel()
 
 
 class _Opening:
@@ -299,9 +499,17 @@ class _Opening:
         self._export: Export | None = None
         self._ended = False
 
-    def make(self, ts: TableSet, receiver: str) -> Export:
-        """Export `ts` for `receiver`, unless the stream ended meanwhile."""
-        export = Export(ts, receiver)
+    def make(self, memory: Callable[[], list[tuple[int, int, int]]], receiver: str) -> Export:
+        """Export `memory` for `receiver`, unless the stream ended meanwhile."""
+        try:
+            mapped = memory()
+        except LookupError as e:
+            raise UnknownSet(str(e)) from None
+        try:
+            export = Export(mapped, receiver)
+        finally:
+            for fd, _, _ in mapped:
+                os.close(fd)
         with self._lock:
             if not self._ended:
                 self._export = export
@@ -318,13 +526,14 @@ class _Opening:
             export.close()
 
 
-def copy_strong_digests(ts: TableSet) -> list[str]:
-    """Each tensor's strong digest, from the pages of the published copy `ts` (mapped
-    read-only here while they are hashed).
+def copy_digests(ts: TableSet) -> Digests:
+    """Each tensor's checksum, strong digest and pieces' digests, from the pages of the
+    published copy `ts` (mapped read-only here while they are hashed), of the kinds its
+    manifest names.
 
     Raises UnknownSet when a tensor's bytes lost the checksum they were loaded
-    with: a copy changed since is never attested (a receiver checks only the
-    strong digests this node attests).
+    with, or (a filled set) the attested strong digest: a copy changed since
+    is never offered (a receiver checks only attested digests).
     """
     manifest = ts.manifest
     assert manifest is not None
@@ -334,9 +543,16 @@ def copy_strong_digests(ts: TableSet) -> list[str]:
         fds = dict(opened)
         for t in manifest.tensors:
             regions.append(Region(fds[t.file], t.offset, t.nbytes))
-        got = digest_views([r.view() for r in regions], [t.checksum for t in manifest.tensors])
-        for t, checksum in zip(manifest.tensors, got.checksums, strict=True):
-            if checksum != t.checksum:
+        got = digest_views(
+            [r.view() for r in regions],
+            [t.checksum for t in manifest.tensors],
+            manifest.strong_digests,
+        )
+        attested = manifest.strong_digests or got.strong
+        for t, checksum, strong, want in zip(
+            manifest.tensors, got.checksums, got.strong, attested, strict=True
+        ):
+            if checksum != t.checksum or strong != want:
                 log.warning(
                     "set %s: tensor %r of its copy no longer has the checksum it was loaded "
                     "with; not offered to peers (engramd verify %s says more)",
@@ -348,7 +564,7 @@ def copy_strong_digests(ts: TableSet) -> list[str]:
                     f"this daemon's copy of set {manifest.set_id} changed since it was loaded "
                     f"(tensor {t.name!r}); it is not offered to peers"
                 )
-        return got.strong
+        return got
     finally:
         close_all(regions)
         for _, fd in opened:
@@ -359,12 +575,18 @@ class PeerServer:
     """The peer port: its own gRPC server on TCP, beside the worker and admin sockets."""
 
     def __init__(
-        self, store: SetStore, address: str, key: FleetKey, rate: int, idle_timeout: float
+        self,
+        store: SetStore,
+        filling: FillingSets,
+        address: str,
+        key: FleetKey,
+        rate: int,
+        idle_timeout: float,
     ) -> None:
         self.address = address
         # Anyone who reaches the port may call: the TCP ports' deadlines and caps.
         self._server = tcp_server(idle_timeout)
-        self._service = PeerService(store, key, rate)
+        self._service = PeerService(store, key, rate, filling)
         peer_pb2_grpc.add_PeerServiceServicer_to_server(self._service, self._server)
 
     async def start(self) -> None:

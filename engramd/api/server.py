@@ -43,6 +43,7 @@ from engramd.api.sockets import (
 from engramd.config import DaemonConfig
 from engramd.errors import DecodeGuard
 from engramd.sets.keeper import SetKeeper
+from engramd.sources.filling import FillingSets
 from engramd.sources.trust import FleetKey, read_token
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
@@ -57,8 +58,11 @@ SERVICE_NAME = "engramd.v1.TableService"
 class Listeners:
     """Every listener of one daemon, serving `sets`; bound by start(), closed by stop()."""
 
-    def __init__(self, config: DaemonConfig, sets: SetKeeper, gid: int | None) -> None:
-        """Build the servers; nothing is bound yet. `gid`: the socket group's (None: none)."""
+    def __init__(
+        self, config: DaemonConfig, sets: SetKeeper, gid: int | None, filling: FillingSets
+    ) -> None:
+        """Build the servers; nothing is bound yet. `gid`: the socket group's (None: none);
+        `filling`: the sets being filled from peers, whose verified pieces peers are served."""
         self._config = config
         self._gid = gid
         self._store = sets.store
@@ -89,6 +93,7 @@ class Listeners:
         if config.peer_listen:
             self.peers = PeerServer(
                 sets.store,
+                filling,
                 config.peer_listen,
                 FleetKey(read_token(config.peer_token_file)),
                 config.peer_rate,

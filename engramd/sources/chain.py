@@ -1,5 +1,5 @@
-"""The order of sources for a load: each peer (in this node's order for the set, peer.spread),
-then the object store, then the files.
+"""The order of sources for a load: the peers (all at once, peer.py), then the object store,
+then the files.
 
 Called by the loader (sets.loader.Fill) on its thread with the set staged:
 every byte reserved, nothing visible. Each source that fails says why in
@@ -50,10 +50,7 @@ class SourceChain:
             return None
         attempts: list[tuple[str, Callable[[], Filled]]] = []
         if self._peers is not None:
-            for address in self._peers.addresses(plan.set_id):
-                attempts.append(
-                    (f"peer {address}", partial(self._peers.fill, address, plan, regions, progress))
-                )
+            attempts.append(("peers", partial(self._peers.fill, plan, regions, progress)))
         if self._store is not None:
             attempts.append((self._store.url, partial(self._store.fill, plan, regions, progress)))
         try:

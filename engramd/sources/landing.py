@@ -23,7 +23,7 @@ import errno
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from engramd.sources.nixlxfer import Agent
@@ -60,6 +60,7 @@ class Landing:
         slots = in_flight + 2 * movers()
         self._pieces = [[b""] * len(pieces(r.nbytes)) for r in regions]
         self._kinds = [STRONG] * len(regions)
+        self._expected: list[list[bytes]] | None = None
         fd = os.memfd_create("engramd-landing", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, slots * PIECE_BYTES)
@@ -78,10 +79,13 @@ class Landing:
         self._mapped: dict[int, Region] = {}
         self._mapping = threading.Lock()
 
-    def expect(self, strong: Sequence[str]) -> None:
+    def expect(self, strong: Sequence[str], piece_digests: list[list[bytes]] | None = None) -> None:
         """Digest each tensor in the kind of its attested strong digest in `strong` (a peer
-        of an older engramd attests SHA-256 ones); before the first window lands."""
+        of an older engramd attests SHA-256 ones); before the first window lands. With
+        `piece_digests` (each tensor's, checked against `strong`), each piece is compared
+        as it moves, and one that differs is not counted (`landed` says so)."""
         self._kinds = [kind_of(d) for d in strong]
+        self._expected = piece_digests
 
     def slot(self) -> tuple[int, int]:
         """A free slot and its address in the transfer process; waits for the oldest move
@@ -93,22 +97,34 @@ class Landing:
         slot = self._free.popleft()
         return slot, self._there + slot * PIECE_BYTES
 
-    def landed(self, slot: int, index: int, at: int) -> None:
-        """The window in `slot` arrived: it is the piece of tensor `index` at `at`."""
+    def landed(
+        self, slot: int, index: int, at: int, then: Callable[[bool], None] | None = None
+    ) -> None:
+        """The window in `slot` arrived: it is the piece of tensor `index` at `at`. Once it
+        moved, `then` is told (on a mover's thread) whether it has the expected digest."""
         while self._moves and self._moves[0].done():
             self._moves.popleft().result()
-        self._moves.append(self._movers.submit(self._move, slot, index, at))
+        self._moves.append(self._movers.submit(self._move, slot, index, at, then))
 
-    def _move(self, slot: int, index: int, at: int) -> None:
+    def discard(self, slot: int) -> None:
+        """The window in `slot` is not wanted (its piece came from elsewhere): free the slot."""
+        self._free.append(slot)
+
+    def _move(self, slot: int, index: int, at: int, then: Callable[[bool], None] | None) -> None:
         region = self.regions[index]
         if at % PIECE_BYTES or not 0 <= at < region.nbytes:
             raise ValueError(f"no piece of tensor {index} starts at {at}")
         nbytes = min(PIECE_BYTES, region.nbytes - at)
-        self._write(index, at, slot * PIECE_BYTES, nbytes)
-        self._pieces[index][at // PIECE_BYTES] = piece_digest(
-            region.view()[at : at + nbytes], self._kinds[index]
-        )
-        self._free.append(slot)
+        try:
+            self._write(index, at, slot * PIECE_BYTES, nbytes)
+        finally:
+            self._free.append(slot)
+        found = piece_digest(region.view()[at : at + nbytes], self._kinds[index])
+        good = self._expected is None or self._expected[index][at // PIECE_BYTES] == found
+        if good:
+            self._pieces[index][at // PIECE_BYTES] = found
+        if then is not None:
+            then(good)
 
     def _write(self, index: int, at: int, start: int, nbytes: int) -> None:
         """Bytes `start`.. of the ring to bytes `at`.. of tensor `index`: by write(2), not by

@@ -292,6 +292,12 @@ class Agent:
             raise TransferFailed("NIXL reported the read failed")
         return bool(state == "DONE")
 
+    def states(self, handles: list[int]) -> dict[int, str]:
+        """The reads of `handles` that ended, with how ("DONE" or "ERR"), without waiting;
+        each ended read is released and reported once."""
+        states: list[str] = self._call("states", xfers=handles)
+        return {h: s for h, s in zip(handles, states, strict=True) if s != "PROC"}
+
     def read(
         self,
         local: list[tuple[int, int, int]],

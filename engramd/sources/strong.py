@@ -74,6 +74,12 @@ def pieces(nbytes: int) -> list[tuple[int, int]]:
     return [(at, min(PIECE_BYTES, nbytes - at)) for at in range(0, nbytes, PIECE_BYTES)]
 
 
+def set_pieces(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(tensor, offset, size) of each piece of a set whose tensors have `sizes`: the numbering
+    of pieces a fill's requests use (the proto's FillRequest.piece)."""
+    return [(i, at, n) for i, nbytes in enumerate(sizes) for at, n in pieces(nbytes)]
+
+
 def piece_digest(piece: memoryview | bytes, kind: str = STRONG) -> bytes:
     """The 32-byte digest of one piece, of `kind` (STRONG or OLDER)."""
     return _HASHES[kind](piece)
@@ -82,6 +88,18 @@ def piece_digest(piece: memoryview | bytes, kind: str = STRONG) -> bytes:
 def tensor_digest(piece_digests: Sequence[bytes], kind: str = STRONG) -> str:
     """The tensor's strong digest of `kind` from its pieces' digests of that kind, in order."""
     return f"{kind}:{_HASHES[kind](b''.join(piece_digests)).hex()}"
+
+
+def split_pieces(joined: bytes, nbytes: int, strong: str) -> list[bytes]:
+    """The piece digests of a tensor of `nbytes` from `joined` (32 bytes each, back to back),
+    once they proved to hash to its strong digest `strong`; raises ValueError otherwise."""
+    count = len(pieces(nbytes))
+    if len(joined) != 32 * count:
+        raise ValueError(f"{len(joined) // 32} piece digests for a tensor of {count} pieces")
+    split = [joined[k : k + 32] for k in range(0, len(joined), 32)]
+    if tensor_digest(split, kind_of(strong)) != strong:
+        raise ValueError("its piece digests do not hash to its strong digest")
+    return split
 
 
 def is_strong(text: str) -> bool:
@@ -96,10 +114,11 @@ def kind_of(digest: str) -> str:
 
 @dataclass(frozen=True)
 class Digests:
-    """Each tensor's checksum (the manifest's) and strong digest, in order."""
+    """Each tensor's checksum (the manifest's), strong digest and pieces' digests, in order."""
 
     checksums: list[str]
     strong: list[str]
+    pieces: list[list[bytes]]
 
 
 def _checksum(view: memoryview, like: str) -> str:
@@ -108,18 +127,26 @@ def _checksum(view: memoryview, like: str) -> str:
     return digest.label()
 
 
-def digest_views(views: Sequence[memoryview], like: Sequence[str] | None = None) -> Digests:
+def digest_views(
+    views: Sequence[memoryview],
+    like: Sequence[str] | None = None,
+    strong_like: Sequence[str] | None = None,
+) -> Digests:
     """Each tensor's checksum and strong digest from its bytes in memory, its pieces hashed
     on threads; each checksum of the kind its place in `like` names (a manifest's checksums;
-    None: this engramd's)."""
+    None: this engramd's), each strong digest of the kind its place in `strong_like` names
+    (the attested ones of a filled set; None: STRONG)."""
     kinds = like if like is not None else [CHECKSUM] * len(views)
+    strong_kinds = [kind_of(d) for d in strong_like] if strong_like else [STRONG] * len(views)
     with ThreadPoolExecutor(threads(), "engramd-digest") as pool:
         sums = [pool.submit(_checksum, v, k) for v, k in zip(views, kinds, strict=True)]
         hashed = [
-            [pool.submit(piece_digest, v[at : at + n]) for at, n in pieces(len(v))] for v in views
+            [pool.submit(piece_digest, v[at : at + n], kind) for at, n in pieces(len(v))]
+            for v, kind in zip(views, strong_kinds, strict=True)
         ]
-        strong = [tensor_digest([f.result() for f in fs]) for fs in hashed]
-        return Digests([f.result() for f in sums], strong)
+        found = [[f.result() for f in fs] for fs in hashed]
+        strong = [tensor_digest(ds, kind) for ds, kind in zip(found, strong_kinds, strict=True)]
+        return Digests([f.result() for f in sums], strong, found)
 
 
 def digest_files(spans: Sequence[tuple[Path, int, int]]) -> tuple[str, str]:

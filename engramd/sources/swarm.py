@@ -4,10 +4,8 @@ A set is filled in pieces (strong.PIECE_BYTES each, every one verifiable on
 its own against the attested digests), from every source that holds some:
 peers, the object store, and last the node's own files. The schedule only
 decides; whatever moves the bytes asks it what to start and tells it what
-ended. Today that is the fleet simulation (engramd/testing/fleetsim.py);
-the daemon's fills still read a whole set from one source at a time
-(chain.py), and moving them onto this schedule is the next step
-(docs/fleet.md says what is missing).
+ended: the daemon's fills from peers (swarmfill.py) and the fleet
+simulation (engramd/testing/fleetsim.py), so what is simulated is what runs.
 
 The rules, chosen as BitTorrent's and Dragonfly's are, for a fleet where one
 warm node and a bucket face hundreds of cold ones:
@@ -287,6 +285,11 @@ class Schedule:
         source.failures += 1
         if lied or source.failures >= MAX_FAILURES:
             self.drop(name, why)
+
+    def cancel(self, piece: int, name: str) -> None:
+        """End the request of `piece` from `name` without counting it (its piece is coming
+        from another source)."""
+        self._end(piece, name)
 
     def drop(self, name: str, why: str) -> None:
         """Use `name` no more in this fill (it died, lied or failed too often); its pieces in

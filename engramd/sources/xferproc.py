@@ -194,6 +194,15 @@ class _Transfers:
             self.finished[xfer] = state
         return state
 
+    def states(self, xfers: list[int]) -> list[str]:
+        """Each transfer's state now, without waiting; a finished one is released and, once
+        told, forgotten."""
+        found = [self.wait(xfer, 0.0) for xfer in xfers]
+        for xfer, state in zip(xfers, found, strict=True):
+            if state != "PROC":
+                self.finished.pop(xfer, None)
+        return found
+
     def progress(self) -> None:
         """Poll every transfer in flight once; a finished one (DONE or ERR) is released."""
         for xfer, handle in list(self.xfers.items()):

@@ -68,10 +68,12 @@ class DaemonProcess:
                 self.command(), stdout=log, stderr=subprocess.STDOUT, **self.popen_options()
             )
         if wait != "no":
-            self._wait(serving=wait == "serving")
+            self.wait(serving=wait == "serving")
         return self
 
-    def _wait(self, serving: bool) -> None:
+    def wait(self, serving: bool) -> None:
+        """Return once the daemon answers (`serving`: once health says SERVING); raises
+        RuntimeError with its log when it exits first or takes too long."""
         assert self.proc is not None
         deadline = time.monotonic() + START_TIMEOUT_S
         with self.channel() as ch:

@@ -1,5 +1,6 @@
 """A fleet on one machine, for the tests and the benchmark: two network namespaces joined by a
-veth, and an S3-compatible server (s3rver) with the checkpoint's files uploaded.
+veth, or several on a bridge with links of a set rate, and an S3-compatible server (s3rver)
+with the checkpoint's files uploaded.
 
 Not daemon code. Both need root (namespaces) or s3rver installed (`make
 test-tools` puts it in .tools/); `why_not()` says what is missing.
@@ -80,6 +81,73 @@ def veth_pair(tag: str) -> Iterator[Net]:
     finally:
         for ns in made:
             # Removing a namespace removes its end of the veth, and so the pair.
+            subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
+
+
+@dataclass(frozen=True)
+class Lan:
+    """Namespaces on one bridge: each node's namespace, address and link (its veth's end)."""
+
+    names: list[str]
+    ips: list[str]
+    devices: list[str]
+
+    def sent(self, node: int) -> int:
+        """Bytes node `node` has sent on its link."""
+        return _link_bytes(self.names[node], self.devices[node], "tx")
+
+    def received(self, node: int) -> int:
+        """Bytes node `node` has received on its link."""
+        return _link_bytes(self.names[node], self.devices[node], "rx")
+
+
+def _link_bytes(netns: str, device: str, way: str) -> int:
+    shown = subprocess.run(
+        ["ip", "-n", netns, "-j", "-s", "link", "show", "dev", device],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    return int(json.loads(shown)[0]["stats64"][way]["bytes"])
+
+
+@contextlib.contextmanager
+def bridged(tag: str, count: int, rate: str = "") -> Iterator[Lan]:
+    """`count` namespaces `<tag>0`.. on a bridge in a namespace of its own (`<tag>h`, so the
+    host's network is untouched), at 10.232.N.1.. ; `rate` ("400mbit"): each link limited to
+    it both ways (tc's token bucket on both ends of its veth). Removed after."""
+    subnet = f"10.232.{os.getpid() % 250}"
+    hub = f"{tag}h"
+    made: list[str] = []
+    names = [f"{tag}{k}" for k in range(count)]
+    devices = [f"{tag}v{k}" for k in range(count)]
+    try:
+        _ip("netns", "add", hub)
+        made.append(hub)
+        _ip("-n", hub, "link", "add", "br0", "type", "bridge")
+        _ip("-n", hub, "link", "set", "br0", "up")
+        for k, (ns, dev) in enumerate(zip(names, devices, strict=True)):
+            _ip("netns", "add", ns)
+            made.append(ns)
+            port = f"{tag}p{k}"
+            _ip("link", "add", dev, "netns", ns, "type", "veth", "peer", port, "netns", hub)
+            _ip("-n", ns, "addr", "add", f"{subnet}.{k + 1}/24", "dev", dev)
+            _ip("-n", ns, "link", "set", dev, "up")
+            _ip("-n", ns, "link", "set", "lo", "up")
+            _ip("-n", hub, "link", "set", port, "master", "br0", "up")
+            if rate:
+                for where, end in ((ns, dev), (hub, port)):
+                    subprocess.run(
+                        [
+                            *("tc", "-n", where, "qdisc", "add", "dev", end, "root", "tbf"),
+                            *("rate", rate, "burst", "512kb", "latency", "100ms"),
+                        ],
+                        check=True,
+                        capture_output=True,
+                    )
+        yield Lan(names, [f"{subnet}.{k + 1}" for k in range(count)], devices)
+    finally:
+        for ns in reversed(made):
             subprocess.run(["ip", "netns", "delete", ns], check=False, capture_output=True)
 
 

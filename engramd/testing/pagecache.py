@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from engramd.host.pagecache import resident_bytes
+
 
 def evict(folder: Path, pattern: str = "*") -> None:
     """Write back, then drop from the page cache, every file under `folder` (at any depth)
@@ -17,3 +19,17 @@ def evict(folder: Path, pattern: str = "*") -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
+
+
+def cached(folder: Path, pattern: str = "*") -> int:
+    """Bytes of the files under `folder` (at any depth) whose name matches `pattern` that are
+    in the page cache now."""
+    total = 0
+    for path in sorted(folder.rglob(pattern)):
+        if path.is_file():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                total += resident_bytes(fd, 0, os.fstat(fd).st_size)
+            finally:
+                os.close(fd)
+    return total

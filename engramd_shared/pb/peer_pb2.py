@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65ngramd/v1/peer.proto\x12\nengramd.v1\"^\n\x0b\x46illRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.engramd.v1.FillOpenH\x00\x12\x10\n\x06window\x18\x02 \x01(\x04H\x00\x12\x0f\n\x05proof\x18\x03 \x01(\x0cH\x00\x42\x06\n\x04step\"6\n\x08\x46illOpen\x12\x0e\n\x06set_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0cJ\x04\x08\x01\x10\x02R\x05token\"w\n\tFillReply\x12%\n\x05offer\x18\x01 \x01(\x0b\x32\x14.engramd.v1.SetOfferH\x00\x12\x11\n\x07granted\x18\x02 \x01(\x04H\x00\x12(\n\x05proof\x18\x03 \x01(\x0b\x32\x17.engramd.v1.ServerProofH\x00\x42\x06\n\x04step\"+\n\x0bServerProof\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\"\x90\x01\n\x08SetOffer\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.engramd.v1.RemoteRegion\x12\x13\n\x0b\x61ttestation\x18\x04 \x01(\t\x12\x16\n\x0estrong_digests\x18\x05 \x03(\t\"/\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x32I\n\x0bPeerService\x12:\n\x04\x46ill\x12\x17.engramd.v1.FillRequest\x1a\x15.engramd.v1.FillReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x65ngramd/v1/peer.proto\x12\nengramd.v1\"\x7f\n\x0b\x46illRequest\x12$\n\x04open\x18\x01 \x01(\x0b\x32\x14.engramd.v1.FillOpenH\x00\x12\x10\n\x06window\x18\x02 \x01(\x04H\x00\x12\x0f\n\x05proof\x18\x03 \x01(\x0cH\x00\x12\x0f\n\x05piece\x18\x04 \x01(\rH\x00\x12\x0e\n\x04\x64one\x18\x05 \x01(\rH\x00\x42\x06\n\x04step\"6\n\x08\x46illOpen\x12\x0e\n\x06set_id\x18\x02 \x01(\t\x12\r\n\x05nonce\x18\x03 \x01(\x0cJ\x04\x08\x01\x10\x02R\x05token\"\xbe\x01\n\tFillReply\x12%\n\x05offer\x18\x01 \x01(\x0b\x32\x14.engramd.v1.SetOfferH\x00\x12\x11\n\x07granted\x18\x02 \x01(\x04H\x00\x12(\n\x05proof\x18\x03 \x01(\x0b\x32\x17.engramd.v1.ServerProofH\x00\x12\x0f\n\x05piece\x18\x04 \x01(\rH\x00\x12\x11\n\x07missing\x18\x05 \x01(\rH\x00\x12\x11\n\x07holding\x18\x06 \x01(\x0cH\x00\x12\x0e\n\x04\x62usy\x18\x07 \x01(\rH\x00\x42\x06\n\x04step\"+\n\x0bServerProof\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\r\n\x05proof\x18\x02 \x01(\x0c\"\xb5\x01\n\x08SetOffer\x12\x15\n\rmanifest_json\x18\x01 \x01(\t\x12\x15\n\rnixl_metadata\x18\x02 \x01(\x0c\x12)\n\x07regions\x18\x03 \x03(\x0b\x32\x18.engramd.v1.RemoteRegion\x12\x13\n\x0b\x61ttestation\x18\x04 \x01(\t\x12\x16\n\x0estrong_digests\x18\x05 \x03(\t\x12\x15\n\rpiece_digests\x18\x06 \x03(\x0c\x12\x0c\n\x04held\x18\x07 \x01(\x0c\"/\n\x0cRemoteRegion\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\x04\x12\x0e\n\x06nbytes\x18\x02 \x01(\x04\x32I\n\x0bPeerService\x12:\n\x04\x46ill\x12\x17.engramd.v1.FillRequest\x1a\x15.engramd.v1.FillReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,17 +32,17 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'engramd.v1.peer_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_FILLREQUEST']._serialized_start=37
-  _globals['_FILLREQUEST']._serialized_end=131
-  _globals['_FILLOPEN']._serialized_start=133
-  _globals['_FILLOPEN']._serialized_end=187
-  _globals['_FILLREPLY']._serialized_start=189
-  _globals['_FILLREPLY']._serialized_end=308
-  _globals['_SERVERPROOF']._serialized_start=310
-  _globals['_SERVERPROOF']._serialized_end=353
-  _globals['_SETOFFER']._serialized_start=356
-  _globals['_SETOFFER']._serialized_end=500
-  _globals['_REMOTEREGION']._serialized_start=502
-  _globals['_REMOTEREGION']._serialized_end=549
-  _globals['_PEERSERVICE']._serialized_start=551
-  _globals['_PEERSERVICE']._serialized_end=624
+  _globals['_FILLREQUEST']._serialized_end=164
+  _globals['_FILLOPEN']._serialized_start=166
+  _globals['_FILLOPEN']._serialized_end=220
+  _globals['_FILLREPLY']._serialized_start=223
+  _globals['_FILLREPLY']._serialized_end=413
+  _globals['_SERVERPROOF']._serialized_start=415
+  _globals['_SERVERPROOF']._serialized_end=458
+  _globals['_SETOFFER']._serialized_start=461
+  _globals['_SETOFFER']._serialized_end=642
+  _globals['_REMOTEREGION']._serialized_start=644
+  _globals['_REMOTEREGION']._serialized_end=691
+  _globals['_PEERSERVICE']._serialized_start=693
+  _globals['_PEERSERVICE']._serialized_end=766
 # @@protoc_insertion_point(module_scope)

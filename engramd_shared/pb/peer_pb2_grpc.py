@@ -49,11 +49,15 @@ class PeerServiceServicer:
         first reply is the server's proof that it holds the fleet's token
         (ServerProof); only then does the receiver send its own proof, and only
         after that does the server offer the set (its manifest and the
-        attestation of its digests, the serving agent's NIXL metadata, where
-        each tensor lies). The token itself never travels. Every later request
-        asks for a window of bytes and is answered once the serving side's rate
-        cap allows it; the receiver reads a window only once it is granted. The
-        offered memory stays registered until the stream ends.
+        attestation of its digests, each piece's digest, which pieces it holds,
+        the serving agent's NIXL metadata, where each tensor lies). The token
+        itself never travels. Every later request asks for one piece (or, from
+        an engramd before pieces, a window of bytes in order) and is answered
+        once the serving side's rate cap allows it; the receiver reads a piece
+        only once it is granted. A node that is still filling the set offers it
+        too, and grants only pieces it holds and verified; as it verifies more,
+        it sends what it holds now (FillReply.holding). The offered memory
+        stays registered until the stream ends.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -14,8 +14,7 @@ from engine_harness import drop_cache
 
 from conftest import Worker
 from engramd.cli.status_view import render
-from engramd.host.pagecache import resident_bytes
-from engramd.testing.pagecache import evict
+from engramd.testing.pagecache import cached, evict
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.layout import MANIFEST_NAME, sets_root
 from helpers import memory_cgroup_folder, reference_digests, set_folders
@@ -38,19 +37,6 @@ def disk(tmp_path: Path) -> Path:
     if fstype in ("tmpfs", "ramfs"):
         pytest.skip(f"{folder} is on {fstype}: the disk backing's tests need a disk")
     return folder
-
-
-def _cached(folder: Path) -> int:
-    """Bytes of the files under `folder` in the page cache."""
-    total = 0
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                total += resident_bytes(fd, 0, os.fstat(fd).st_size)
-            finally:
-                os.close(fd)
-    return total
 
 
 def _serve(daemons: Any, disk: Path, checkpoint: Path, *args: str) -> Any:
@@ -89,7 +75,7 @@ def test_a_disk_set_is_read_only_never_locked_and_adopted_without_reading_the_ch
     [s] = again.status().sets
     assert s.adopted and s.state == "ready" and s.source == "adopted"
     assert again.log.count("loading set") == 1  # the first daemon's (one log)
-    assert _cached(tables) < s.bytes / 20, _cached(tables)
+    assert cached(tables) < s.bytes / 20, cached(tables)
     evict(disk)
     assert again.status().sets[0].resident_bytes < s.bytes / 20
     w = Worker(tables, again.socket, share="on")
@@ -166,9 +152,9 @@ def test_a_worker_under_a_memory_cgroup_smaller_than_the_set_reads_every_byte(
             # a cgroup that holds a quarter of them: the kernel evicts as the worker reads.
             assert w.ask("digest")["digests"] == expected
             assert w.proc.poll() is None
-            cached = _cached(disk)
-            assert cached < s.bytes * 0.6, f"{cached} of {s.bytes} bytes stayed cached"
-            assert cached - 4096 <= d.status().sets[0].resident_bytes <= cached  # but the manifest
+            stayed = cached(disk)
+            assert stayed < s.bytes * 0.6, f"{stayed} of {s.bytes} bytes stayed cached"
+            assert stayed - 4096 <= d.status().sets[0].resident_bytes <= stayed  # but the manifest
             w.exit()
         finally:
             w.kill()

@@ -369,7 +369,8 @@ def test_a_forged_read_ends_the_transfer_process_not_the_daemon(
 ) -> None:
     """During B's fill, every port of A's address but the peer port is attacked with forged
     metadata and a READ of an unmapped address: the serving transfer process dies of SIGSEGV,
-    A lives, says so, and serves the next fill of the same set from its copy."""
+    A lives and says so; B asks A again and finishes its fill from a new transfer process, and
+    A serves the next fill of the same set from its copy."""
     attacker = attackers(net.b, net.ip_a)
     a, b = nodes("a"), nodes("b")
     ra = serving(a, slow_checkpoint, net, token_file, "--peer-rate", "2M")
@@ -389,7 +390,9 @@ def test_a_forged_read_ends_the_transfer_process_not_the_daemon(
     wait_until(lambda: not any(alive(pid) for pid in serve), 30, "the transfer process to end")
     wait_until(lambda: "ended (killed by SIGSEGV); fill ended" in ra.log, 30, "A to see it")
     s = ready_set(rb)
-    assert s.source == "files", rb.log
+    assert s.source == f"peer {net.ip_a}:{PEER_PORT}", rb.log
+    assert f"peer {net.ip_a}:{PEER_PORT} joined the fill" in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(slow_checkpoint)
 
     b2 = nodes("b2")
     rb2 = receiving(b2, slow_checkpoint, net, token_file)
@@ -397,7 +400,8 @@ def test_a_forged_read_ends_the_transfer_process_not_the_daemon(
     assert s.source == f"peer {net.ip_a}:{PEER_PORT}", rb2.log
     assert set_digests(b2.shm_dir, s.set_id) == checkpoint_digests(slow_checkpoint)
     assert ra.proc.poll() is None
-    assert ra.log.count("filling set") == 2
+    # B's first stream, B's stream after the attack, B2's.
+    assert ra.log.count("filling set") == 3
 
 
 # -- a fleet member ---------------------------------------------------------------------------

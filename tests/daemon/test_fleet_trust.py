@@ -36,7 +36,7 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT
-from engramd.sources.strong import OLDER, pieces
+from engramd.sources.strong import OLDER, PIECE_BYTES, pieces
 from engramd.sources.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import S3, UCX_TCP, Net
@@ -117,9 +117,9 @@ def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
     A's offer and offers B its copy with a zeroed row under A's manifest (the genuine XXH3
     checksums) and attestation, through its own NIXL agent. With no strong digests (the
     offer of a protocol that attested checksums alone) or its copy's own, B refuses the
-    offer before reading a byte; with A's genuine strong digests too (what bytes built to
-    share the genuine XXH3 would claim), B reads the bytes and refuses them by the strong
-    digest of the tensor with the row. B then loads from its files."""
+    offer before reading a byte; with A's genuine strong and piece digests too (what bytes
+    built to share the genuine XXH3 would claim), B reads the pieces and refuses the one
+    with the row by its piece digest. B then loads from its files."""
     a = nodes("a")
     serving(a, checkpoint, net, token_file)
     rogue = JsonLinesChild(
@@ -131,7 +131,8 @@ def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
         env={**os.environ, **UCX_TCP},
     )
     try:
-        assert rogue.read()["listening"]
+        started = rogue.read()
+        assert started["listening"]
         b = nodes("b")
         rb = b.start(
             [
@@ -155,15 +156,15 @@ def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
     elif claims == "own-strong":
         assert refused + "the peer's digests carry no valid attestation" in rb.log
     else:
-        assert "window" in captured["kinds"]  # B read the rogue's bytes
+        assert "piece" in captured["kinds"]  # B read the rogue's bytes
         first = plan_tables(checkpoint).tensors[0].name
-        genuine = strong_of(checkpoint)[0]
-        assert f"{refused}tensor {first!r} arrived with strong digest blake3-pieces:" in rb.log, (
-            rb.log
-        )
-        assert f"the attested one is {genuine}: the peer sent other bytes" in rb.log
+        # The zeroed row lies in the first tensor: its piece is the row's.
+        at = started["row"] // PIECE_BYTES * PIECE_BYTES
+        piece = at // PIECE_BYTES
+        lie = f"{refused}it sent piece {piece} (tensor {first!r}, bytes {at}..) with another digest"
+        assert lie in rb.log, rb.log
     if claims != "genuine":
-        assert "window" not in captured["kinds"]
+        assert "piece" not in captured["kinds"]
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
 
 

@@ -15,12 +15,14 @@ offers that copy with a manifest whose XXH3 digests are the altered bytes'
   passes the FillOpen and both proofs along, takes the real offer and offers
   the receiver its altered copy under it: the real manifest (the genuine
   XXH3 checksums) and attestation, its own NIXL agent and regions, and as
-  strong digests none (`relay-checksums`: the offer of a protocol that
-  attested checksums alone), its copy's own (`relay-own-strong`), or the
-  real offer's (`relay-genuine`: what bytes built to share the genuine
-  XXH3 would claim).
+  strong and piece digests none (`relay-checksums`: the offer of a protocol
+  that attested checksums alone), its copy's own (`relay-own-strong`), or
+  the real offer's (`relay-genuine`: what bytes built to share the genuine
+  XXH3 would claim); `relay-liar` is `relay-genuine` with a row zeroed in
+  every tensor (a peer among honest ones that lies about every piece of a
+  small set).
 
-Every window asked for is granted, so a receiver that trusted it would
+Every window and piece asked for is granted, so a receiver that trusted it would
 publish the altered row. Prints {"listening": ..., "row": offset} once
 serving; on the command `captured` answers {"requests": [hex of each
 request received, serialized], "kinds": [...], "nonce": hex of the
@@ -75,8 +77,14 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
         first = plan.tensors[0]
         self.row = (first.nbytes // 2) // ROW_BYTES * ROW_BYTES
         view[self.row : self.row + ROW_BYTES] = bytes(ROW_BYTES)
+        if mode == "relay-liar":
+            for t, start in zip(plan.tensors, starts, strict=True):
+                row = start + (t.nbytes // 2) // ROW_BYTES * ROW_BYTES
+                if t.nbytes >= ROW_BYTES:
+                    view[row : row + ROW_BYTES] = bytes(ROW_BYTES)
         own = digest_views([view[s : s + n] for s, n in zip(starts, sizes, strict=True)])
         self._own_strong = own.strong
+        self._own_pieces = [b"".join(ds) for ds in own.pieces]
         tensors = tuple(
             ManifestTensor(
                 name=t.name,
@@ -149,6 +157,8 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
                 yield peer_pb2.FillReply(offer=self._offer)
             elif step == "window":
                 yield peer_pb2.FillReply(granted=request.window)
+            elif step == "piece":
+                yield peer_pb2.FillReply(piece=request.piece)
 
     def _relay(
         self, first: peer_pb2.FillRequest, request_iterator: Iterator[peer_pb2.FillRequest]
@@ -175,16 +185,18 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
             finally:
                 upstream.put(None)
                 replies.cancel()
-        strong = {
-            "relay-checksums": [],
-            "relay-own-strong": self._own_strong,
-            "relay-genuine": list(real.strong_digests),
+        strong, pieces = {
+            "relay-checksums": ([], []),
+            "relay-own-strong": (self._own_strong, self._own_pieces),
+            "relay-genuine": (list(real.strong_digests), list(real.piece_digests)),
+            "relay-liar": (list(real.strong_digests), list(real.piece_digests)),
         }[self.mode]
         yield peer_pb2.FillReply(
             offer=peer_pb2.SetOffer(
                 manifest_json=real.manifest_json,
                 attestation=real.attestation,
                 strong_digests=strong,
+                piece_digests=pieces,
                 nixl_metadata=self._offer.nixl_metadata,
                 regions=self._offer.regions,
             )
@@ -193,6 +205,8 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
             self._record(request)
             if request.WhichOneof("step") == "window":
                 yield peer_pb2.FillReply(granted=request.window)
+            elif request.WhichOneof("step") == "piece":
+                yield peer_pb2.FillReply(piece=request.piece)
 
 
 def _nixl() -> Any:

@@ -1,0 +1,476 @@
+"""A fill from several peers at once, piece by piece, as swarm.Schedule decides.
+
+Each peer tried gets a Fill stream (peerstream.py); those that offer the
+set, attested, become sources of the schedule with the pieces they hold (a
+peer that is filling the set too holds some, and tells of more as it
+verifies them). One transfer process of the fill's own reads every granted
+piece, from whichever peer granted it, into a slot of one landing ring
+(landing.py), from which the daemon moves it into the staged set and
+compares its digest with the attested piece digest. A piece that differs
+names its sender a liar: the sender is dropped and the piece asked of
+another. Once this node holds a verified piece it offers the set's verified
+pieces to other peers too (filling.py), so a fleet of cold nodes fills from
+each other and not all from the one warm node.
+
+Peers that did not offer the set (not held, or not filling yet) and peers
+whose stream broke are asked again every REASK_S while the fill runs; liars
+and peers below the rate floor are not. The fill gives up (SourceFailed,
+and the next source runs) when pieces are needed that no live peer holds
+and nothing changed for STALL_S.
+
+Everything here runs on the loader's thread, but the streams' listeners and
+the landing's movers, which only put events on one queue.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+
+from engramd.sources.base import Progress, SourceFailed, spot_check
+from engramd.sources.filling import Filling, FillingSets, members
+from engramd.sources.landing import Landing
+from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.sources.peerstream import PeerStream
+from engramd.sources.regions import Region
+from engramd.sources.strong import set_pieces
+from engramd.sources.swarm import Schedule, Tier
+from engramd.sources.trust import Filled, FleetKey, check_received
+from engramd_shared.checkpoint import TablePlan
+from engramd_shared.pb import peer_pb2
+
+log = logging.getLogger("engramd")
+
+#: Peers asked at once for one fill, the first in this node's order for the set.
+MAX_PEERS = 8
+#: Pieces in flight at once, over every peer.
+WIDTH = 8
+#: Pieces in flight at once from one peer, at most.
+DEPTH = 4
+#: Seconds between two tries of the peers that did not offer the set or dropped out.
+REASK_S = 0.5
+#: Seconds a fill waits, with pieces needed that no live peer holds and nothing landing,
+#: before it gives up.
+STALL_S = 5.0
+#: Seconds a piece may wait for its grant, or take, when no rate floor is set (a peer gone
+#: silent).
+PIECE_TIMEOUT_S = 60.0
+#: Seconds of a peer's part in a fill after which its rate is judged against the floor.
+FLOOR_AFTER_S = 2.0
+#: Seconds between two looks at the reads in flight.
+POLL_S = 0.002
+
+
+@dataclass
+class _Read:
+    """A granted piece on the wire."""
+
+    piece: int
+    stream: PeerStream
+    slot: int
+    asked: float
+    deadline: float
+
+
+def opened(
+    addresses: list[str], plan: TablePlan, key: FleetKey, pool: ThreadPoolExecutor
+) -> list[Future[PeerStream]]:
+    """A stream opened to each of `addresses` at once, on `pool` (each raises SourceFailed)."""
+
+    def open_one(address: str) -> PeerStream:
+        stream = PeerStream(address)
+        try:
+            stream.open(plan, key)
+        except BaseException:
+            stream.close()
+            raise
+        return stream
+
+    return [pool.submit(open_one, a) for a in addresses]
+
+
+class SwarmFill:
+    """One fill of the set of `plan` into `regions` from the peers at `addresses`."""
+
+    def __init__(
+        self,
+        plan: TablePlan,
+        regions: list[Region],
+        progress: Progress,
+        key: FleetKey,
+        min_rate: int,
+        filling: FillingSets,
+    ) -> None:
+        self._plan = plan
+        self._regions = regions
+        self._progress = progress
+        self._key = key
+        self._min_rate = min_rate
+        self._board = filling
+        self._pieces = set_pieces([t.nbytes for t in plan.tensors])
+        self._schedule = Schedule([n for _, _, n in self._pieces], socket.gethostname(), WIDTH)
+        self._events: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+        self._streams: dict[str, PeerStream] = {}
+        #: Pieces asked of each peer, not yet granted: when each was asked.
+        self._asked: dict[tuple[int, str], float] = {}
+        self._reads: dict[int, _Read] = {}
+        #: Pieces whose bytes are moving into the staged set (one copy of a piece at a time).
+        self._moving: set[int] = set()
+        self._verified: set[int] = set()
+        #: Peers not asked again in this fill, and why.
+        self._left: dict[str, str] = {}
+        #: Peers being asked again, and when each was last asked.
+        self._asking: dict[str, Future[PeerStream]] = {}
+        self._last_asked: dict[str, float] = {}
+        #: When each peer got its first request.
+        self._first_ask: dict[str, float] = {}
+        #: Verified bytes each peer gave, over all its streams.
+        self._delivered: dict[str, int] = {}
+        self._changed = time.monotonic()
+        self._first: PeerStream | None = None
+        self._offered: Filling | None = None
+        self._agent: Agent | None = None
+        self._landing: Landing | None = None
+        self._pool = ThreadPoolExecutor(MAX_PEERS, "engramd-peer-open")
+
+    def run(self, addresses: list[str]) -> Filled:
+        """Fill from the peers; the digests and the attestation they matched."""
+        # The transfer process starts its backend and maps its landing ring while the
+        # peers offer.
+        starting = self._pool.submit(self._receiving, addresses[0])
+        try:
+            return self._run(addresses, starting)
+        finally:
+            for stream in self._streams.values():
+                stream.close()
+            # A peer still being asked again is closed once it answers; the fill does not wait.
+            for asking in self._asking.values():
+                asking.add_done_callback(_close_opened)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if self._offered is not None:
+                self._board.end(self._offered)
+            with contextlib.suppress(SourceFailed):
+                self._landing = self._landing or starting.result()
+            if self._landing is not None:
+                self._landing.close()
+            if self._agent is not None:
+                self._agent.close()
+
+    def _receiving(self, address: str) -> Landing:
+        self._agent = Agent({"UCX": {}}, peer=address)
+        return Landing(self._agent, self._regions, WIDTH)
+
+    def _agent_of(self) -> Agent:
+        assert self._agent is not None
+        return self._agent
+
+    def _run(self, addresses: list[str], starting: Future[Landing]) -> Filled:
+        streams = opened(addresses, self._plan, self._key, self._pool)
+        for address, future in zip(addresses, streams, strict=True):
+            try:
+                self._join(future.result(), time.monotonic())
+            except SourceFailed as e:
+                # A peer without the set (not loaded or not filling yet) is routine in a fleet
+                # that starts together; anything else is worth an operator's look.
+                level = logging.INFO if str(e).startswith("NOT_FOUND") else logging.WARNING
+                log.log(level, "set %s: peer %s: %s", self._plan.set_id, address, e)
+                self._last_asked[address] = time.monotonic()
+        if self._first is None:
+            raise SourceFailed(f"none of {len(addresses)} peer(s) offers the set")
+        names = sorted(self._streams)
+        self._progress.restart(
+            f"peer {names[0]}" if len(names) == 1 else f"peers {', '.join(names)}"
+        )
+        self._landing = starting.result()
+        self._loop(addresses)
+        assert self._landing is not None and self._first.manifest is not None
+        got = self._landing.digests()
+        strong = self._first.strong
+        check_received([t.name for t in self._plan.tensors], strong, got, "a peer sent other bytes")
+        for entry, region in zip(self._plan.tensors, self._regions, strict=True):
+            spot_check(entry, region.view())
+        self._report()
+        # Every byte has the attested strong digest: the attested checksums are theirs.
+        return Filled(
+            [t.checksum for t in self._first.manifest.tensors], got, self._first.offer.attestation
+        )
+
+    def _join(self, stream: PeerStream, now: float) -> None:
+        """Make `stream`'s peer a source of the fill."""
+        if self._first is None:
+            self._first = stream
+        elif stream.strong != self._first.strong:
+            # Another load's digests (an older engramd's kind): not comparable piece by piece.
+            stream.close()
+            raise SourceFailed("it offers the set under other strong digests than the first peer")
+        if self._landing is not None:
+            # The loop runs (the transfer process is started and idle): the peer is read
+            # from at once.
+            try:
+                stream.remote = self._agent_of().add_remote(stream.offer.nixl_metadata)
+            except TransferFailed:
+                stream.close()
+                raise
+        self._streams[stream.address] = stream
+        self._schedule.add(stream.address, Tier.PEER, DEPTH, stream.held)
+        self._changed = now
+        stream.listen(self._events)
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def _loop(self, addresses: list[str]) -> None:
+        assert self._agent is not None and self._landing is not None
+        assert self._first is not None
+        self._landing.expect(self._first.strong, self._first.pieces)
+        for stream in self._streams.values():
+            if not stream.remote:
+                stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
+        while not self._schedule.done:
+            now = time.monotonic()
+            if self._progress.cancel.is_set():
+                raise SourceFailed("the load was cancelled")
+            self._ask_again(addresses, now)
+            for piece, name in self._schedule.start(now):
+                self._first_ask.setdefault(name, now)
+                self._asked[(piece, name)] = now
+                self._streams[name].ask(piece)
+            try:
+                event = self._events.get(timeout=POLL_S if self._reads else REASK_S / 5)
+            except queue.Empty:
+                pass
+            else:
+                self._handle(event, now)
+                while True:
+                    try:
+                        self._handle(self._events.get_nowait(), now)
+                    except queue.Empty:
+                        break
+            self._poll(time.monotonic())
+            self._judge(time.monotonic())
+
+    def _handle(self, event: tuple[object, ...], now: float) -> None:
+        kind = event[0]
+        if kind == "reply":
+            _, stream, reply = event
+            assert isinstance(stream, PeerStream) and isinstance(reply, peer_pb2.FillReply)
+            if self._streams.get(stream.address) is stream:
+                self._reply(stream, reply, now)
+        elif kind == "ended":
+            _, stream, why = event
+            assert isinstance(stream, PeerStream)
+            if self._streams.get(stream.address) is stream:
+                log.warning(
+                    "set %s: peer %s: %s; the others give its pieces",
+                    self._plan.set_id,
+                    stream.address,
+                    why,
+                )
+                self._lose(stream.address, str(why), again=True)
+        elif kind == "moved":
+            _, piece, name, good, seconds = event
+            assert isinstance(piece, int) and isinstance(name, str)
+            self._moved(piece, name, bool(good), float(str(seconds)))
+        elif kind == "asked":
+            _, address = event
+            assert isinstance(address, str)
+            future = self._asking.pop(address)
+            try:
+                self._join(future.result(), now)
+            except SourceFailed as e:
+                log.debug("set %s: peer %s: %s", self._plan.set_id, address, e)
+            else:
+                log.info("set %s: peer %s joined the fill", self._plan.set_id, address)
+
+    def _reply(self, stream: PeerStream, reply: peer_pb2.FillReply, now: float) -> None:
+        name = stream.address
+        step = reply.WhichOneof("step")
+        if step == "holding":
+            try:
+                held = members(reply.holding, len(self._pieces))
+            except ValueError:
+                self._lose(name, "it named the pieces it holds wrongly", again=False)
+                return
+            if self._schedule.holds(name, held):
+                self._changed = now
+        elif step == "busy":
+            if self._asked.pop((reply.busy, name), None) is not None:
+                self._schedule.busy(reply.busy, name, now)
+        elif step == "missing":
+            if self._asked.pop((reply.missing, name), None) is not None:
+                self._schedule.failed(reply.missing, name, "it does not hold the piece")
+        elif step == "piece":
+            asked = self._asked.pop((reply.piece, name), None)
+            if asked is None:
+                self._lose(name, "it granted a piece not asked for", again=False)
+                return
+            self._read(stream, reply.piece, asked, now)
+        else:
+            self._lose(name, f"it answered a piece request with {step}", again=False)
+
+    def _read(self, stream: PeerStream, piece: int, asked: float, now: float) -> None:
+        assert self._agent is not None and self._landing is not None
+        if piece in self._verified or piece in self._moving:
+            # Another request of it landed first; this one is moot.
+            self._schedule.cancel(piece, stream.address)
+            return
+        index, at, n = self._pieces[piece]
+        slot, there = self._landing.slot()
+        address = stream.offer.regions[index].address + at
+        handle = self._agent.post([(there, n, 0)], [(address, n, 0)], "DRAM", stream.remote)
+        deadline = now + (
+            max(n / self._min_rate, 1.0) * (DEPTH + 3) if self._min_rate else PIECE_TIMEOUT_S
+        )
+        self._reads[handle] = _Read(piece, stream, slot, asked, deadline)
+
+    def _poll(self, now: float) -> None:
+        assert self._agent is not None and self._landing is not None
+        if not self._reads:
+            return
+        for handle, state in self._agent.states(list(self._reads)).items():
+            read = self._reads.pop(handle)
+            name = read.stream.address
+            read.stream.done(read.piece)
+            if state != "DONE":
+                self._landing.discard(read.slot)
+                self._schedule.failed(read.piece, name, "the read failed")
+            elif read.piece in self._verified or read.piece in self._moving:
+                self._landing.discard(read.slot)
+                self._schedule.cancel(read.piece, name)
+            else:
+                self._moving.add(read.piece)
+                index, at, _ = self._pieces[read.piece]
+                self._landing.landed(read.slot, index, at, self._then(read, now - read.asked))
+        for handle, read in list(self._reads.items()):
+            if now > read.deadline:
+                # Its slot stays taken: the read may still land there.
+                del self._reads[handle]
+                read.stream.done(read.piece)
+                self._schedule.failed(read.piece, read.stream.address, "the read outlived it")
+
+    def _then(self, read: _Read, seconds: float) -> Callable[[bool], None]:
+        def moved(good: bool) -> None:
+            self._events.put(("moved", read.piece, read.stream.address, good, seconds))
+
+        return moved
+
+    def _moved(self, piece: int, name: str, good: bool, seconds: float) -> None:
+        self._moving.discard(piece)
+        if not good:
+            index, at, _ = self._pieces[piece]
+            why = (
+                f"it sent piece {piece} (tensor {self._plan.tensors[index].name!r}, bytes "
+                f"{at}..) with another digest than the attested one"
+            )
+            log.warning("set %s: peer %s: %s; dropped", self._plan.set_id, name, why)
+            self._schedule.failed(piece, name, why, lied=True)
+            self._lose(name, why, again=False)
+            return
+        self._verified.add(piece)
+        self._changed = time.monotonic()
+        self._schedule.landed(piece, name, seconds)
+        self._delivered[name] = self._delivered.get(name, 0) + self._pieces[piece][2]
+        self._offer().mark(piece)
+        self._progress.add(self._pieces[piece][2])
+
+    def _offer(self) -> Filling:
+        """This fill as offered to other peers, from its first verified piece on."""
+        if self._offered is None:
+            first = self._first
+            assert first is not None
+            self._offered = Filling(
+                self._plan.set_id,
+                first.offer.manifest_json,
+                first.offer.attestation,
+                first.strong,
+                list(first.offer.piece_digests),
+                [(os.dup(r.fd), r.offset, r.nbytes) for r in self._regions],
+                [n for _, _, n in self._pieces],
+            )
+            self._board.start(self._offered)
+        return self._offered
+
+    def _judge(self, now: float) -> None:
+        """Drop peers below the rate floor; give up when stuck for STALL_S."""
+        for name, first in list(self._first_ask.items()):
+            source = self._schedule.sources[name]
+            elapsed = now - first
+            if (
+                self._min_rate
+                and not source.dropped
+                and elapsed > FLOOR_AFTER_S
+                and source.delivered / elapsed < self._min_rate
+            ):
+                why = (
+                    f"too slow: {source.delivered / elapsed / 1e6:.0f} MB/s, below the floor "
+                    f"of {self._min_rate / 1e6:.0f} MB/s (--peer-min-rate)"
+                )
+                log.warning("set %s: peer %s: %s; dropped", self._plan.set_id, name, why)
+                self._lose(name, why, again=False)
+        if not self._schedule.stuck():
+            return
+        # Peers that may come back (asked again) get STALL_S; when none may, there is no wait.
+        waiting = bool(self._last_asked or self._asking)
+        if not waiting or now - self._changed > STALL_S:
+            left = "; ".join(f"peer {a}: {why}" for a, why in sorted(self._left.items()))
+            raise SourceFailed(
+                "no peer left holds every piece still needed"
+                + (f" after {STALL_S:.0f} s" if waiting else "")
+                + (f" ({left})" if left else "")
+            )
+
+    def _lose(self, name: str, why: str, again: bool) -> None:
+        """Peer `name` is no source any more: its stream ends, its pieces asked go back;
+        `again`: it may be asked again later."""
+        stream = self._streams.pop(name, None)
+        if stream is not None:
+            stream.close()
+        for piece, asked_of in [k for k in self._asked if k[1] == name]:
+            del self._asked[(piece, asked_of)]
+            self._schedule.failed(piece, name, why)
+        self._schedule.drop(name, why)
+        self._first_ask.pop(name, None)
+        self._left[name] = why
+        if again:
+            self._last_asked[name] = time.monotonic()
+        else:
+            self._last_asked.pop(name, None)
+
+    def _ask_again(self, addresses: list[str], now: float) -> None:
+        """Open a stream again to each peer that did not offer the set, or whose stream broke,
+        REASK_S after it was last asked."""
+        for address in addresses:
+            last = self._last_asked.get(address)
+            if (
+                address in self._streams
+                or address in self._asking
+                or last is None
+                or now - last < REASK_S
+            ):
+                continue
+            self._last_asked[address] = now
+            (future,) = opened([address], self._plan, self._key, self._pool)
+            self._asking[address] = future
+            future.add_done_callback(partial(self._answered, address))
+
+    def _answered(self, address: str, _: Future[PeerStream]) -> None:
+        self._events.put(("asked", address))
+
+    def _report(self) -> None:
+        """One line: what each peer gave."""
+        total = sum(n for _, _, n in self._pieces) or 1
+        parts = [f"{name} {100 * n / total:.0f}%" for name, n in sorted(self._delivered.items())]
+        log.info("set %s: filled from peers: %s", self._plan.set_id, ", ".join(parts))
+
+
+def _close_opened(future: Future[PeerStream]) -> None:
+    """A stream opened after its fill ended: closed."""
+    if not future.cancelled() and future.exception() is None:
+        future.result().close()
