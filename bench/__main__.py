@@ -1,9 +1,10 @@
 """`make bench`: every performance claim of engramd, measured side by side in one run.
 
     python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
-                    [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--reps 5] [--storm 64]
+                    [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
+                    [--storm 64]
                     [--cumem-gib 1,8,32]
-                    [--only memory,attach,load,cold,...,gpu,cumem,fleet]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -33,6 +34,7 @@ from .load import load_throughput
 from .memory import host_memory, page_tables
 from .restart import restart_to_attach
 from .storm import attach_storm
+from .swarm import swarm_fills
 
 SECTIONS = [
     "memory",
@@ -48,6 +50,7 @@ SECTIONS = [
     "gpu",
     "cumem",
     "fleet",
+    "swarm",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -81,6 +84,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--fleet-gib", type=float, default=1.0, help="set for the fleet section (default 1)"
+    )
+    parser.add_argument(
+        "--swarm-gib", type=float, default=0.5, help="set for the swarm section (default 0.5)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -159,6 +165,10 @@ def main() -> int:
     if "fleet" in only:
         print("fills from a peer over a veth, from an object store, from cold files")
         figures += fleet_fills(checkpoint(args.workdir, args.fleet_gib), max(3, args.reps // 2))
+
+    if "swarm" in only:
+        print("a cold fleet of 5 filling at once from 1 warm node and each other, 400 Mbit/s links")
+        figures += swarm_fills(checkpoint(args.workdir, args.swarm_gib), max(2, args.reps // 2))
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

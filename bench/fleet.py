@@ -61,9 +61,11 @@ class _Daemon(DaemonProcess):
 
 
 @contextlib.contextmanager
-def _daemon(
+def netns_daemon(
     args: list[str], env: dict[str, str] | None = None, netns: str = "", wait: str = "up"
 ) -> Iterator[Any]:
+    """A daemon with `args` (in `netns`, with `env`) over a temporary shm folder; stopped and
+    its folders removed afterwards."""
     sock_dir = Path(tempfile.mkdtemp(prefix="ebf", dir="/tmp"))
     with shm_folder() as shm:
         d = _Daemon(sock_dir, shm, ["--no-huge-tmpfs", *args], env or {}, netns)
@@ -79,7 +81,7 @@ def _fill_rate(
     args: list[str], source: str, env: dict[str, str] | None = None, netns: str = ""
 ) -> float:
     """GB/s of one fill of the set by a fresh daemon, checked to come from `source`."""
-    with _daemon(["--drop-on-exit", *args], env, netns) as d:
+    with netns_daemon(["--drop-on-exit", *args], env, netns) as d:
         deadline = time.monotonic() + 600
         while True:
             sets = d.status().sets
@@ -194,7 +196,7 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
             *("--checkpoint", str(ckpt), "--peer-token-file", str(token)),
             *("--peer-listen", f"{net.ip_a}:{PEER_PORT}"),
         ]
-        with _daemon(serve, netns=net.a, wait="serving"):
+        with netns_daemon(serve, netns=net.a, wait="serving"):
             for turn in range(reps):
                 rates["peer"].append(_fill_rate(peer, "peer", netns=net.b))
                 rates["raw"].append(_raw_socket(net, plan.nbytes))

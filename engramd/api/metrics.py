@@ -52,6 +52,8 @@ class SetSample:
     rate: float | None
     #: Where its bytes came from ("files", "peer HOST:PORT", "s3://...", "adopted").
     source: str
+    #: The bytes each of several sources gave its load (a fill from peers).
+    by_source: dict[str, int]
 
 
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
@@ -75,6 +77,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 ts.bytes_loaded,
                 rate,
                 ts.source,
+                ts.bytes_by_source,
             )
         )
     return samples, [(b.name, b.usage()) for b in store.backings]
@@ -105,7 +108,14 @@ class StoreCollector(Collector):
             "1, labelled with where the set's bytes came from",
             labels=[*copy, "source"],
         )
+        by_source = GaugeMetricFamily(
+            "engramd_load_bytes_by_source",
+            "Bytes each of several sources gave a load (a fill from peers)",
+            labels=[*copy, "source"],
+        )
         for s in sets:
+            for name, n in s.by_source.items():
+                by_source.add_metric([s.set_id, s.node, name], n)
             set_bytes.add_metric([s.set_id, s.node, s.backing, s.state], s.nbytes)
             leases.add_metric([s.set_id, s.node], s.leases)
             locked.add_metric([s.set_id, s.node], 1 if s.locked else 0)
@@ -114,7 +124,7 @@ class StoreCollector(Collector):
                 rate.add_metric([s.set_id, s.node], s.rate)
             if s.source:
                 source.add_metric([s.set_id, s.node, s.source], 1)
-        yield from (set_bytes, leases, locked, loaded, rate, source)
+        yield from (set_bytes, leases, locked, loaded, rate, source, by_source)
         attached, fell_back = self._stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():

@@ -61,6 +61,9 @@ HOLDING_EVERY_S = 0.05
 #: a receiver then asks another source at once rather than queueing behind other receivers
 #: here (a warm node facing a cold fleet would otherwise send most of every copy itself).
 SERVE_SLOTS = 2
+#: Seconds a granted piece holds its serving slot at most: a receiver that neither reads it nor
+#: says `done` (gone, or hostile) does not keep the node busy for everyone else.
+GRANT_HOLD_S = 10.0
 
 
 class RateCap:
@@ -213,8 +216,8 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._key = key
         self._cap = RateCap(rate)
         self._filling = filling
-        #: Pieces granted and not yet read, over all streams.
-        self._serving = 0
+        #: Each stream's pieces granted and not yet read, with when each was granted.
+        self._granted: dict[int, dict[int, float]] = {}
         self._pool = BlockingPool("peer", 2)
         # One copy digested at a time, each on every core: an Export is never queued behind.
         self._digesting = BlockingPool("peer-digest", 1)
@@ -366,12 +369,19 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """A grant for each piece (or window) asked for, and news of the pieces held."""
         # The pieces granted on this stream and not yet read: their slots free when it ends.
-        outstanding: set[int] = set()
+        outstanding: dict[int, float] = {}
+        self._granted[id(outstanding)] = outstanding
         try:
             async for reply in self._answers(served, export, requests, context, outstanding):
                 yield reply
         finally:
-            self._serving -= len(outstanding)
+            del self._granted[id(outstanding)]
+
+    def _busy(self) -> bool:
+        """Whether every serving slot holds a piece granted less than GRANT_HOLD_S ago."""
+        since = asyncio.get_running_loop().time() - GRANT_HOLD_S
+        held = sum(1 for grants in self._granted.values() for t in grants.values() if t > since)
+        return held >= SERVE_SLOTS
 
     async def _answers(
         self,
@@ -379,7 +389,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         export: Export,
         requests: AsyncIterator[peer_pb2.FillRequest],
         context: grpc.aio.ServicerContext[Any, Any],
-        outstanding: set[int],
+        outstanding: dict[int, float],
     ) -> AsyncIterator[peer_pb2.FillReply]:
         # What this stream may still be granted: the set's bytes twice over (a receiver asks
         # again for a piece whose read failed).
@@ -410,9 +420,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             if request is None:
                 continue
             if request.WhichOneof("step") == "done":
-                if request.done in outstanding:
-                    outstanding.discard(request.done)
-                    self._serving -= 1
+                outstanding.pop(request.done, None)
                 continue
             if request.WhichOneof("step") != "piece":
                 break
@@ -432,13 +440,15 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                     )
                 yield peer_pb2.FillReply(missing=p)
                 continue
-            if self._serving >= SERVE_SLOTS or p in outstanding:
+            if p in outstanding or self._busy():
                 yield peer_pb2.FillReply(busy=p)
                 continue
             left -= served.pieces[p]
-            outstanding.add(p)
-            self._serving += 1
+            # The slot is held while the grant waits for the rate cap, and from the grant on.
+            loop = asyncio.get_running_loop()
+            outstanding[p] = loop.time()
             await self._grant(served.pieces[p], export, served, context)
+            outstanding[p] = loop.time()
             yield peer_pb2.FillReply(piece=p)
 
     async def _refuse(

@@ -125,6 +125,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         tensors=ts.ntensors,
         load_seconds=ts.load_seconds,
         source=ts.source,
+        bytes_by_source=ts.bytes_by_source,
         leases=[
             pb.LeaseInfo(
                 lease_id=lease.lease_id,

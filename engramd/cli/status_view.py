@@ -182,10 +182,17 @@ def _locked(s: pb.SetInfo) -> str:
 
 
 def _source(s: pb.SetInfo) -> str:
-    """Where the set's bytes came from, and at what rate once loaded."""
+    """Where the set's bytes came from (each peer's share, where several gave), and at what
+    rate once loaded."""
+    source = s.source
+    if s.bytes_by_source:
+        given = max(sum(s.bytes_by_source.values()), 1)
+        source = "peers " + ", ".join(
+            f"{name} {100 * n // given}%" for name, n in sorted(s.bytes_by_source.items())
+        )
     if s.load_seconds and s.source != "adopted":
-        return f"{s.source} {s.bytes / s.load_seconds / 1e9:.2f} GB/s"
-    return s.source
+        return f"{source} {s.bytes / s.load_seconds / 1e9:.2f} GB/s"
+    return source
 
 
 def _leases(reply: pb.StatusReply) -> Table:

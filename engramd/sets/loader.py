@@ -95,18 +95,23 @@ class LoadProgress:
         self._lock = threading.Lock()
         self.started = time.monotonic()
         self.cancel = threading.Event()
-        #: Where the bytes come from: "files", "peer HOST:PORT", "s3://bucket/prefix".
+        #: Where the bytes come from: "files", "peer HOST:PORT", "peers ...", "s3://bucket/prefix".
         self.source = "files"
+        #: The bytes each of several sources gave (a fill from peers), by its name.
+        self.by_source: dict[str, int] = {}
 
     @property
     def done(self) -> int:
         """Bytes copied so far."""
         return self._done
 
-    def add(self, n: int) -> None:
-        """Count `n` more bytes copied; raise LoadCancelled if the load was cancelled."""
+    def add(self, n: int, source: str = "") -> None:
+        """Count `n` more bytes copied (from `source`, one of several); raise LoadCancelled if
+        the load was cancelled."""
         with self._lock:
             self._done += n
+            if source:
+                self.by_source[source] = self.by_source.get(source, 0) + n
         if self.cancel.is_set():
             raise LoadCancelled("the daemon is stopping")
 
@@ -115,6 +120,7 @@ class LoadProgress:
         with self._lock:
             self._done = 0
             self.source = source
+            self.by_source = {}
             self.started = time.monotonic()
 
 

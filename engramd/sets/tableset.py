@@ -112,6 +112,11 @@ class TableSet:
         return self.progress.done if self.progress else 0
 
     @property
+    def bytes_by_source(self) -> dict[str, int]:
+        """The bytes each of several sources gave the load (a fill from peers)."""
+        return dict(self.progress.by_source) if self.progress is not None else {}
+
+    @property
     def source(self) -> str:
         """Where the set's bytes came from: the load's source, or "adopted"."""
         if self.progress is not None:

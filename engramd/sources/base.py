@@ -29,8 +29,9 @@ class Progress(Protocol):
 
     cancel: threading.Event
 
-    def add(self, n: int) -> None:
-        """Count `n` more bytes; raises when the load is cancelled."""
+    def add(self, n: int, source: str = "") -> None:
+        """Count `n` more bytes (from `source`, one of several); raises when the load is
+        cancelled."""
 
     def restart(self, source: str) -> None:
         """Count again from nothing: the bytes now come from `source`."""

@@ -378,7 +378,7 @@ class SwarmFill:
         self._schedule.landed(piece, name, seconds)
         self._delivered[name] = self._delivered.get(name, 0) + self._pieces[piece][2]
         self._offer().mark(piece)
-        self._progress.add(self._pieces[piece][2])
+        self._progress.add(self._pieces[piece][2], name)
 
     def _offer(self) -> Filling:
         """This fill as offered to other peers, from its first verified piece on."""

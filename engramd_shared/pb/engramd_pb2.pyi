@@ -313,7 +313,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +321,13 @@ class SetInfo(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class BytesBySourceEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     SET_ID_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
@@ -343,6 +350,7 @@ class SetInfo(_message.Message):
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BYTES_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -365,7 +373,8 @@ class SetInfo(_message.Message):
     source: str
     changed_tensors: _containers.RepeatedScalarFieldContainer[str]
     resident_bytes: int
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ...) -> None: ...
+    bytes_by_source: _containers.ScalarMap[str, int]
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")

@@ -28,11 +28,15 @@ from fleet_nodes import TOKEN, nixl_missing, ready_set, receiving, serving
 
 from conftest import SUPPORT, wait_until
 from engramd.api.metrics import CONNECTIONS_PER_ADDRESS
+from engramd.api.peer import SERVE_SLOTS
 from engramd.api.sockets import REQUEST_TIMEOUT_S
 from engramd.sources.base import WINDOW_BYTES
+from engramd.sources.strong import set_pieces
+from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import Net, free_port
 from engramd.testing.pagecache import cached
 from engramd.testing.synth import SynthSpec, synthesize
+from engramd_shared.checkpoint import plan_tables
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")
 
@@ -130,6 +134,46 @@ def test_windows_beyond_the_offer_are_refused_and_unused_bookings_return(
     got = ready_set(rb)
     assert got.source == f"peer {address}", rb.log
     assert ra.proc is not None and ra.proc.poll() is None
+
+
+def test_pieces_past_the_set_are_refused_and_held_slots_free_again(
+    net: Net, nodes: Any, big_checkpoint: Path, token_file: Path
+) -> None:
+    """A token holder asks for pieces past the set's last: refused. It then takes every serving
+    slot with grants it never reads, and from a second stream says `done` for them, which
+    frees none: every piece is busy for others. A real receiver fills all the same, once the
+    grants are older than GRANT_HOLD_S."""
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, big_checkpoint, net, token_file)
+    s = ready_set(ra)
+    address = f"{net.ip_a}:7077"
+    count = len(set_pieces([t.nbytes for t in plan_tables(big_checkpoint).tensors]))
+    assert count > SERVE_SLOTS
+    refused = _in(
+        net.b, "peer_pieces.py", address, TOKEN, s.set_id, "refuse", str(count), "4294967295"
+    )
+    for piece, code in zip((count, 2**32 - 1), refused["codes"], strict=True):
+        assert code.startswith(f"INVALID_ARGUMENT: piece {piece}: set "), refused
+        assert f"has pieces 0 to {count - 1}" in code
+    hog = JsonLinesChild(
+        [
+            *Net.run_in(net.b),
+            *(sys.executable, str(SUPPORT / "peer_pieces.py")),
+            *(address, TOKEN, s.set_id, "hog"),
+        ]
+    )
+    try:
+        held = hog.read()
+        assert (held["granted"], held["busy"]) == (SERVE_SLOTS, count - SERVE_SLOTS), held
+        assert held["second"] == ["busy"] * count, held
+        rb = receiving(b, big_checkpoint, net, token_file)
+        got = ready_set(rb)
+        assert got.source == f"peer {address}", rb.log
+        assert ra.proc is not None and ra.proc.poll() is None
+    finally:
+        assert hog.proc.stdin is not None
+        hog.proc.stdin.close()
+        hog.proc.wait(timeout=30)
 
 
 # -- the TCP ports (item 6) ---------------------------------------------------------------

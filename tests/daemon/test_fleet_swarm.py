@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,13 +25,14 @@ from fleet_nodes import (
     checkpoint_digests,
     nixl_missing,
     ready_set,
+    rogue_peer,
     serving,
     set_digests,
 )
 
-from conftest import SUPPORT, Worker, wait_until
-from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import UCX_TCP, Lan, Net, bridged, netns_missing
+from conftest import Worker, wait_until
+from engramd.cli.status_view import render
+from engramd.testing.fleet_lab import Lan, Net, bridged, netns_missing
 from engramd.testing.pagecache import cached
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.layout import sets_root
@@ -110,7 +110,14 @@ def test_a_cold_fleet_fills_from_each_other(
     for mine, got, s in zip(copies, read, sets, strict=True):
         assert got < s.bytes // 20, (mine, got, s.bytes)
     assert served < received // 2, (served, received)
-    for k, d in enumerate(daemons, start=1):
+    for k, (d, s) in enumerate(zip(daemons, sets, strict=True), start=1):
+        # Status says what each peer gave: every verified byte, none from the node itself.
+        given = dict(s.bytes_by_source)
+        assert sum(given.values()) == s.bytes, given
+        assert f"{lan.ips[k]}:{PORT}" not in given
+        shown = render(d.status(), width=400)
+        first = min(given)
+        assert f"peers {first} {100 * given[first] // s.bytes}%" in shown, shown
         (line,) = [x for x in d.log.splitlines() if "filled from peers:" in x]
         # A node never asks its own peer port, though its --peers names it; and cold nodes
         # gave each other pieces.
@@ -174,24 +181,11 @@ def test_a_lying_peer_is_found_by_the_piece_and_skipped(
     differs from its attested digest, the relay is dropped, and A gives every piece."""
     a = nodes("a")
     serving(a, checkpoint, net, token_file)
-    rogue = JsonLinesChild(
-        [
-            *Net.run_in(net.a),
-            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
-            *(f"{net.ip_a}:7078", str(checkpoint), "relay-liar", f"{net.ip_a}:7077"),
-        ],
-        env={**os.environ, **UCX_TCP},
-    )
-    try:
-        assert rogue.read()["listening"]
+    with rogue_peer(net, checkpoint, 7078, "relay-liar", f"{net.ip_a}:7077") as (rogue, _):
         b = nodes("b")
         rb = two_peers(b, checkpoint, net, token_file, 7078)
         s = ready_set(rb)
         captured = rogue.ask("captured")
-    finally:
-        assert rogue.proc.stdin is not None
-        rogue.proc.stdin.close()
-        rogue.proc.wait(timeout=30)
     assert "piece" in captured["kinds"]  # B read the liar's bytes
     assert f"set {s.set_id}: peer {net.ip_a}:7078: it sent piece " in rb.log, rb.log
     assert "with another digest than the attested one; dropped" in rb.log

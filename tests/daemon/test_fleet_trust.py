@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from fleet_nodes import (
     checkpoint_digests,
     ready_set,
     receiving,
+    rogue_peer,
     serving,
     set_digests,
     write_token,
@@ -38,8 +38,7 @@ from fleet_nodes import (
 from conftest import SUPPORT
 from engramd.sources.strong import OLDER, PIECE_BYTES, pieces
 from engramd.sources.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
-from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import S3, UCX_TCP, Net
+from engramd.testing.fleet_lab import S3, Net
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry
 from engramd_shared.layout import Manifest, sets_root
@@ -74,24 +73,11 @@ def test_a_rogue_peer_with_the_public_checkpoint_learns_nothing_and_is_refused(
     """The rogue offers its altered copy at once (the old protocol) or after a proof it
     forged: the receiver sends it nothing but its FillOpen (no token, no proof of its own),
     logs why, and loads from its files, without the zeroed row."""
-    rogue = JsonLinesChild(
-        [
-            *Net.run_in(net.a),
-            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
-            *(f"{net.ip_a}:7077", str(checkpoint), mode),
-        ],
-        env={**os.environ, **UCX_TCP},
-    )
-    try:
-        assert rogue.read()["listening"]
+    with rogue_peer(net, checkpoint, 7077, mode) as (rogue, _):
         b = nodes("b")
         rb = receiving(b, checkpoint, net, token_file)
         s = ready_set(rb)
         captured = rogue.ask("captured")
-    finally:
-        assert rogue.proc.stdin is not None
-        rogue.proc.stdin.close()
-        rogue.proc.wait(timeout=30)
     assert s.source == "files", rb.log
     assert f"peer {net.ip_a}:7077 could not prove it holds the fleet's token; refused" in rb.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
@@ -122,17 +108,8 @@ def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
     with the row by its piece digest. B then loads from its files."""
     a = nodes("a")
     serving(a, checkpoint, net, token_file)
-    rogue = JsonLinesChild(
-        [
-            *Net.run_in(net.a),
-            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
-            *(f"{net.ip_a}:7078", str(checkpoint), f"relay-{claims}", f"{net.ip_a}:7077"),
-        ],
-        env={**os.environ, **UCX_TCP},
-    )
-    try:
-        started = rogue.read()
-        assert started["listening"]
+    relay = f"relay-{claims}"
+    with rogue_peer(net, checkpoint, 7078, relay, f"{net.ip_a}:7077") as (rogue, started):
         b = nodes("b")
         rb = b.start(
             [
@@ -143,10 +120,6 @@ def test_a_relay_offering_its_own_bytes_under_a_real_offer_is_refused(
         )
         s = ready_set(rb)
         captured = rogue.ask("captured")
-    finally:
-        assert rogue.proc.stdin is not None
-        rogue.proc.stdin.close()
-        rogue.proc.wait(timeout=30)
     assert s.source == "files", rb.log
     # The relay passed B's proof to A and got the real offer.
     assert "filling set" in a.daemon.log

@@ -247,9 +247,9 @@ def test_file_changed_before_or_during_a_load_is_not_published(
     shard = plan.sources[-1].path
 
     class WriterDuringTheCopy(LoadProgress):
-        def add(self, n: int) -> None:
+        def add(self, n: int, source: str = "") -> None:
             os.utime(shard)  # what any write does: a new mtime and ctime
-            super().add(n)
+            super().add(n, source)
 
     with pytest.raises(CheckpointError, match="changed during the load"):
         load_set(plan, backing, 2, WriterDuringTheCopy(plan.nbytes))

@@ -8,6 +8,7 @@ through tests/conftest.py's `pytest_plugins`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -22,8 +23,9 @@ from typing import Any
 
 import pytest
 
-from conftest import Daemon, wait_until
+from conftest import SUPPORT, Daemon, wait_until
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
+from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import UCX_TCP, Net, netns_missing, veth_pair
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
@@ -196,3 +198,28 @@ def receiving(node: Node, checkpoint: Path, net: Net, token: Path, *extra: str) 
         ],
         net.b,
     )
+
+
+@contextlib.contextmanager
+def rogue_peer(
+    net: Net, checkpoint: Path, port: int, mode: str, upstream: str = ""
+) -> Iterator[tuple[JsonLinesChild, dict[str, Any]]]:
+    """tests/support/rogue_peer.py in namespace a on `port` (MODE, UPSTREAM as it takes them),
+    and what it printed once listening; stopped after."""
+    rogue = JsonLinesChild(
+        [
+            *Net.run_in(net.a),
+            *(sys.executable, str(SUPPORT / "rogue_peer.py")),
+            *(f"{net.ip_a}:{port}", str(checkpoint), mode),
+            *([upstream] if upstream else []),
+        ],
+        env={**os.environ, **UCX_TCP},
+    )
+    try:
+        started = rogue.read()
+        assert started["listening"], started
+        yield rogue, started
+    finally:
+        assert rogue.proc.stdin is not None
+        rogue.proc.stdin.close()
+        rogue.proc.wait(timeout=30)

@@ -37,6 +37,17 @@ class OpenFill:
         """Ask for a window of `nbytes`, without waiting for the answer."""
         self._requests.put(peer_pb2.FillRequest(window=nbytes))
 
+    def piece(self, piece: int) -> peer_pb2.FillReply:
+        """Ask for piece `piece` and return the daemon's answer (news of pieces held skipped)."""
+        self._requests.put(peer_pb2.FillRequest(piece=piece))
+        while (reply := self.reply()).WhichOneof("step") == "holding":
+            pass
+        return reply
+
+    def done(self, piece: int) -> None:
+        """Say the read of piece `piece` ended (whether or not it was granted here)."""
+        self._requests.put(peer_pb2.FillRequest(done=piece))
+
     def reply(self) -> peer_pb2.FillReply:
         """The daemon's next answer (a grant); raises grpc.RpcError where it ended the stream."""
         return next(self._replies)
