@@ -236,7 +236,14 @@ def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
         else None
     )
     peers = (
-        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen)
+        PeerSource(
+            config.peers,
+            key,
+            config.peer_min_rate,
+            filling,
+            config.peer_listen,
+            files=not config.object_store,
+        )
         if key and config.peers
         else None
     )

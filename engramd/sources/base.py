@@ -29,6 +29,9 @@ class Progress(Protocol):
 
     cancel: threading.Event
 
+    #: Where the bytes come from, as status shows it.
+    source: str
+
     def add(self, n: int, source: str = "") -> None:
         """Count `n` more bytes (from `source`, one of several); raises when the load is
         cancelled."""
@@ -50,6 +53,28 @@ def spans(entry: TensorEntry) -> list[tuple[TensorEntry, int]]:
         found.append((span, at))
         at += span.nbytes
     return found
+
+
+def read_piece(entry: TensorEntry, at: int, nbytes: int) -> bytearray:
+    """Bytes `at`..`at + nbytes` of a tensor, read from the checkpoint's files (its spans
+    back to back); raises SourceFailed when a file is shorter than its header says."""
+    out = bytearray(nbytes)
+    view = memoryview(out)
+    for span, start in spans(entry):
+        lo, hi = max(at, start), min(at + nbytes, start + span.nbytes)
+        if lo >= hi:
+            continue
+        fd = open_regular(Path(span.file))
+        try:
+            done = lo
+            while done < hi:
+                got = os.preadv(fd, [view[done - at : hi - at]], span.offset + done - start)
+                if not got:
+                    raise SourceFailed(f"{span.file} is shorter than its header says")
+                done += got
+        finally:
+            os.close(fd)
+    return out
 
 
 def spot_check(entry: TensorEntry, received: memoryview) -> None:

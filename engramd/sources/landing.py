@@ -110,15 +110,40 @@ class Landing:
         """The window in `slot` is not wanted (its piece came from elsewhere): free the slot."""
         self._free.append(slot)
 
+    def put(self, index: int, at: int, data: bytearray, then: Callable[[bool], None]) -> None:
+        """The piece of tensor `index` at `at`, read elsewhere (the node's own files) into
+        `data`: moved and compared as a landed window is."""
+        while self._moves and self._moves[0].done():
+            self._moves.popleft().result()
+        self._moves.append(self._movers.submit(self._put, index, at, data, then))
+
     def _move(self, slot: int, index: int, at: int, then: Callable[[bool], None] | None) -> None:
+        nbytes = self._piece_bytes(index, at)
+        start = slot * PIECE_BYTES
+        try:
+            self._write(
+                index, at, self._ring.view()[start : start + nbytes], self._ring.address + start
+            )
+        finally:
+            self._free.append(slot)
+        self._check(index, at, nbytes, then)
+
+    def _put(self, index: int, at: int, data: bytearray, then: Callable[[bool], None]) -> None:
+        nbytes = self._piece_bytes(index, at)
+        if len(data) != nbytes:
+            raise ValueError(f"{len(data)} bytes for a piece of {nbytes}")
+        held = (ctypes.c_char * nbytes).from_buffer(data)
+        self._write(index, at, memoryview(data), ctypes.addressof(held))
+        self._check(index, at, nbytes, then)
+
+    def _piece_bytes(self, index: int, at: int) -> int:
         region = self.regions[index]
         if at % PIECE_BYTES or not 0 <= at < region.nbytes:
             raise ValueError(f"no piece of tensor {index} starts at {at}")
-        nbytes = min(PIECE_BYTES, region.nbytes - at)
-        try:
-            self._write(index, at, slot * PIECE_BYTES, nbytes)
-        finally:
-            self._free.append(slot)
+        return min(PIECE_BYTES, region.nbytes - at)
+
+    def _check(self, index: int, at: int, nbytes: int, then: Callable[[bool], None] | None) -> None:
+        region = self.regions[index]
         found = piece_digest(region.view()[at : at + nbytes], self._kinds[index])
         good = self._expected is None or self._expected[index][at // PIECE_BYTES] == found
         if good:
@@ -126,13 +151,14 @@ class Landing:
         if then is not None:
             then(good)
 
-    def _write(self, index: int, at: int, start: int, nbytes: int) -> None:
-        """Bytes `start`.. of the ring to bytes `at`.. of tensor `index`: by write(2), not by
-        stores through a writable mapping, which would cost an unmap of pages the daemon
-        dirtied (~0.2 s a GiB of 4 KiB pages) before a memfd set may be sealed."""
+    def _write(self, index: int, at: int, window: memoryview, address: int) -> None:
+        """`window` (at `address` in this process) to bytes `at`.. of tensor `index`: by
+        write(2), not by stores through a writable mapping, which would cost an unmap of
+        pages the daemon dirtied (~0.2 s a GiB of 4 KiB pages) before a memfd set may be
+        sealed."""
         region = self.regions[index]
+        nbytes = len(window)
         if index not in self._mapped:
-            window = self._ring.view()[start : start + nbytes]
             try:
                 done = 0
                 while done < nbytes:
@@ -145,7 +171,7 @@ class Landing:
             with self._mapping:
                 if index not in self._mapped:
                     self._mapped[index] = Region(region.fd, region.offset, region.nbytes, True)
-        ctypes.memmove(self._mapped[index].address + at, self._ring.address + start, nbytes)
+        ctypes.memmove(self._mapped[index].address + at, address, nbytes)
 
     def digests(self) -> list[str]:
         """Each tensor's strong digest, once every landed window has moved; raises ValueError

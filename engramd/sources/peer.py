@@ -87,11 +87,20 @@ def is_local(address: str) -> bool:
 
 class PeerSource:
     """Fills sets from peers; one fill at a time. `own`: this daemon's --peer-listen, which
-    a list of the fleet's peers (a headless Service) names too: it is never asked."""
+    a list of the fleet's peers (a headless Service) names too: it is never asked. `files`:
+    pieces no peer can give come from the node's own files (no object store is configured
+    to give them)."""
 
     def __init__(
-        self, peers: list[str], key: FleetKey, min_rate: int, filling: FillingSets, own: str = ""
+        self,
+        peers: list[str],
+        key: FleetKey,
+        min_rate: int,
+        filling: FillingSets,
+        own: str = "",
+        files: bool = True,
     ) -> None:
+        self._files = files
         self._peers = peers
         self._key = key
         self._min_rate = min_rate
@@ -121,5 +130,7 @@ class PeerSource:
             found = self.addresses(plan.set_id)[:MAX_PEERS]
             if not found:
                 raise SourceFailed("no peer address resolves")
-            fill = SwarmFill(plan, regions, progress, self._key, self._min_rate, self._filling)
+            fill = SwarmFill(
+                plan, regions, progress, self._key, self._min_rate, self._filling, self._files
+            )
             return fill.run(found)

@@ -39,8 +39,10 @@ warm node and a bucket face hundreds of cold ones:
   never holds up the fill's last piece.
 - **Busy**: a source with no free slot of its own (a serving node's
   requests at once, the bucket's) says so at once rather than queueing the
-  request; the piece goes back to the pool and the source is not asked
-  again for about one request's time (the receiver's recent mean), or,
+  request. Where it is serving others of this receiver's requests, it is
+  asked for no more at once than that (`full`), one more again after each
+  piece that lands. Otherwise the piece goes back to the pool and the source
+  is not asked again for about one request's time (the receiver's recent mean), or,
   while it keeps answering busy, for twice as long each time from
   `BUSY_RETRY_S` up to `MAX_REST_S` (jittered by receiver, so a fleet's
   retries do not arrive together). A receiver's requests are thus never
@@ -99,6 +101,9 @@ class Source:
     resting_until: float = 0.0
     #: Busy answers in a row.
     busy: int = 0
+    #: Requests it took at once when it last had no free slot for one more of ours (0: none
+    #: seen): its slots are shared with other receivers, and this is our part of them now.
+    took: int = 0
     #: Its rendezvous score for this receiver: the tie-break between equal sources.
     tie: int = 0
     #: Why it was dropped ("": it was not).
@@ -239,7 +244,8 @@ class Schedule:
         of the width (`total`: the live sources' rates), 1 to its depth."""
         if source.rate == 0.0:
             return 1
-        return max(1, min(source.depth, round(self._width * source.rate / total)))
+        depth = min(source.depth, source.took) if source.took else source.depth
+        return max(1, min(depth, round(self._width * source.rate / total)))
 
     # -- what ended -----------------------------------------------------------
 
@@ -253,6 +259,9 @@ class Schedule:
         for other in moot:
             self._end(piece, other)
         source.failures = source.busy = 0
+        if source.took:
+            # Ask for one more at once again: the others' part of its slots may have ended.
+            source.took = min(source.depth, source.took + 1)
         source.delivered += self.sizes[piece]
         rate = self.sizes[piece] / max(seconds, 1e-9)
         self._typical = (
@@ -275,6 +284,14 @@ class Schedule:
         backoff = min(MAX_REST_S, BUSY_RETRY_S * 2 ** (source.busy - 1))
         jitter = 0.5 + _score(self._receiver, name, source.busy) / 2**64
         source.resting_until = now + max(self._typical, backoff * jitter)
+
+    def full(self, piece: int, name: str) -> None:
+        """`name` had no free slot for the request but is serving others of ours: the piece
+        goes back, and the source is asked for no more at once than it is serving now (no
+        rest: a slot frees when one of ours lands)."""
+        source = self._end(piece, name)
+        if source is not None:
+            source.took = max(1, len(source.in_flight))
 
     def failed(self, piece: int, name: str, why: str, lied: bool = False) -> None:
         """The request ended without the piece; `lied`: bytes came with another digest, so

@@ -14,9 +14,12 @@ each other and not all from the one warm node.
 
 Peers that did not offer the set (not held, or not filling yet) and peers
 whose stream broke are asked again every REASK_S while the fill runs; liars
-and peers below the rate floor are not. The fill gives up (SourceFailed,
-and the next source runs) when pieces are needed that no live peer holds
-and nothing changed for STALL_S.
+and peers below the rate floor are not. When pieces are needed that no live
+peer holds, and no peer may come back or nothing changed for STALL_S, those
+pieces come from the node's own files (`files`: when no object store is
+configured; swarm.py's FILES tier, compared with the attested digests like
+any piece), or the fill gives up (SourceFailed) and the object store, then
+the files, fill the whole set.
 
 Everything here runs on the loader's thread, but the streams' listeners and
 the landing's movers, which only put events on one queue.
@@ -35,7 +38,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from engramd.sources.base import Progress, SourceFailed, spot_check
+from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check
 from engramd.sources.filling import Filling, FillingSets, members
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
@@ -67,6 +70,9 @@ PIECE_TIMEOUT_S = 60.0
 FLOOR_AFTER_S = 2.0
 #: Seconds between two looks at the reads in flight.
 POLL_S = 0.002
+#: The node's own files as a source of the pieces no live peer holds, and its reads at once.
+FILES = "files"
+FILES_DEPTH = 2
 
 
 @dataclass
@@ -108,8 +114,10 @@ class SwarmFill:
         key: FleetKey,
         min_rate: int,
         filling: FillingSets,
+        files: bool,
     ) -> None:
         self._plan = plan
+        self._files = files
         self._regions = regions
         self._progress = progress
         self._key = key
@@ -198,6 +206,11 @@ class SwarmFill:
         for entry, region in zip(self._plan.tensors, self._regions, strict=True):
             spot_check(entry, region.view())
         self._report()
+        peers = sorted(n for n in self._delivered if n != FILES)
+        label = [f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(peers)}"]
+        self._progress.source = ", ".join(
+            ([] if not peers else label) + ([FILES] if FILES in self._delivered else [])
+        )
         # Every byte has the attested strong digest: the attested checksums are theirs.
         return Filled(
             [t.checksum for t in self._first.manifest.tensors], got, self._first.offer.attestation
@@ -239,6 +252,9 @@ class SwarmFill:
                 raise SourceFailed("the load was cancelled")
             self._ask_again(addresses, now)
             for piece, name in self._schedule.start(now):
+                if name == FILES:
+                    self._from_files(piece, now)
+                    continue
                 self._first_ask.setdefault(name, now)
                 self._asked[(piece, name)] = now
                 self._streams[name].ask(piece)
@@ -278,6 +294,13 @@ class SwarmFill:
             _, piece, name, good, seconds = event
             assert isinstance(piece, int) and isinstance(name, str)
             self._moved(piece, name, bool(good), float(str(seconds)))
+        elif kind == "read":
+            _, piece, data, asked = event
+            assert isinstance(piece, int) and isinstance(data, bytearray)
+            self._put(piece, data, float(str(asked)))
+        elif kind == "files-failed":
+            _, piece, why = event
+            raise SourceFailed(f"piece {piece} cannot be read from the checkpoint's files ({why})")
         elif kind == "asked":
             _, address = event
             assert isinstance(address, str)
@@ -302,7 +325,10 @@ class SwarmFill:
                 self._changed = now
         elif step == "busy":
             if self._asked.pop((reply.busy, name), None) is not None:
-                self._schedule.busy(reply.busy, name, now)
+                if any(r.stream is stream for r in self._reads.values()):
+                    self._schedule.full(reply.busy, name)
+                else:
+                    self._schedule.busy(reply.busy, name, now)
         elif step == "missing":
             if self._asked.pop((reply.missing, name), None) is not None:
                 self._schedule.failed(reply.missing, name, "it does not hold the piece")
@@ -355,6 +381,35 @@ class SwarmFill:
                 read.stream.done(read.piece)
                 self._schedule.failed(read.piece, read.stream.address, "the read outlived it")
 
+    def _from_files(self, piece: int, now: float) -> None:
+        """Read `piece` from the checkpoint's files on the pool; it lands as an event."""
+        index, at, n = self._pieces[piece]
+        entry = self._plan.tensors[index]
+
+        def read() -> None:
+            try:
+                data = read_piece(entry, at, n)
+            except (OSError, SourceFailed) as e:
+                self._events.put(("files-failed", piece, str(e)))
+                return
+            self._events.put(("read", piece, data, now))
+
+        self._pool.submit(read)
+
+    def _put(self, piece: int, data: bytearray, asked: float) -> None:
+        assert self._landing is not None
+        if piece in self._verified or piece in self._moving:
+            self._schedule.cancel(piece, FILES)
+            return
+        self._moving.add(piece)
+        index, at, _ = self._pieces[piece]
+        seconds = time.monotonic() - asked
+
+        def moved(good: bool) -> None:
+            self._events.put(("moved", piece, FILES, good, seconds))
+
+        self._landing.put(index, at, data, moved)
+
     def _then(self, read: _Read, seconds: float) -> Callable[[bool], None]:
         def moved(good: bool) -> None:
             self._events.put(("moved", read.piece, read.stream.address, good, seconds))
@@ -363,6 +418,13 @@ class SwarmFill:
 
     def _moved(self, piece: int, name: str, good: bool, seconds: float) -> None:
         self._moving.discard(piece)
+        if not good and name == FILES:
+            index, at, _ = self._pieces[piece]
+            raise SourceFailed(
+                f"this node's checkpoint files give piece {piece} (tensor "
+                f"{self._plan.tensors[index].name!r}, bytes {at}..) another digest than the "
+                "fleet attested: they are not the checkpoint the fleet's set was loaded from"
+            )
         if not good:
             index, at, _ = self._pieces[piece]
             why = (
@@ -418,13 +480,18 @@ class SwarmFill:
             return
         # Peers that may come back (asked again) get STALL_S; when none may, there is no wait.
         waiting = bool(self._last_asked or self._asking)
-        if not waiting or now - self._changed > STALL_S:
-            left = "; ".join(f"peer {a}: {why}" for a, why in sorted(self._left.items()))
-            raise SourceFailed(
-                "no peer left holds every piece still needed"
-                + (f" after {STALL_S:.0f} s" if waiting else "")
-                + (f" ({left})" if left else "")
-            )
+        if waiting and now - self._changed <= STALL_S:
+            return
+        left = "; ".join(f"peer {a}: {why}" for a, why in sorted(self._left.items()))
+        why = (
+            "no peer left holds every piece still needed"
+            + (f" after {STALL_S:.0f} s" if waiting else "")
+            + (f" ({left})" if left else "")
+        )
+        if not self._files or FILES in self._schedule.sources:
+            raise SourceFailed(why)
+        log.warning("set %s: %s; those pieces come from the files", self._plan.set_id, why)
+        self._schedule.add(FILES, Tier.FILES, FILES_DEPTH)
 
     def _lose(self, name: str, why: str, again: bool) -> None:
         """Peer `name` is no source any more: its stream ends, its pieces asked go back;

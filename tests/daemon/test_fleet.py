@@ -39,6 +39,7 @@ from fleet_nodes import (
 
 from conftest import SUPPORT, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.sources.peer import addresses
+from engramd.sources.swarmfill import STALL_S
 from engramd.testing.fleet_lab import (
     S3,
     Net,
@@ -236,7 +237,9 @@ def test_wrong_bytes_are_refused(net: Net, nodes: Any, checkpoint: Path, token_f
 
 
 def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_file: Path) -> None:
-    """The serving daemon dies while B reads: B falls back to its files, nothing half-published."""
+    """The serving daemon dies while B reads: once asking it again got nothing for STALL_S, B
+    reads the pieces it still needs from its files and keeps those it has; nothing
+    half-published."""
     a, b = nodes("a"), nodes("b")
     # 4 MB/s: the fill of ~42 MB lasts about 10 s.
     ra = serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
@@ -248,9 +251,11 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
     wait_until(reading, 60, "B to read from A")
     ra.stop(signal.SIGKILL)
     s = ready_set(rb)
-    assert s.source == "files", rb.log
-    # The broken stream or the failed read, whichever B meets first, and the step after it.
-    assert f"peer {net.ip_a}:7077: the " in rb.log and "; loading from the files" in rb.log
+    assert s.source == f"peer {net.ip_a}:7077, files", rb.log
+    given = dict(s.bytes_by_source)
+    assert given.keys() == {f"{net.ip_a}:7077", "files"} and sum(given.values()) == s.bytes
+    assert f"peer {net.ip_a}:7077: the peer's stream broke mid-fill" in rb.log
+    assert f"after {STALL_S:.0f} s" in rb.log and "; those pieces come from the files" in rb.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
     assert no_partial_loads(b.shm_dir)
     assert [x.set_id for x in rb.status().sets] == [s.set_id]
@@ -259,13 +264,16 @@ def test_peer_killed_mid_fill(net: Net, nodes: Any, big_checkpoint: Path, token_
 def test_a_peer_below_the_floor_is_left(
     net: Net, nodes: Any, checkpoint: Path, token_file: Path
 ) -> None:
-    """A peer serving under --peer-rate 1M, a receiver with --peer-min-rate 4M: files."""
+    """A peer serving under --peer-rate 1M, a receiver with --peer-min-rate 4M: the peer is
+    dropped after its first pieces, and the rest come from the files at once (it is not
+    asked again)."""
     a, b = nodes("a"), nodes("b")
     serving(a, checkpoint, net, token_file, "--peer-rate", "1M")
     rb = receiving(b, checkpoint, net, token_file, "--peer-min-rate", "4M")
     s = ready_set(rb)
-    assert s.source == "files", rb.log
+    assert s.source == f"peer {net.ip_a}:7077, files", rb.log
     assert "too slow" in rb.log and "--peer-min-rate" in rb.log
+    assert "no peer left holds every piece still needed (peer " in rb.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
 
 

@@ -99,6 +99,25 @@ def test_a_busy_source_rests_longer_each_time_until_it_answers() -> None:
     assert s.sources["a"].busy == 0
 
 
+def test_a_full_source_serving_ours_is_asked_for_what_it_takes_then_one_more() -> None:
+    """A source whose slots are shared with other receivers: asked for no more at once than it
+    took, without a rest, and for one more again after each piece that lands."""
+    s = schedule(pieces=16, width=8)
+    s.add("a", Tier.PEER, depth=4)
+    ((probe, _),) = s.start(0.0)
+    s.landed(probe, "a", 0.01)
+    asked = s.start(0.01)
+    assert len(asked) == 4
+    first = asked[0][0]
+    for piece, _ in asked[2:]:
+        s.full(piece, "a")
+    assert s.start(0.01) == []  # it takes 2 of ours at once now, and serves 2
+    assert s.sources["a"].resting_until == 0.0
+    s.landed(first, "a", 0.01)
+    assert len(s.start(0.02)) == 2  # 3 at once: one more than it took
+    assert s.sources["a"].took == 3
+
+
 def test_a_liar_is_dropped_at_once_and_a_failing_source_after_its_failures() -> None:
     s = schedule(pieces=4, width=8)
     s.add("liar", Tier.PEER, depth=8, held=[0, 1, 2, 3])
