@@ -167,7 +167,7 @@ def main() -> int:
         figures += fleet_fills(checkpoint(args.workdir, args.fleet_gib), max(3, args.reps // 2))
 
     if "swarm" in only:
-        print("a cold fleet of 5 filling at once from 1 warm node and each other, 400 Mbit/s links")
+        print("a cold fleet of 5 filling at once from 1 warm node and each other, 200 Mbit/s links")
         figures += swarm_fills(checkpoint(args.workdir, args.swarm_gib), max(2, args.reps // 2))
 
     _print(figures)

@@ -16,10 +16,11 @@ origin offered, and only its pieces verified here are granted
 (sources/filling.py); its receivers are told as more are. Only sets the
 operator published (loaded by --checkpoint or `engramd load`) are offered; a
 set a worker's attach loaded stays owner-only and is answered as absent, like
-any set not held. Each stream's copy is mapped read-only and registered by a
-transfer process of that stream's own (Export: sources/xferproc.py says why
-none runs in the daemon), for the stream's life; the receiver reads it, a
-piece at a time, each granted once the daemon's rate cap (--peer-rate, all
+any set not held. A copy is mapped read-only and registered by a transfer
+process of its own (Export: sources/xferproc.py says why none runs in the
+daemon), shared by the streams that read it over one network interface and
+ended with the last of them (Exports); the receiver reads it, a piece at a
+time, each granted once the daemon's rate cap (--peer-rate, all
 peers together) allows. The export is made on a pool thread, and the reads
 are served by the transfer process's UCX: the worker socket's event loop
 only hands out grants.
@@ -45,6 +46,7 @@ from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
 from engramd.sources.base import WINDOW_BYTES, SourceFailed
 from engramd.sources.filling import Filling, FillingSets
+from engramd.sources.netdev import interface_of
 from engramd.sources.nixlxfer import Agent, nixl_build, spare
 from engramd.sources.regions import Region, close_all
 from engramd.sources.strong import Digests, digest_views, set_pieces
@@ -109,9 +111,9 @@ class Offered:
 
 
 class Export:
-    """One stream's served memory: a transfer process of its own that maps only that copy (a
-    published one, or the staged set of a fill), read-only, and has it registered with its
-    NIXL agent for the stream's life."""
+    """Served memory: a transfer process of its own that maps only one copy (a published one,
+    or the staged set of a fill), read-only, and has it registered with its NIXL agent while
+    streams read it (Exports)."""
 
     def __init__(self, memory: list[tuple[int, int, int]], receiver: str) -> None:
         """`memory`: each tensor's (fd, offset, bytes); the caller closes the fds."""
@@ -175,6 +177,7 @@ class _Served:
     def __init__(
         self,
         name: str,
+        key: str,
         nbytes: int,
         manifest_json: str,
         offered: Offered,
@@ -183,6 +186,8 @@ class _Served:
         filling: Filling | None,
     ) -> None:
         self.name = name
+        #: What a transfer process serving it is shared by: this copy, as loaded or filled.
+        self.key = key
         self.nbytes = nbytes
         self.manifest_json = manifest_json
         self.offered = offered
@@ -218,6 +223,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         self._filling = filling
         #: Each stream's pieces granted and not yet read, with when each was granted.
         self._granted: dict[int, dict[int, float]] = {}
+        self._exports = Exports()
         self._pool = BlockingPool("peer", 2)
         # One copy digested at a time, each on every core: an Export is never queued behind.
         self._digesting = BlockingPool("peer-digest", 1)
@@ -233,6 +239,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             tensors = ts.manifest.tensors
             return _Served(
                 ts.copy,
+                f"{ts.copy} {ts.manifest.nonce}",
                 ts.nbytes,
                 ts.manifest.to_json(),
                 await self._offer_of(ts),
@@ -246,6 +253,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             raise UnknownSet(f"this daemon serves no published set {set_id} to peers")
         return _Served(
             f"{set_id} (filling)",
+            f"{set_id} filling {id(filling)}",
             sum(filling.sizes),
             filling.manifest_json,
             Offered(filling.attestation, filling.strong, filling.piece_digests),
@@ -311,7 +319,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """One receiver's fill of one set: each side proves it holds the token, this one
         first; then the offer, then a grant for each piece asked for."""
-        opening = _Opening()
+        opening = _Opening(self._exports)
         try:
             requests = aiter(request_iterator)
             first = await anext(requests, None)
@@ -345,7 +353,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                     raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
                 served = await self._served(set_id)
                 export = await self._pool.run(
-                    opening.make, served.memory, receiver_address(context.peer())
+                    opening.make, served, receiver_address(context.peer())
                 )
             except Exception as e:
                 await abort(context, e)
@@ -501,39 +509,80 @@ async def _with_ticks(
         pending.cancel()
 
 
-class _Opening:
-    """The Export of one stream, made on a pool thread while the stream may end first."""
+class Exports:
+    """The transfer processes serving copies: one per copy and network interface, shared by
+    every stream that reads that copy over that interface (a warm node facing a fleet starts
+    one, not one per receiver), ended with the last of those streams. One that died (a peer
+    faulted it) is never handed out again: the next stream gets a new one."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._export: Export | None = None
+        self._current: dict[tuple[str, str], Export] = {}
+        self._users: dict[int, int] = {}
+
+    def take(self, served: _Served, receiver: str) -> tuple[tuple[str, str], Export]:
+        """The export of `served` for `receiver`'s interface (made, or shared); its key."""
+        try:
+            key = (served.key, interface_of(receiver))
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(f"no network interface reaches {receiver} ({e})") from None
+        # One made at a time: a stream that comes meanwhile shares it rather than making one.
+        with self._lock:
+            export = self._current.get(key)
+            if export is not None and not export.ended():
+                self._users[id(export)] += 1
+                return key, export
+            try:
+                mapped = served.memory()
+            except LookupError as e:
+                raise UnknownSet(str(e)) from None
+            try:
+                export = Export(mapped, receiver)
+            finally:
+                for fd, _, _ in mapped:
+                    os.close(fd)
+            self._current[key] = export
+            self._users[id(export)] = 1
+            return key, export
+
+    def give(self, key: tuple[str, str], export: Export) -> None:
+        """A stream is done with `export`: the last one ends its transfer process."""
+        with self._lock:
+            self._users[id(export)] -= 1
+            if self._users[id(export)]:
+                return
+            del self._users[id(export)]
+            if self._current.get(key) is export:
+                del self._current[key]
+        export.close()
+
+
+class _Opening:
+    """The Export of one stream, taken on a pool thread while the stream may end first."""
+
+    def __init__(self, exports: Exports) -> None:
+        self._exports = exports
+        self._lock = threading.Lock()
+        self._taken: tuple[tuple[str, str], Export] | None = None
         self._ended = False
 
-    def make(self, memory: Callable[[], list[tuple[int, int, int]]], receiver: str) -> Export:
-        """Export `memory` for `receiver`, unless the stream ended meanwhile."""
-        try:
-            mapped = memory()
-        except LookupError as e:
-            raise UnknownSet(str(e)) from None
-        try:
-            export = Export(mapped, receiver)
-        finally:
-            for fd, _, _ in mapped:
-                os.close(fd)
+    def make(self, served: _Served, receiver: str) -> Export:
+        """The export of `served` for `receiver`, unless the stream ended meanwhile."""
+        key, export = self._exports.take(served, receiver)
         with self._lock:
             if not self._ended:
-                self._export = export
+                self._taken = (key, export)
                 return export
-        export.close()
+        self._exports.give(key, export)
         raise InvalidRequest("the fill ended while its set was being exported")
 
     def end(self) -> None:
-        """The stream ended: close its Export, now or once it is made."""
+        """The stream ended: give its Export back, now or once it is taken."""
         with self._lock:
             self._ended = True
-            export, self._export = self._export, None
-        if export is not None:
-            export.close()
+            taken, self._taken = self._taken, None
+        if taken is not None:
+            self._exports.give(*taken)
 
 
 def copy_digests(ts: TableSet) -> Digests:
