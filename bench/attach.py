@@ -16,7 +16,7 @@ ATTACHES = 20
 PRIVATE_LOADS = 3
 
 
-def _attach_once(ckpt: Path, socket: str | None) -> float:
+def attach_once(ckpt: Path, socket: str | None) -> float:
     """Seconds one attach takes: shared through `socket`, or a private load without one."""
     start = time.perf_counter()
     tables = attach(ckpt, socket=socket, share=socket is not None)
@@ -53,9 +53,9 @@ def attach_and_restart(sizes: dict[float, Path]) -> list[Figure]:
                 # is reported apart, the 20 after it are the steady state. The
                 # private loads come after them: interleaved, their GiBs of
                 # allocation and unmapping would land in the attach latency.
-                first = _attach_once(ckpt, socket)
-                shared = [_attach_once(ckpt, socket) for _ in range(ATTACHES)]
-                private = [_attach_once(ckpt, None) for _ in range(PRIVATE_LOADS)]
+                first = attach_once(ckpt, socket)
+                shared = [attach_once(ckpt, socket) for _ in range(ATTACHES)]
+                private = [attach_once(ckpt, None) for _ in range(PRIVATE_LOADS)]
                 p50, p99 = statistics.median(shared), percentile(shared, 99)
                 print(
                     f"  {gib:g} GiB: attach p50 {p50 * 1e3:.2f} ms p99 {p99 * 1e3:.2f} ms "

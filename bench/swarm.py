@@ -8,7 +8,9 @@ node 0 is warm (it loaded the set from its files and serves it); in each turn a 
 daemon on node 1 fills the set alone, then fresh daemons on nodes 1-5 start together and
 fill it from the warm node and from each other. Each side's time is wall time from the
 daemons' start to the last one's set being ready (the daemons' start is in both); the
-warm node's share is what its link sent over what the fleet's sets hold.
+warm node's share is what its link sent over what the fleet's sets hold. A worker on the
+warm node attaches to its set again and again, before the turns (idle) and during each
+fleet's fill (serving): the attach's median and 99th percentile, serving against idle.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,11 +27,16 @@ from typing import Any
 from engramd.testing.fleet_lab import Lan, bridged, netns_missing
 from engramd_shared.checkpoint import plan_tables
 
-from .common import Figure, compare
+from .attach import attach_once
+from .common import Figure, compare, percentile
 from .fleet import TOKEN, netns_daemon
 
 #: Cold nodes of the fleet, beside the one warm node.
 COLD = 5
+#: Attaches on the warm node while it is idle.
+IDLE_ATTACHES = 20
+#: Seconds between two attaches on the warm node.
+ATTACH_EVERY_S = 0.05
 #: Each link's rate both ways.
 LINK = "200mbit"
 PEER_PORT = 7077
@@ -84,10 +92,29 @@ def _fill(lan: Lan, ckpt: Path, token: Path, nodes: list[int]) -> tuple[float, i
 
 
 @contextlib.contextmanager
-def _warm(lan: Lan, ckpt: Path, token: Path) -> Iterator[None]:
+def _warm(lan: Lan, ckpt: Path, token: Path) -> Iterator[Any]:
     with netns_daemon(_member(lan, ckpt, token, 0), netns=lan.names[0], wait="serving") as d:
         _ready([d])
+        yield d
+
+
+@contextlib.contextmanager
+def _attaching(ckpt: Path, socket: str, times: list[float]) -> Iterator[None]:
+    """Attach to the warm node's set over and over on a thread, each time into `times`."""
+    stop = threading.Event()
+
+    def attach() -> None:
+        # A worker's pace, not a loop that would take a core from the fills it measures.
+        while not stop.wait(ATTACH_EVERY_S):
+            times.append(attach_once(ckpt, socket))
+
+    thread = threading.Thread(target=attach, name="bench-attach")
+    thread.start()
+    try:
         yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def swarm_fills(ckpt: Path, reps: int) -> list[Figure]:
@@ -100,6 +127,8 @@ def swarm_fills(ckpt: Path, reps: int) -> list[Figure]:
     alone: list[float] = []
     fleet: list[float] = []
     shares: list[float] = []
+    idle: list[float] = []
+    serving: list[float] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         bridged(f"ebs{os.getpid() % 10000}", 1 + COLD, LINK) as lan,
@@ -107,10 +136,14 @@ def swarm_fills(ckpt: Path, reps: int) -> list[Figure]:
         token = Path(tmp) / "token"
         token.write_text(TOKEN)
         token.chmod(0o400)
-        with _warm(lan, ckpt, token):
+        with _warm(lan, ckpt, token) as warm:
+            for _ in range(IDLE_ATTACHES):
+                time.sleep(ATTACH_EVERY_S)
+                idle.append(attach_once(ckpt, str(warm.socket)))
             for turn in range(reps):
                 alone.append(_fill(lan, ckpt, token, [1])[0])
-                seconds, sent = _fill(lan, ckpt, token, list(range(1, 1 + COLD)))
+                with _attaching(ckpt, str(warm.socket), serving):
+                    seconds, sent = _fill(lan, ckpt, token, list(range(1, 1 + COLD)))
                 fleet.append(seconds)
                 shares.append(100 * sent / (COLD * nbytes))
                 print(
@@ -139,5 +172,16 @@ def swarm_fills(ckpt: Path, reps: int) -> list[Figure]:
             higher_is_better=False,
             target="< 50%",
             at_most=50.0,
+        ),
+        *(
+            compare(
+                f"attach {name} on the warm node while it serves the fleet",
+                "ms",
+                [1e3 * percentile(serving, q)],
+                [1e3 * percentile(idle, q)],
+                higher_is_better=False,
+                note=f"baseline: idle; {len(serving)} attaches serving, {len(idle)} idle",
+            )
+            for name, q in (("p50", 50), ("p99", 99))
         ),
     ]

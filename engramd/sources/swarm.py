@@ -23,6 +23,11 @@ warm node and a bucket face hundreds of cold ones:
   never holds the whole width. Ties go by rendezvous hashing of receiver and
   source, so equal peers split a fleet's receivers between them instead of
   every receiver picking the same first one.
+- **Peers that hold some before peers that hold all**: a free slot goes
+  to a filling peer that holds a needed piece before a peer that holds the
+  whole set (the warm node, or one done filling): the whole-set holders'
+  links are what a cold fleet is short of, so they are asked for what no
+  one else can give, and each piece leaves them about once.
 - **Which piece**: the rarest first, counted over the peers that are
   known to hold it (a piece only the warm node has is fetched before one
   many hold, so new holders multiply the scarce pieces); ties by rendezvous
@@ -201,10 +206,13 @@ class Schedule:
         ready = [
             s for s in live if s.resting_until <= now and len(s.in_flight) < self._share(s, total)
         ]
-        # Files last; then unmeasured sources, then the fastest; ties by rendezvous.
+        # Files last, and peers that hold every piece after those that hold some; then
+        # unmeasured sources, then the fastest; ties by rendezvous.
+        everything = len(self.sizes)
         ready.sort(
             key=lambda s: (
                 s.tier is Tier.FILES,
+                s.tier is Tier.PEER and len(s.held) == everything,
                 s.rate != 0.0,
                 -s.rate,
                 -s.tie,

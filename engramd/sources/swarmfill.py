@@ -206,11 +206,13 @@ class SwarmFill:
         for entry, region in zip(self._plan.tensors, self._regions, strict=True):
             spot_check(entry, region.view())
         self._report()
+        # What gave the bytes, as status names it: the peers that did, and the files.
         peers = sorted(n for n in self._delivered if n != FILES)
-        label = [f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(peers)}"]
-        self._progress.source = ", ".join(
-            ([] if not peers else label) + ([FILES] if FILES in self._delivered else [])
-        )
+        named = [f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(peers)}"]
+        if self._delivered:
+            self._progress.source = ", ".join(
+                (named if peers else []) + ([FILES] if FILES in self._delivered else [])
+            )
         # Every byte has the attested strong digest: the attested checksums are theirs.
         return Filled(
             [t.checksum for t in self._first.manifest.tensors], got, self._first.offer.attestation
@@ -344,7 +346,8 @@ class SwarmFill:
     def _read(self, stream: PeerStream, piece: int, asked: float, now: float) -> None:
         assert self._agent is not None and self._landing is not None
         if piece in self._verified or piece in self._moving:
-            # Another request of it landed first; this one is moot.
+            # Another request of it landed first; this one is moot, and its slot there free.
+            stream.done(piece)
             self._schedule.cancel(piece, stream.address)
             return
         index, at, n = self._pieces[piece]
@@ -460,7 +463,15 @@ class SwarmFill:
         return self._offered
 
     def _judge(self, now: float) -> None:
-        """Drop peers below the rate floor; give up when stuck for STALL_S."""
+        """Drop peers silent for PIECE_TIMEOUT_S or below the rate floor; when pieces are
+        needed that no live peer holds, read them from the files or give up."""
+        silent = {name for (_, name), asked in self._asked.items() if now - asked > PIECE_TIMEOUT_S}
+        for name in sorted(silent):
+            why = f"no answer to a piece request within {PIECE_TIMEOUT_S:.0f} s"
+            log.warning(
+                "set %s: peer %s: %s; the others give its pieces", self._plan.set_id, name, why
+            )
+            self._lose(name, why, again=True)
         for name, first in list(self._first_ask.items()):
             source = self._schedule.sources[name]
             elapsed = now - first

@@ -47,6 +47,20 @@ def test_the_rarest_piece_comes_first() -> None:
     assert started["b"] in (0, 1)
 
 
+def test_a_peer_holding_some_is_asked_before_a_faster_one_holding_all() -> None:
+    """The warm node (every piece, 1.5 times as fast) is asked only for what the filling peer
+    cannot give once the filling peer has its share: its link is the fleet's scarce one."""
+    s = schedule(pieces=6, width=8)
+    s.add("warm", Tier.PEER, depth=8)
+    s.add("filling", Tier.PEER, depth=4, held=range(5))
+    probes = dict((name, piece) for piece, name in s.start(0.0))
+    assert probes["warm"] == 5  # the one piece only it holds
+    s.landed(probes["warm"], "warm", 0.01)
+    s.landed(probes["filling"], "filling", 0.015)
+    asked = Counter(name for _, name in s.start(1.0))
+    assert asked == {"filling": 3, "warm": 1}  # its share of 8 is 3; the warm node the rest
+
+
 def test_the_files_give_only_what_no_peer_holds_and_nothing_beside_a_store() -> None:
     s = schedule(pieces=4, width=8)
     s.add("a", Tier.PEER, depth=8, held=[0, 1])
