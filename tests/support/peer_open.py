@@ -63,6 +63,11 @@ class OpenFill:
         self._channel.close()
 
 
+def own_channel(address: str) -> grpc.Channel:
+    """A channel with a connection of its own: the peer caps streams per connection."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
 def open_fill(
     address: str,
     token: str,

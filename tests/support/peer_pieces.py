@@ -17,7 +17,7 @@ import json
 import sys
 
 import grpc
-from peer_open import open_fill
+from peer_open import open_fill, own_channel
 
 from engramd.sources.strong import set_pieces
 
@@ -25,15 +25,10 @@ from engramd.sources.strong import set_pieces
 CLIENT_DEADLINE_S = 300.0
 
 
-def _channel(address: str) -> grpc.Channel:
-    # A connection of each channel's own: the peer caps streams per connection.
-    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
 def refuse(address: str, token: str, set_id: str, pieces: list[int]) -> dict[str, object]:
     codes = []
     for p in pieces:
-        with _channel(address) as channel:
+        with own_channel(address) as channel:
             fill = open_fill(address, token, set_id, CLIENT_DEADLINE_S, channel)
             try:
                 codes.append(str(fill.piece(p).WhichOneof("step")))
@@ -44,10 +39,10 @@ def refuse(address: str, token: str, set_id: str, pieces: list[int]) -> dict[str
 
 
 def hog(address: str, token: str, set_id: str) -> None:
-    first = open_fill(address, token, set_id, CLIENT_DEADLINE_S, _channel(address))
+    first = open_fill(address, token, set_id, CLIENT_DEADLINE_S, own_channel(address))
     count = len(set_pieces([r.nbytes for r in first.offer.regions]))
     kinds = [str(first.piece(p).WhichOneof("step")) for p in range(count)]
-    second = open_fill(address, token, set_id, CLIENT_DEADLINE_S, _channel(address))
+    second = open_fill(address, token, set_id, CLIENT_DEADLINE_S, own_channel(address))
     for p in range(count):
         second.done(p)
     answers = [str(second.piece(p).WhichOneof("step")) for p in range(count)]

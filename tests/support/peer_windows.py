@@ -18,21 +18,16 @@ import sys
 import threading
 
 import grpc
-from peer_open import OpenFill, open_fill
+from peer_open import OpenFill, open_fill, own_channel
 
 #: The client's own deadline: far beyond what any answer here should take.
 CLIENT_DEADLINE_S = 120.0
 
 
-def _channel(address: str) -> grpc.Channel:
-    # A connection of each channel's own: the peer caps streams per connection.
-    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
-
-
 def refuse(address: str, token: str, set_id: str, sizes: list[int]) -> dict[str, object]:
     codes = []
     for n in sizes:
-        with _channel(address) as channel:
+        with own_channel(address) as channel:
             fill = open_fill(address, token, set_id, CLIENT_DEADLINE_S, channel)
             fill.ask(n)
             try:
@@ -45,7 +40,7 @@ def refuse(address: str, token: str, set_id: str, sizes: list[int]) -> dict[str,
 
 
 def stack(address: str, token: str, set_id: str, count: int) -> dict[str, object]:
-    channels = [_channel(address) for _ in range(count)]
+    channels = [own_channel(address) for _ in range(count)]
     fills = [open_fill(address, token, set_id, CLIENT_DEADLINE_S, ch) for ch in channels]
     nbytes = sum(r.nbytes for r in fills[0].offer.regions)
     granted = threading.Event()
