@@ -178,7 +178,6 @@ class _Served:
         self,
         name: str,
         key: str,
-        nbytes: int,
         manifest_json: str,
         offered: Offered,
         memory: Callable[[], list[tuple[int, int, int]]],
@@ -188,13 +187,13 @@ class _Served:
         self.name = name
         #: What a transfer process serving it is shared by: this copy, as loaded or filled.
         self.key = key
-        self.nbytes = nbytes
         self.manifest_json = manifest_json
         self.offered = offered
         #: Each tensor's (fd, offset, bytes), with descriptors of the caller's own.
         self.memory = memory
         #: Each piece's bytes.
         self.pieces = pieces
+        self.nbytes = sum(pieces)
         self.filling = filling
         self.told = -1
 
@@ -240,7 +239,6 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             return _Served(
                 ts.copy,
                 f"{ts.copy} {ts.manifest.nonce}",
-                ts.nbytes,
                 ts.manifest.to_json(),
                 await self._offer_of(ts),
                 lambda: published_memory(ts),
@@ -254,7 +252,6 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         return _Served(
             f"{set_id} (filling)",
             f"{set_id} filling {id(filling)}",
-            sum(filling.sizes),
             filling.manifest_json,
             Offered(filling.attestation, filling.strong, filling.piece_digests),
             filling.descriptors,

@@ -55,20 +55,28 @@ def spans(entry: TensorEntry) -> list[tuple[TensorEntry, int]]:
     return found
 
 
+def overlaps(entry: TensorEntry, at: int, nbytes: int) -> list[tuple[TensorEntry, int, int, int]]:
+    """Where bytes `at`..`at + nbytes` of a tensor lie in the checkpoint: (span, offset in the
+    span's file, bytes, offset in the range) for each of its spans they overlap."""
+    found = []
+    for span, start in spans(entry):
+        lo, hi = max(at, start), min(at + nbytes, start + span.nbytes)
+        if lo < hi:
+            found.append((span, span.offset + lo - start, hi - lo, lo - at))
+    return found
+
+
 def read_piece(entry: TensorEntry, at: int, nbytes: int) -> bytearray:
     """Bytes `at`..`at + nbytes` of a tensor, read from the checkpoint's files (its spans
     back to back); raises SourceFailed when a file is shorter than its header says."""
     out = bytearray(nbytes)
     view = memoryview(out)
-    for span, start in spans(entry):
-        lo, hi = max(at, start), min(at + nbytes, start + span.nbytes)
-        if lo >= hi:
-            continue
+    for span, offset, n, into in overlaps(entry, at, nbytes):
         fd = open_regular(Path(span.file))
         try:
-            done = lo
-            while done < hi:
-                got = os.preadv(fd, [view[done - at : hi - at]], span.offset + done - start)
+            done = 0
+            while done < n:
+                got = os.preadv(fd, [view[into + done : into + n]], offset + done)
                 if not got:
                     raise SourceFailed(f"{span.file} is shorter than its header says")
                 done += got

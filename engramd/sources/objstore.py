@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from urllib.parse import urlparse
 
-from engramd.sources.base import Progress, SourceFailed, spans, spot_check
+from engramd.sources.base import Progress, SourceFailed, overlaps, spans, spot_check
 from engramd.sources.inflight import InOrder
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
@@ -242,12 +242,10 @@ def _ranges(
 ) -> list[tuple[int, tuple[int, int, int]]]:
     """Where bytes `at`..`at + nbytes` of a tensor are: (offset in the window, (offset in the
     object, bytes, the object's device)) for each of its spans they overlap."""
-    found = []
-    for span, start in spans(entry):
-        lo, hi = max(at, start), min(at + nbytes, start + span.nbytes)
-        if lo < hi:
-            found.append((lo - at, (span.offset + lo - start, hi - lo, devices[str(span.file)])))
-    return found
+    return [
+        (into, (offset, n, devices[str(span.file)]))
+        for span, offset, n, into in overlaps(entry, at, nbytes)
+    ]
 
 
 def _move(landing: Landing, windows: list[tuple[int, int, int]]) -> None:
