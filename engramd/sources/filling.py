@@ -17,27 +17,26 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-def bitmap(held: Iterable[int], count: int) -> bytes:
-    """The pieces `held` of `count` as the proto's `held` bitmap (bit i of byte i // 8,
-    least significant first)."""
-    out = bytearray(-(-count // 8))
-    for p in held:
-        out[p // 8] |= 1 << (p % 8)
-    return bytes(out)
-
-
-def members(held: bytes, count: int) -> set[int]:
-    """The pieces a `held` bitmap names (empty: all `count`); ValueError when it is not one
-    of `count` pieces."""
+def bits(held: bytes, count: int) -> int:
+    """A `held` bitmap of `count` pieces as an int, bit i for piece i (empty: all of them);
+    ValueError when it is not one of `count` pieces."""
     if not held:
-        return set(range(count))
-    if len(held) != -(-count // 8):
+        return (1 << count) - 1
+    if len(held) != -(-count // 8) or int.from_bytes(held, "little") >> count:
         raise ValueError(f"a bitmap of {len(held)} bytes for {count} pieces")
-    found = {i for i in range(count) if held[i // 8] >> (i % 8) & 1}
+    return int.from_bytes(held, "little")
+
+
+def indices(pieces: int) -> list[int]:
+    """The pieces whose bits are set, in a time that follows their number, not the set's."""
+    found = []
+    while pieces:
+        low = pieces & -pieces
+        found.append(low.bit_length() - 1)
+        pieces ^= low
     return found
 
 
@@ -57,7 +56,8 @@ class Filling:
     memory: list[tuple[int, int, int]]
     #: Each piece's bytes, in the set's numbering (strong.set_pieces).
     sizes: list[int]
-    _held: set[int] = field(default_factory=set)
+    #: The pieces verified here, bit i for piece i.
+    _bits: int = 0
     #: Grows each time a piece is marked held: streams send their receivers the news.
     version: int = 0
     ended: bool = False
@@ -66,19 +66,19 @@ class Filling:
     def mark(self, piece: int) -> None:
         """Piece `piece` landed here with its attested digest."""
         with self._lock:
-            if piece not in self._held:
-                self._held.add(piece)
+            if not self._bits >> piece & 1:
+                self._bits |= 1 << piece
                 self.version += 1
 
     def holds(self, piece: int) -> bool:
         """Whether `piece` may be served."""
         with self._lock:
-            return not self.ended and piece in self._held
+            return not self.ended and bool(self._bits >> piece & 1)
 
     def held(self) -> tuple[int, bytes]:
         """The version and the bitmap of the pieces held now."""
         with self._lock:
-            return self.version, bitmap(self._held, len(self.sizes))
+            return self.version, self._bits.to_bytes(-(-len(self.sizes) // 8), "little")
 
     def descriptors(self) -> list[tuple[int, int, int]]:
         """The staged memory with descriptors of the caller's own (to close); raises

@@ -27,7 +27,7 @@ from typing import Protocol
 import grpc
 
 from engramd.sources.base import SourceFailed
-from engramd.sources.filling import members
+from engramd.sources.filling import bits, indices
 from engramd.sources.strong import set_pieces, split_pieces
 from engramd.sources.trust import FleetKey, nonce, proven
 from engramd_shared.checkpoint import TablePlan
@@ -65,6 +65,8 @@ class PeerStream:
         self.offer = peer_pb2.SetOffer()
         self.manifest: Manifest | None = None
         self.held: set[int] = set()
+        #: The pieces it said it holds, as filling.bits: news is compared with it.
+        self.known = 0
         #: Each tensor's piece digests, checked against the attested strong digests.
         self.pieces: list[list[bytes]] = []
         #: The peer's NIXL agent, once the fill loaded its metadata.
@@ -115,16 +117,24 @@ class PeerStream:
         self.offer = second.offer
         self.manifest, self.pieces = check_offer(plan, self.offer, key)
         try:
-            self.held = members(self.offer.held, len(set_pieces([t.nbytes for t in plan.tensors])))
+            self.known = bits(self.offer.held, len(set_pieces([t.nbytes for t in plan.tensors])))
         except ValueError as e:
             raise SourceFailed(
                 f"the peer's offer names the pieces it holds wrongly ({e})"
             ) from None
+        self.held = set(indices(self.known))
 
     @property
     def strong(self) -> list[str]:
         """The attested strong digests of the offer."""
         return list(self.offer.strong_digests)
+
+    def news(self, held: bytes, count: int) -> list[int]:
+        """The pieces a `holding` reply names that the peer did not hold before (ValueError
+        when it is no bitmap of `count` pieces)."""
+        now = bits(held, count)
+        new, self.known = now & ~self.known, self.known | now
+        return indices(new)
 
     def ask(self, piece: int) -> None:
         """Ask for piece `piece` (its grant, or that it is not held, comes as an event)."""

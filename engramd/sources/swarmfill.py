@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from functools import partial
 
 from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check
-from engramd.sources.filling import Filling, FillingSets, members
+from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.peerstream import PeerStream
@@ -70,6 +70,9 @@ PIECE_TIMEOUT_S = 60.0
 FLOOR_AFTER_S = 2.0
 #: Seconds between two looks at the reads in flight.
 POLL_S = 0.002
+#: Seconds between two judgements of the peers and of what no peer holds: each looks at every
+#: piece still needed, too much to do at every look at the reads of a set of 12,000 pieces.
+JUDGE_S = 0.1
 #: The node's own files as a source of the pieces no live peer holds, and its reads at once.
 FILES = "files"
 FILES_DEPTH = 2
@@ -248,6 +251,7 @@ class SwarmFill:
         for stream in self._streams.values():
             if not stream.remote:
                 stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
+        judged = 0.0
         while not self._schedule.done:
             now = time.monotonic()
             if self._progress.cancel.is_set():
@@ -272,7 +276,9 @@ class SwarmFill:
                     except queue.Empty:
                         break
             self._poll(time.monotonic())
-            self._judge(time.monotonic())
+            if time.monotonic() >= judged + JUDGE_S:
+                judged = time.monotonic()
+                self._judge(judged)
 
     def _handle(self, event: tuple[object, ...], now: float) -> None:
         kind = event[0]
@@ -319,7 +325,7 @@ class SwarmFill:
         step = reply.WhichOneof("step")
         if step == "holding":
             try:
-                held = members(reply.holding, len(self._pieces))
+                held = stream.news(reply.holding, len(self._pieces))
             except ValueError:
                 self._lose(name, "it named the pieces it holds wrongly", again=False)
                 return
