@@ -404,6 +404,58 @@ def test_a_forged_read_ends_the_transfer_process_not_the_daemon(
     assert ra.log.count("filling set") == 3
 
 
+def test_a_filling_node_attacked_from_the_network_publishes_the_checkpoints_bytes(
+    net: Net, nodes: Any, slow_checkpoint: Path, token_file: Path, attackers: Any
+) -> None:
+    """B fills from A and serves the pieces it verified on its own peer port. From A's
+    namespace, a token holder opens a fill of B's filling set and WRITEs into the offered
+    region with stock NIXL: B's serving transfer process dies, not B. Then every other port
+    of B's address is attacked with forged metadata and a READ of an unmapped address: they
+    are its receiving transfer process's, which dies too. B lives, says why, and publishes
+    exactly the checkpoint's bytes (read from its files, the fill's reads being gone)."""
+    attacker = attackers(net.a, net.ip_b)
+    a, b = nodes("a"), nodes("b")
+    ra = serving(a, slow_checkpoint, net, token_file, "--peer-rate", "2M")
+    rb = receiving(b, slow_checkpoint, net, token_file, "--peer-listen", f"{net.ip_b}:{PEER_PORT}")
+    set_id = plan_tables(slow_checkpoint).set_id
+    wait_until(lambda: reading(rb), 60, "B to read from A")
+    # B offers its set from its first verified piece on.
+    opened: dict[str, Any] = {}
+
+    def offered() -> bool:
+        opened.update(attacker.command("fill", f"{net.ip_b}:{PEER_PORT}", TOKEN, set_id))
+        return "regions" in opened
+
+    wait_until(offered, 60, "B to offer its filling set")
+    # B's two transfer processes: the one its fill reads with maps the landing ring, the one
+    # that serves maps B's staged set, read-only, and nothing else of B's.
+    landing = "/memfd:engramd-landing (deleted)"
+    (receiver,) = [p for p in transfer_processes(rb, net.b) if landing in mapped_files(p)]
+    (server,) = set(transfer_processes(rb, net.b)) - {receiver}
+    staged = {f for f in mapped_files(server) if f.startswith(str(b.shm_dir))}
+    assert staged and all(".loading-" in f for f in staged), staged
+    address, nbytes = opened["regions"][0]
+    attacker.command("write", opened["remote"], address, min(nbytes, 4096))
+    wait_until(lambda: not alive(server), 30, "B's serving process to end")
+    assert rb.proc is not None and rb.proc.poll() is None, rb.log
+    assert alive(receiver)
+
+    targets = [p for p in scan(net.a, net.ip_b, ra, rb) if p != PEER_PORT]
+    assert targets == sorted(s.port for s in transfer_processes(rb, net.b)[receiver])
+    for port in targets:
+        forged = attacker.command("forge", net.ip_b, port)
+        assert "remote" in forged, forged
+        attacker.command("read", forged["remote"], UNMAPPED, 8)
+    wait_until(lambda: not alive(receiver), 30, "B's receiving process to end")
+    s = ready_set(rb)
+    assert rb.proc.poll() is None and ra.proc is not None and ra.proc.poll() is None
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(slow_checkpoint)
+    # The fill lost its reads, not its correctness: the files gave the set.
+    assert s.source == "files", rb.log
+    said = r"peers: .*the transfer process ended \(killed by SIGSEGV\).*; loading from the files"
+    assert re.search(said, rb.log), rb.log
+
+
 # -- a fleet member ---------------------------------------------------------------------------
 
 
