@@ -61,7 +61,7 @@ def spread(peers: list[str], set_id: str, receiver: str) -> list[str]:
     """`peers` in the order `receiver` tries them for `set_id`: rendezvous hashing.
 
     Each (set, receiver, peer) gets a score, XXH3-64 of the three; the peers are tried
-    highest first. Every node of a fleet (its host name) thus has an order of its own
+    highest first. Every node of a fleet (`receiver`: its identity) thus has an order of its own
     for each set, the same at every try, and among N warm peers each is the first
     choice of about 1/N of the receivers: a headless Service's first address is not
     everyone's source. A peer added or gone moves only the receivers that ranked it.
@@ -106,6 +106,9 @@ class PeerSource:
         self._min_rate = min_rate
         self._filling = filling
         self._own_port = own.rpartition(":")[2]
+        #: This node among the fleet's, for the orders of peers and pieces: its host name and
+        #: its peer address (host names alone may repeat: cloned machines, shared namespaces).
+        self._receiver = f"{socket.gethostname()} {own}" if own else socket.gethostname()
         self._lock = threading.Lock()
 
     def addresses(self, set_id: str) -> list[str]:
@@ -116,7 +119,7 @@ class PeerSource:
             for a in addresses(self._peers)
             if not (self._own_port and a.rpartition(":")[2] == self._own_port and is_local(a))
         ]
-        return spread(found, set_id, socket.gethostname())
+        return spread(found, set_id, self._receiver)
 
     def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
         """Read the set of `plan` from the peers into `regions`; the digests and the
@@ -131,6 +134,13 @@ class PeerSource:
             if not found:
                 raise SourceFailed("no peer address resolves")
             fill = SwarmFill(
-                plan, regions, progress, self._key, self._min_rate, self._filling, self._files
+                plan,
+                regions,
+                progress,
+                self._key,
+                self._min_rate,
+                self._filling,
+                self._files,
+                self._receiver,
             )
             return fill.run(found)

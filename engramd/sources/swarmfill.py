@@ -31,7 +31,6 @@ import contextlib
 import logging
 import os
 import queue
-import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,7 +106,8 @@ def opened(
 
 
 class SwarmFill:
-    """One fill of the set of `plan` into `regions` from the peers at `addresses`."""
+    """One fill of the set of `plan` into `regions` from the peers at `addresses`; `receiver`:
+    this node's identity, which orders the pieces it asks for first."""
 
     def __init__(
         self,
@@ -118,6 +118,7 @@ class SwarmFill:
         min_rate: int,
         filling: FillingSets,
         files: bool,
+        receiver: str,
     ) -> None:
         self._plan = plan
         self._files = files
@@ -127,7 +128,7 @@ class SwarmFill:
         self._min_rate = min_rate
         self._board = filling
         self._pieces = set_pieces([t.nbytes for t in plan.tensors])
-        self._schedule = Schedule([n for _, _, n in self._pieces], socket.gethostname(), WIDTH)
+        self._schedule = Schedule([n for _, _, n in self._pieces], receiver, WIDTH)
         self._events: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
         self._streams: dict[str, PeerStream] = {}
         #: Pieces asked of each peer, not yet granted: when each was asked.

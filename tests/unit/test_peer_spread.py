@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engramd.sources.peer import spread
+from engramd.sources.filling import FillingSets
+from engramd.sources.peer import PeerSource, spread
+from engramd.sources.trust import FleetKey
 
 PEERS = [f"10.0.0.{i}:7077" for i in range(1, 5)]
 RECEIVERS = [f"node-{i:03d}" for i in range(400)]
@@ -38,3 +40,14 @@ def test_a_peer_gone_moves_only_the_receivers_that_ranked_it_first() -> None:
         before = spread(PEERS, "set-a", receiver)
         after = spread(rest, "set-a", receiver)
         assert after == [p for p in before if p != gone]
+
+
+def test_nodes_of_one_host_name_still_order_their_peers_each_their_own_way() -> None:
+    """Cloned machines, or namespaces sharing one host name: a daemon's peer address is part of
+    its identity, so members of a fleet still do not all ask the same peer first."""
+    fleet = [f"10.0.1.{i}:7077" for i in range(1, 41)]
+    firsts = Counter(
+        PeerSource(fleet, FleetKey("t" * 32), 0, FillingSets(), own=me).addresses("set-a")[0]
+        for me in fleet
+    )
+    assert len(firsts) > 10 and max(firsts.values()) < 10, firsts
