@@ -235,19 +235,12 @@ def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
         if config.peers or config.peer_token_file
         else None
     )
+    store = ObjectStoreSource(config.object_store, key) if config.object_store else None
     peers = (
-        PeerSource(
-            config.peers,
-            key,
-            config.peer_min_rate,
-            filling,
-            config.peer_listen,
-            files=not config.object_store,
-        )
+        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen, store)
         if key and config.peers
         else None
     )
-    store = ObjectStoreSource(config.object_store, key) if config.object_store else None
     return SourceChain(peers, store, key)
 
 

@@ -9,7 +9,10 @@ which the transfer process never maps) and digests the copy there, so the
 digests are of exactly the bytes that will be published, taken while the
 next windows are on the wire, on every core. A window is one piece of the
 strong digest (strong.PIECE_BYTES), so windows move and digest in any order.
-A slot is reused once its window has moved.
+A slot is reused once its window has moved. A fill that reads with two
+transfer processes (the peers', and the object store's, which holds the
+store's keys and so never listens: objstore.py) gives each a ring of its
+own (`add_ring`); the moves and digests are shared.
 
     ring (memfd, slots x PIECE_BYTES)          staged set (the daemon's)
     [ slot 0 | slot 1 | ... | slot n-1 ]  -->  tensor i, piece k
@@ -48,31 +51,40 @@ def movers() -> int:
     return max(1, min(threads() // 2, MAX_MOVERS))
 
 
+class _Ring:
+    """Slots of one piece each in a file both the daemon and one transfer process map."""
+
+    def __init__(self, agent: Agent, in_flight: int) -> None:
+        # Two windows a mover keep it busy while the next ones land.
+        slots = in_flight + 2 * movers()
+        fd = os.memfd_create("engramd-landing", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(fd, slots * PIECE_BYTES)
+            #: The ring as the daemon maps it.
+            self.region = Region(fd, 0, slots * PIECE_BYTES, populate=True)
+            try:
+                #: Its address in the transfer process.
+                (self.there,) = agent.attach([(fd, 0, slots * PIECE_BYTES)], writable=True)
+            except BaseException:
+                self.region.close()
+                raise
+        finally:
+            os.close(fd)
+        self.free = deque(range(slots))
+
+
 class Landing:
-    """A ring of slots of one piece each, mapped by `agent`'s transfer process and by the
-    daemon, for fills of the staged `regions` (mapped read-only in the daemon, to digest
-    them) with at most `in_flight` windows on the wire at once."""
+    """Rings of slots of one piece each, the first mapped by `agent`'s transfer process,
+    and by the daemon, for fills of the staged `regions` (mapped read-only in the daemon, to
+    digest them) with at most `in_flight` windows on the wire at once."""
 
     def __init__(self, agent: Agent, regions: list[Region], in_flight: int) -> None:
         #: The staged set's tensors.
         self.regions = regions
-        # Two windows a mover keep it busy while the next ones land.
-        slots = in_flight + 2 * movers()
         self._pieces = [[b""] * len(pieces(r.nbytes)) for r in regions]
         self._kinds = [STRONG] * len(regions)
         self._expected: list[list[bytes]] | None = None
-        fd = os.memfd_create("engramd-landing", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, slots * PIECE_BYTES)
-            self._ring = Region(fd, 0, slots * PIECE_BYTES, populate=True)
-            try:
-                (self._there,) = agent.attach([(fd, 0, slots * PIECE_BYTES)], writable=True)
-            except BaseException:
-                self._ring.close()
-                raise
-        finally:
-            os.close(fd)
-        self._free = deque(range(slots))
+        self._rings = [_Ring(agent, in_flight)]
         self._moves: deque[Future[None]] = deque()
         self._movers = ThreadPoolExecutor(movers(), "engramd-landing")
         #: Tensors written through a writable mapping of the daemon's (hugetlbfs).
@@ -87,28 +99,44 @@ class Landing:
         self._kinds = [kind_of(d) for d in strong]
         self._expected = piece_digests
 
-    def slot(self) -> tuple[int, int]:
-        """A free slot and its address in the transfer process; waits for the oldest move
-        when every slot holds a window (raises what a move raised)."""
-        while not self._free:
+    def add_ring(self, agent: Agent, in_flight: int) -> int:
+        """A ring of its own for another transfer process's reads, `in_flight` at once; its
+        number, for `slot`, `landed` and `discard`."""
+        self._rings.append(_Ring(agent, in_flight))
+        return len(self._rings) - 1
+
+    def slot(self, ring: int = 0) -> tuple[int, int]:
+        """A free slot of `ring` and its address in that ring's transfer process; waits for
+        the oldest move when every slot holds a window (raises what a move raised)."""
+        free = self._rings[ring].free
+        while not free:
             if not self._moves:
                 raise RuntimeError("every slot of the landing ring is in flight")
             self._moves.popleft().result()
-        slot = self._free.popleft()
-        return slot, self._there + slot * PIECE_BYTES
+        slot = free.popleft()
+        return slot, self._rings[ring].there + slot * PIECE_BYTES
 
     def landed(
-        self, slot: int, index: int, at: int, then: Callable[[bool], None] | None = None
+        self,
+        slot: int,
+        index: int,
+        at: int,
+        then: Callable[[bool], None] | None = None,
+        ring: int = 0,
     ) -> None:
-        """The window in `slot` arrived: it is the piece of tensor `index` at `at`. Once it
-        moved, `then` is told (on a mover's thread) whether it has the expected digest."""
+        """The window in `slot` of `ring` arrived: it is the piece of tensor `index` at `at`.
+        Once it moved, `then` is told (on a mover's thread) whether it has the expected
+        digest."""
         while self._moves and self._moves[0].done():
             self._moves.popleft().result()
-        self._moves.append(self._movers.submit(self._move, slot, index, at, then))
+        self._moves.append(
+            self._movers.submit(self._move, self._rings[ring], slot, index, at, then)
+        )
 
-    def discard(self, slot: int) -> None:
-        """The window in `slot` is not wanted (its piece came from elsewhere): free the slot."""
-        self._free.append(slot)
+    def discard(self, slot: int, ring: int = 0) -> None:
+        """The window in `slot` of `ring` is not wanted (its piece came from elsewhere): free
+        the slot."""
+        self._rings[ring].free.append(slot)
 
     def put(self, index: int, at: int, data: bytearray, then: Callable[[bool], None]) -> None:
         """The piece of tensor `index` at `at`, read elsewhere (the node's own files) into
@@ -117,15 +145,16 @@ class Landing:
             self._moves.popleft().result()
         self._moves.append(self._movers.submit(self._put, index, at, data, then))
 
-    def _move(self, slot: int, index: int, at: int, then: Callable[[bool], None] | None) -> None:
+    def _move(
+        self, ring: _Ring, slot: int, index: int, at: int, then: Callable[[bool], None] | None
+    ) -> None:
         nbytes = self._piece_bytes(index, at)
         start = slot * PIECE_BYTES
         try:
-            self._write(
-                index, at, self._ring.view()[start : start + nbytes], self._ring.address + start
-            )
+            window = ring.region.view()[start : start + nbytes]
+            self._write(index, at, window, ring.region.address + start)
         finally:
-            self._free.append(slot)
+            ring.free.append(slot)
         self._check(index, at, nbytes, then)
 
     def _put(self, index: int, at: int, data: bytearray, then: Callable[[bool], None]) -> None:
@@ -187,9 +216,10 @@ class Landing:
         ]
 
     def close(self) -> None:
-        """Stop moving (windows not moved yet are dropped) and unmap the ring."""
+        """Stop moving (windows not moved yet are dropped) and unmap the rings."""
         self._movers.shutdown(wait=True, cancel_futures=True)
-        self._ring.close()
+        for ring in self._rings:
+            ring.region.close()
         for region in self._mapped.values():
             region.close()
         self._mapped.clear()

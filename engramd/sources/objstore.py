@@ -95,10 +95,26 @@ class ObjectStoreSource:
         """The object key of a checkpoint file named `name`."""
         return f"{self._prefix}/{name}" if self._prefix else name
 
+    def agent(self) -> Agent:
+        """A transfer process with the OBJ backend for this store (given the daemon's AWS_
+        variables; nothing listens there)."""
+        return Agent({"OBJ": self._params})
+
+    def register(self, agent: Agent, plan: TablePlan) -> dict[str, int]:
+        """Register with `agent` the objects of the files `plan` reads; each file's (by its
+        real path) OBJ device, for `object_ranges`."""
+        files = _names(plan)
+        devices = {path: i for i, path in enumerate(files)}
+        agent.register(
+            [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
+            "OBJ",
+        )
+        return devices
+
     def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
         """Read the set of `plan` into `regions`; the digests and the attestation they matched.
         Raises SourceFailed."""
-        with self._lock, Agent({"OBJ": self._params}) as agent:
+        with self._lock, self.agent() as agent:
             attested = self._attested(agent, plan, progress)
             with Landing(agent, regions, READS_IN_FLIGHT * WINDOWS_PER_READ) as landing:
                 landing.expect([t.strong for t in attested.tensors])
@@ -168,18 +184,13 @@ class ObjectStoreSource:
             ) from None
 
     def _fill(self, agent: Agent, landing: Landing, plan: TablePlan, progress: Progress) -> None:
-        files = _names(plan)
-        devices = {path: i for i, path in enumerate(files)}
-        agent.register(
-            [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
-            "OBJ",
-        )
-        for path, (name, size) in files.items():
+        devices = self.register(agent, plan)
+        for path, (name, size) in _names(plan).items():
             self._check_object(agent, path, self.key(name), size, devices[path], progress)
         # A window is a piece of the strong digest, digested as it lands; a piece of a
         # table joined from row shards may take a range of each of two shards' objects.
         windows = [
-            (i, at, _ranges(t, at, n, devices))
+            (i, at, object_ranges(t, at, n, devices))
             for i, t in enumerate(plan.tensors)
             for at, n in pieces(t.nbytes)
         ]
@@ -237,7 +248,7 @@ class ObjectStoreSource:
             at_local += n
 
 
-def _ranges(
+def object_ranges(
     entry: TensorEntry, at: int, nbytes: int, devices: dict[str, int]
 ) -> list[tuple[int, tuple[int, int, int]]]:
     """Where bytes `at`..`at + nbytes` of a tensor are: (offset in the window, (offset in the

@@ -23,6 +23,7 @@ import xxhash
 
 from engramd.sources.base import Progress, SourceFailed
 from engramd.sources.filling import FillingSets
+from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.regions import Region
 from engramd.sources.swarmfill import MAX_PEERS, SwarmFill
 from engramd.sources.trust import Filled, FleetKey
@@ -87,9 +88,9 @@ def is_local(address: str) -> bool:
 
 class PeerSource:
     """Fills sets from peers; one fill at a time. `own`: this daemon's --peer-listen, which
-    a list of the fleet's peers (a headless Service) names too: it is never asked. `files`:
-    pieces no peer can give come from the node's own files (no object store is configured
-    to give them)."""
+    a list of the fleet's peers (a headless Service) names too: it is never asked. `store`:
+    the object store, a source of pieces beside the peers; pieces no peer and no store can
+    give come from the node's own files."""
 
     def __init__(
         self,
@@ -98,9 +99,9 @@ class PeerSource:
         min_rate: int,
         filling: FillingSets,
         own: str = "",
-        files: bool = True,
+        store: ObjectStoreSource | None = None,
     ) -> None:
-        self._files = files
+        self._store = store
         self._peers = peers
         self._key = key
         self._min_rate = min_rate
@@ -140,7 +141,7 @@ class PeerSource:
                 self._key,
                 self._min_rate,
                 self._filling,
-                self._files,
+                self._store,
                 self._receiver,
             )
             return fill.run(found)

@@ -12,14 +12,21 @@ another. Once this node holds a verified piece it offers the set's verified
 pieces to other peers too (filling.py), so a fleet of cold nodes fills from
 each other and not all from the one warm node.
 
+With `--object-store`, the store is one more source of the schedule, which
+holds every piece (swarm.py's STORE tier): a second transfer process of the
+fill's own, with the OBJ backend and the store's keys and no UCX (nothing
+listens there), reads the pieces it is asked for into a landing ring of its
+own, and each is compared with the attested piece digest like any other. A
+read of the store that fails drops the store for the fill, and its slot is
+never used again (NIXL reports a request of several ranges failed while the
+others may still be landing).
+
 Peers that did not offer the set (not held, or not filling yet) and peers
 whose stream broke are asked again every REASK_S while the fill runs; liars
 and peers below the rate floor are not. When pieces are needed that no live
-peer holds, and no peer may come back or nothing changed for STALL_S, those
-pieces come from the node's own files (`files`: when no object store is
-configured; swarm.py's FILES tier, compared with the attested digests like
-any piece), or the fill gives up (SourceFailed) and the object store, then
-the files, fill the whole set.
+source holds, and no peer may come back or nothing changed for STALL_S,
+those pieces come from the node's own files (swarm.py's FILES tier,
+compared with the attested digests like any piece).
 
 Everything here runs on the loader's thread, but the streams' listeners and
 the landing's movers, which only put events on one queue.
@@ -41,6 +48,7 @@ from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check
 from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.sources.objstore import ObjectStoreSource, object_ranges
 from engramd.sources.peerstream import PeerStream
 from engramd.sources.regions import Region
 from engramd.sources.strong import set_pieces
@@ -75,6 +83,18 @@ JUDGE_S = 0.1
 #: The node's own files as a source of the pieces no live peer holds, and its reads at once.
 FILES = "files"
 FILES_DEPTH = 2
+#: Pieces in flight at once from the object store.
+STORE_DEPTH = 4
+
+
+@dataclass
+class _StoreRead:
+    """A piece being read from the object store."""
+
+    piece: int
+    slot: int
+    asked: float
+    deadline: float
 
 
 @dataclass
@@ -106,8 +126,9 @@ def opened(
 
 
 class SwarmFill:
-    """One fill of the set of `plan` into `regions` from the peers at `addresses`; `receiver`:
-    this node's identity, which orders the pieces it asks for first."""
+    """One fill of the set of `plan` into `regions` from the peers at `addresses` (and the
+    object store, `store`); `receiver`: this node's identity, which orders the pieces it asks
+    for first."""
 
     def __init__(
         self,
@@ -117,11 +138,11 @@ class SwarmFill:
         key: FleetKey,
         min_rate: int,
         filling: FillingSets,
-        files: bool,
+        store: ObjectStoreSource | None,
         receiver: str,
     ) -> None:
         self._plan = plan
-        self._files = files
+        self._store = store
         self._regions = regions
         self._progress = progress
         self._key = key
@@ -151,6 +172,12 @@ class SwarmFill:
         self._offered: Filling | None = None
         self._agent: Agent | None = None
         self._landing: Landing | None = None
+        #: The object store's transfer process, its objects' devices, its landing ring and
+        #: its reads in flight (none: no store, or it could not start).
+        self._store_agent: Agent | None = None
+        self._store_devices: dict[str, int] = {}
+        self._store_ring = 0
+        self._store_reads: dict[int, _StoreRead] = {}
         self._pool = ThreadPoolExecutor(MAX_PEERS, "engramd-peer-open")
 
     def run(self, addresses: list[str]) -> Filled:
@@ -175,10 +202,28 @@ class SwarmFill:
                 self._landing.close()
             if self._agent is not None:
                 self._agent.close()
+            if self._store_agent is not None:
+                self._store_agent.close()
 
     def _receiving(self, address: str) -> Landing:
         self._agent = Agent({"UCX": {}}, peer=address)
-        return Landing(self._agent, self._regions, WIDTH)
+        landing = Landing(self._agent, self._regions, WIDTH)
+        if self._store is not None:
+            try:
+                self._store_agent = self._store.agent()
+                self._store_devices = self._store.register(self._store_agent, self._plan)
+                self._store_ring = landing.add_ring(self._store_agent, STORE_DEPTH)
+            except (TransferFailed, OSError) as e:
+                log.warning(
+                    "set %s: %s gives no pieces (%s); the peers and the files give them",
+                    self._plan.set_id,
+                    self._store.url,
+                    e,
+                )
+                if self._store_agent is not None:
+                    self._store_agent.close()
+                    self._store_agent = None
+        return landing
 
     def _agent_of(self) -> Agent:
         assert self._agent is not None
@@ -210,13 +255,12 @@ class SwarmFill:
         for entry, region in zip(self._plan.tensors, self._regions, strict=True):
             spot_check(entry, region.view())
         self._report()
-        # What gave the bytes, as status names it: the peers that did, and the files.
-        peers = sorted(n for n in self._delivered if n != FILES)
+        # What gave the bytes, as status names it: the peers that did, the store, the files.
+        others = [n for n in (self._store_name(), FILES) if n in self._delivered]
+        peers = sorted(set(self._delivered) - set(others))
         named = [f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(peers)}"]
         if self._delivered:
-            self._progress.source = ", ".join(
-                (named if peers else []) + ([FILES] if FILES in self._delivered else [])
-            )
+            self._progress.source = ", ".join((named if peers else []) + others)
         # Every byte has the attested strong digest: the attested checksums are theirs.
         return Filled(
             [t.checksum for t in self._first.manifest.tensors], got, self._first.offer.attestation
@@ -249,6 +293,8 @@ class SwarmFill:
         assert self._agent is not None and self._landing is not None
         assert self._first is not None
         self._landing.expect(self._first.strong, self._first.pieces)
+        if self._store_agent is not None:
+            self._schedule.add(self._store_name(), Tier.STORE, STORE_DEPTH)
         for stream in self._streams.values():
             if not stream.remote:
                 stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
@@ -262,11 +308,15 @@ class SwarmFill:
                 if name == FILES:
                     self._from_files(piece, now)
                     continue
+                if name == self._store_name():
+                    self._from_store(piece, now)
+                    continue
                 self._first_ask.setdefault(name, now)
                 self._asked[(piece, name)] = now
                 self._streams[name].ask(piece)
             try:
-                event = self._events.get(timeout=POLL_S if self._reads else REASK_S / 5)
+                reading = self._reads or self._store_reads
+                event = self._events.get(timeout=POLL_S if reading else REASK_S / 5)
             except queue.Empty:
                 pass
             else:
@@ -277,6 +327,7 @@ class SwarmFill:
                     except queue.Empty:
                         break
             self._poll(time.monotonic())
+            self._poll_store(time.monotonic())
             if time.monotonic() >= judged + JUDGE_S:
                 judged = time.monotonic()
                 self._judge(judged)
@@ -383,13 +434,77 @@ class SwarmFill:
             else:
                 self._moving.add(read.piece)
                 index, at, _ = self._pieces[read.piece]
-                self._landing.landed(read.slot, index, at, self._then(read, now - read.asked))
+                self._landing.landed(
+                    read.slot, index, at, self._then(read.piece, name, now - read.asked)
+                )
         for handle, read in list(self._reads.items()):
             if now > read.deadline:
                 # Its slot stays taken: the read may still land there.
                 del self._reads[handle]
                 read.stream.done(read.piece)
                 self._schedule.failed(read.piece, read.stream.address, "the read outlived it")
+
+    def _store_name(self) -> str:
+        """The object store as the schedule and status name it ("" without one)."""
+        return self._store.url if self._store is not None else ""
+
+    def _from_store(self, piece: int, now: float) -> None:
+        """Start reading `piece` from the object store into a slot of its ring."""
+        assert self._store_agent is not None and self._landing is not None
+        index, at, n = self._pieces[piece]
+        slot, there = self._landing.slot(self._store_ring)
+        spans = object_ranges(self._plan.tensors[index], at, n, self._store_devices)
+        try:
+            handle = self._store_agent.post(
+                [(there + into, size, 0) for into, (_, size, _) in spans],
+                [where for _, where in spans],
+                "OBJ",
+                self._store_agent.name,
+            )
+        except TransferFailed as e:
+            self._store_failed(piece, str(e))
+            return
+        self._store_reads[handle] = _StoreRead(piece, slot, now, now + PIECE_TIMEOUT_S)
+
+    def _poll_store(self, now: float) -> None:
+        if not self._store_reads:
+            return
+        assert self._store_agent is not None and self._landing is not None
+        name = self._store_name()
+        try:
+            ended = self._store_agent.states(list(self._store_reads))
+        except TransferFailed as e:
+            ended = dict.fromkeys(self._store_reads, f"ERR ({e})")
+        for handle, state in ended.items():
+            read = self._store_reads.pop(handle)
+            if state != "DONE":
+                # Its other ranges may still be landing: its slot is never used again.
+                self._store_failed(read.piece, f"a read of piece {read.piece} failed")
+            elif read.piece in self._verified or read.piece in self._moving:
+                self._landing.discard(read.slot, self._store_ring)
+                self._schedule.cancel(read.piece, name)
+            else:
+                self._moving.add(read.piece)
+                index, at, _ = self._pieces[read.piece]
+                then = self._then(read.piece, name, now - read.asked)
+                self._landing.landed(read.slot, index, at, then, self._store_ring)
+        for handle, read in list(self._store_reads.items()):
+            if now > read.deadline:
+                del self._store_reads[handle]
+                self._store_failed(read.piece, f"piece {read.piece} took over {PIECE_TIMEOUT_S} s")
+
+    def _store_failed(self, piece: int, why: str) -> None:
+        """A read of the store failed: the store is dropped for the fill."""
+        name = self._store_name()
+        self._schedule.failed(piece, name, why)
+        if not self._schedule.sources[name].dropped:
+            log.warning(
+                "set %s: %s: %s; the peers and the files give its pieces",
+                self._plan.set_id,
+                name,
+                why,
+            )
+            self._schedule.drop(name, why)
 
     def _from_files(self, piece: int, now: float) -> None:
         """Read `piece` from the checkpoint's files on the pool; it lands as an event."""
@@ -420,9 +535,9 @@ class SwarmFill:
 
         self._landing.put(index, at, data, moved)
 
-    def _then(self, read: _Read, seconds: float) -> Callable[[bool], None]:
+    def _then(self, piece: int, name: str, seconds: float) -> Callable[[bool], None]:
         def moved(good: bool) -> None:
-            self._events.put(("moved", read.piece, read.stream.address, good, seconds))
+            self._events.put(("moved", piece, name, good, seconds))
 
         return moved
 
@@ -441,7 +556,8 @@ class SwarmFill:
                 f"it sent piece {piece} (tensor {self._plan.tensors[index].name!r}, bytes "
                 f"{at}..) with another digest than the attested one"
             )
-            log.warning("set %s: peer %s: %s; dropped", self._plan.set_id, name, why)
+            what = name if name == self._store_name() else f"peer {name}"
+            log.warning("set %s: %s: %s; dropped", self._plan.set_id, what, why)
             self._schedule.failed(piece, name, why, lied=True)
             self._lose(name, why, again=False)
             return
@@ -506,7 +622,7 @@ class SwarmFill:
             + (f" after {STALL_S:.0f} s" if waiting else "")
             + (f" ({left})" if left else "")
         )
-        if not self._files or FILES in self._schedule.sources:
+        if FILES in self._schedule.sources:
             raise SourceFailed(why)
         log.warning("set %s: %s; those pieces come from the files", self._plan.set_id, why)
         self._schedule.add(FILES, Tier.FILES, FILES_DEPTH)

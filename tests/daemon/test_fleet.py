@@ -16,6 +16,7 @@ import contextlib
 import os
 import platform
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -39,6 +40,7 @@ from fleet_nodes import (
 
 from conftest import SUPPORT, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.sources.peer import addresses
+from engramd.sources.strong import pieces
 from engramd.sources.swarmfill import STALL_S
 from engramd.testing.fleet_lab import (
     S3,
@@ -495,6 +497,76 @@ def test_joined_shards_from_a_peer(
     s = ready_set(rb)
     assert s.source == f"peer {net.ip_a}:7077", rb.log
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
+
+
+def test_pieces_from_a_peer_and_the_object_store_at_once(
+    s3: S3, nodes: Any, big_checkpoint: Path, token_file: Path
+) -> None:
+    """B fills from peer A, held to 4 MB/s by --peer-rate, and from the object store at once
+    (both on this host's loopback): each gives pieces, each compared with the attested piece
+    digests; B's set is the checkpoint's, and status names both shares."""
+    s3.upload(big_checkpoint, "m")
+    url, port = f"s3://{s3.bucket}/m", free_port()
+    peer = f"127.0.0.1:{port}"
+    a = nodes("a").start(
+        [
+            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
+            *("--peer-listen", peer, "--peer-rate", "4M"),
+        ]
+    )
+    ready_set(a)
+    b = nodes("b")
+    d = b.start(
+        [
+            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
+            *("--peers", peer, "--object-store", url),
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    given = dict(s.bytes_by_source)
+    assert set(given) == {peer, url} and all(given.values()), (given, d.log)
+    assert sum(given.values()) == s.bytes
+    assert s.source == f"peer {peer}, {url}", d.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+
+
+def test_an_object_store_that_lies_about_a_piece_is_dropped(
+    s3: S3, nodes: Any, big_checkpoint: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """The bucket holds the checkpoint with a row of every piece zeroed: B drops the store at
+    the first piece it gave, and peer A gives every piece."""
+    evil = tmp_path / "evil"
+    shutil.copytree(big_checkpoint, evil)
+    for entry in plan_tables(big_checkpoint).tensors:
+        (span,) = entry.spans
+        with open(evil / Path(span.file).name, "r+b") as f:
+            for at, n in pieces(entry.nbytes):
+                f.seek(span.offset + at + n // 2)
+                f.write(bytes(256))
+    s3.upload(evil, "m")
+    url, port = f"s3://{s3.bucket}/m", free_port()
+    peer = f"127.0.0.1:{port}"
+    a = nodes("a").start(
+        [
+            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
+            *("--peer-listen", peer, "--peer-rate", "16M"),
+        ]
+    )
+    ready_set(a)
+    b = nodes("b")
+    d = b.start(
+        [
+            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
+            *("--peers", peer, "--object-store", url),
+        ],
+        env=s3.env(),
+    )
+    s = ready_set(d)
+    assert s.source == f"peer {peer}", d.log
+    assert dict(s.bytes_by_source) == {peer: s.bytes}
+    assert re.search(rf"{url}: it sent piece \d+ .* another digest than the attested one", d.log)
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
 
 
 def test_joined_shards_from_the_object_store(
