@@ -51,6 +51,10 @@ START_TIMEOUT_S = 30.0
 #: settings and what an interpreter needs; never a token, a key or the rest.
 PASSED_ENV = ("PATH", "LD_LIBRARY_PATH", "PYTHONPATH", "LANG", "LC_ALL", "TMPDIR", "HOME")
 PASSED_PREFIXES = ("UCX_", "NIXL_")
+#: UCX's TCP segments (64 KiB and 8 KiB by default): a fill of 1 GiB over a veth moved
+#: 1.19 GB/s with these against 0.89 with UCX's own, median of 6 alternating turns. UCX
+#: refuses a send segment larger than the receive one, so both are set, or neither.
+TCP_SEGMENTS = {"UCX_TCP_RX_SEG_SIZE": "256k", "UCX_TCP_TX_SEG_SIZE": "256k"}
 
 
 def nixl_build() -> str:
@@ -74,12 +78,15 @@ def agent_name(purpose: str) -> str:
 
 def transfer_env(device: str, prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     """What a transfer process is given at its start for a fill whose UCX may use only
-    network `device`: the daemon's variables that start with `prefixes`, and the device."""
+    network `device`: the daemon's variables that start with `prefixes`, the device, and
+    UCX's TCP segment sizes where the daemon's environment sets neither."""
     env = {k: v for k, v in os.environ.items() if k.startswith(prefixes)} if prefixes else {}
     if device:
         # UCX opens a TCP listener on every interface it uses (all of them by
         # default, loopback included): only the peer network's, then.
         env["UCX_NET_DEVICES"] = device
+        if not any(k in os.environ for k in TCP_SEGMENTS):
+            env.update(TCP_SEGMENTS)
     return env
 
 
