@@ -182,14 +182,18 @@ def _locked(s: pb.SetInfo) -> str:
 
 
 def _source(s: pb.SetInfo) -> str:
-    """Where the set's bytes came from (each peer's share, where several gave), and at what
-    rate once loaded."""
+    """Where the set's bytes came from (each source's share, where several gave: the peers,
+    the object store, the files), and at what rate once loaded."""
     source = s.source
     if s.bytes_by_source:
         given = max(sum(s.bytes_by_source.values()), 1)
-        source = "peers " + ", ".join(
-            f"{name} {100 * n // given}%" for name, n in sorted(s.bytes_by_source.items())
-        )
+        shares = {name: f"{name} {100 * n // given}%" for name, n in s.bytes_by_source.items()}
+        peers = sorted(n for n in shares if n != "files" and not n.startswith("s3://"))
+        named = [("peer " if len(peers) == 1 else "peers ") + ", ".join(shares[n] for n in peers)]
+        others = [
+            shares[n] for n in sorted(shares, key=lambda n: (n == "files", n)) if n not in peers
+        ]
+        source = ", ".join((named if peers else []) + others)
     if s.load_seconds and s.source != "adopted":
         return f"{source} {s.bytes / s.load_seconds / 1e9:.2f} GB/s"
     return source

@@ -39,6 +39,7 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT, Worker, huge_pages, mounted_hugetlbfs, wait_until
+from engramd.cli.status_view import render
 from engramd.sources.peer import addresses
 from engramd.sources.strong import pieces
 from engramd.sources.swarmfill import STALL_S
@@ -528,6 +529,10 @@ def test_pieces_from_a_peer_and_the_object_store_at_once(
     assert set(given) == {peer, url} and all(given.values()), (given, d.log)
     assert sum(given.values()) == s.bytes
     assert s.source == f"peer {peer}, {url}", d.log
+    shares = [
+        f"{name} {100 * n // s.bytes}%" for name, n in ((peer, given[peer]), (url, given[url]))
+    ]
+    assert f"peer {shares[0]}, {shares[1]}" in " ".join(render(d.status(), width=400).split())
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
 
 

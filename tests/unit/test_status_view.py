@@ -47,3 +47,18 @@ def test_status_is_bounded_and_prints_safely() -> None:
     assert not any(line.startswith("    lease forged") for line in text.splitlines())
     assert "and 5 more leases" in text and "STALE" in text
     assert escape("a\tb\x1b[2J\x85") == "a\\x09b\\x1b[2J\\x85"
+
+
+def test_status_names_each_sources_share() -> None:
+    def shown(by_source: dict[str, int]) -> str:
+        info = pb.SetInfo(set_id="cd" * 10, state="loading", bytes=100, source="peers")
+        info.bytes_by_source.update(by_source)
+        return " ".join(render(pb.StatusReply(sets=[info]), width=400).split())
+
+    assert "peers 10.0.0.1:7077 25%, 10.0.0.2:7077 75%" in shown(
+        {"10.0.0.2:7077": 75, "10.0.0.1:7077": 25}
+    )
+    assert "peer 10.0.0.1:7077 40%, s3://models/v4 50%, files 10%" in shown(
+        {"files": 10, "s3://models/v4": 50, "10.0.0.1:7077": 40}
+    )
+    assert "s3://models/v4 90%, files 10%" in shown({"files": 10, "s3://models/v4": 90})
