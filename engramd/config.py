@@ -236,8 +236,9 @@ class DaemonConfig:
     #: s3://bucket/prefix holding the checkpoint's files (their names as in the folder).
     object_store: str = setting(
         "",
-        "s3://bucket/prefix holding the checkpoint's safetensors files, tried after the peers "
-        "and before the files (endpoint and keys as the AWS tools take them: "
+        "s3://bucket/prefix holding the checkpoint's safetensors files: a source of pieces "
+        "beside the peers, and of the whole set when no peer offers it, before the files "
+        "(endpoint and keys as the AWS tools take them: "
         "AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION).",
     )
     #: Seconds in-flight RPCs get to finish at shutdown before they are cancelled.

@@ -474,7 +474,10 @@ class SwarmFill:
         try:
             ended = self._store_agent.states(list(self._store_reads))
         except TransferFailed as e:
-            ended = dict.fromkeys(self._store_reads, f"ERR ({e})")
+            for read in self._store_reads.values():
+                self._store_failed(read.piece, str(e))
+            self._store_reads.clear()
+            return
         for handle, state in ended.items():
             read = self._store_reads.pop(handle)
             if state != "DONE":
