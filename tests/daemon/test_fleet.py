@@ -38,7 +38,7 @@ from fleet_nodes import (
     write_token,
 )
 
-from conftest import SUPPORT, Worker, huge_pages, mounted_hugetlbfs, wait_until
+from conftest import SUPPORT, Daemon, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.cli.status_view import render
 from engramd.sources.peer import addresses
 from engramd.sources.strong import pieces
@@ -500,6 +500,17 @@ def test_joined_shards_from_a_peer(
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
 
 
+def _peer_and_store(
+    a: Any, b: Any, s3: S3, checkpoint: Path, token_file: Path, rate: str
+) -> tuple[str, str, Daemon]:
+    """A serving `checkpoint`'s set on loopback under --peer-rate `rate`; B's daemon filling
+    it from A and the bucket's prefix "m"; A's address, the store's URL, B's daemon."""
+    url, peer = f"s3://{s3.bucket}/m", f"127.0.0.1:{free_port()}"
+    args = ["--checkpoint", str(checkpoint), "--peer-token-file", str(token_file)]
+    ready_set(a.start([*args, "--peer-listen", peer, "--peer-rate", rate]))
+    return peer, url, b.start([*args, "--peers", peer, "--object-store", url], env=s3.env())
+
+
 def test_pieces_from_a_peer_and_the_object_store_at_once(
     s3: S3, nodes: Any, big_checkpoint: Path, token_file: Path
 ) -> None:
@@ -507,23 +518,8 @@ def test_pieces_from_a_peer_and_the_object_store_at_once(
     (both on this host's loopback): each gives pieces, each compared with the attested piece
     digests; B's set is the checkpoint's, and status names both shares."""
     s3.upload(big_checkpoint, "m")
-    url, port = f"s3://{s3.bucket}/m", free_port()
-    peer = f"127.0.0.1:{port}"
-    a = nodes("a").start(
-        [
-            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
-            *("--peer-listen", peer, "--peer-rate", "4M"),
-        ]
-    )
-    ready_set(a)
-    b = nodes("b")
-    d = b.start(
-        [
-            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
-            *("--peers", peer, "--object-store", url),
-        ],
-        env=s3.env(),
-    )
+    a, b = nodes("a"), nodes("b")
+    peer, url, d = _peer_and_store(a, b, s3, big_checkpoint, token_file, "4M")
     s = ready_set(d)
     given = dict(s.bytes_by_source)
     assert set(given) == {peer, url} and all(given.values()), (given, d.log)
@@ -550,23 +546,8 @@ def test_an_object_store_that_lies_about_a_piece_is_dropped(
                 f.seek(span.offset + at + n // 2)
                 f.write(bytes(256))
     s3.upload(evil, "m")
-    url, port = f"s3://{s3.bucket}/m", free_port()
-    peer = f"127.0.0.1:{port}"
-    a = nodes("a").start(
-        [
-            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
-            *("--peer-listen", peer, "--peer-rate", "16M"),
-        ]
-    )
-    ready_set(a)
-    b = nodes("b")
-    d = b.start(
-        [
-            *("--checkpoint", str(big_checkpoint), "--peer-token-file", str(token_file)),
-            *("--peers", peer, "--object-store", url),
-        ],
-        env=s3.env(),
-    )
+    a, b = nodes("a"), nodes("b")
+    peer, url, d = _peer_and_store(a, b, s3, big_checkpoint, token_file, "16M")
     s = ready_set(d)
     assert s.source == f"peer {peer}", d.log
     assert dict(s.bytes_by_source) == {peer: s.bytes}
