@@ -118,7 +118,8 @@ def test_a_cold_fleet_fills_from_each_other(
         assert f"{lan.ips[k]}:{PORT}" not in given
         shown = render(d.status(), width=400)
         first = min(given)
-        assert f"peers {first} {100 * given[first] // s.bytes}%" in shown, shown
+        named = "peer" if len(given) == 1 else "peers"
+        assert f"{named} {first} {100 * given[first] // s.bytes}%" in shown, shown
         (line,) = [x for x in d.log.splitlines() if "filled from peers:" in x]
         # A node never asks its own peer port, though its --peers names it.
         assert f" {lan.ips[k]}:{PORT} " not in line, line
