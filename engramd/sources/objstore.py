@@ -103,7 +103,9 @@ class ObjectStoreSource:
     def register(self, agent: Agent, plan: TablePlan) -> dict[str, int]:
         """Register with `agent` the objects of the files `plan` reads; each file's (by its
         real path) OBJ device, for `object_ranges`."""
-        files = _names(plan)
+        return self._register(agent, _names(plan))
+
+    def _register(self, agent: Agent, files: dict[str, tuple[str, int]]) -> dict[str, int]:
         devices = {path: i for i, path in enumerate(files)}
         agent.register(
             [(0, size, devices[path], self.key(name)) for path, (name, size) in files.items()],
@@ -184,8 +186,9 @@ class ObjectStoreSource:
             ) from None
 
     def _fill(self, agent: Agent, landing: Landing, plan: TablePlan, progress: Progress) -> None:
-        devices = self.register(agent, plan)
-        for path, (name, size) in _names(plan).items():
+        files = _names(plan)
+        devices = self._register(agent, files)
+        for path, (name, size) in files.items():
             self._check_object(agent, path, self.key(name), size, devices[path], progress)
         # A window is a piece of the strong digest, digested as it lands; a piece of a
         # table joined from row shards may take a range of each of two shards' objects.

@@ -64,7 +64,6 @@ class PeerStream:
         #: Set by `open`: the peer's offer, its manifest, and the pieces it holds.
         self.offer = peer_pb2.SetOffer()
         self.manifest: Manifest | None = None
-        self.held: set[int] = set()
         #: The pieces it said it holds, as filling.bits: news is compared with it.
         self.known = 0
         #: Each tensor's piece digests, checked against the attested strong digests.
@@ -122,7 +121,11 @@ class PeerStream:
             raise SourceFailed(
                 f"the peer's offer names the pieces it holds wrongly ({e})"
             ) from None
-        self.held = set(indices(self.known))
+
+    @property
+    def held(self) -> list[int]:
+        """The pieces it said it holds."""
+        return indices(self.known)
 
     @property
     def strong(self) -> list[str]:
