@@ -10,12 +10,19 @@ beside its ceiling on this machine (bench section "fleet").
   sequential read of the same files (8 MiB reads), equally cold.
 Each rate is the daemon's own (status: bytes / load_seconds), every turn
 takes each way once, so the machine's slow minutes touch both sides alike.
+
+Beside them, what this machine's cores allow a peer fill at best: a fill
+does the raw socket's work (both ends' CPU seconds, measured) and, in the
+receiving daemon, copies each piece out of its transfer process's landing
+ring and digests it (landing.py; measured alone here); with every core busy
+all the time it could go no faster than cores x bytes / (those seconds).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import mmap
 import os
 import shutil
 import subprocess
@@ -27,6 +34,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from engramd.sources.strong import PIECE_BYTES, piece_digest
 from engramd.testing.daemon_process import DaemonProcess
 from engramd.testing.fleet_lab import (
     UCX_TCP,
@@ -98,7 +106,8 @@ def _fill_rate(
         return s.bytes / s.load_seconds / 1e9
 
 
-def _raw_socket(net: Net, nbytes: int) -> float:
+def _raw_socket(net: Net, nbytes: int) -> tuple[float, float]:
+    """GB/s of a raw socket over the veth, and the CPU seconds both ends took."""
     sender = subprocess.Popen(
         [
             *Net.run_in(net.a),
@@ -125,9 +134,33 @@ def _raw_socket(net: Net, nbytes: int) -> float:
             capture_output=True,
             text=True,
         )
-        return float(out.stdout.strip())
+        rate, received = (float(x) for x in out.stdout.split())
+        sent = float(sender.stdout.readline())
+        return rate, sent + received
     finally:
         sender.wait(timeout=60)
+
+
+def _fill_work(nbytes: int) -> float:
+    """CPU seconds a receiving daemon spends on `nbytes` beyond a socket's: each piece
+    written out of a landing slot into a new tmpfs file and digested there (landing.py's
+    `_move`)."""
+    slot = bytearray(os.urandom(PIECE_BYTES))
+    fd = os.memfd_create("engramd-bench-fill", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes, prot=mmap.PROT_READ) as staged:
+            view = memoryview(staged)
+            start = time.process_time()
+            for at in range(0, nbytes, PIECE_BYTES):
+                n = min(PIECE_BYTES, nbytes - at)
+                os.pwrite(fd, memoryview(slot)[:n], at)
+                piece_digest(view[at : at + n])
+            spent = time.process_time() - start
+            view.release()
+            return spent
+    finally:
+        os.close(fd)
 
 
 def _get_range(client: Any, bucket: str, key: str, view: memoryview, at: int, end: int) -> None:
@@ -177,6 +210,7 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
     files = sorted(ckpt.glob("*.safetensors"))
     file_bytes = {f"ckpt/{f.name}": f.stat().st_size for f in files}
     rates: dict[str, list[float]] = {k: [] for k in ("peer", "raw", "s3", "boto3", "cold", "read")}
+    bound: list[float] = []
     with (
         tempfile.TemporaryDirectory() as tmp,
         veth_pair(f"ebf{os.getpid() % 100000}") as net,
@@ -199,7 +233,12 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
         with netns_daemon(serve, netns=net.a, wait="serving"):
             for turn in range(reps):
                 rates["peer"].append(_fill_rate(peer, "peer", netns=net.b))
-                rates["raw"].append(_raw_socket(net, plan.nbytes))
+                raw, raw_cpu = _raw_socket(net, plan.nbytes)
+                rates["raw"].append(raw)
+                cores = os.cpu_count() or 1
+                bound.append(
+                    min(raw, cores * plan.nbytes / (raw_cpu + _fill_work(plan.nbytes)) / 1e9)
+                )
                 rates["s3"].append(
                     _fill_rate(
                         [
@@ -233,6 +272,15 @@ def fleet_fills(ckpt: Path, reps: int) -> list[Figure]:
             higher_is_better=True,
             target=">= 0.8x a raw socket",
             at_least=0.8,
+            paired=True,
+        ),
+        compare(
+            f"a peer fill's bound on this machine's {os.cpu_count()} cores ({size})",
+            "GB/s",
+            bound,
+            rates["raw"],
+            higher_is_better=True,
+            note="every core busy with the raw socket's CPU seconds and a fill's copy and digest",
             paired=True,
         ),
         compare(
