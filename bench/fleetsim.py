@@ -4,7 +4,7 @@ the daemon's schedule, engramd/sources/swarm.py).
     python -m bench.fleetsim [--nodes 10,100,1000,10000] [--gbit 100,400]
 
 One warm node, an object store serving STORE_GBPS in all, N cold nodes
-started together, DeepSeek-V4.1-Flash's 189 GiB of tables in 64 pieces; for
+started together, DeepSeek-V4.1-Flash's 189 GiB of tables in 256 pieces; for
 each link speed the time one cold node takes alone and the time until the
 last of N is ready. Writes bench/results/fleetsim.json and, with matplotlib,
 bench/results/fleetsim.png.

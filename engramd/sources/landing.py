@@ -105,6 +105,15 @@ class Landing:
         self._rings.append(_Ring(agent, in_flight))
         return len(self._rings) - 1
 
+    def renew(self, agent: Agent, in_flight: int, ring: int = 0) -> None:
+        """Ring `ring` anew in `agent`, the transfer process that takes the place of one that
+        ended: once the moves under way (which read the old ring) are done, the old ring is
+        unmapped; windows that had not landed are gone, the pieces verified kept."""
+        while self._moves:
+            self._moves.popleft().result()
+        old, self._rings[ring] = self._rings[ring], _Ring(agent, in_flight)
+        old.region.close()
+
     def slot(self, ring: int = 0) -> tuple[int, int]:
         """A free slot of `ring` and its address in that ring's transfer process; waits for
         the oldest move when every slot holds a window (raises what a move raised)."""

@@ -129,6 +129,8 @@ class Schedule:
         self._receiver = receiver
         self._width = width
         self._needed = set(range(len(sizes)))
+        # Needed pieces no request is out for: what `start` chooses from.
+        self._free = set(self._needed)
         # The sources each requested piece is asked of (two at most, at the end).
         self._in_flight: dict[int, set[str]] = {}
         self._requests = 0
@@ -187,6 +189,7 @@ class Schedule:
                 break
             piece, source = pick
             self._in_flight.setdefault(piece, set()).add(source.name)
+            self._free.discard(piece)
             self._requests += 1
             source.in_flight.add(piece)
             started.append((piece, source.name))
@@ -200,7 +203,7 @@ class Schedule:
         return min(resting) if resting else None
 
     def _next(self, now: float) -> tuple[int, Source] | None:
-        free = [p for p in self._needed if p not in self._in_flight]
+        free = self._free
         live = [s for s in self.sources.values() if not s.dropped]
         total = sum(s.rate for s in live)
         ready = [
@@ -223,9 +226,9 @@ class Schedule:
                 # The store holds every piece; without one, what no live peer holds.
                 if any(o.tier is Tier.STORE for o in live):
                     continue
-                mine = [p for p in free if not self._holders[p]]
+                mine = {p for p in free if not self._holders[p]}
             else:
-                mine = [p for p in free if p in source.held]
+                mine = free & source.held
             if mine:
                 return min(mine, key=lambda p: (self._holders[p], -self._tie[p])), source
             if not free and source.rate:
@@ -281,6 +284,7 @@ class Schedule:
             rate if source.rate == 0.0 else (RATE_WEIGHT * rate + (1 - RATE_WEIGHT) * source.rate)
         )
         self._needed.discard(piece)
+        self._free.discard(piece)
         return sorted(moot)
 
     def busy(self, piece: int, name: str, now: float) -> None:
@@ -335,6 +339,8 @@ class Schedule:
         names.discard(name)
         if not names:
             del self._in_flight[piece]
+            if piece in self._needed:
+                self._free.add(piece)
         self._requests -= 1
         source = self.sources[name]
         source.in_flight.discard(piece)

@@ -28,6 +28,12 @@ source holds, and no peer may come back or nothing changed for STALL_S,
 those pieces come from the node's own files (swarm.py's FILES tier,
 compared with the attested digests like any piece).
 
+Whoever reaches the receiving transfer process's UCX port can end it. When
+it ends, another takes its place (a new landing ring, the peers' metadata
+added again) and the reads that were on the wire are asked again; the
+pieces verified are kept. After RESTARTS, no peer is asked for the rest of
+the fill: the object store and the files give what is still needed.
+
 Everything here runs on the loader's thread, but the streams' listeners and
 the landing's movers, which only put events on one queue.
 """
@@ -85,6 +91,9 @@ FILES = "files"
 FILES_DEPTH = 2
 #: Pieces in flight at once from the object store.
 STORE_DEPTH = 4
+#: Times a fill starts another receiving transfer process when its own ends: whoever reaches
+#: its UCX port can end it at will, and a 189 GiB fill should not start over for that.
+RESTARTS = 2
 
 
 @dataclass
@@ -171,6 +180,11 @@ class SwarmFill:
         self._first: PeerStream | None = None
         self._offered: Filling | None = None
         self._agent: Agent | None = None
+        #: The peer whose route names the interface the receiving transfer process uses.
+        self._route = ""
+        self._restarts = 0
+        #: Why no peer is asked any more in this fill ("": they are).
+        self._no_peers = ""
         self._landing: Landing | None = None
         #: The object store's transfer process, its objects' devices, its landing ring and
         #: its reads in flight (none: no store, or it could not start).
@@ -206,6 +220,7 @@ class SwarmFill:
                 self._store_agent.close()
 
     def _receiving(self, address: str) -> Landing:
+        self._route = address
         self._agent = Agent({"UCX": {}}, peer=address)
         landing = Landing(self._agent, self._regions, WIDTH)
         if self._store is not None:
@@ -300,37 +315,101 @@ class SwarmFill:
                 stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
         judged = 0.0
         while not self._schedule.done:
-            now = time.monotonic()
-            if self._progress.cancel.is_set():
-                raise SourceFailed("the load was cancelled")
-            self._ask_again(addresses, now)
-            for piece, name in self._schedule.start(now):
-                if name == FILES:
-                    self._from_files(piece, now)
-                    continue
-                if name == self._store_name():
-                    self._from_store(piece, now)
-                    continue
-                self._first_ask.setdefault(name, now)
-                self._asked[(piece, name)] = now
-                self._streams[name].ask(piece)
             try:
-                reading = self._reads or self._store_reads
-                event = self._events.get(timeout=POLL_S if reading else REASK_S / 5)
-            except queue.Empty:
-                pass
-            else:
-                self._handle(event, now)
-                while True:
-                    try:
-                        self._handle(self._events.get_nowait(), now)
-                    except queue.Empty:
-                        break
-            self._poll(time.monotonic())
-            self._poll_store(time.monotonic())
-            if time.monotonic() >= judged + JUDGE_S:
-                judged = time.monotonic()
-                self._judge(judged)
+                judged = self._step(addresses, judged)
+            except TransferFailed as e:
+                if self._no_peers or not self._agent.ended():
+                    raise
+                self._restart(self._ending(e))
+
+    def _step(self, addresses: list[str], judged: float) -> float:
+        """One turn of the loop: start what the schedule says, handle what happened; when
+        the peers and the files were last judged."""
+        now = time.monotonic()
+        if self._progress.cancel.is_set():
+            raise SourceFailed("the load was cancelled")
+        self._ask_again(addresses, now)
+        for piece, name in self._schedule.start(now):
+            if name == FILES:
+                self._from_files(piece, now)
+                continue
+            if name == self._store_name():
+                self._from_store(piece, now)
+                continue
+            self._first_ask.setdefault(name, now)
+            self._asked[(piece, name)] = now
+            self._streams[name].ask(piece)
+        try:
+            reading = self._reads or self._store_reads
+            event = self._events.get(timeout=POLL_S if reading else REASK_S / 5)
+        except queue.Empty:
+            pass
+        else:
+            self._handle(event, now)
+            while True:
+                try:
+                    self._handle(self._events.get_nowait(), now)
+                except queue.Empty:
+                    break
+        self._poll(time.monotonic())
+        self._poll_store(time.monotonic())
+        if time.monotonic() >= judged + JUDGE_S:
+            judged = time.monotonic()
+            self._judge(judged)
+        return judged
+
+    def _restart(self, why: str) -> None:
+        """The receiving transfer process ended (`why`): its reads are asked again of the same
+        peers through another, the verified pieces kept; after RESTARTS, the peers are left
+        and the object store and the files give the rest."""
+        assert self._agent is not None and self._landing is not None
+        for read in self._reads.values():
+            read.stream.done(read.piece)
+            self._schedule.cancel(read.piece, read.stream.address)
+        self._reads.clear()
+        while True:
+            self._agent.close()
+            kept = len(self._verified)
+            if self._restarts == RESTARTS:
+                self._no_peers = (
+                    f"the receiving transfer process ended {RESTARTS + 1} times, the last: {why}"
+                )
+                log.warning(
+                    "set %s: %s; %d verified pieces kept, the rest from the object store and "
+                    "the files",
+                    self._plan.set_id,
+                    self._no_peers,
+                    kept,
+                )
+                for name in list(self._streams):
+                    self._lose(name, self._no_peers, again=False)
+                self._last_asked.clear()
+                return
+            self._restarts += 1
+            log.warning(
+                "set %s: %s; another takes its place, %d verified pieces kept",
+                self._plan.set_id,
+                why,
+                kept,
+            )
+            try:
+                self._agent = Agent({"UCX": {}}, peer=self._route)
+            except TransferFailed as e:
+                why = f"another could not start ({e})"
+                continue
+            try:
+                self._landing.renew(self._agent, WIDTH)
+                for stream in self._streams.values():
+                    stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
+                return
+            except TransferFailed as e:
+                why = self._ending(e)
+
+    def _ending(self, failed: TransferFailed) -> str:
+        """Why the receiving transfer process failed `failed`: how it ended, if it did."""
+        assert self._agent is not None
+        ended = self._agent.ended()
+        return f"the receiving transfer process {ended}" if ended else str(failed)
 
     def _handle(self, event: tuple[object, ...], now: float) -> None:
         kind = event[0]
@@ -365,6 +444,9 @@ class SwarmFill:
             _, address = event
             assert isinstance(address, str)
             future = self._asking.pop(address)
+            if self._no_peers:
+                _close_opened(future)
+                return
             try:
                 self._join(future.result(), now)
             except SourceFailed as e:
@@ -411,7 +493,13 @@ class SwarmFill:
         index, at, n = self._pieces[piece]
         slot, there = self._landing.slot()
         address = stream.offer.regions[index].address + at
-        handle = self._agent.post([(there, n, 0)], [(address, n, 0)], "DRAM", stream.remote)
+        try:
+            handle = self._agent.post([(there, n, 0)], [(address, n, 0)], "DRAM", stream.remote)
+        except TransferFailed:
+            self._landing.discard(slot)
+            stream.done(piece)
+            self._schedule.cancel(piece, stream.address)
+            raise
         deadline = now + (
             max(n / self._min_rate, 1.0) * (DEPTH + 3) if self._min_rate else PIECE_TIMEOUT_S
         )
@@ -616,7 +704,7 @@ class SwarmFill:
         if not self._schedule.stuck():
             return
         # Peers that may come back (asked again) get STALL_S; when none may, there is no wait.
-        waiting = bool(self._last_asked or self._asking)
+        waiting = not self._no_peers and bool(self._last_asked or self._asking)
         if waiting and now - self._changed <= STALL_S:
             return
         left = "; ".join(f"peer {a}: {why}" for a, why in sorted(self._left.items()))
@@ -650,6 +738,8 @@ class SwarmFill:
     def _ask_again(self, addresses: list[str], now: float) -> None:
         """Open a stream again to each peer that did not offer the set, or whose stream broke,
         REASK_S after it was last asked."""
+        if self._no_peers:
+            return
         for address in addresses:
             last = self._last_asked.get(address)
             if (

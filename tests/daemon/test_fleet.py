@@ -42,7 +42,7 @@ from conftest import SUPPORT, Daemon, Worker, huge_pages, mounted_hugetlbfs, wai
 from engramd.cli.status_view import render
 from engramd.sources.peer import addresses
 from engramd.sources.strong import pieces
-from engramd.sources.swarmfill import STALL_S
+from engramd.sources.swarmfill import RESTARTS, STALL_S
 from engramd.testing.fleet_lab import (
     S3,
     Net,
@@ -331,6 +331,65 @@ def test_a_set_a_worker_loaded_never_leaves_the_node(
     assert s.set_id == held.set_id
     assert s.source == "files", rb.log
     assert "NOT_FOUND" in rb.log and "serves no published set" in rb.log
+
+
+def _receiving_process(pid: int) -> int | None:
+    """The daemon's transfer process that maps a landing ring (its fill reads with it)."""
+    for child in _children(pid):
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if "engramd-landing" in Path(f"/proc/{child}/maps").read_text():
+                return child
+    return None
+
+
+def test_the_receiving_transfer_process_ended_keeps_the_verified_pieces(
+    net: Net, nodes: Any, big_checkpoint: Path, token_file: Path
+) -> None:
+    """B's receiving transfer process is killed mid-fill: another takes its place and B goes
+    on from A with the pieces it verified; killed a third time, B leaves the peers and its
+    files give only the pieces it still lacks."""
+    a, b = nodes("a"), nodes("b")
+    serving(a, big_checkpoint, net, token_file, "--peer-rate", "4M")
+    rb = receiving(b, big_checkpoint, net, token_file)
+    killed: list[int] = []
+    for _ in range(RESTARTS + 1):
+        wait_until(
+            lambda: (
+                _receiving_process(rb.pid) not in (None, *killed)
+                and any(s.bytes_loaded > 0 for s in rb.status().sets)
+            ),
+            60,
+            "B to read from A with a transfer process not yet killed",
+        )
+        pid = _receiving_process(rb.pid)
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    s = ready_set(rb)
+    peer = f"{net.ip_a}:7077"
+    assert s.source == f"peer {peer}, files", rb.log
+    given = dict(s.bytes_by_source)
+    assert given.keys() == {peer, "files"} and sum(given.values()) == s.bytes, given
+    assert given[peer] > 0 and given["files"] < s.bytes
+    kept = [
+        int(n)
+        for n in re.findall(
+            r"the receiving transfer process ended \(killed by SIGKILL\); another takes its "
+            r"place, (\d+) verified pieces kept",
+            rb.log,
+        )
+    ]
+    assert len(kept) == RESTARTS and kept[0] > 0 and kept == sorted(kept), rb.log
+    said = (
+        rf"ended {RESTARTS + 1} times, the last: the receiving transfer process ended \(killed "
+        r"by SIGKILL\); (\d+) verified pieces kept, the rest from the object store and the files"
+    )
+    last = re.search(said, rb.log)
+    assert last is not None and int(last.group(1)) >= kept[-1], rb.log
+    assert "loading from the files" not in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(big_checkpoint)
+    assert no_partial_loads(b.shm_dir)
+    assert rb.proc is not None and rb.proc.poll() is None
 
 
 def test_receiver_killed_mid_fill(

@@ -411,8 +411,9 @@ def test_a_filling_node_attacked_from_the_network_publishes_the_checkpoints_byte
     namespace, a token holder opens a fill of B's filling set and WRITEs into the offered
     region with stock NIXL: B's serving transfer process dies, not B. Then every other port
     of B's address is attacked with forged metadata and a READ of an unmapped address: they
-    are its receiving transfer process's, which dies too. B lives, says why, and publishes
-    exactly the checkpoint's bytes (read from its files, the fill's reads being gone)."""
+    are its receiving transfer process's, which dies too. B lives, says why, starts another
+    (new ports the attack never saw), keeps the pieces it verified, and publishes exactly the
+    checkpoint's bytes, all from A."""
     attacker = attackers(net.a, net.ip_b)
     a, b = nodes("a"), nodes("b")
     ra = serving(a, slow_checkpoint, net, token_file, "--peer-rate", "2M")
@@ -450,10 +451,14 @@ def test_a_filling_node_attacked_from_the_network_publishes_the_checkpoints_byte
     s = ready_set(rb)
     assert rb.proc.poll() is None and ra.proc is not None and ra.proc.poll() is None
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(slow_checkpoint)
-    # The fill lost its reads, not its correctness: the files gave the set.
-    assert s.source == "files", rb.log
-    said = r"peers: .*the transfer process ended \(killed by SIGSEGV\).*; loading from the files"
+    # The fill lost the reads on the wire, not its pieces nor its correctness.
+    assert s.source == f"peer {net.ip_a}:{PEER_PORT}", rb.log
+    said = (
+        r"the receiving transfer process ended \(killed by SIGSEGV\); another takes its place, "
+        r"([1-9]\d*) verified pieces kept"
+    )
     assert re.search(said, rb.log), rb.log
+    assert "loading from the files" not in rb.log
 
 
 # -- a fleet member ---------------------------------------------------------------------------
