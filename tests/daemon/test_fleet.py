@@ -26,6 +26,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import pytest
 from fleet_nodes import (
@@ -160,10 +161,13 @@ def _waiting_for_a_fill(pid: int) -> bool:
         return False
 
 
-def _listening_pids(netns: str) -> set[int]:
-    """The pids with a listening TCP socket in `netns`."""
+def _listening_pids(netns: str = "") -> set[int]:
+    """The pids with a listening TCP socket in `netns` (this one's: "")."""
     shown = subprocess.run(
-        [*Net.run_in(netns), "ss", "-Hltnp"], capture_output=True, text=True, check=True
+        [*(Net.run_in(netns) if netns else []), "ss", "-Hltnp"],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     return {int(p) for p in re.findall(r"pid=(\d+)", shown)}
 
@@ -340,6 +344,17 @@ def _receiving_process(pid: int) -> int | None:
             if "engramd-landing" in Path(f"/proc/{child}/maps").read_text():
                 return child
     return None
+
+
+def _connected_pids(port: int | None) -> set[int]:
+    """The pids with a TCP connection to `port` in this network namespace."""
+    shown = subprocess.run(
+        ["ss", "-Htnp", "state", "established", f"( dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return {int(p) for p in re.findall(r"pid=(\d+)", shown)}
 
 
 def test_the_receiving_transfer_process_ended_keeps_the_verified_pieces(
@@ -575,10 +590,28 @@ def test_pieces_from_a_peer_and_the_object_store_at_once(
 ) -> None:
     """B fills from peer A, held to 4 MB/s by --peer-rate, and from the object store at once
     (both on this host's loopback): each gives pieces, each compared with the attested piece
-    digests; B's set is the checkpoint's, and status names both shares."""
+    digests; B's set is the checkpoint's, and status names both shares. The store's transfer
+    process listens nowhere meanwhile."""
     s3.upload(big_checkpoint, "m")
     a, b = nodes("a"), nodes("b")
     peer, url, d = _peer_and_store(a, b, s3, big_checkpoint, token_file, "4M")
+    # B's two receiving transfer processes, while both read: the store's (the one connected
+    # to the store) listens nowhere; the peers' listens (UCX), which shows the look works.
+    store_port = urlparse(s3.env()["AWS_ENDPOINT_URL"]).port
+    landing: set[int] = set()
+
+    def both_reading() -> bool:
+        for pid in _children(d.pid):
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                if "engramd-landing" in Path(f"/proc/{pid}/maps").read_text():
+                    landing.add(pid)
+        return len(landing) == 2 and bool(_connected_pids(store_port) & landing)
+
+    wait_until(both_reading, 60, "B to read from the peer and the store")
+    (store,) = _connected_pids(store_port) & landing
+    (peers,) = landing - {store}
+    listening = _listening_pids()
+    assert store not in listening and peers in listening, (store, peers, listening)
     s = ready_set(d)
     given = dict(s.bytes_by_source)
     assert set(given) == {peer, url} and all(given.values()), (given, d.log)
