@@ -161,15 +161,20 @@ def _waiting_for_a_fill(pid: int) -> bool:
         return False
 
 
-def _listening_pids(netns: str = "") -> set[int]:
-    """The pids with a listening TCP socket in `netns` (this one's: "")."""
+def _ss_pids(*args: str, netns: str = "") -> set[int]:
+    """The pids of the sockets `ss ARGS` shows in `netns` (this one's: "")."""
     shown = subprocess.run(
-        [*(Net.run_in(netns) if netns else []), "ss", "-Hltnp"],
+        [*(Net.run_in(netns) if netns else []), "ss", "-Hnp", *args],
         capture_output=True,
         text=True,
         check=True,
     ).stdout
     return {int(p) for p in re.findall(r"pid=(\d+)", shown)}
+
+
+def _listening_pids(netns: str = "") -> set[int]:
+    """The pids with a listening TCP socket in `netns` (this one's: "")."""
+    return _ss_pids("-lt", netns=netns)
 
 
 def test_idle_fleet_daemons_spin_nothing(
@@ -348,13 +353,7 @@ def _receiving_process(pid: int) -> int | None:
 
 def _connected_pids(port: int | None) -> set[int]:
     """The pids with a TCP connection to `port` in this network namespace."""
-    shown = subprocess.run(
-        ["ss", "-Htnp", "state", "established", f"( dport = :{port} )"],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return {int(p) for p in re.findall(r"pid=(\d+)", shown)}
+    return _ss_pids("-t", "state", "established", f"( dport = :{port} )")
 
 
 def test_the_receiving_transfer_process_ended_keeps_the_verified_pieces(
