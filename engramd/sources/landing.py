@@ -105,14 +105,19 @@ class Landing:
         self._rings.append(_Ring(agent, in_flight))
         return len(self._rings) - 1
 
-    def renew(self, agent: Agent, in_flight: int, ring: int = 0) -> None:
-        """Ring `ring` anew in `agent`, the transfer process that takes the place of one that
-        ended: once the moves under way (which read the old ring) are done, the old ring is
-        unmapped; windows that had not landed are gone, the pieces verified kept."""
+    def retire(self, ring: int = 0) -> None:
+        """Unmap ring `ring`, whose transfer process ended, once the moves under way (which
+        read it) are done; windows that had not landed there are gone, the pieces verified
+        kept."""
         while self._moves:
             self._moves.popleft().result()
-        old, self._rings[ring] = self._rings[ring], _Ring(agent, in_flight)
-        old.region.close()
+        self._rings[ring].region.close()
+
+    def renew(self, agent: Agent, in_flight: int, ring: int = 0) -> None:
+        """Ring `ring` anew in `agent`, the transfer process that takes the place of one that
+        ended (the old ring retired first)."""
+        self.retire(ring)
+        self._rings[ring] = _Ring(agent, in_flight)
 
     def slot(self, ring: int = 0) -> tuple[int, int]:
         """A free slot of `ring` and its address in that ring's transfer process; waits for

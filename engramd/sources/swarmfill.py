@@ -240,10 +240,6 @@ class SwarmFill:
                     self._store_agent = None
         return landing
 
-    def _agent_of(self) -> Agent:
-        assert self._agent is not None
-        return self._agent
-
     def _run(self, addresses: list[str], starting: Future[Landing]) -> Filled:
         streams = opened(addresses, self._plan, self._key, self._pool)
         for address, future in zip(addresses, streams, strict=True):
@@ -289,14 +285,6 @@ class SwarmFill:
             # Another load's digests (an older engramd's kind): not comparable piece by piece.
             stream.close()
             raise SourceFailed("it offers the set under other strong digests than the first peer")
-        if self._landing is not None:
-            # The loop runs (the transfer process is started and idle): the peer is read
-            # from at once.
-            try:
-                stream.remote = self._agent_of().add_remote(stream.offer.nixl_metadata)
-            except TransferFailed:
-                stream.close()
-                raise
         self._streams[stream.address] = stream
         self._schedule.add(stream.address, Tier.PEER, DEPTH, stream.held)
         self._changed = now
@@ -310,9 +298,6 @@ class SwarmFill:
         self._landing.expect(self._first.strong, self._first.pieces)
         if self._store_agent is not None:
             self._schedule.add(self._store_name(), Tier.STORE, STORE_DEPTH)
-        for stream in self._streams.values():
-            if not stream.remote:
-                stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
         judged = 0.0
         while not self._schedule.done:
             try:
@@ -328,6 +313,7 @@ class SwarmFill:
         now = time.monotonic()
         if self._progress.cancel.is_set():
             raise SourceFailed("the load was cancelled")
+        self._add_remotes()
         self._ask_again(addresses, now)
         for piece, name in self._schedule.start(now):
             if name == FILES:
@@ -358,6 +344,21 @@ class SwarmFill:
             self._judge(judged)
         return judged
 
+    def _add_remotes(self) -> None:
+        """Give the receiving transfer process the NIXL metadata of each peer that joined
+        since, before it is asked for a piece; a peer whose metadata is refused is left."""
+        assert self._agent is not None
+        for name, stream in list(self._streams.items()):
+            if stream.remote:
+                continue
+            try:
+                stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
+            except TransferFailed as e:
+                if self._agent.ended():
+                    raise
+                log.warning("set %s: peer %s: %s; left", self._plan.set_id, name, e)
+                self._lose(name, str(e), again=False)
+
     def _restart(self, why: str) -> None:
         """The receiving transfer process ended (`why`): its reads are asked again of the same
         peers through another, the verified pieces kept; after RESTARTS, the peers are left
@@ -384,6 +385,7 @@ class SwarmFill:
                 for name in list(self._streams):
                     self._lose(name, self._no_peers, again=False)
                 self._last_asked.clear()
+                self._landing.retire()
                 return
             self._restarts += 1
             log.warning(
@@ -399,11 +401,13 @@ class SwarmFill:
                 continue
             try:
                 self._landing.renew(self._agent, WIDTH)
-                for stream in self._streams.values():
-                    stream.remote = self._agent.add_remote(stream.offer.nixl_metadata)
-                return
             except TransferFailed as e:
                 why = self._ending(e)
+                continue
+            # The next turn of the loop gives the new process the peers' metadata.
+            for stream in self._streams.values():
+                stream.remote = ""
+            return
 
     def _ending(self, failed: TransferFailed) -> str:
         """Why the receiving transfer process failed `failed`: how it ended, if it did."""
