@@ -499,11 +499,16 @@ class SwarmFill:
         address = stream.offer.regions[index].address + at
         try:
             handle = self._agent.post([(there, n, 0)], [(address, n, 0)], "DRAM", stream.remote)
-        except TransferFailed:
+        except TransferFailed as e:
             self._landing.discard(slot)
             stream.done(piece)
-            self._schedule.cancel(piece, stream.address)
-            raise
+            if self._agent.ended():
+                self._schedule.cancel(piece, stream.address)
+                raise
+            # This peer's read could not start (NIXL refused it): a failure of that peer's.
+            log.warning("set %s: peer %s: %s", self._plan.set_id, stream.address, e)
+            self._schedule.failed(piece, stream.address, str(e))
+            return
         deadline = now + (
             max(n / self._min_rate, 1.0) * (DEPTH + 3) if self._min_rate else PIECE_TIMEOUT_S
         )

@@ -185,10 +185,10 @@ class _Transfers:
             return self.finished[xfer]
         handle = self.xfers[xfer]
         until = time.monotonic() + slice_s
-        state = str(self.agent.check_xfer_state(handle))
+        state = self._state(handle)
         while state == "PROC" and time.monotonic() < until:
             time.sleep(POLL_PAUSE_S)
-            state = str(self.agent.check_xfer_state(handle))
+            state = self._state(handle)
         if state != "PROC":
             self.release(xfer)
             self.finished[xfer] = state
@@ -206,13 +206,18 @@ class _Transfers:
     def progress(self) -> None:
         """Poll every transfer in flight once; a finished one (DONE or ERR) is released."""
         for xfer, handle in list(self.xfers.items()):
-            try:
-                state = str(self.agent.check_xfer_state(handle))
-            except Exception:  # the daemon sees it as a failed read
-                state = "ERR"
+            state = self._state(handle)
             if state != "PROC":
                 self.release(xfer)
                 self.finished[xfer] = state
+
+    def _state(self, handle: Any) -> str:
+        """A transfer's state: DONE, PROC, or ERR (also when NIXL raises instead, as its
+        bindings may for a backend's error: one failed read must not fail the others)."""
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception:
+            return "ERR"
 
     def release(self, xfer: int) -> None:
         handle = self.xfers.pop(xfer, None)

@@ -203,5 +203,29 @@ def test_a_lying_peer_is_found_by_the_piece_and_skipped(
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
 
 
+def test_a_peer_whose_reads_cannot_start_is_left_not_the_fill(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A relay among B's peers forwards A's genuine offer but names regions its NIXL agent
+    never registered (`rogue_peer.py relay-unregistered`): NIXL refuses to start each read
+    of it, the relay is left after its failures, and A gives every piece; B's fill goes on
+    (before, the first refused read failed the whole fill, and B loaded from its files)."""
+    a = nodes("a")
+    serving(a, checkpoint, net, token_file, "--peer-rate", "4M")
+    with rogue_peer(net, checkpoint, 7078, "relay-unregistered", f"{net.ip_a}:7077") as (
+        rogue,
+        _,
+    ):
+        b = nodes("b")
+        rb = two_peers(b, checkpoint, net, token_file, 7078)
+        s = ready_set(rb)
+        captured = rogue.ask("captured")
+    assert "piece" in captured["kinds"]  # B was granted pieces of it
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    assert f"filled from peers: {net.ip_a}:7077 100%" in rb.log
+    assert "NIXL could not start the read" in rb.log and "loading from the files" not in rb.log
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
 def no_partial_loads(shm_dir: Path) -> bool:
     return not any(".loading" in p.name for p in sets_root(shm_dir).iterdir())

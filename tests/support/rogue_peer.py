@@ -20,7 +20,9 @@ offers that copy with a manifest whose XXH3 digests are the altered bytes'
   the real offer's (`relay-genuine`: what bytes built to share the genuine
   XXH3 would claim); `relay-liar` is `relay-genuine` with a row zeroed in
   every tensor (a peer among honest ones that lies about every piece of a
-  small set).
+  small set); `relay-unregistered` is `relay-genuine` offering regions
+  1 TiB past its registered memory (NIXL refuses to start any read of
+  them).
 
 Every window and piece asked for is granted, so a receiver that trusted it would
 publish the altered row. Prints {"listening": ..., "row": offset} once
@@ -190,7 +192,14 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
             "relay-own-strong": (self._own_strong, self._own_pieces),
             "relay-genuine": (list(real.strong_digests), list(real.piece_digests)),
             "relay-liar": (list(real.strong_digests), list(real.piece_digests)),
+            "relay-unregistered": (list(real.strong_digests), list(real.piece_digests)),
         }[self.mode]
+        regions = list(self._offer.regions)
+        if self.mode == "relay-unregistered":
+            regions = [
+                peer_pb2.RemoteRegion(address=r.address + (1 << 40), nbytes=r.nbytes)
+                for r in regions
+            ]
         yield peer_pb2.FillReply(
             offer=peer_pb2.SetOffer(
                 manifest_json=real.manifest_json,
@@ -198,7 +207,7 @@ class Rogue(peer_pb2_grpc.PeerServiceServicer):
                 strong_digests=strong,
                 piece_digests=pieces,
                 nixl_metadata=self._offer.nixl_metadata,
-                regions=self._offer.regions,
+                regions=regions,
             )
         )
         for request in request_iterator:
