@@ -342,13 +342,14 @@ def test_a_set_a_worker_loaded_never_leaves_the_node(
     assert "NOT_FOUND" in rb.log and "serves no published set" in rb.log
 
 
-def _receiving_process(pid: int) -> int | None:
-    """The daemon's transfer process that maps a landing ring (its fill reads with it)."""
+def _receiving_processes(pid: int) -> set[int]:
+    """The daemon's transfer processes that map a landing ring (its fill reads with them)."""
+    found = set()
     for child in _children(pid):
         with contextlib.suppress(FileNotFoundError, ProcessLookupError):
             if "engramd-landing" in Path(f"/proc/{child}/maps").read_text():
-                return child
-    return None
+                found.add(child)
+    return found
 
 
 def _connected_pids(port: int | None) -> set[int]:
@@ -369,14 +370,13 @@ def test_the_receiving_transfer_process_ended_keeps_the_verified_pieces(
     for _ in range(RESTARTS + 1):
         wait_until(
             lambda: (
-                _receiving_process(rb.pid) not in (None, *killed)
+                bool(_receiving_processes(rb.pid) - set(killed))
                 and any(s.bytes_loaded > 0 for s in rb.status().sets)
             ),
             60,
             "B to read from A with a transfer process not yet killed",
         )
-        pid = _receiving_process(rb.pid)
-        assert pid is not None
+        (pid,) = _receiving_processes(rb.pid) - set(killed)
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
     s = ready_set(rb)
@@ -600,10 +600,7 @@ def test_pieces_from_a_peer_and_the_object_store_at_once(
     landing: set[int] = set()
 
     def both_reading() -> bool:
-        for pid in _children(d.pid):
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                if "engramd-landing" in Path(f"/proc/{pid}/maps").read_text():
-                    landing.add(pid)
+        landing.update(_receiving_processes(d.pid))
         return len(landing) == 2 and bool(_connected_pids(store_port) & landing)
 
     wait_until(both_reading, 60, "B to read from the peer and the store")
