@@ -17,7 +17,7 @@ from typing import Any
 
 from engramd.units import parse_size
 from engramd.values import BACKING_NAMES, BackingSpec, Placement
-from engramd_shared.checkpoint import DEFAULT_TENSORS
+from engramd_shared.checkpoint import DEFAULT_TENSORS, is_store_url
 from engramd_shared.config import DEFAULT_SOCKET
 
 #: The key of a field's Setting in its metadata.
@@ -34,6 +34,12 @@ def admin_socket_for(socket_path: str) -> str:
 def path(text: str) -> str:
     """A path as the command line gives it, in pathlib's spelling (no trailing slash)."""
     return str(Path(text))
+
+
+def checkpoint(text: str) -> str:
+    """A checkpoint folder as `path` spells it, or an object store's s3://bucket/prefix
+    without its trailing slash."""
+    return text.rstrip("/") if is_store_url(text) else path(text)
 
 
 @dataclass(frozen=True)
@@ -106,13 +112,14 @@ def flags() -> list[Flag]:
 class DaemonConfig:
     """Everything `create_server` needs; every field has a working default."""
 
-    #: Checkpoint folders whose sets are loaded at start (health SERVING once all are ready).
+    #: Checkpoints (folders, or s3://bucket/prefix) whose sets are loaded at start (health
+    #: SERVING once all are ready).
     checkpoints: list[str] = setting(
         [],
-        "Checkpoint folder to load at start (repeatable; ENGRAMD_CHECKPOINT takes "
-        "space-separated folders).",
+        "Checkpoint folder to load at start, or s3://bucket/prefix for one this node holds "
+        "no files of (repeatable; ENGRAMD_CHECKPOINT takes space-separated ones).",
         option="--checkpoint",
-        parse=path,
+        parse=checkpoint,
     )
     #: fnmatch selection of the tensors that make a set; auto: each checkpoint's family's.
     tensors: str = setting(

@@ -44,6 +44,7 @@ from engramd.sources.objstore import ObjectStoreSource
 from engramd.sources.peer import PeerSource
 from engramd.sources.trust import FleetKey, read_token
 from engramd.units import gib
+from engramd_shared.checkpoint import is_store_url
 
 log = logging.getLogger("engramd")
 
@@ -203,6 +204,13 @@ def _check_settings(config: DaemonConfig) -> None:
             "them in, and one copy on the disk serves every node: leave --numa out, or use "
             "--backing tmpfs"
         )
+    stored = [c for c in config.checkpoints if is_store_url(c)]
+    if stored and not config.peer_token_file:
+        raise ValueError(
+            f"--checkpoint {stored[0]} has no files on this node: its set is filled from the "
+            "peers and that store and trusted by the fleet's attested manifest, which needs "
+            "--peer-token-file (the fleet's token)"
+        )
     if config.evict_idle and not config.memory_budget:
         raise ValueError(
             "--evict-idle drops unleased sets to stay within --memory-budget, which is not set; "
@@ -227,7 +235,7 @@ def _socket_group(config: DaemonConfig) -> int | None:
 
 def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
     """Where loads' bytes come from before the files: the peers, then the object store."""
-    if not config.peers and not config.object_store:
+    if not config.peers and not config.object_store and not config.peer_token_file:
         return None
     # The object store's attested manifests are checked with the fleet's key too.
     key = (
@@ -237,7 +245,7 @@ def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
     )
     store = ObjectStoreSource(config.object_store, key) if config.object_store else None
     peers = (
-        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen, store)
+        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen)
         if key and config.peers
         else None
     )

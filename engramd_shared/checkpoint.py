@@ -67,6 +67,16 @@ class TablePlan:
     #: A plan made beneath a root (the daemon's, for workers): each source's file, by its
     #: path, as the walk opened it and the headers were read from it, held open.
     held: Mapping[str, Opened] = field(default_factory=dict, compare=False, repr=False)
+    #: s3://bucket/prefix for a plan made from an object store's objects: no file of the
+    #: checkpoint is on this node (no sources); each tensor's file is its object's name.
+    store: str = ""
+    #: The size of each object (by name) a plan from an object store read.
+    objects: Mapping[str, int] = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def where(self) -> str:
+        """The checkpoint as the operator named it: its folder (or file), or its store's URL."""
+        return self.store or str(self.checkpoint)
 
     @property
     def nbytes(self) -> int:
@@ -97,7 +107,7 @@ def checkpoint_files(checkpoint: Path) -> tuple[list[Path], dict[str, str] | Non
             weight_map = _weight_map(index_path, fd)
         finally:
             os.close(fd)
-        return [checkpoint / n for n in _listed(index_path, weight_map)], weight_map
+        return [checkpoint / n for n in listed_files(index_path, weight_map)], weight_map
     files = sorted(checkpoint.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{checkpoint}: no *.safetensors files in this folder")
@@ -131,7 +141,7 @@ def files_beneath(checkpoint: Path, beneath: Root) -> FilesBeneath:
     if INDEX_FILE in names:
         index = beneath.open(Path(INDEX_FILE), top)
         weight_map = _weight_map(index.path, index.fd)
-        listed = _listed(index.path, weight_map)
+        listed = listed_files(index.path, weight_map)
     else:
         listed = sorted(n for n in names if fnmatch.fnmatchcase(n, "*.safetensors"))
         if not listed:
@@ -151,6 +161,14 @@ def _weight_map(index_path: Path, fd: int) -> dict[str, str]:
         with open(os.dup(fd), "rb") as f:
             f.seek(0)
             text = f.read(MAX_HEADER_BYTES + 1)
+    except OSError as e:
+        raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
+    return weight_map_in(index_path, text)
+
+
+def weight_map_in(index_path: Path | str, text: bytes) -> dict[str, str]:
+    """The weight map of an index's text; CheckpointError naming `index_path` if malformed."""
+    try:
         if len(text) > MAX_HEADER_BYTES:
             raise ValueError(f"larger than {MAX_HEADER_BYTES} bytes")
         weight_map = json.loads(text, parse_int=bounded_int)["weight_map"]
@@ -158,15 +176,16 @@ def _weight_map(index_path: Path, fd: int) -> dict[str, str]:
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise TypeError("weight_map is not an object of strings")
-    except (OSError, ValueError, KeyError, TypeError, RecursionError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise CheckpointError(f"{index_path}: malformed index ({e!r})") from None
     return weight_map
 
 
-def _listed(index_path: Path, weight_map: dict[str, str]) -> list[str]:
+def listed_files(index_path: Path | str, weight_map: dict[str, str]) -> list[str]:
+    """The files an index's weight map names, each refused unless a name inside the folder."""
     names = sorted(set(weight_map.values()))
     for name in names:
-        if Path(name).name != name:
+        if Path(name).name != name or name in (".", ".."):
             raise CheckpointError(f"{index_path}: file {name!r} is not inside the folder")
     return names
 
@@ -200,27 +219,8 @@ def plan_tables(
         named = found.architectures
         files = list(found.names)
         headers = [read_header(p, o, max_header, admit) for p, o in zip(files, opened, strict=True)]
-    by_name: dict[str, TensorEntry] = {}
-    file_of: dict[str, str] = {}
-    for h in headers:
-        by_name.update(h.tensors)
-        file_of.update(dict.fromkeys(h.tensors, h.path.name))
-    if weight_map is not None:
-        for name, file in weight_map.items():
-            if file_of.get(name) != file:
-                raise CheckpointError(
-                    f"{root / file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
-                    "from that file; fetch the checkpoint again"
-                )
-    if selection == AUTO:
-        selection = family_of(root, by_name, named).selection
-    selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
-    if not selected:
-        raise CheckpointError(
-            f"{root}: no tensor matches {selection!r} among {len(by_name)} tensors; "
-            "pass the right selection (tensors=...)"
-        )
-    fingerprint = _fingerprint(headers, selected)
+    selection, selected = select_tensors(root, headers, weight_map, selection, named)
+    fingerprint = fingerprint_of(headers, selected)
     used = {t.file for t in selected}
     return TablePlan(
         checkpoint=root,
@@ -233,7 +233,40 @@ def plan_tables(
     )
 
 
-def join_shards(root: Path, selected: tuple[TensorEntry, ...]) -> tuple[TensorEntry, ...]:
+def select_tensors(
+    where: Path | str,
+    headers: list[SafetensorsFile],
+    weight_map: dict[str, str] | None,
+    selection: str,
+    named: list[str] | None,
+) -> tuple[str, tuple[TensorEntry, ...]]:
+    """The selection (auto resolved to the family's) and the tensors of the checkpoint at
+    `where` it selects, in name order; `named`: its config.json's architectures (None: read
+    them from the folder `where`)."""
+    by_name: dict[str, TensorEntry] = {}
+    file_of: dict[str, str] = {}
+    for h in headers:
+        by_name.update(h.tensors)
+        file_of.update(dict.fromkeys(h.tensors, h.path.name))
+    if weight_map is not None:
+        for name, file in weight_map.items():
+            if file_of.get(name) != file:
+                raise CheckpointError(
+                    f"{where}/{file}: tensor {name!r} is listed in {INDEX_FILE} but missing "
+                    "from that file; fetch the checkpoint again"
+                )
+    if selection == AUTO:
+        selection = family_of(where, by_name, named).selection
+    selected = tuple(by_name[n] for n in sorted(by_name) if fnmatch.fnmatchcase(n, selection))
+    if not selected:
+        raise CheckpointError(
+            f"{where}: no tensor matches {selection!r} among {len(by_name)} tensors; "
+            "pass the right selection (tensors=...)"
+        )
+    return selection, selected
+
+
+def join_shards(root: Path | str, selected: tuple[TensorEntry, ...]) -> tuple[TensorEntry, ...]:
     """The set's tensors: `selected`, with every table's row shards joined into one.
 
     Raises CheckpointError for shards that cannot be one table: a missing
@@ -281,7 +314,8 @@ def join_shards(root: Path, selected: tuple[TensorEntry, ...]) -> tuple[TensorEn
     return tuple(tensors[n] for n in sorted(tensors))
 
 
-def _fingerprint(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:
+def fingerprint_of(headers: list[SafetensorsFile], selected: tuple[TensorEntry, ...]) -> str:
+    """The fingerprint of a checkpoint's files (`headers`) and the tensors taken of them."""
     # Identifies the bytes without reading them all: what each file is (name,
     # size, header, samples of its data) and which tensors were taken. Folder
     # paths and mtimes are left out so that copies of one checkpoint on
@@ -300,6 +334,11 @@ def set_id_of(fingerprint: str) -> str:
     return hashlib.sha256(f"engramd-layout-{LAYOUT_VERSION}:{fingerprint}".encode()).hexdigest()[
         :20
     ]
+
+
+def is_store_url(text: str) -> bool:
+    """True when `text` names a checkpoint in an object store (s3://bucket/prefix), not a path."""
+    return text.startswith("s3://")
 
 
 def is_set_id(text: str) -> bool:

@@ -100,7 +100,9 @@ def architectures_in(text: bytes) -> list[str]:
     return [a for a in found if isinstance(a, str)] if isinstance(found, list) else []
 
 
-def family_of(folder: Path, names: Iterable[str], named: Iterable[str] | None = None) -> Family:
+def family_of(
+    folder: Path | str, names: Iterable[str], named: Iterable[str] | None = None
+) -> Family:
     """The family of a checkpoint: its architecture's, else the one whose tensors it holds.
 
     `named`: the architectures of its config.json where the caller read it
@@ -108,7 +110,7 @@ def family_of(folder: Path, names: Iterable[str], named: Iterable[str] | None = 
     checkpoint holds neither family (or both, with no architecture to decide).
     """
     if named is None:
-        named = architectures(folder) if folder.is_dir() else []
+        named = architectures(Path(folder)) if Path(folder).is_dir() else []
     named = set(named)
     for family in FAMILIES:
         if named & family.architectures:

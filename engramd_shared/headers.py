@@ -347,11 +347,39 @@ def _sample(fd: int, start: int, end: int) -> str:
     # Exactly the samples' pages and no readahead around them (the descriptor is the
     # plan's own: loads and proofs read through descriptors of their own).
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    h = hashlib.sha256()
+    return samples_digest(os.pread(fd, n, at) for at, n in sample_ranges(start, end))
+
+
+def sample_ranges(start: int, end: int) -> list[tuple[int, int]]:
+    """(offset, bytes) of the fingerprint's data samples of a file whose data runs from
+    `start` to its end at `end`: SAMPLES of SAMPLE_BYTES spread over the data, the last
+    ending at the file's end (fewer bytes, or none, where the data is shorter)."""
     span = max(end - start - SAMPLE_BYTES, 0)
-    for k in range(SAMPLES):
-        h.update(os.pread(fd, SAMPLE_BYTES, start + span * k // (SAMPLES - 1)))
+    starts = [start + span * k // (SAMPLES - 1) for k in range(SAMPLES)]
+    return [(at, max(min(SAMPLE_BYTES, end - at), 0)) for at in starts]
+
+
+def samples_digest(samples: Iterable[bytes]) -> str:
+    """The fingerprint's digest of a file's data samples, read at `sample_ranges`."""
+    h = hashlib.sha256()
+    for sample in samples:
+        h.update(sample)
     return h.hexdigest()
+
+
+def header_of(
+    name: Path, size: int, header: bytes, samples: str, source: SourceFile
+) -> SafetensorsFile:
+    """A header read from elsewhere than a file here (an object of a store), parsed and
+    validated as read_header's; `name`: the file's name in the checkpoint."""
+    return SafetensorsFile(
+        path=name,
+        size=size,
+        header=header,
+        tensors=_parse(name, name, header, size),
+        samples=samples,
+        source=source,
+    )
 
 
 def _entry(path: Path, name: str, info: object, data_start: int, data_size: int) -> TensorEntry:

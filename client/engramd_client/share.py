@@ -13,17 +13,24 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+import grpc
 import torch
 
 from engramd_client.cuda import PRIVATE_ROUTE, ROUTES, check_device, device_caps, parse_device
 from engramd_client.cumem import import_set
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
-from engramd_client.lease import Lease, report_fallback
+from engramd_client.lease import Lease, report_fallback, share_error
 from engramd_client.mapping import RowRanges, check_row_names, map_fd
 from engramd_client.tables import Tables
-from engramd_shared.channel import daemon_uid, probe_socket
-from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, is_set_id, plan_tables
+from engramd_shared.channel import daemon_uid, open_channel, probe_socket
+from engramd_shared.checkpoint import (
+    DEFAULT_TENSORS,
+    TablePlan,
+    is_set_id,
+    is_store_url,
+    plan_tables,
+)
 from engramd_shared.config import CUDA_HANDLE_KINDS, ClientConfig
 from engramd_shared.errors import (
     DaemonError,
@@ -33,9 +40,12 @@ from engramd_shared.errors import (
     NotAllowed,
     SegmentNotVisible,
     ShareError,
+    UnknownSet,
 )
+from engramd_shared.families import family_of_selection
 from engramd_shared.fileid import SourceFile
 from engramd_shared.pb import engramd_pb2 as pb
+from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from engramd_shared.process import pid_namespace, start_ticks
 from engramd_shared.topology import local_node
 
@@ -68,8 +78,9 @@ def attach(
 
     Args:
         checkpoint: the checkpoint folder (or one .safetensors file) as this
-            worker sees it, or the id of a set the operator loaded (then no private
-            fallback is possible).
+            worker sees it, the id of a set the operator loaded, or the
+            s3://bucket/prefix the operator had the daemon load (no private
+            fallback is possible for either).
         tensors: fnmatch selection of tensor names; "auto" (the default): the tables
             of the checkpoint's family (engramd_shared.families). Row shards of one
             table (`X.shard_N.Y`) are one tensor `X.Y`.
@@ -125,6 +136,10 @@ def _attach(
     pad_rows: bool,
 ) -> Tables:
     target = os.fspath(checkpoint)
+    if is_store_url(target):
+        if config.share is False:
+            raise ValueError(f"share=False needs a checkpoint folder; {target} has none here")
+        target = _stored_set(config, target, tensors)
     plan = None if is_set_id(target) and not Path(target).exists() else plan_tables(target, tensors)
     if plan is not None:
         check_row_names(rows, [t.name for t in plan.tensors])
@@ -169,6 +184,41 @@ def _attach(
         pad_rows=pad_rows,
     )
     return tables
+
+
+def _stored_set(config: ClientConfig, url: str, tensors: str) -> str:
+    """The id of the set the daemon loaded from the object store's `url`.
+
+    Such a checkpoint has no files on the node to plan or fall back to: it is
+    attached as the operator had the daemon load it (--checkpoint, engramd load).
+    """
+    probe_socket(config.socket, config.connect_timeout_s)
+    try:
+        with open_channel(config) as channel:
+            reply = pb_grpc.TableServiceStub(channel).Status(
+                pb.StatusRequest(), timeout=config.reply_timeout_s
+            )
+    except grpc.RpcError as e:
+        raise share_error(e) from None
+    family = family_of_selection(tensors)
+    found = sorted(
+        {
+            s.set_id
+            for s in reply.sets
+            if s.checkpoint == url.rstrip("/")
+            and s.state in ("loading", "ready")
+            and (tensors == DEFAULT_TENSORS or (family is not None and s.family == family.name))
+        }
+    )
+    if len(found) != 1:
+        held = "several sets" if found else "no set"
+        raise UnknownSet(
+            f"engramd holds {held} loaded from {url} (with tensors={tensors!r}); a checkpoint "
+            "in an object store has no files on the node and is attached as the operator "
+            f"loaded it: start engramd with --checkpoint {url}, or run `engramd load {url}`"
+            + ("; attach by set id" if found else "")
+        )
+    return found[0]
 
 
 def _device_name(text: str) -> str:

@@ -17,7 +17,7 @@ from engramd.cli.logs import setup_logging
 from engramd.cli.options import AdminSocket, ConfigFile, Socket
 from engramd.cli.serve import serve
 from engramd.config import admin_socket_for
-from engramd_shared.checkpoint import DEFAULT_TENSORS
+from engramd_shared.checkpoint import DEFAULT_TENSORS, is_store_url
 from engramd_shared.config import DEFAULT_SOCKET
 from engramd_shared.families import ENGRAM
 
@@ -142,7 +142,13 @@ def _check_admin_access(path: str) -> None:
 
 @app.command()
 def load(
-    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint folder, as the daemon sees it.")],
+    checkpoint: Annotated[
+        str,
+        typer.Argument(
+            help="Checkpoint folder, as the daemon sees it, or s3://bucket/prefix (the daemon "
+            "fills it from its peers and that store)."
+        ),
+    ],
     tensors: str = DEFAULT_TENSORS,
     config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
@@ -160,7 +166,13 @@ def load(
     task = None
     try:
         for event in stub.Load(
-            pb.LoadRequest(checkpoint=str(checkpoint.resolve()), tensors=tensors)
+            pb.LoadRequest(
+                # A folder as this shell names it; the daemon's working folder is another.
+                checkpoint=checkpoint
+                if is_store_url(checkpoint)
+                else str(Path(checkpoint).resolve()),
+                tensors=tensors,
+            )
         ):
             if task is None:
                 # Drawn from the first event on: a load refused at once prints its error only.

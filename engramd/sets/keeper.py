@@ -41,6 +41,7 @@ from engramd.sets.intents import (
 )
 from engramd.sets.leases import LeaseBook, Stats, check_served
 from engramd.sets.loader import LoadProgress
+from engramd.sets.objectplan import plan_objects
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
@@ -48,7 +49,7 @@ from engramd.sets.store import SetStore, reload_fix
 from engramd.sets.tableset import SetState, TableSet
 from engramd.sources.chain import SourceChain
 from engramd_shared.beneath import OutsideRoot, Root
-from engramd_shared.checkpoint import TablePlan, set_id_of
+from engramd_shared.checkpoint import TablePlan, is_store_url, set_id_of
 from engramd_shared.errors import (
     CheckpointError,
     FingerprintMismatch,
@@ -143,10 +144,7 @@ class SetKeeper:
         await self.store.adopt_existing(verify=self._config.verify, verifying=verifying)
         for checkpoint in self._config.checkpoints:
             try:
-                # Kept: the workers re-attaching after a restart name this checkpoint.
-                plan = await self.readers.run(
-                    self.plans.plan, resolve(checkpoint), self._config.tensors
-                )
+                plan = await self._operator_plan(checkpoint, self._config.tensors)
                 copies = await self.store.ensure_everywhere(plan)
                 for ts in copies:
                     if ts.manifest is not None:
@@ -174,11 +172,7 @@ class SetKeeper:
         """Load a checkpoint's set (a copy per node with --numa per-node), prove what was held
         under its id, publish it: progress, then the set. A copy that failed verification is
         dropped and loaded again."""
-        plan = await self.readers.run(
-            self.plans.plan,
-            _operator_path(intent.checkpoint),
-            intent.tensors or self._config.tensors,
-        )
+        plan = await self._operator_plan(intent.checkpoint, intent.tensors or self._config.tensors)
         await self.store.replace_failed(plan.set_id)
         copies = await self.store.ensure_everywhere(plan)
         for ts in copies:
@@ -190,11 +184,38 @@ class SetKeeper:
         self.store.publish(copies)
         yield Loaded(copies[0])
 
+    async def _operator_plan(self, checkpoint: str, selection: str) -> TablePlan:
+        """The plan of the operator's checkpoint: a folder (or file), kept while its files
+        are unchanged (workers re-attaching after a restart name it), or an object store's
+        prefix, planned from its objects."""
+        if not is_store_url(checkpoint):
+            return await self.readers.run(self.plans.plan, _operator_path(checkpoint), selection)
+        if self._sources is None or self._sources.key is None:
+            raise CheckpointError(
+                f"{checkpoint} has no files on this node: its set is filled from the peers and "
+                "that store and trusted by the fleet's attested manifest; start engramd with "
+                "--peer-token-file (the fleet's token)"
+            )
+        return await self.readers.run(plan_objects, checkpoint, selection)
+
     async def _prove_held(
         self, plan: TablePlan, ts: TableSet, verifying: Callable[[str], None] | None = None
     ) -> None:
-        """Prove the operator's files hold the bytes of the set held under their id."""
+        """Prove the operator's files hold the bytes of the set held under their id; for a
+        checkpoint in an object store, which has no files here, the copy must carry the
+        fleet's attestation of the set."""
         assert ts.manifest is not None
+        if plan.store:
+            unattested = self._unattested(ts) or (
+                [] if ts.manifest.attestation else ["manifest.json: it carries no attestation"]
+            )
+            if unattested:
+                raise CheckpointError(
+                    f"set {ts.copy} held under the id of {plan.store}: {unattested[0]}, and this "
+                    "node has no files to prove its bytes with; `engramd drop "
+                    f"{ts.set_id}` and load it again (it is then filled from its sources)"
+                )
+            return
         proof = await self.readers.run(self.prover.judge, plan, ts.manifest)
         if proof.nbytes and verifying is not None:
             verifying(ts.set_id)

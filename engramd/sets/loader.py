@@ -261,7 +261,7 @@ def load_set(
             set_id=plan.set_id,
             fingerprint=plan.fingerprint,
             nonce=secrets.token_hex(16),
-            checkpoint=str(plan.checkpoint),
+            checkpoint=plan.where,
             selection=plan.selection,
             created=time.time(),
             tensors=tuple(

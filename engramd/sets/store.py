@@ -235,7 +235,7 @@ class SetStore:
             return ts
         sizes = [t.nbytes for t in plan.tensors]
         needed = self._admission.needed(sizes)
-        what = f"set {copy_name(plan.set_id, node)} ({plan.checkpoint})"
+        what = f"set {copy_name(plan.set_id, node)} ({plan.where})"
         if charges is not None:
             self._admission.check_share(charges, what)
         while True:
@@ -258,7 +258,7 @@ class SetStore:
                 return ts
         ts = TableSet(
             set_id=plan.set_id,
-            checkpoint=str(plan.checkpoint),
+            checkpoint=plan.where,
             selection=plan.selection,
             fingerprint=plan.fingerprint,
             nbytes=plan.nbytes,
@@ -392,7 +392,7 @@ class SetStore:
             ts.copy,
             ts.ntensors,
             gib(ts.nbytes),
-            plan.checkpoint,
+            plan.where,
         )
         try:
             ts.manifest = await self._loads.run(

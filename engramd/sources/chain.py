@@ -1,6 +1,11 @@
 """The order of sources for a load: the peers (all at once, peer.py), then the object store,
 then the files.
 
+A checkpoint planned from an object store (`--checkpoint s3://...`) has no
+files on the node: its store is a source of the fill whatever
+`--object-store` says, and when no source can give the set the load fails
+and says why.
+
 Called by the loader (sets.loader.Fill) on its thread with the set staged:
 every byte reserved, nothing visible. Each source that fails says why in
 one log line and the next runs on the same staged memory (it writes every
@@ -11,6 +16,7 @@ is published before a source's bytes passed its checks.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from functools import partial
 
@@ -22,6 +28,7 @@ from engramd.sources.peer import PeerSource
 from engramd.sources.regions import close_all, staged_regions
 from engramd.sources.trust import Filled, FleetKey
 from engramd_shared.checkpoint import TablePlan
+from engramd_shared.errors import CheckpointError
 
 log = logging.getLogger("engramd")
 
@@ -39,33 +46,62 @@ class SourceChain:
         self._store = store
         #: The fleet's key (--peer-token-file), which `engramd verify` checks attestations with.
         self.key = key
+        #: The stores of checkpoints planned from one, by URL.
+        self._stores: dict[str, ObjectStoreSource] = {}
+        self._lock = threading.Lock()
         spare.keep()
+
+    def store_for(self, plan: TablePlan) -> ObjectStoreSource | None:
+        """The object store a fill of `plan` reads: its own for a plan made from one, else
+        --object-store's."""
+        if not plan.store or (self._store is not None and self._store.url == plan.store):
+            return self._store
+        with self._lock:
+            if plan.store not in self._stores:
+                self._stores[plan.store] = ObjectStoreSource(plan.store, self.key)
+            return self._stores[plan.store]
 
     def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> Filled | None:
         """Fill `staged` from the first source that can; None: load from the files."""
+        store = self.store_for(plan)
+        if self._peers is None and store is None:
+            _to_files(plan, "no peers and no object store are configured", logging.DEBUG)
+            return None
         try:
             regions = staged_regions(staged, [t.nbytes for t in plan.tensors])
         except NotImplementedError as e:
-            log.info("set %s: %s; loading from the files", plan.set_id, e)
+            _to_files(plan, str(e), logging.INFO)
             return None
         attempts: list[tuple[str, Callable[[], Filled]]] = []
         if self._peers is not None:
-            attempts.append(("peers", partial(self._peers.fill, plan, regions, progress)))
-        if self._store is not None:
-            attempts.append((self._store.url, partial(self._store.fill, plan, regions, progress)))
+            attempts.append(("peers", partial(self._peers.fill, plan, regions, progress, store)))
+        if store is not None:
+            attempts.append((store.url, partial(store.fill, plan, regions, progress)))
+        failed = []
         try:
             for k, (source, read) in enumerate(attempts):
                 progress.restart(source)
                 try:
                     return read()
                 except SourceFailed as e:
-                    then = (
-                        "trying the next source"
-                        if k + 1 < len(attempts)
-                        else "loading from the files"
-                    )
-                    log.warning("set %s: %s: %s; %s", plan.set_id, source, e, then)
+                    failed.append(f"{source}: {e}")
+                    if k + 1 < len(attempts):
+                        log.warning(
+                            "set %s: %s: %s; trying the next source", plan.set_id, source, e
+                        )
+            _to_files(plan, "; ".join(failed), logging.WARNING)
             progress.restart("files")
             return None
         finally:
             close_all(regions)
+
+
+def _to_files(plan: TablePlan, why: str, level: int) -> None:
+    """Say that the files fill the set, and why; CheckpointError when the node has none."""
+    if plan.store:
+        raise CheckpointError(
+            f"no source could give the set of {plan.store} ({why}); this node holds no file "
+            "of that checkpoint: start a peer that holds the set (--peers), or upload its "
+            "attested manifest beside the objects (engramd manifest)"
+        )
+    log.log(level, "set %s: %s; loading from the files", plan.set_id, why)

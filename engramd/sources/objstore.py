@@ -12,9 +12,10 @@ of which ends at the file's end, so a truncated object fails here). Then
 every tensor is read by ranges into the landing ring of the fill's transfer
 process (landing.py), moved into the staged set and digested there, and
 spot-checked against the node's file; its strong digest and checksum
-must be the attested ones. Endpoint and keys come the way the
-AWS tools take them: AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL,
-AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
+must be the attested ones. A checkpoint planned from the store itself
+(`--checkpoint s3://...`, sets/objectplan.py) has no node file to compare
+with: its objects are read unchecked and the attested digests alone decide.
+Endpoint and keys come the way the AWS tools take them (s3api.py).
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import time
 from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
-from urllib.parse import urlparse
 
-from engramd.sources.base import Progress, SourceFailed, overlaps, spans, spot_check
+from engramd.sources.base import Progress, SourceFailed, overlaps, spans, spot_check_set
 from engramd.sources.inflight import InOrder
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
+from engramd.sources.s3api import StoreAccess
 from engramd.sources.strong import pieces
 from engramd.sources.trust import (
     OBJECT_HEADER_BYTES,
@@ -45,7 +46,7 @@ from engramd.sources.trust import (
 )
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
-from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry
+from engramd_shared.headers import TensorEntry, sample_ranges
 
 #: Windows per NIXL request: the OBJ backend reads a request's ranges on its own threads.
 WINDOWS_PER_READ = 8
@@ -63,42 +64,24 @@ class ObjectStoreSource:
     """Fills sets from `s3://bucket/prefix`; one fill at a time, each with a transfer process."""
 
     def __init__(self, url: str, key: FleetKey | None, env: Mapping[str, str] = os.environ) -> None:
-        parsed = urlparse(url)
-        if parsed.scheme != "s3" or not parsed.netloc:
-            raise ValueError(
-                f"--object-store {url!r} is not s3://bucket/prefix; name the bucket and the "
-                "prefix that holds the checkpoint's files"
-            )
+        #: Where the store is and its keys.
+        self.access = StoreAccess.of(url, env, "--object-store")
         #: The store as status names it.
-        self.url = url.rstrip("/")
-        self._bucket = parsed.netloc
-        self._prefix = parsed.path.strip("/")
-        # num_threads: the backend reads a request's ranges on that many threads.
-        self._params = {"bucket": self._bucket, "num_threads": str(OBJ_THREADS)}
-        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or ""
-        if endpoint:
-            self._params["endpoint_override"] = endpoint
-            self._params["scheme"] = urlparse(endpoint).scheme or "https"
-            # S3-compatible servers behind an endpoint take path-style addresses.
-            self._params["use_virtual_addressing"] = "false"
-        region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
-        if region:
-            self._params["region"] = region
-        if env.get("AWS_ACCESS_KEY_ID"):
-            self._params["access_key"] = env["AWS_ACCESS_KEY_ID"]
-            self._params["secret_key"] = env.get("AWS_SECRET_ACCESS_KEY", "")
+        self.url = self.access.url
+        self._bucket = self.access.bucket
+        self._prefix = self.access.prefix
         #: The fleet's key, which the set's attested manifest must be made with.
         self._fleet = key
         self._lock = threading.Lock()
 
     def key(self, name: str) -> str:
         """The object key of a checkpoint file named `name`."""
-        return f"{self._prefix}/{name}" if self._prefix else name
+        return self.access.key(name)
 
     def agent(self) -> Agent:
         """A transfer process with the OBJ backend for this store (given the daemon's AWS_
         variables; nothing listens there)."""
-        return Agent({"OBJ": self._params})
+        return Agent({"OBJ": self.access.nixl_params(OBJ_THREADS)})
 
     def register(self, agent: Agent, plan: TablePlan) -> dict[str, int]:
         """Register with `agent` the objects of the files `plan` reads; each file's (by its
@@ -128,8 +111,7 @@ class ObjectStoreSource:
             got,
             "the bucket holds other bytes than the checkpoint's",
         )
-        for entry, region in zip(plan.tensors, regions, strict=True):
-            spot_check(entry, region.view())
+        spot_check_set(plan, [r.view() for r in regions])
         # Every byte has the attested strong digest: the attested checksums are theirs.
         return Filled([t.checksum for t in attested.tensors], got, attested.attestation)
 
@@ -188,7 +170,8 @@ class ObjectStoreSource:
     def _fill(self, agent: Agent, landing: Landing, plan: TablePlan, progress: Progress) -> None:
         files = _names(plan)
         devices = self._register(agent, files)
-        for path, (name, size) in files.items():
+        # A plan made from these objects has no file to compare them with.
+        for path, (name, size) in files.items() if not plan.store else ():
             self._check_object(agent, path, self.key(name), size, devices[path], progress)
         # A window is a piece of the strong digest, digested as it lands; a piece of a
         # table joined from row shards may take a range of each of two shards' objects.
@@ -222,12 +205,7 @@ class ObjectStoreSource:
         fd = open_regular(Path(path))
         try:
             (length,) = struct.unpack("<Q", os.pread(fd, 8, 0))
-            ranges = [(0, 8 + length)]
-            start = 8 + length
-            span = max(size - start - SAMPLE_BYTES, 0)
-            for k in range(SAMPLES):
-                at = start + span * k // (SAMPLES - 1)
-                ranges.append((at, min(SAMPLE_BYTES, size - at)))
+            ranges = [(0, 8 + length), *sample_ranges(8 + length, size)]
             ranges = [(at, n) for at, n in ranges if n > 0]
             expected = [os.pread(fd, n, at) for at, n in ranges]
         finally:
@@ -296,9 +274,12 @@ def _read_ranges(agent: Agent, ranges: list[tuple[int, int, int]], progress: Pro
 
 
 def _names(plan: TablePlan) -> dict[str, tuple[str, int]]:
-    """Each file the plan reads (its real path) -> (its name in the checkpoint, its size)."""
+    """Each file the plan reads (its real path; a plan from a store: its object's name) ->
+    (its name in the checkpoint, its size)."""
+    used = dict.fromkeys(str(span.file) for t in plan.tensors for span, _ in spans(t))
+    if plan.store:
+        return {name: (name, plan.objects[name]) for name in used}
     sizes = {s.path: s.size for s in plan.sources}
     files, _ = checkpoint_files(plan.checkpoint)
     named = {str(f.resolve()): f.name for f in files}
-    used = dict.fromkeys(str(span.file) for t in plan.tensors for span, _ in spans(t))
     return {path: (named.get(path, Path(path).name), sizes[path]) for path in used}

@@ -88,9 +88,7 @@ def is_local(address: str) -> bool:
 
 class PeerSource:
     """Fills sets from peers; one fill at a time. `own`: this daemon's --peer-listen, which
-    a list of the fleet's peers (a headless Service) names too: it is never asked. `store`:
-    the object store, a source of pieces beside the peers; pieces no peer and no store can
-    give come from the node's own files."""
+    a list of the fleet's peers (a headless Service) names too: it is never asked."""
 
     def __init__(
         self,
@@ -99,9 +97,7 @@ class PeerSource:
         min_rate: int,
         filling: FillingSets,
         own: str = "",
-        store: ObjectStoreSource | None = None,
     ) -> None:
-        self._store = store
         self._peers = peers
         self._key = key
         self._min_rate = min_rate
@@ -122,9 +118,16 @@ class PeerSource:
         ]
         return spread(found, set_id, self._receiver)
 
-    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
+    def fill(
+        self,
+        plan: TablePlan,
+        regions: list[Region],
+        progress: Progress,
+        store: ObjectStoreSource | None = None,
+    ) -> Filled:
         """Read the set of `plan` from the peers into `regions`; the digests and the
-        attestation they matched.
+        attestation they matched. `store`: the object store, a source of pieces beside the
+        peers; pieces no peer and no store can give come from the node's own files.
 
         Raises SourceFailed (with the reason in one line) when no peer offers the
         set, or the peers cannot give every piece; the regions' contents are then
@@ -141,7 +144,7 @@ class PeerSource:
                 self._key,
                 self._min_rate,
                 self._filling,
-                self._store,
+                store,
                 self._receiver,
             )
             return fill.run(found)

@@ -50,7 +50,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check
+from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check_set
 from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
@@ -263,8 +263,7 @@ class SwarmFill:
         got = self._landing.digests()
         strong = self._first.strong
         check_received([t.name for t in self._plan.tensors], strong, got, "a peer sent other bytes")
-        for entry, region in zip(self._plan.tensors, self._regions, strict=True):
-            spot_check(entry, region.view())
+        spot_check_set(self._plan, [r.view() for r in self._regions])
         self._report()
         # What gave the bytes, as status names it: the peers that did, the store, the files.
         others = [n for n in (self._store_name(), FILES) if n in self._delivered]
@@ -724,6 +723,8 @@ class SwarmFill:
         )
         if FILES in self._schedule.sources:
             raise SourceFailed(why)
+        if self._plan.store:
+            raise SourceFailed(f"{why}, and this node holds no file of the checkpoint")
         log.warning("set %s: %s; those pieces come from the files", self._plan.set_id, why)
         self._schedule.add(FILES, Tier.FILES, FILES_DEPTH)
 

@@ -295,6 +295,7 @@ def test_a_peer_below_the_floor_is_left(
         (["--peer-listen", "127.0.0.1:0"], "need --peer-token-file"),
         (["--peers", "127.0.0.1:1", "--peer-token-file", "/nonexistent"], "No such file"),
         (["--object-store", "http://bucket/prefix"], "is not s3://bucket/prefix"),
+        (["--checkpoint", "s3://bucket/prefix"], "which needs --peer-token-file"),
     ],
 )
 def test_fleet_flags_refused_with_the_fix(nodes: Any, args: list[str], message: str) -> None:

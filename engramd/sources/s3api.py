@@ -1,0 +1,255 @@
+"""An object store's address and keys, and the few small reads that plan a checkpoint there.
+
+The bulk of a set moves through NIXL's OBJ backend (objstore.py). Planning a
+checkpoint that has no files on the node (`--checkpoint s3://bucket/prefix`)
+takes a few hundred KiB of it: its index, config.json, each file's size
+and header and the data samples of the fingerprint. NIXL cannot tell an
+object's size (a read past the end only fails), so these are plain HTTP
+GETs signed with AWS Signature Version 4: a ranged GET's Content-Range
+gives the object's size with its first bytes.
+
+Endpoint and keys come the way the AWS tools take them:
+AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (path-style addresses there),
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION;
+without keys the requests go unsigned (a public bucket).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import http.client
+import re
+import xml.etree.ElementTree as ET
+from collections.abc import Mapping
+from dataclasses import dataclass
+from urllib.parse import quote, urlparse
+
+#: The default region where none is configured (the AWS tools' too).
+DEFAULT_REGION = "us-east-1"
+#: Seconds one request may take.
+REQUEST_TIMEOUT_S = 30.0
+#: The hash of an empty payload, which every GET signs.
+_EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+#: A ranged reply's total size: "bytes START-END/SIZE".
+_CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
+
+
+class StoreError(Exception):
+    """A request to the object store failed; the message names the object and the reply."""
+
+
+@dataclass(frozen=True)
+class StoreAccess:
+    """Where an s3://bucket/prefix is and the keys it is read with."""
+
+    bucket: str
+    #: The prefix, without slashes at either end ("" for the bucket's top).
+    prefix: str
+    #: AWS_ENDPOINT_URL(_S3): an S3-compatible server, addressed path-style ("": AWS's).
+    endpoint: str = ""
+    region: str = DEFAULT_REGION
+    access_key: str = ""
+    secret_key: str = ""
+
+    @classmethod
+    def of(cls, url: str, env: Mapping[str, str], flag: str) -> StoreAccess:
+        """The store `url` names, with the AWS variables of `env`; ValueError naming `flag`
+        when `url` is not s3://bucket/prefix."""
+        parsed = urlparse(url)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(
+                f"{flag} {url!r} is not s3://bucket/prefix; name the bucket and the "
+                "prefix that holds the checkpoint's files"
+            )
+        return cls(
+            bucket=parsed.netloc,
+            prefix=parsed.path.strip("/"),
+            endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or "",
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
+            access_key=env.get("AWS_ACCESS_KEY_ID", ""),
+            secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""),
+        )
+
+    @property
+    def url(self) -> str:
+        """s3://bucket/prefix, as status names it."""
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    def key(self, name: str) -> str:
+        """The object key of a checkpoint file named `name`."""
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+    def nixl_params(self, threads: int) -> dict[str, str]:
+        """The NIXL OBJ backend's parameters for this store, reading on `threads` threads."""
+        params = {"bucket": self.bucket, "num_threads": str(threads), "region": self.region}
+        if self.endpoint:
+            params["endpoint_override"] = self.endpoint
+            params["scheme"] = urlparse(self.endpoint).scheme or "https"
+            # S3-compatible servers behind an endpoint take path-style addresses.
+            params["use_virtual_addressing"] = "false"
+        if self.access_key:
+            params["access_key"] = self.access_key
+            params["secret_key"] = self.secret_key
+        return params
+
+
+class ObjectReader:
+    """Signed GETs of one store's objects: ranges with the object's size, small whole
+    objects, the names under the prefix."""
+
+    def __init__(self, access: StoreAccess, timeout: float = REQUEST_TIMEOUT_S) -> None:
+        self._access = access
+        self._timeout = timeout
+        if access.endpoint:
+            parsed = urlparse(access.endpoint)
+            self._scheme = parsed.scheme or "https"
+            self._host = parsed.netloc
+            self._base = f"{parsed.path.rstrip('/')}/{access.bucket}"
+        else:
+            self._scheme = "https"
+            self._host = f"{access.bucket}.s3.{access.region}.amazonaws.com"
+            self._base = ""
+
+    def read(self, name: str, at: int, n: int) -> tuple[bytes, int]:
+        """Bytes `at`..`at + n` of the object of file `name` (fewer where it ends first) and
+        the object's size."""
+        status, headers, body = self._get(
+            self._access.key(name), {}, {"range": f"bytes={at}-{at + n - 1}"}
+        )
+        if status == 416:  # the range starts at or past the end
+            return b"", _size_of(headers.get("content-range", ""), at)
+        if status == 206:
+            found = _CONTENT_RANGE.match(headers.get("content-range", ""))
+            if found is not None:
+                return body, int(found.group(1))
+        if status == 200:  # a server that ignores ranges sends the whole object
+            return body[at : at + n], len(body)
+        raise self._failed(name, status, body)
+
+    def get(self, name: str) -> bytes | None:
+        """The whole object of file `name`; None when there is none."""
+        status, _, body = self._get(self._access.key(name), {}, {})
+        if status == 404:
+            return None
+        if status != 200:
+            raise self._failed(name, status, body)
+        return body
+
+    def names(self, suffix: str) -> list[str]:
+        """The names (below the prefix, no further slash) of the objects ending in `suffix`."""
+        below = f"{self._access.prefix}/" if self._access.prefix else ""
+        found: list[str] = []
+        token = ""
+        while True:
+            query = {"list-type": "2", "prefix": below, "delimiter": "/"}
+            if token:
+                query["continuation-token"] = token
+            status, _, body = self._get("", query, {})
+            if status != 200:
+                raise self._failed(f"(the listing of {below or 'the bucket'})", status, body)
+            try:
+                doc = ET.fromstring(body)
+            except ET.ParseError as e:
+                raise StoreError(f"{self._access.url}: the listing does not parse ({e})") from None
+            # By local name: S3-compatible servers differ in the namespace they put.
+            texts: dict[str, list[str]] = {}
+            for element in doc.iter():
+                texts.setdefault(element.tag.rpartition("}")[2], []).append(element.text or "")
+            for key in texts.get("Key", []):
+                name = key[len(below) :]
+                if key.startswith(below) and name.endswith(suffix) and "/" not in name:
+                    found.append(name)
+            token = (texts.get("NextContinuationToken") or [""])[0]
+            if texts.get("IsTruncated") != ["true"] or not token:
+                return sorted(found)
+
+    def _failed(self, name: str, status: int, body: bytes) -> StoreError:
+        code = re.search(rb"<Code>([^<]{1,64})</Code>", body)
+        said = (
+            code.group(1).decode(errors="replace") if code else body[:120].decode(errors="replace")
+        )
+        return StoreError(f"{self._access.url}/{name}: HTTP {status} ({said})")
+
+    def _get(
+        self, key: str, query: dict[str, str], extra: dict[str, str]
+    ) -> tuple[int, dict[str, str], bytes]:
+        path = f"{self._base}/{key}"
+        headers = sign(
+            "GET",
+            self._host,
+            path,
+            query,
+            extra,
+            self._access,
+            datetime.datetime.now(datetime.UTC),
+        )
+        target = quote(path, safe="/~") + (f"?{canonical_query(query)}" if query else "")
+        kind = (
+            http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
+        )
+        connection = kind(self._host, timeout=self._timeout)
+        try:
+            connection.request("GET", target, headers=headers)
+            reply = connection.getresponse()
+            body = reply.read()
+            return reply.status, {k.lower(): v for k, v in reply.getheaders()}, body
+        except (OSError, http.client.HTTPException) as e:
+            raise StoreError(f"{self._access.url}/{key}: {e}") from None
+        finally:
+            connection.close()
+
+
+def _size_of(content_range: str, at: int) -> int:
+    # A 416's Content-Range is "bytes */SIZE".
+    found = re.match(r"^bytes \*/(\d+)$", content_range)
+    return int(found.group(1)) if found else at
+
+
+def canonical_query(query: Mapping[str, str]) -> str:
+    """A query string as Signature Version 4 signs it (sorted, every reserved byte encoded)."""
+    return "&".join(f"{quote(k, safe='~')}={quote(v, safe='~')}" for k, v in sorted(query.items()))
+
+
+def sign(
+    method: str,
+    host: str,
+    path: str,
+    query: Mapping[str, str],
+    extra: Mapping[str, str],
+    access: StoreAccess,
+    now: datetime.datetime,
+) -> dict[str, str]:
+    """The headers of a request signed with AWS Signature Version 4 (none but `extra` and the
+    host when the store has no keys)."""
+    stamp = now.strftime("%Y%m%dT%H%M%SZ")
+    headers = {"host": host, **{k.lower(): v for k, v in extra.items()}}
+    if not access.access_key:
+        return headers
+    headers |= {"x-amz-content-sha256": _EMPTY_SHA256, "x-amz-date": stamp}
+    names = sorted(headers)
+    signed = ";".join(names)
+    request = "\n".join(
+        [
+            method,
+            quote(path, safe="/~"),
+            canonical_query(query),
+            "".join(f"{k}:{headers[k].strip()}\n" for k in names),
+            signed,
+            _EMPTY_SHA256,
+        ]
+    )
+    scope = f"{stamp[:8]}/{access.region}/s3/aws4_request"
+    to_sign = "\n".join(
+        ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(request.encode()).hexdigest()]
+    )
+    key = f"AWS4{access.secret_key}".encode()
+    for part in (stamp[:8], access.region, "s3", "aws4_request"):
+        key = hmac.new(key, part.encode(), hashlib.sha256).digest()
+    signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    headers["authorization"] = (
+        f"AWS4-HMAC-SHA256 Credential={access.access_key}/{scope}, "
+        f"SignedHeaders={signed}, Signature={signature}"
+    )
+    return headers

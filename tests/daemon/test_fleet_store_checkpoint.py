@@ -1,0 +1,147 @@
+"""A node with no file of its checkpoint (`--checkpoint s3://bucket/prefix`, issue 47): the
+set planned from the objects' headers under the id a folder of the same files gets, filled
+from the bucket or a peer and trusted by the fleet's attested manifest alone, attached by
+workers by the URL. Real daemons, a real s3rver, real workers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import daemon.test_fleet as fleet
+import pytest
+from fleet_nodes import checkpoint_digests, ready_set, set_digests
+
+from conftest import Worker, wait_until
+from engramd.sets.objectplan import plan_objects
+from engramd.testing.fleet_lab import S3, free_port
+from engramd_shared.checkpoint import INDEX_FILE, plan_tables
+from engramd_shared.errors import CheckpointError
+from helpers import engramd, reference_digests
+
+pytestmark = fleet.pytestmark
+s3 = fleet.s3
+ple_checkpoint = fleet.ple_checkpoint
+
+
+def _put_all(s3: S3, folder: Path, prefix: str, index: bool) -> None:
+    """Every file of `folder` under `prefix` (its index only with `index`)."""
+    for f in sorted(folder.iterdir()):
+        if f.name != INDEX_FILE or index:
+            s3.put(f"{prefix}/{f.name}", f.read_bytes())
+
+
+@pytest.mark.parametrize("kind", ["engram, with its index", "ple, listed"])
+def test_objects_are_planned_as_the_folder_of_the_same_files(
+    s3: S3, checkpoint: Path, ple_checkpoint: Path, kind: str
+) -> None:
+    """The set id, selection and tensors planned from the objects' headers are the local
+    folder's: with an index, and without one (the prefix's *.safetensors, listed), the
+    family from config.json."""
+    folder = checkpoint if kind.startswith("engram") else ple_checkpoint
+    _put_all(s3, folder, "deep/ckpt", index=kind.endswith("index"))
+    remote = plan_objects(f"s3://{s3.bucket}/deep/ckpt/", "auto", s3.env())
+    local = plan_tables(folder)
+    assert (remote.set_id, remote.fingerprint, remote.selection) == (
+        local.set_id,
+        local.fingerprint,
+        local.selection,
+    )
+    assert [(t.name, t.dtype, t.shape, t.nbytes) for t in remote.tensors] == [
+        (t.name, t.dtype, t.shape, t.nbytes) for t in local.tensors
+    ]
+    assert remote.where == f"s3://{s3.bucket}/deep/ckpt" and not remote.sources
+    assert remote.objects == {f.name: f.stat().st_size for f in folder.glob("*.safetensors")}
+
+
+def test_objects_that_cannot_be_a_checkpoint_are_refused_with_the_fix(
+    s3: S3, checkpoint: Path
+) -> None:
+    """No objects under the prefix, a truncated object, and a key the store does not know: each a
+    CheckpointError that names the object and what to do."""
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors objects"):
+        plan_objects(f"s3://{s3.bucket}/empty", "auto", s3.env())
+    first = sorted(checkpoint.glob("*.safetensors"))[0]
+    s3.put(f"cut/{first.name}", first.read_bytes()[:4096])
+    cut = f"s3://{s3.bucket}/cut/{first.name}: tensor .* upload the file again"
+    with pytest.raises(CheckpointError, match=cut):
+        plan_objects(f"s3://{s3.bucket}/cut", "auto", s3.env())
+    wrong = {**s3.env(), "AWS_ACCESS_KEY_ID": "nobody"}
+    s3.upload(checkpoint, "m")
+    denied = "HTTP 403 \\(InvalidAccessKeyId\\); check the URL, the AWS_ variables"
+    with pytest.raises(CheckpointError, match=denied):
+        plan_objects(f"s3://{s3.bucket}/m", "auto", wrong)
+
+
+def _stored_node(nodes: Any, s3: S3, token_file: Path, *extra: str) -> Any:
+    node = nodes("s")
+    url = f"s3://{s3.bucket}/m"
+    node.start(["--checkpoint", url, "--peer-token-file", str(token_file), *extra], env=s3.env())
+    return node
+
+
+def test_a_node_with_no_files_fills_from_the_bucket_and_serves_workers_by_the_url(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """The bucket holds the files and the attested manifest, the node none of them: the set
+    comes from the bucket, its bytes the checkpoint's; status names the URL; a worker
+    attaching with the URL maps exactly those bytes, shared."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    url = f"s3://{s3.bucket}/m"
+    node = _stored_node(nodes, s3, token_file)
+    d = node.daemon
+    s = ready_set(d)
+    assert (s.set_id, s.checkpoint, s.source) == (plan_tables(checkpoint).set_id, url, url)
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+    shown = engramd("status", "--socket", str(d.socket))
+    assert url in shown.stdout and "ready" in shown.stdout, shown.stdout
+    worker = Worker(url, d.socket, share="on")
+    try:
+        assert worker.hello["mode"] == "shared", worker.hello
+        assert worker.hello["digests"] == reference_digests(checkpoint)
+    finally:
+        worker.exit()
+
+
+def test_without_an_attested_manifest_nothing_is_served(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """The bucket holds the files but no attested manifest and no peer holds the set: the
+    set fails with why and the fix, never published; a worker naming the URL is told no
+    set was loaded from it."""
+    s3.upload(checkpoint, "m")
+    url = f"s3://{s3.bucket}/m"
+    d = _stored_node(nodes, s3, token_file).daemon
+
+    def failed() -> bool:
+        return any(s.state == "failed" for s in d.status().sets)
+
+    wait_until(failed, 120, "the set to fail")
+    (s,) = d.status().sets
+    assert f"no source could give the set of {url}" in s.error, s.error
+    assert "cannot read the set's attested manifest" in s.error and "engramd manifest" in s.error
+    assert [f.checkpoint for f in d.status().daemon.failed_checkpoints] == [url]
+    worker = Worker(url, d.socket, share="on", wait=False)
+    try:
+        assert worker.greeted().hello["error"] == "UnknownSet", worker.hello
+    finally:
+        worker.exit()
+
+
+def test_a_node_with_no_files_fills_from_a_warm_peer(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """A warm node A loaded the checkpoint from its folder; B, given only the URL, plans the
+    same set id from the objects and takes pieces from A (and the bucket): its bytes are the
+    checkpoint's."""
+    s3.upload(checkpoint, "m")
+    peer = f"127.0.0.1:{free_port()}"
+    a = nodes("a")
+    args = ["--peer-token-file", str(token_file)]
+    ready_set(a.start(["--checkpoint", str(checkpoint), *args, "--peer-listen", peer]))
+    b = _stored_node(nodes, s3, token_file, "--peers", peer)
+    s = ready_set(b.daemon)
+    assert s.set_id == plan_tables(checkpoint).set_id
+    assert dict(s.bytes_by_source).get(peer, 0) > 0, (s.bytes_by_source, b.daemon.log)
+    assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
