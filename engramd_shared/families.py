@@ -63,7 +63,7 @@ FAMILIES = (ENGRAM, PLE)
 
 CONFIG_FILE = "config.json"
 #: A model's config.json is a few KiB; anything far larger is not one.
-_MAX_CONFIG_BYTES = 4 << 20
+MAX_CONFIG_BYTES = 4 << 20
 
 
 def family_of_selection(selection: str) -> Family | None:
@@ -75,7 +75,7 @@ def architectures(folder: Path) -> list[str]:
     """config.json's `architectures` of a checkpoint folder; [] where it names none."""
     try:
         with open(folder / CONFIG_FILE, "rb") as f:
-            return architectures_in(f.read(_MAX_CONFIG_BYTES))
+            return architectures_in(f.read(MAX_CONFIG_BYTES))
     except OSError:
         return []
 
@@ -85,7 +85,7 @@ def architectures_of(fd: int) -> list[str]:
     try:
         with open(os.dup(fd), "rb") as f:
             f.seek(0)
-            return architectures_in(f.read(_MAX_CONFIG_BYTES))
+            return architectures_in(f.read(MAX_CONFIG_BYTES))
     except OSError:
         return []
 

@@ -49,7 +49,7 @@ from engramd.sets.store import SetStore, reload_fix
 from engramd.sets.tableset import SetState, TableSet
 from engramd.sources.chain import SourceChain
 from engramd_shared.beneath import OutsideRoot, Root
-from engramd_shared.checkpoint import TablePlan, is_store_url, set_id_of
+from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, is_store_url, set_id_of
 from engramd_shared.errors import (
     CheckpointError,
     FingerprintMismatch,
@@ -153,11 +153,43 @@ class SetKeeper:
                 self.store.publish(copies)
                 self.store.configure(copies)
             except (CheckpointError, ShareError) as e:
+                held = self._held_from_store(checkpoint)
+                if held:
+                    # A restart while the store is unreachable keeps serving what it held.
+                    log.warning(
+                        "cannot plan configured checkpoint %s (%s); serving set %s held from it, "
+                        "which carries the fleet's attestation",
+                        checkpoint,
+                        e,
+                        held[0].set_id,
+                    )
+                    self.store.publish(held)
+                    self.store.configure(held)
+                    continue
                 # The daemon keeps serving every other set; it stays not ready
                 # so the operator sees that this one is missing.
                 log.error("cannot load configured checkpoint %s: %s", checkpoint, e)
                 self._unplanned.append((checkpoint, str(e)))
                 self.store.configure(None)
+
+    def _held_from_store(self, checkpoint: str) -> list[TableSet]:
+        """The ready copies held (adopted) of a configured checkpoint in an object store, each
+        with the fleet's attestation of its set under the configured selection; [] for a
+        folder's, whose files are planned again at every start."""
+        if not is_store_url(checkpoint):
+            return []
+        return [
+            ts
+            for ts in self.store.sets.all()
+            if ts.checkpoint == checkpoint
+            and ts.state is SetState.READY
+            and ts.manifest is not None
+            and ts.manifest.attestation
+            and self._config.tensors in (DEFAULT_TENSORS, ts.selection)
+            and self._sources is not None
+            and self._sources.key is not None
+            and not self._unattested(ts)
+        ]
 
     def failed_configured(self) -> list[tuple[str, str]]:
         """(checkpoint, why) for each --checkpoint that gave no ready set: it could not be

@@ -32,7 +32,7 @@ from engramd_shared.checkpoint import (
     weight_map_in,
 )
 from engramd_shared.errors import CheckpointError
-from engramd_shared.families import CONFIG_FILE, architectures_in
+from engramd_shared.families import CONFIG_FILE, MAX_CONFIG_BYTES, architectures_in
 from engramd_shared.fileid import SourceFile
 from engramd_shared.headers import (
     MAX_HEADER_BYTES,
@@ -58,7 +58,7 @@ def plan_objects(url: str, selection: str, env: Mapping[str, str] = os.environ) 
     where = access.url
     reader = ObjectReader(access)
     try:
-        index = reader.get(INDEX_FILE)
+        index = reader.get(INDEX_FILE, MAX_HEADER_BYTES)
         weight_map = None if index is None else weight_map_in(f"{where}/{INDEX_FILE}", index)
         if weight_map is not None:
             names = listed_files(f"{where}/{INDEX_FILE}", weight_map)
@@ -69,7 +69,7 @@ def plan_objects(url: str, selection: str, env: Mapping[str, str] = os.environ) 
                 f"{where}: no *.safetensors objects and no {INDEX_FILE} there; upload the "
                 "checkpoint's files under that prefix, or name the prefix that holds them"
             )
-        config = reader.get(CONFIG_FILE)
+        config = reader.get(CONFIG_FILE, MAX_CONFIG_BYTES)
         with ThreadPoolExecutor(min(PLANNING_READS, len(names))) as pool:
             headers = list(pool.map(partial(_header, reader, where), names))
     except StoreError as e:

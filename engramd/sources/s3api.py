@@ -30,6 +30,8 @@ from urllib.parse import quote, urlparse
 DEFAULT_REGION = "us-east-1"
 #: Seconds one request may take.
 REQUEST_TIMEOUT_S = 30.0
+#: The longest page of a listing read (S3 lists at most 1,000 keys a page: about 300 KB).
+LISTING_BYTES = 16 << 20
 #: The hash of an empty payload, which every GET signs.
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 #: A ranged reply's total size: "bytes START-END/SIZE".
@@ -116,25 +118,28 @@ class ObjectReader:
         """Bytes `at`..`at + n` of the object of file `name` (fewer where it ends first) and
         the object's size."""
         status, headers, body = self._get(
-            self._access.key(name), {}, {"range": f"bytes={at}-{at + n - 1}"}
+            self._access.key(name), {}, {"range": f"bytes={at}-{at + n - 1}"}, at + n
         )
         if status == 416:  # the range starts at or past the end
             return b"", _size_of(headers.get("content-range", ""), at)
         if status == 206:
             found = _CONTENT_RANGE.match(headers.get("content-range", ""))
             if found is not None:
-                return body, int(found.group(1))
-        if status == 200:  # a server that ignores ranges sends the whole object
-            return body[at : at + n], len(body)
+                return body[:n], int(found.group(1))
+        if status == 200 and headers.get("content-length", "").isdigit():
+            # A server that ignores ranges sends the whole object: its start is read.
+            return body[at : at + n], int(headers["content-length"])
         raise self._failed(name, status, body)
 
-    def get(self, name: str) -> bytes | None:
-        """The whole object of file `name`; None when there is none."""
-        status, _, body = self._get(self._access.key(name), {}, {})
+    def get(self, name: str, limit: int) -> bytes | None:
+        """The whole object of file `name`, of at most `limit` bytes; None when there is none."""
+        status, _, body = self._get(self._access.key(name), {}, {}, limit + 1)
         if status == 404:
             return None
         if status != 200:
             raise self._failed(name, status, body)
+        if len(body) > limit:
+            raise StoreError(f"{self._access.url}/{name}: larger than {limit} bytes")
         return body
 
     def names(self, suffix: str) -> list[str]:
@@ -146,7 +151,7 @@ class ObjectReader:
             query = {"list-type": "2", "prefix": below, "delimiter": "/"}
             if token:
                 query["continuation-token"] = token
-            status, _, body = self._get("", query, {})
+            status, _, body = self._get("", query, {}, LISTING_BYTES)
             if status != 200:
                 raise self._failed(f"(the listing of {below or 'the bucket'})", status, body)
             try:
@@ -173,8 +178,9 @@ class ObjectReader:
         return StoreError(f"{self._access.url}/{name}: HTTP {status} ({said})")
 
     def _get(
-        self, key: str, query: dict[str, str], extra: dict[str, str]
+        self, key: str, query: dict[str, str], extra: dict[str, str], limit: int
     ) -> tuple[int, dict[str, str], bytes]:
+        """A signed GET: its status, headers and at most `limit` bytes of its body."""
         path = f"{self._base}/{key}"
         headers = sign(
             "GET",
@@ -193,7 +199,7 @@ class ObjectReader:
         try:
             connection.request("GET", target, headers=headers)
             reply = connection.getresponse()
-            body = reply.read()
+            body = reply.read(limit)
             return reply.status, {k.lower(): v for k, v in reply.getheaders()}, body
         except (OSError, http.client.HTTPException) as e:
             raise StoreError(f"{self._access.url}/{key}: {e}") from None

@@ -96,12 +96,45 @@ def test_a_node_with_no_files_fills_from_the_bucket_and_serves_workers_by_the_ur
     assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
     shown = engramd("status", "--socket", str(d.socket))
     assert url in shown.stdout and "ready" in shown.stdout, shown.stdout
+    _attaches_by_url(url, d, checkpoint)
+
+
+def _attaches_by_url(url: str, d: Any, checkpoint: Path) -> None:
+    """A worker naming `url` maps exactly the checkpoint's bytes, shared."""
     worker = Worker(url, d.socket, share="on")
     try:
         assert worker.hello["mode"] == "shared", worker.hello
         assert worker.hello["digests"] == reference_digests(checkpoint)
     finally:
         worker.exit()
+
+
+def test_a_restart_keeps_serving_the_held_copy_even_while_the_store_is_unreachable(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    """Restarted, the daemon plans the objects again and adopts its copy (the fleet's
+    attestation stands in for files to prove it with); restarted again with the store out of
+    reach, it cannot plan, says so, and serves the attested copy it holds."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    url = f"s3://{s3.bucket}/m"
+    node = _stored_node(nodes, s3, token_file)
+    loaded = ready_set(node.daemon)
+    node.daemon.stop()
+    d = node.restart()
+    s = ready_set(d)
+    assert (s.set_id, s.source, s.checkpoint) == (loaded.set_id, "adopted", url), d.log
+    _attaches_by_url(url, d, checkpoint)
+    d.stop()
+    away = {**s3.env(), "AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}"}
+    args = ["--checkpoint", url, "--peer-token-file", str(token_file)]
+    d = node.start(args, env=away)
+    s = ready_set(d)
+    assert (s.set_id, s.source) == (loaded.set_id, "adopted"), d.log
+    assert d.status().daemon.ready and not d.status().daemon.failed_checkpoints
+    assert f"cannot plan configured checkpoint {url}" in d.log
+    assert "serving set " + loaded.set_id in d.log
+    _attaches_by_url(url, d, checkpoint)
 
 
 def test_without_an_attested_manifest_nothing_is_served(
