@@ -67,7 +67,8 @@ VLLM_STAMP = $(VLLM_VENV)/.installed-$(shell cat $(VLLM_REQS) | sha256sum | cut 
 VLLM_PIP = $(VLLM_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 	$(if $(VLLM_FIND_LINKS),--find-links $(VLLM_FIND_LINKS))
 
-test-vllm: $(VLLM_STAMP) test-tools
+# The daemon of the object-store test runs from the project's venv (NIXL): setup.
+test-vllm: $(VLLM_STAMP) test-tools setup
 	$(VLLM_VENV)/bin/python -m pytest tests/vllm_plugin $(ARGS)
 
 # Replicas starting with the plugin against vLLM's own tables (bench/vllm_plugin.py).

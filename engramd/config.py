@@ -39,7 +39,7 @@ def path(text: str) -> str:
 def checkpoint(text: str) -> str:
     """A checkpoint folder as `path` spells it, or an object store's s3://bucket/prefix
     without its trailing slash."""
-    return text.rstrip("/") if is_store_url(text) else path(text)
+    return "s3://" + text[len("s3://") :].rstrip("/") if is_store_url(text) else path(text)
 
 
 @dataclass(frozen=True)

@@ -138,6 +138,9 @@ class ManifestTensor:
     offset: int
     nbytes: int
     checksum: str
+    #: The checkpoint tensors it is made of where that is not itself alone (a table joined
+    #: from row shards: its shards, in order); () in sets of engramd before it was kept.
+    parts: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -201,6 +204,7 @@ class Manifest:
                     offset=int(t["offset"]),
                     nbytes=int(t["nbytes"]),
                     checksum=str(t["checksum"]),
+                    parts=tuple(str(p) for p in t.get("parts", ())),
                 )
                 for t in doc["tensors"]
             )

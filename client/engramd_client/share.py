@@ -186,6 +186,12 @@ def _attach(
     return tables
 
 
+def _parts_of(attachment: pb.Attachment) -> dict[str, tuple[str, ...]]:
+    """Each tensor's checkpoint tensors as the daemon tells them (a joined table's shards):
+    a worker that attached by set id or store URL has no plan of its own to read them from."""
+    return {t.name: tuple(t.parts) for t in attachment.tensors if t.parts}
+
+
 def _stored_set(config: ClientConfig, url: str, tensors: str) -> str:
     """The id of the set the daemon loaded from the object store's `url`.
 
@@ -206,6 +212,7 @@ def _stored_set(config: ClientConfig, url: str, tensors: str) -> str:
             s.set_id
             for s in reply.sets
             if s.checkpoint == url.rstrip("/")
+            and s.published
             and s.state in ("loading", "ready")
             and (tensors == DEFAULT_TENSORS or (family is not None and s.family == family.name))
         }
@@ -302,7 +309,7 @@ def _attach_as(
         mode="shared",
         set_id=attachment.set_id,
         lease=lease,
-        parts=plan.checkpoint_names if plan else None,
+        parts=plan.checkpoint_names if plan else _parts_of(attachment),
     )
     # A daemon that records no route (engramd 0.2) left the worker's own choice standing.
     tables.gpu_route = ROUTES.get(attachment.gpu_route) or ROUTES.get(route, "")
@@ -355,7 +362,7 @@ def _imported_tables(
         mode="shared",
         set_id=attachment.set_id,
         lease=lease,
-        parts=plan.checkpoint_names if plan else None,
+        parts=plan.checkpoint_names if plan else _parts_of(attachment),
     )
     tables.set_views(imported.cuda, index, imported.release)
     tables.gpu_route = ROUTES[pb.GPU_ROUTE_CUMEM_IMPORT]

@@ -52,9 +52,10 @@ def source_files(manifest: Manifest) -> list[pb.SourceFile]:
     ]
 
 
-def tensor_handle(handle: Handle) -> pb.TensorHandle:
-    """A backing's description of a tensor's bytes as the wire's handle (its kind from its form)."""
-    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape)
+def tensor_handle(handle: Handle, parts: tuple[str, ...] = ()) -> pb.TensorHandle:
+    """A backing's description of a tensor's bytes as the wire's handle (its kind from its form),
+    with the checkpoint tensors it is made of (`parts`, where not itself alone)."""
+    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape, parts=parts)
     where = handle.where
     if isinstance(where, PathRange):
         out.kind = pb.HANDLE_KIND_SHM
@@ -93,13 +94,14 @@ def attachment(
     """The answer to an attach: the set, the lease, its handles, and the fd channel (if used);
     the checkpoint files it was loaded from only with `sources`."""
     assert ts.manifest is not None
+    parts = {t.name: t.parts for t in ts.manifest.tensors}
     out = pb.Attachment(
         set_id=ts.set_id,
         fingerprint=ts.fingerprint,
         nonce=ts.manifest.nonce,
         lease_id=lease.lease_id,
         sources=source_files(ts.manifest) if sources else [],
-        tensors=[tensor_handle(h) for h in handles],
+        tensors=[tensor_handle(h, parts.get(h.name, ())) for h in handles],
         gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
     )
     if fd_socket is not None:
@@ -120,6 +122,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         state=ts.state.value,
         bytes_loaded=ts.bytes_loaded,
         adopted=ts.adopted,
+        published=ts.published,
         locked=ts.locked,
         error=str(ts.error) if ts.error else "",
         tensors=ts.ntensors,

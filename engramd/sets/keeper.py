@@ -41,7 +41,7 @@ from engramd.sets.intents import (
 )
 from engramd.sets.leases import LeaseBook, Stats, check_served
 from engramd.sets.loader import LoadProgress
-from engramd.sets.objectplan import plan_objects
+from engramd.sets.objectplan import StoreUnreadable, plan_objects
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
@@ -150,10 +150,10 @@ class SetKeeper:
                     if ts.manifest is not None:
                         # Adopted: perhaps loaded from a worker's copy under this id.
                         await self._prove_held(plan, ts, verifying)
-                self.store.publish(copies)
+                self._publish(plan, copies)
                 self.store.configure(copies)
             except (CheckpointError, ShareError) as e:
-                held = self._held_from_store(checkpoint)
+                held = self._held_from_store(checkpoint) if isinstance(e, StoreUnreadable) else []
                 if held:
                     # A restart while the store is unreachable keeps serving what it held.
                     log.warning(
@@ -173,12 +173,11 @@ class SetKeeper:
                 self.store.configure(None)
 
     def _held_from_store(self, checkpoint: str) -> list[TableSet]:
-        """The ready copies held (adopted) of a configured checkpoint in an object store, each
-        with the fleet's attestation of its set under the configured selection; [] for a
-        folder's, whose files are planned again at every start."""
-        if not is_store_url(checkpoint):
-            return []
-        return [
+        """The ready copies held (adopted) of a configured checkpoint in an object store that
+        did not answer, each with the fleet's attestation of its set under the configured
+        selection (of the newest such set). A malformed checkpoint there is no reason to keep
+        the old set."""
+        held = [
             ts
             for ts in self.store.sets.all()
             if ts.checkpoint == checkpoint
@@ -190,6 +189,8 @@ class SetKeeper:
             and self._sources.key is not None
             and not self._unattested(ts)
         ]
+        newest = max(held, key=lambda ts: ts.manifest.created if ts.manifest else 0.0, default=None)
+        return [ts for ts in held if newest is not None and ts.set_id == newest.set_id]
 
     def failed_configured(self) -> list[tuple[str, str]]:
         """(checkpoint, why) for each --checkpoint that gave no ready set: it could not be
@@ -213,8 +214,26 @@ class SetKeeper:
             # A set held under this id may come from other files (a worker's
             # copy): it is published for all only for bytes proven equal.
             await self._prove_held(plan, ts)
-        self.store.publish(copies)
+        self._publish(plan, copies)
         yield Loaded(copies[0])
+
+    def _publish(self, plan: TablePlan, copies: list[TableSet]) -> None:
+        """Publish the operator's copies of `plan`'s set. A store's URL names one set at a
+        time: a set loaded from it before (the bucket held another version) is no longer
+        attached by id; the workers that hold it keep it."""
+        self.store.publish(copies)
+        if not plan.store:
+            return
+        for ts in self.store.sets.all():
+            if ts.checkpoint == plan.store and ts.set_id != plan.set_id and ts.published:
+                ts.published = False
+                log.info(
+                    "set %s is no longer what %s names (now set %s); its %d leases keep it",
+                    ts.copy,
+                    plan.store,
+                    plan.set_id,
+                    self.leases.count(ts),
+                )
 
     async def _operator_plan(self, checkpoint: str, selection: str) -> TablePlan:
         """The plan of the operator's checkpoint: a folder (or file), kept while its files

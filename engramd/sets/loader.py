@@ -273,6 +273,7 @@ def load_set(
                     offset=staged.placement(i)[1],
                     nbytes=t.nbytes,
                     checksum=sums[i],
+                    parts=tuple(p.name for p in t.parts),
                 )
                 for i, t in enumerate(plan.tensors)
             ),

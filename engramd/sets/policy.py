@@ -16,7 +16,7 @@ from pathlib import Path
 from engramd.config import DaemonConfig
 from engramd.sets.intents import AttachIntent
 from engramd_shared.beneath import Opened, Root
-from engramd_shared.checkpoint import INDEX_FILE, TablePlan
+from engramd_shared.checkpoint import INDEX_FILE, TablePlan, is_store_url
 from engramd_shared.errors import (
     CheckpointError,
     FingerprintMismatch,
@@ -41,7 +41,10 @@ class LoadPolicy:
     def __init__(self, config: DaemonConfig) -> None:
         self._selection = config.tensors
         self._allowed = [Path(p).resolve() for p in config.allow_roots]
-        self._configured = {str(Path(p).resolve()) for p in config.checkpoints}
+        # A store's URL names no path here (its set is attached by id).
+        self._configured = {
+            str(Path(p).resolve()) for p in config.checkpoints if not is_store_url(p)
+        }
 
     def check_request(self, request: AttachIntent, loaded: list[str]) -> tuple[Path, Root | None]:
         """The checkpoint a worker may have loaded, and the root its files are opened beneath

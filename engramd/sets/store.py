@@ -36,11 +36,12 @@ from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
 from engramd.sets.admission import Admission
 from engramd.sets.leases import LeaseBook
 from engramd.sets.loader import DEFAULT_PLACEMENT, Fill, LoadCancelled, LoadProgress, load_set
+from engramd.sets.objectplan import plan_objects
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.units import gib
 from engramd.values import Placement
-from engramd_shared.checkpoint import TablePlan, plan_tables
+from engramd_shared.checkpoint import TablePlan, is_store_url, plan_tables
 from engramd_shared.errors import (
     CheckpointError,
     Draining,
@@ -290,7 +291,8 @@ class SetStore:
         from, read again on `readers` (a checkpoint may sit on a mount that hangs).
         """
         assert held.manifest is not None
-        source = await readers.run(plan_tables, held.checkpoint, held.manifest.selection)
+        plan = plan_objects if is_store_url(held.checkpoint) else plan_tables
+        source = await readers.run(plan, held.checkpoint, held.manifest.selection)
         if source.set_id != held.set_id:
             raise LoadFailed(
                 f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "

@@ -49,7 +49,8 @@ class SourceChain:
         #: The stores of checkpoints planned from one, by URL.
         self._stores: dict[str, ObjectStoreSource] = {}
         self._lock = threading.Lock()
-        spare.keep()
+        if peers is not None or store is not None:
+            spare.keep()
 
     def store_for(self, plan: TablePlan) -> ObjectStoreSource | None:
         """The object store a fill of `plan` reads: its own for a plan made from one, else
@@ -65,12 +66,12 @@ class SourceChain:
         """Fill `staged` from the first source that can; None: load from the files."""
         store = self.store_for(plan)
         if self._peers is None and store is None:
-            _to_files(plan, "no peers and no object store are configured", logging.DEBUG)
+            _to_files(plan, "no peers and no object store are configured", logging.DEBUG, "")
             return None
         try:
             regions = staged_regions(staged, [t.nbytes for t in plan.tensors])
         except NotImplementedError as e:
-            _to_files(plan, str(e), logging.INFO)
+            _to_files(plan, str(e), logging.INFO, "use a backing sources can fill (--backing)")
             return None
         attempts: list[tuple[str, Callable[[], Filled]]] = []
         if self._peers is not None:
@@ -89,19 +90,25 @@ class SourceChain:
                         log.warning(
                             "set %s: %s: %s; trying the next source", plan.set_id, source, e
                         )
-            _to_files(plan, "; ".join(failed), logging.WARNING)
+            _to_files(
+                plan,
+                "; ".join(failed),
+                logging.WARNING,
+                "start a peer that holds the set (--peers), or upload its attested manifest "
+                "beside the objects (engramd manifest)",
+            )
             progress.restart("files")
             return None
         finally:
             close_all(regions)
 
 
-def _to_files(plan: TablePlan, why: str, level: int) -> None:
-    """Say that the files fill the set, and why; CheckpointError when the node has none."""
+def _to_files(plan: TablePlan, why: str, level: int, fix: str) -> None:
+    """Say that the files fill the set, and why; CheckpointError (with `fix`) when the node
+    has none."""
     if plan.store:
         raise CheckpointError(
             f"no source could give the set of {plan.store} ({why}); this node holds no file "
-            "of that checkpoint: start a peer that holds the set (--peers), or upload its "
-            "attested manifest beside the objects (engramd manifest)"
+            f"of that checkpoint: {fix or 'give it --peers or an object store'}"
         )
     log.log(level, "set %s: %s; loading from the files", plan.set_id, why)

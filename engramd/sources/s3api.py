@@ -8,10 +8,11 @@ object's size (a read past the end only fails), so these are plain HTTP
 GETs signed with AWS Signature Version 4: a ranged GET's Content-Range
 gives the object's size with its first bytes.
 
-Endpoint and keys come the way the AWS tools take them:
+Endpoint and keys come from the variables the AWS tools read:
 AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (path-style addresses there),
-AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION;
-without keys the requests go unsigned (a public bucket).
+AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
+Static keys only: without them the requests go unsigned (a public bucket);
+session tokens, profiles and instance roles are not read.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import hashlib
 import hmac
 import http.client
 import re
+import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -32,10 +34,14 @@ DEFAULT_REGION = "us-east-1"
 REQUEST_TIMEOUT_S = 30.0
 #: The longest page of a listing read (S3 lists at most 1,000 keys a page: about 300 KB).
 LISTING_BYTES = 16 << 20
+#: Pages of a listing read at most: a checkpoint's prefix holds a few hundred objects.
+LISTING_PAGES = 100
 #: The hash of an empty payload, which every GET signs.
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-#: A ranged reply's total size: "bytes START-END/SIZE".
-_CONTENT_RANGE = re.compile(r"^bytes \d+-\d+/(\d+)$")
+#: A ranged reply's range and the object's size: "bytes START-END/SIZE" (at most 2^64).
+_CONTENT_RANGE = re.compile(r"^bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})$")
+#: A refused range's reply: "bytes */SIZE".
+_UNSATISFIED = re.compile(r"^bytes \*/([0-9]{1,20})$")
 
 
 class StoreError(Exception):
@@ -51,7 +57,9 @@ class StoreAccess:
     prefix: str
     #: AWS_ENDPOINT_URL(_S3): an S3-compatible server, addressed path-style ("": AWS's).
     endpoint: str = ""
-    region: str = DEFAULT_REGION
+    #: AWS_REGION / AWS_DEFAULT_REGION ("": the SDK's own choice; requests are signed for
+    #: DEFAULT_REGION).
+    region: str = ""
     access_key: str = ""
     secret_key: str = ""
 
@@ -69,7 +77,7 @@ class StoreAccess:
             bucket=parsed.netloc,
             prefix=parsed.path.strip("/"),
             endpoint=env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL") or "",
-            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or DEFAULT_REGION,
+            region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "",
             access_key=env.get("AWS_ACCESS_KEY_ID", ""),
             secret_key=env.get("AWS_SECRET_ACCESS_KEY", ""),
         )
@@ -85,7 +93,9 @@ class StoreAccess:
 
     def nixl_params(self, threads: int) -> dict[str, str]:
         """The NIXL OBJ backend's parameters for this store, reading on `threads` threads."""
-        params = {"bucket": self.bucket, "num_threads": str(threads), "region": self.region}
+        params = {"bucket": self.bucket, "num_threads": str(threads)}
+        if self.region:
+            params["region"] = self.region
         if self.endpoint:
             params["endpoint_override"] = self.endpoint
             params["scheme"] = urlparse(self.endpoint).scheme or "https"
@@ -111,30 +121,41 @@ class ObjectReader:
             self._base = f"{parsed.path.rstrip('/')}/{access.bucket}"
         else:
             self._scheme = "https"
-            self._host = f"{access.bucket}.s3.{access.region}.amazonaws.com"
+            self._host = f"{access.bucket}.s3.{access.region or DEFAULT_REGION}.amazonaws.com"
             self._base = ""
 
     def read(self, name: str, at: int, n: int) -> tuple[bytes, int]:
         """Bytes `at`..`at + n` of the object of file `name` (fewer where it ends first) and
         the object's size."""
         status, headers, body = self._get(
-            self._access.key(name), {}, {"range": f"bytes={at}-{at + n - 1}"}, at + n
+            self._access.key(name), {}, {"range": f"bytes={at}-{at + n - 1}"}, n
         )
-        if status == 416:  # the range starts at or past the end
-            return b"", _size_of(headers.get("content-range", ""), at)
-        if status == 206:
-            found = _CONTENT_RANGE.match(headers.get("content-range", ""))
-            if found is not None:
-                return body[:n], int(found.group(1))
-        if status == 200 and headers.get("content-length", "").isdigit():
-            # A server that ignores ranges sends the whole object: its start is read.
-            return body[at : at + n], int(headers["content-length"])
-        raise self._failed(name, status, body)
+        where = f"{self._access.url}/{name}"
+        if status == 416:  # the range starts at or past the end: "bytes */SIZE"
+            found = _UNSATISFIED.match(headers.get("content-range", ""))
+            if found is None:
+                raise StoreError(f"{where}: HTTP 416 without the object's size")
+            return b"", int(found.group(1))
+        if status == 200:
+            raise StoreError(
+                f"{where}: the server ignored the Range header and sent the whole object; "
+                "engramd plans a checkpoint by reading a few KiB of each object"
+            )
+        if status != 206:
+            raise self._failed(name, status, body)
+        found = _CONTENT_RANGE.match(headers.get("content-range", ""))
+        if found is None or int(found.group(1)) != at or len(body) > n:
+            raise StoreError(
+                f"{where}: the reply to a read of bytes {at}-{at + n - 1} is another range "
+                f"({headers.get('content-range', 'no Content-Range')[:80]})"
+            )
+        return body, int(found.group(3))
 
     def get(self, name: str, limit: int) -> bytes | None:
-        """The whole object of file `name`, of at most `limit` bytes; None when there is none."""
+        """The whole object of file `name`, of at most `limit` bytes; None when there is none
+        (S3 answers 403 for a missing key to whom may not list the bucket)."""
         status, _, body = self._get(self._access.key(name), {}, {}, limit + 1)
-        if status == 404:
+        if status in (403, 404):
             return None
         if status != 200:
             raise self._failed(name, status, body)
@@ -147,7 +168,8 @@ class ObjectReader:
         below = f"{self._access.prefix}/" if self._access.prefix else ""
         found: list[str] = []
         token = ""
-        while True:
+        asked: set[str] = set()
+        for _ in range(LISTING_PAGES):
             query = {"list-type": "2", "prefix": below, "delimiter": "/"}
             if token:
                 query["continuation-token"] = token
@@ -169,6 +191,13 @@ class ObjectReader:
             token = (texts.get("NextContinuationToken") or [""])[0]
             if texts.get("IsTruncated") != ["true"] or not token:
                 return sorted(found)
+            if token in asked:
+                raise StoreError(f"{self._access.url}: the listing repeats a page")
+            asked.add(token)
+        raise StoreError(
+            f"{self._access.url}: more than {LISTING_PAGES} pages of objects under the prefix; "
+            "name the prefix that holds the checkpoint's files"
+        )
 
     def _failed(self, name: str, status: int, body: bytes) -> StoreError:
         code = re.search(rb"<Code>([^<]{1,64})</Code>", body)
@@ -195,22 +224,29 @@ class ObjectReader:
         kind = (
             http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
         )
+        deadline = time.monotonic() + self._timeout
         connection = kind(self._host, timeout=self._timeout)
         try:
             connection.request("GET", target, headers=headers)
             reply = connection.getresponse()
-            body = reply.read(limit)
-            return reply.status, {k.lower(): v for k, v in reply.getheaders()}, body
-        except (OSError, http.client.HTTPException) as e:
+            # The socket's timeout bounds each read; a reply that trickles in is cut at the
+            # request's deadline.
+            parts, got = [], 0
+            while got < limit:
+                if time.monotonic() > deadline:
+                    raise StoreError(
+                        f"{self._access.url}/{key}: no whole reply within {self._timeout:.0f} s"
+                    )
+                part = reply.read1(min(limit - got, 1 << 20))
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            return reply.status, {k.lower(): v for k, v in reply.getheaders()}, b"".join(parts)
+        except (OSError, http.client.HTTPException, ValueError) as e:
             raise StoreError(f"{self._access.url}/{key}: {e}") from None
         finally:
             connection.close()
-
-
-def _size_of(content_range: str, at: int) -> int:
-    # A 416's Content-Range is "bytes */SIZE".
-    found = re.match(r"^bytes \*/(\d+)$", content_range)
-    return int(found.group(1)) if found else at
 
 
 def canonical_query(query: Mapping[str, str]) -> str:
@@ -246,12 +282,13 @@ def sign(
             _EMPTY_SHA256,
         ]
     )
-    scope = f"{stamp[:8]}/{access.region}/s3/aws4_request"
+    region = access.region or DEFAULT_REGION
+    scope = f"{stamp[:8]}/{region}/s3/aws4_request"
     to_sign = "\n".join(
         ["AWS4-HMAC-SHA256", stamp, scope, hashlib.sha256(request.encode()).hexdigest()]
     )
     key = f"AWS4{access.secret_key}".encode()
-    for part in (stamp[:8], access.region, "s3", "aws4_request"):
+    for part in (stamp[:8], region, "s3", "aws4_request"):
         key = hmac.new(key, part.encode(), hashlib.sha256).digest()
     signature = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     headers["authorization"] = (

@@ -167,7 +167,7 @@ class SourceFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd", "cumem")
+    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd", "cumem", "parts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -175,6 +175,7 @@ class TensorHandle(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     FD_FIELD_NUMBER: _ClassVar[int]
     CUMEM_FIELD_NUMBER: _ClassVar[int]
+    PARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -182,7 +183,8 @@ class TensorHandle(_message.Message):
     shm: ShmHandle
     fd: FdHandle
     cumem: CuMemHandle
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cumem: _Optional[_Union[CuMemHandle, _Mapping]] = ...) -> None: ...
+    parts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cumem: _Optional[_Union[CuMemHandle, _Mapping]] = ..., parts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CuMemHandle(_message.Message):
     __slots__ = ("file", "fabric", "size", "offset", "length", "host_numa", "device_uuid")
@@ -313,7 +315,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source", "published")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -351,6 +353,7 @@ class SetInfo(_message.Message):
     CHANGED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     RESIDENT_BYTES_FIELD_NUMBER: _ClassVar[int]
     BYTES_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -374,7 +377,8 @@ class SetInfo(_message.Message):
     changed_tensors: _containers.RepeatedScalarFieldContainer[str]
     resident_bytes: int
     bytes_by_source: _containers.ScalarMap[str, int]
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    published: bool
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., published: _Optional[bool] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")

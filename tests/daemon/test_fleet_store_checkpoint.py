@@ -15,6 +15,8 @@ from fleet_nodes import checkpoint_digests, ready_set, set_digests
 from conftest import Worker, wait_until
 from engramd.sets.objectplan import plan_objects
 from engramd.testing.fleet_lab import S3, free_port
+from engramd.testing.synth import SynthSpec, synthesize
+from engramd_client import attach
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.errors import CheckpointError
 from helpers import engramd, reference_digests
@@ -178,3 +180,49 @@ def test_a_node_with_no_files_fills_from_a_warm_peer(
     assert s.set_id == plan_tables(checkpoint).set_id
     assert dict(s.bytes_by_source).get(peer, 0) > 0, (s.bytes_by_source, b.daemon.log)
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
+
+
+def test_a_joined_table_attached_by_the_url_names_its_row_shards(
+    s3: S3, nodes: Any, ple_checkpoint: Path, token_file: Path
+) -> None:
+    """Qwen4Exp's PLE tables, each joined from row shards, from the bucket: a worker
+    attaching with the URL has no plan of its own, and the daemon tells it each table's
+    shards (what an engine's loader skips), in order; the bytes are the checkpoint's."""
+    s3.upload(ple_checkpoint, "m")
+    s3.attest(ple_checkpoint, "m", token_file)
+    url = f"s3://{s3.bucket}/m"
+    node = _stored_node(nodes, s3, token_file)
+    s = ready_set(node.daemon)
+    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
+    local = plan_tables(ple_checkpoint)
+    with attach(url, socket=str(node.daemon.socket), share=True) as tables:
+        assert tables.set_id == local.set_id
+        assert tables.checkpoint_names == {p for n in local.checkpoint_names.values() for p in n}
+        assert all(len(parts) > 1 for parts in local.checkpoint_names.values())
+
+
+def test_a_new_version_in_the_bucket_is_what_the_url_names_once_loaded(
+    s3: S3, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path
+) -> None:
+    """The operator uploads another version over the prefix (and its attested manifest) and
+    runs `engramd load URL`: the new set is what workers attaching by the URL get; the old
+    one stays held for the workers that hold it, no longer attached by id."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    url = f"s3://{s3.bucket}/m"
+    node = _stored_node(nodes, s3, token_file)
+    d = node.daemon
+    old = ready_set(d)
+    newer = synthesize(tmp_path / "v2", SynthSpec(rows=40_000, seed=1))
+    s3.upload(newer, "m")
+    s3.attest(newer, "m", token_file)
+    loaded = engramd("load", url, "--socket", str(d.socket))
+    assert loaded.returncode == 0, loaded.stderr
+    by_id = {s.set_id: s for s in d.status().sets}
+    new_id = plan_tables(newer).set_id
+    assert set(by_id) == {old.set_id, new_id}
+    assert (by_id[new_id].published, by_id[old.set_id].published) == (True, False)
+    assert by_id[new_id].checkpoint == by_id[old.set_id].checkpoint == url
+    with attach(url, socket=str(d.socket), share=True) as tables:
+        assert tables.set_id == new_id
+    assert set_digests(node.shm_dir, new_id) == checkpoint_digests(newer)

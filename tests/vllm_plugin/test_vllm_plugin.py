@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from engine_harness import readahead, result
-from vllm_plugin.vllm_harness import Model, run_ranks
+from vllm_plugin.vllm_harness import Model, Stored, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
 
@@ -163,3 +163,29 @@ def test_a_group_follows_its_leaders_answer(model: Model, served: Any, tmp_path:
     there = f"ENGRAMD_SOCKET={served.socket}"
     ranks = run_ranks(model, 2, env, tmp_path / "again", ("--decide-only", "--follower-env", there))
     assert [result(d)["serve"] for d in ranks] == [False, False]
+
+
+def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(
+    model: Model, stored: Stored, tmp_path: Path
+) -> None:
+    """vLLM's model is s3://tables/m under runai_streamer (its config files pulled from the
+    bucket, its weights streamed by the real runai streamer) and the daemon loaded the set
+    from that URL with no files of it: both TP ranks hold their rows of the daemon's copy,
+    read-only and shared, byte for byte the checkpoint's; the tables the stream read are
+    dropped, never copied into a rank."""
+    assert stored.model.folder != model.folder
+    assert not list(stored.model.folder.glob("*.safetensors"))
+    done = run_ranks(stored.model, 2, stored.env, tmp_path, ("--reference", str(model.folder)))
+    for rank, out in enumerate(result(d) for d in done):
+        for index, layer_id in enumerate(model.spec.engram_layers):
+            info = out["layers"][str(layer_id)]
+            assert (info["start"], info["end"]) == ceil_head_rows(model.heads[index], rank, 2)
+            assert info["served"], info
+            assert info["same_bytes"] == [True, True]
+            assert str(stored.daemon.shm_dir) in info["weight_map"], info["weight_map"]
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+            assert info["anonymous_kib"] == 0
+        # The stream read the tables whole (runai reads whole files); the layers kept engramd's.
+        assert "this load format read a table engramd serves" in _output(done[rank])
+    (s,) = stored.daemon.status().sets
+    assert (s.checkpoint, s.source) == (stored.url, stored.url)

@@ -1,7 +1,7 @@
 """One vLLM rank on CPU: loads the plugins, builds real Engram layers, loads the checkpoint.
 
     python vllm_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--version V]
-        [--no-load] [--load-format F]
+        [--no-load] [--load-format F] [--reference FOLDER]
 
 Everything is vLLM's own code (its plugin loader, distributed groups, Engram
 layers, ColumnParallelLinear, DefaultModelLoader, DeepSeek-V4.1's weight
@@ -146,6 +146,9 @@ def main() -> None:
     parser.add_argument("--follower-env", default="", help="KEY=VALUE for every rank but 0")
     parser.add_argument("--decide-only", action="store_true")
     parser.add_argument("--lookup", default="", help="on a GPU: save vLLM's lookups here")
+    parser.add_argument(
+        "--reference", default="", help="the checkpoint's files, where the model's folder has none"
+    )
     args = parser.parse_args()
 
     if args.follower_env and args.rank:
@@ -231,7 +234,16 @@ def main() -> None:
                     "served": bool(getattr(module, "_engramd_served", False)),
                 }
         out["layers"] = layers
-        if not args.no_load:
+        if not args.no_load and config.load_config.load_format == "runai_streamer":
+            from vllm.model_executor.model_loader.runai_streamer_loader import (
+                RunaiModelStreamerLoader,
+            )
+
+            # The weights stream from the object store (model_config.model_weights).
+            started = time.monotonic()
+            RunaiModelStreamerLoader(config.load_config).load_weights(net, config.model_config)
+            out["load_s"] = time.monotonic() - started
+        elif not args.no_load:
             from vllm.config import LoadConfig
 
             folder = Path(config.model_config.model)
@@ -254,17 +266,14 @@ def main() -> None:
             torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
         from safetensors import safe_open
 
-        index = json.loads(
-            (Path(config.model_config.model) / "model.safetensors.index.json").read_text()
-        )
+        files = Path(args.reference or config.model_config.model)
+        index = json.loads((files / "model.safetensors.index.json").read_text())
         for layer_id, info in layers.items():
             table: Any = net.get_submodule(info["name"])
             same = []
             for suffix, param in (("weight", table.weight), ("scale", table.weight_scale_inv)):
                 key = f"layers.{layer_id}.engram.embed.{suffix}"
-                with safe_open(
-                    Path(config.model_config.model) / index["weight_map"][key], "pt"
-                ) as f:
+                with safe_open(files / index["weight_map"][key], "pt") as f:
                     rows = f.get_slice(key)[info["start"] : info["end"]]
                 same.append(bool(torch.equal(rows.view(torch.uint8), param.data.view(torch.uint8))))
             info["same_bytes"] = same

@@ -26,7 +26,7 @@ import inspect
 import logging
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -35,13 +35,14 @@ from typing import Any, NoReturn, Protocol
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
 from engramd_shared import errors
-from engramd_shared.checkpoint import checkpoint_files
+from engramd_shared.checkpoint import checkpoint_files, is_store_url
 from engramd_shared.config import ClientConfig
 from engramd_shared.errors import EngramdError, SelectionRefused, ShareError
 from engramd_shared.headers import read_header
 
 #: Load formats whose weights go through the engines' safetensors iterators, which the
-#: adapters make skip the served tensors; others (dummy writes the tables) are not served.
+#: adapters make skip the served tensors; others (dummy writes the tables) are not served,
+#: but where an adapter says more (Engine.formats).
 SERVED_LOAD_FORMATS = frozenset({"auto", "safetensors"})
 
 _said: set[str] = set()
@@ -59,6 +60,8 @@ class Engine:
     name: str
     #: The versions whose seams the adapter was written against and tested with.
     known: frozenset[str]
+    #: The load formats it serves.
+    formats: frozenset[str] = SERVED_LOAD_FORMATS
 
     def _disabled(self) -> str:
         return f"it is disabled and {self.name} allocates its own Engram tables"
@@ -74,16 +77,16 @@ class Engine:
 
     def serves_load_format(self, load_format: str, log: logging.Logger) -> bool:
         """Whether the adapter serves a load of this format; one line where it stands aside."""
-        if load_format in SERVED_LOAD_FORMATS:
+        if load_format in self.formats:
             return True
         say_once(
             log,
             logging.INFO,
             "format",
-            "--load-format %s: engramd's %s plugin stands aside (it serves auto and "
-            "safetensors loads)",
+            "--load-format %s: engramd's %s plugin stands aside (it serves %s loads)",
             load_format,
             self.name,
+            ", ".join(sorted(self.formats)),
         )
         return False
 
@@ -278,10 +281,32 @@ def probe(folder: str | os.PathLike[str], engine_tables: Pattern, selection: str
     """
     from engramd_client.share import attach
 
-    check_selection(folder, engine_tables, selection)
+    stored = is_store_url(os.fspath(folder))
+    if not stored:
+        check_selection(folder, engine_tables, selection)
     # No device: an answer needs no CUDA views (ENGRAMD_DEVICE would register every row).
     tables = attach(folder, tensors=selection, share=True, device="")
-    tables.close()
+    try:
+        if stored:
+            check_served(folder, tables.checkpoint_names, engine_tables)
+    finally:
+        tables.close()
+
+
+def check_served(
+    url: str | os.PathLike[str], served: Iterable[str], engine_tables: Pattern
+) -> None:
+    """The set engramd loaded from an object store serves only the engine's n-gram tables.
+
+    Its checkpoint's other names are not on the node to compare with (check_selection):
+    what engramd does not serve of the engine's tables, the engine loads itself.
+    """
+    others = sorted(n for n in served if not engine_tables.search(n))
+    if others:
+        raise SelectionRefused(
+            f"the set engramd loaded from {os.fspath(url)} holds tensors the engine loads as "
+            f"ordinary weights ({others[:4]}); load it with the family's selection (auto)"
+        )
 
 
 def decide(
@@ -346,12 +371,13 @@ def table_names(layer_id: int) -> tuple[str, str]:
 
 
 def local_folder(name: str, revision: str | None = None, cache_dir: str | None = None) -> str:
-    """The checkpoint folder of an engine's model argument: a folder, or a Hub id already cached.
+    """The checkpoint folder of an engine's model argument: a folder, a Hub id already cached,
+    or an object store's s3://bucket/prefix (as is: its set is the daemon's to load).
 
     Raises ShareError with the fix when the model is neither (engramd serves
     files on this node; it never downloads).
     """
-    if os.path.isdir(name):
+    if os.path.isdir(name) or is_store_url(name):
         return name
     try:
         from huggingface_hub import snapshot_download

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from engramd_client.engines.common import Engine, params
+from engramd_client.engines.common import SERVED_LOAD_FORMATS, Engine, params
 
 #: vLLM as the guard names it, with the versions whose seams this plugin was written
-#: against and tested with.
-VLLM = Engine("vLLM", frozenset({"0.33.0"}))
+#: against and tested with. runai_streamer (vLLM's RunaiModelStreamerLoader, an s3:// model
+#: streamed from object storage) is served too: its iterator reads whole files and skips
+#: nothing, and each served table's weight loader drops what it reads (served_weight_loader).
+VLLM = Engine("vLLM", frozenset({"0.33.0"}), SERVED_LOAD_FORMATS | {"runai_streamer"})
 
 
 def vllm_version() -> str:

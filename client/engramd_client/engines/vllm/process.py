@@ -32,7 +32,9 @@ from engramd_client.engines.common import (
 )
 from engramd_client.engines.vllm.guard import VLLM, check_loader_seams
 from engramd_client.tables import Tables
-from engramd_shared.families import Family
+from engramd_shared.checkpoint import is_store_url
+from engramd_shared.errors import ShareError
+from engramd_shared.families import ENGRAM, Family
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")
@@ -104,7 +106,14 @@ class Process:
         assert pattern is not None
 
         def ask() -> None:
-            probe(checkpoint_folder(config), pattern, family.selection)
+            folder = checkpoint_folder(config)
+            if is_store_url(folder) and family is not ENGRAM:
+                # The PLE adapter lays its row shards out from the checkpoint's own headers.
+                raise ShareError(
+                    f"the model {folder} is in an object store: engramd's vLLM plugin serves "
+                    f"{family.tables} from a checkpoint folder only"
+                )
+            probe(folder, pattern, family.selection)
 
         refusal = decide(ask, leader=leader, broadcast=broadcast)
         self.serve = settle(refusal, share_mode(), family.tables, engine_path(family), log)
@@ -133,7 +142,8 @@ def engine_path(family: Family) -> str:
 
 
 def checkpoint_folder(config: Any) -> str:
-    """The folder of the model vLLM loads (its weights folder, or a Hub id already cached)."""
+    """The folder of the model vLLM loads (its weights folder or a Hub id already cached), or
+    the s3:// URL it streams the weights from (runai_streamer)."""
     model_config = config.model_config
     name = str(getattr(model_config, "model_weights", None) or model_config.model)
     return local_folder(name, model_config.revision, config.load_config.download_dir)
@@ -157,7 +167,7 @@ def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor)
     """A served layer's weight loader: the bytes are the daemon's already.
 
     Reached only by iterators that ignore should_skip_weight (fastsafetensors,
-    multi-threaded loads).
+    multi-threaded loads, runai_streamer's).
     """
     say_once(
         log,
