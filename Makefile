@@ -96,7 +96,8 @@ SGLANG_STAMP = $(SGLANG_VENV)/.installed-$(shell cat $(SGLANG_REQS) | sha256sum 
 SGLANG_PIP = $(SGLANG_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
 	-c $(SGLANG_DIR)/constraints.txt $(if $(SGLANG_FIND_LINKS),--find-links $(SGLANG_FIND_LINKS))
 
-test-sglang: $(SGLANG_STAMP) test-tools
+# The daemon of the object-store test runs from the project's venv (NIXL): setup.
+test-sglang: $(SGLANG_STAMP) test-tools setup
 	$(SGLANG_VENV)/bin/python -m pytest $(SGLANG_DIR) $(ARGS)
 
 # SGLang's own file PLE backend against engramd's disk-backed copy (bench/sglang_ple_file.py).

@@ -2,6 +2,6 @@
 
 import tvshim  # noqa: F401 (before anything imports sglang)
 from sglang_plugin.ple_harness import ple_disk, ple_model
-from sglang_plugin.sglang_harness import model, served
+from sglang_plugin.sglang_harness import model, served, stored
 
-__all__ = ["model", "ple_disk", "ple_model", "served"]
+__all__ = ["model", "ple_disk", "ple_model", "served", "stored"]

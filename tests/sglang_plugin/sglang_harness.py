@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import run_rank_processes, small_readahead_disk
+from engine_harness import InBucket, in_bucket, run_rank_processes, small_readahead_disk
 
 RANK = Path(__file__).resolve().parent / "sglang_rank.py"
 
@@ -128,13 +128,22 @@ def run_ranks(
     tmp: Path,
     extra: tuple[str, ...] = (),
     timeout: float = 600,
+    path: str = "",
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `world` SGLang ranks (sglang_rank.py) as one TP group; their results."""
+    """Run `world` SGLang ranks (sglang_rank.py) as one TP group; their results. `path`: the
+    model path they are given ("": the model's folder)."""
     env = {"SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE": "1", **env}
-    return run_rank_processes(RANK, world, tmp, str(model.folder), env, extra, timeout)
+    return run_rank_processes(RANK, world, tmp, path or str(model.folder), env, extra, timeout)
 
 
 @pytest.fixture
 def served(model: Model, daemons: Any) -> Iterator[Any]:
     """A daemon serving the checkpoint (loaded at start)."""
     yield daemons("--checkpoint", str(model.folder))
+
+
+@pytest.fixture
+def stored(model: Model, daemons: Any, tmp_path: Path) -> Iterator[InBucket]:
+    """`model` in a bucket, and the daemon that loaded it from there (engine_harness)."""
+    with in_bucket(model.folder, daemons, tmp_path) as bucket:
+        yield bucket

@@ -2,6 +2,7 @@
 
     python sglang_rank.py RANK WORLD INIT_FILE CHECKPOINT [--layout per_rank|shared]
         [--version V] [--no-load] [--load-format F] [--decide-only] [--follower-env K=V]
+        [--reference FOLDER]
 
 Everything is SGLang's own code (its plugin loader and HookRegistry, its
 runtime context and TP GroupCoordinator on gloo, its Engram layers and host
@@ -161,6 +162,9 @@ def main() -> None:
     parser.add_argument("--follower-env", default="", help="KEY=VALUE for every rank but 0")
     parser.add_argument("--decide-only", action="store_true")
     parser.add_argument("--lookup", default="", help="on a GPU: save SGLang's lookups here")
+    parser.add_argument(
+        "--reference", default="", help="the checkpoint's files, where CHECKPOINT is a URL"
+    )
     args = parser.parse_args()
 
     if args.follower_env and args.rank:
@@ -241,8 +245,20 @@ def main() -> None:
         layers.append(Layer(block))
     net = Net(layers)
     out["build_s"] = time.monotonic() - started
-    folder = Path(args.checkpoint)
-    if not args.no_load:
+    folder = Path(args.reference or args.checkpoint)
+    if not args.no_load and args.load_format == "runai_streamer":
+        from sglang.srt.model_loader import weight_utils
+        from sglang.srt.utils.runai_utils import list_safetensors
+
+        # What the runai_streamer loader streams (its module's binding, which the plugin
+        # replaced); not distributed: that broadcasts over a GPU's collectives.
+        started = time.monotonic()
+        streamed = weight_utils.runai_safetensors_weights_iterator(
+            list_safetensors(args.checkpoint), False, "cpu"
+        )
+        net.load_weights(streamed)
+        out["load_s"] = time.monotonic() - started
+    elif not args.no_load:
         files = sorted(glob.glob(str(folder / "*.safetensors")))
         # One rank at a time: each measures its own reads with a cold cache.
         for turn in range(args.world):

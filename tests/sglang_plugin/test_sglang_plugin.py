@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import readahead, result
+from engine_harness import InBucket, readahead, result
 from sglang_plugin.sglang_harness import Model, run_ranks
 
 WARNING = "engramd does not serve the Engram tables here"
@@ -214,3 +214,26 @@ def test_a_tp_group_follows_its_leaders_answer(model: Model, served: Any, tmp_pa
     there = f"ENGRAMD_SOCKET={served.socket}"
     ranks = run_ranks(model, 2, env, tmp_path / "again", ("--decide-only", "--follower-env", there))
     assert [result(d)["serve"] for d in ranks] == [False, False]
+
+
+def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(
+    model: Model, stored: InBucket, tmp_path: Path
+) -> None:
+    """SGLang's model path is s3://tables/m under runai_streamer (the real runai streamer
+    reads the bucket) and the daemon loaded the set from that URL with no files of it: both
+    TP ranks hold their rows of the daemon's copy, read-only and shared, byte for byte the
+    checkpoint's; the tables the stream read whole are withheld from the layers."""
+    extra = ("--load-format", "runai_streamer", "--reference", str(model.folder))
+    runs = run_ranks(model, 2, stored.env, tmp_path, extra, path=stored.url)
+    for done in runs:
+        out = result(done)
+        for info in out["layers"].values():
+            assert info["served"] and info["host_table"] == "ServedTable", info
+            assert info["same_bytes"] == [True, True]
+            assert str(stored.daemon.shm_dir) in info["weight_map"], info["weight_map"]
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+            assert info["anonymous_kib"] == 0
+        assert "runai_streamer streams whole checkpoint files" in _output(done)
+        assert "Some weights are not initialized" not in _output(done)
+    (s,) = stored.daemon.status().sets
+    assert (s.checkpoint, s.source) == (stored.url, stored.url)

@@ -13,10 +13,53 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engramd.testing.fleet_lab import s3rver, s3rver_missing
 from engramd.testing.pagecache import evict
+
+#: The daemon of the object-store tests: the project's own venv (`make setup`), which has
+#: NIXL (the fill's transfer processes); an engine's test venv has the engine and no NIXL,
+#: as a node's engine and daemon have their own installs.
+DAEMON_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
+
+
+@dataclass(frozen=True)
+class InBucket:
+    """A checkpoint in s3rver, the daemon that loaded it from there by URL alone, and the
+    environment that reaches the bucket (runai's streamer's variables included)."""
+
+    url: str
+    daemon: Any
+    env: dict[str, str]
+
+
+@contextlib.contextmanager
+def in_bucket(folder: Path, daemons: Any, tmp: Path) -> Iterator[InBucket]:
+    """Every file of `folder` and its attested manifest in s3rver under s3://tables/m, and a
+    daemon given only that URL (--checkpoint, no files), loaded; s3rver stopped after."""
+    if s3rver_missing() or not DAEMON_PYTHON.exists():
+        raise AssertionError(s3rver_missing() or f"no {DAEMON_PYTHON}: run `make setup`")
+    token = tmp / "token"
+    token.write_text("fleet-token-0123456789abcdef\n")
+    token.chmod(0o400)
+    with s3rver() as s3:
+        for f in sorted(folder.iterdir()):
+            s3.put(f"m/{f.name}", f.read_bytes())
+        s3.attest(folder, "m", token)
+        url = f"s3://{s3.bucket}/m"
+        env = {
+            **s3.env(),
+            # runai's S3 client: the endpoint, path-style, no instance metadata to ask.
+            "RUNAI_STREAMER_S3_ENDPOINT": s3.endpoint,
+            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
+        args = ("--checkpoint", url, "--peer-token-file", str(token))
+        daemon = daemons(*args, env=env, python=[str(DAEMON_PYTHON)])
+        yield InBucket(url, daemon, {**env, "ENGRAMD_SOCKET": str(daemon.socket)})
 
 
 def readahead(folder: Path) -> int:

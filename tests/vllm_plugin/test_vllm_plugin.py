@@ -175,17 +175,18 @@ def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(
     dropped, never copied into a rank."""
     assert stored.model.folder != model.folder
     assert not list(stored.model.folder.glob("*.safetensors"))
-    done = run_ranks(stored.model, 2, stored.env, tmp_path, ("--reference", str(model.folder)))
+    extra = ("--reference", str(model.folder))
+    done = run_ranks(stored.model, 2, stored.bucket.env, tmp_path, extra)
     for rank, out in enumerate(result(d) for d in done):
         for index, layer_id in enumerate(model.spec.engram_layers):
             info = out["layers"][str(layer_id)]
             assert (info["start"], info["end"]) == ceil_head_rows(model.heads[index], rank, 2)
             assert info["served"], info
             assert info["same_bytes"] == [True, True]
-            assert str(stored.daemon.shm_dir) in info["weight_map"], info["weight_map"]
+            assert str(stored.bucket.daemon.shm_dir) in info["weight_map"], info["weight_map"]
             assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
             assert info["anonymous_kib"] == 0
         # The stream read the tables whole (runai reads whole files); the layers kept engramd's.
         assert "this load format read a table engramd serves" in _output(done[rank])
-    (s,) = stored.daemon.status().sets
-    assert (s.checkpoint, s.source) == (stored.url, stored.url)
+    (s,) = stored.bucket.daemon.status().sets
+    assert (s.checkpoint, s.source) == (stored.bucket.url, stored.bucket.url)

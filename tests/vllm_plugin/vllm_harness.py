@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import run_rank_processes, small_readahead_disk
+from engine_harness import InBucket, in_bucket, run_rank_processes, small_readahead_disk
 
-from engramd.testing.fleet_lab import s3rver, s3rver_missing
 from engramd.testing.synth import PleSpec, SynthSpec, synthesize, synthesize_ple
 
 RANK = Path(__file__).resolve().parent / "vllm_rank.py"
@@ -152,62 +151,30 @@ def served(model: Model, daemons: Any) -> Iterator[Any]:
     yield daemons("--checkpoint", str(model.folder))
 
 
-#: The daemon of the object-store tests: the project's own venv (`make setup`), which has
-#: NIXL (the fill's transfer processes); this venv has vLLM and no NIXL, as a node's
-#: engine and daemon have their own installs.
-DAEMON_PYTHON = Path(__file__).resolve().parents[2] / ".venv" / "bin" / "python"
-
-
 @dataclass(frozen=True)
 class Stored:
-    """The checkpoint in a bucket, vLLM's config of it as an s3:// model streamed by
-    runai_streamer, the daemon that loaded it from the same URL, and the ranks' environment."""
+    """vLLM's config of the checkpoint as an s3:// model streamed by runai_streamer, and the
+    bucket (and daemon) it is in."""
 
     model: Model
-    url: str
-    daemon: Any
-    env: dict[str, str]
+    bucket: InBucket
 
 
 @pytest.fixture
 def stored(
     model: Model, daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Stored]:
-    """`model`'s files and attested manifest in s3rver under s3://tables/m; a daemon given
-    only that URL (--checkpoint, no files); vLLM's config of the URL as its model."""
+    """`model` in a bucket (engine_harness.in_bucket); vLLM's config of its URL as the model,
+    its config files pulled from the bucket as vLLM pulls them."""
     from vllm.config import DeviceConfig, EngramConfig, LoadConfig, ModelConfig, VllmConfig
 
-    if s3rver_missing() or not DAEMON_PYTHON.exists():
-        pytest.fail(s3rver_missing() or f"no {DAEMON_PYTHON}: run `make setup` first")
-    token = tmp_path / "token"
-    token.write_text("fleet-token-0123456789abcdef\n")
-    token.chmod(0o400)
-    with s3rver() as s3:
-        for f in sorted(model.folder.iterdir()):
-            s3.put(f"m/{f.name}", f.read_bytes())
-        s3.attest(model.folder, "m", token)
-        url = f"s3://{s3.bucket}/m"
-        env = {
-            **s3.env(),
-            # runai's S3 client: the endpoint, path-style, no instance metadata to ask.
-            "RUNAI_STREAMER_S3_ENDPOINT": s3.endpoint,
-            "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-            "AWS_EC2_METADATA_DISABLED": "true",
-            # Where vLLM pulls the model's config files from the bucket.
-            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-        }
-        daemon = daemons(
-            "--checkpoint",
-            url,
-            "--peer-token-file",
-            str(token),
-            env=env,
-            python=[str(DAEMON_PYTHON)],
-        )
-        for key, value in env.items():
+    with in_bucket(model.folder, daemons, tmp_path) as bucket:
+        for key, value in bucket.env.items():
             monkeypatch.setenv(key, value)
+        # Where vLLM pulls the model's config files to.
+        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
         vllm_config = VllmConfig(
-            model_config=ModelConfig(model=url, skip_tokenizer_init=True),
+            model_config=ModelConfig(model=bucket.url, skip_tokenizer_init=True),
             engram_config=EngramConfig(),
             load_config=LoadConfig(load_format="runai_streamer"),
             device_config=DeviceConfig("cpu"),
@@ -215,7 +182,7 @@ def stored(
         pickled = tmp_path / "vllm_config_s3.pkl"
         pickled.write_bytes(pickle.dumps(vllm_config))
         as_url = Model(Path(vllm_config.model_config.model), pickled, model.spec, model.heads)
-        yield Stored(as_url, url, daemon, {**env, "ENGRAMD_SOCKET": str(daemon.socket)})
+        yield Stored(as_url, bucket)
 
 
 #: Qwen4Exp's PLE shape, small: PLE on decoder layers 1 and 3 (ple_layer_ids 2, 4), 2 n-gram

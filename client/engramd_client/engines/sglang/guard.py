@@ -11,11 +11,11 @@ import sys
 from types import ModuleType
 from typing import Any
 
-from engramd_client.engines.common import Engine, params
+from engramd_client.engines.common import SERVED_LOAD_FORMATS, Engine, params
 
 #: SGLang as the guard names it, with the versions whose seams this plugin was written
 #: against and tested with.
-SGLANG = Engine("SGLang", frozenset({"0.5.23"}))
+SGLANG = Engine("SGLang", frozenset({"0.5.23"}), SERVED_LOAD_FORMATS | {"runai_streamer"})
 
 
 def sglang_version() -> str:
@@ -65,7 +65,9 @@ def check_seams(
         params(weight_utils.safetensors_weights_iterator) == ["hf_weights_files", *options]
         and params(weight_utils.buffered_multi_thread_safetensors_weights_iterator)
         == ["hf_weights_files", "max_workers", *options]
-        and callable(getattr(weight_utils, "_drop_file_cache_after_load", None)),
+        and callable(getattr(weight_utils, "_drop_file_cache_after_load", None))
+        and params(weight_utils.runai_safetensors_weights_iterator)
+        == ["hf_weights_files", "is_distributed", "device"],
         "safetensors weight iterators",
     )
     hook_type = getattr(registry, "HookType", None)

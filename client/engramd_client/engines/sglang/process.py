@@ -18,6 +18,7 @@ from engramd_client.engines.common import (
     decide,
     local_folder,
     probe,
+    refuse_stored,
     serving,
     settle,
     share_mode,
@@ -67,8 +68,14 @@ class Process:
         if not SGLANG.serves_load_format(str(get_model().load_format), log):
             self.serve = False
             return False
+
+        def ask() -> None:
+            folder = checkpoint_folder()
+            refuse_stored(folder, family, SGLANG.name)
+            probe(folder, engine_tables, family.selection)
+
         refusal = decide(
-            lambda: probe(checkpoint_folder(), engine_tables, family.selection),
+            ask,
             leader=group is None or group.rank_in_group == 0,
             broadcast=None if group is None else lambda r: group.broadcast_object(r, src=0),
         )
@@ -89,7 +96,8 @@ PROCESS = Process()
 
 
 def checkpoint_folder() -> str:
-    """The folder of the model SGLang loads (a folder, or a Hub id already cached)."""
+    """The folder of the model SGLang loads (a folder or a Hub id already cached), or the
+    s3:// URL it streams the weights from (runai_streamer)."""
     from sglang.srt.runtime_context import get_model
 
     model = get_model()

@@ -1,6 +1,6 @@
 """SGLang's safetensors weight iterators, made to skip the tensors engramd serves.
 
-Both iterators are replaced: through SGLang's HookRegistry where a family
+The iterators (ITERATORS) are replaced: through SGLang's HookRegistry where a family
 registers its hooks when SGLang loads the plugin (DeepSeek-V4.1's Engram
 tables), or when SGLang imports the model family's module (Qwen4Exp's PLE
 tables: `install`). Once engramd serves a process's n-gram tables, each
@@ -8,7 +8,8 @@ served tensor is yielded as an empty meta tensor of the checkpoint's dtype
 without being read, so SGLang's `load_weights` still routes it to the layer
 (which keeps the daemon's copy: DeepSeek's `_load_rows`, or Qwen4Exp's row
 copy of zero rows) and counts it loaded. Until then, and for reads that take
-whole files anyway, SGLang's own iterator runs.
+whole files anyway (runai_streamer's too: an s3:// model streamed from object
+storage), SGLang's own iterator runs, its served tensors withheld from the layers.
 """
 
 from __future__ import annotations
@@ -30,7 +31,13 @@ from engramd_shared.errors import CheckpointError
 WEIGHT_UTILS = "sglang.srt.model_loader.weight_utils"
 #: SGLang's model loader, which binds both iterators by name when it is imported.
 LOADER = "sglang.srt.model_loader.loader"
-ITERATORS = ("safetensors_weights_iterator", "buffered_multi_thread_safetensors_weights_iterator")
+ITERATORS = (
+    "safetensors_weights_iterator",
+    "buffered_multi_thread_safetensors_weights_iterator",
+    # runai_streamer's (an s3:// model streamed from object storage): it streams whole files,
+    # so its served tensors are read, and withheld from the layers.
+    "runai_safetensors_weights_iterator",
+)
 
 
 def hooks(weight_utils: ModuleType) -> list[tuple[str, Callable[..., Any], str]]:
@@ -40,8 +47,8 @@ def hooks(weight_utils: ModuleType) -> list[tuple[str, Callable[..., Any], str]]
     """
     PROCESS.iterators = {name: getattr(weight_utils, name) for name in ITERATORS}
     return [
-        (f"{WEIGHT_UTILS}.{ITERATORS[0]}", _safetensors_iterator, "REPLACE"),
-        (f"{WEIGHT_UTILS}.{ITERATORS[1]}", _buffered_iterator, "REPLACE"),
+        (f"{WEIGHT_UTILS}.{name}", replacement, "REPLACE")
+        for name, replacement in zip(ITERATORS, REPLACEMENTS, strict=True)
     ]
 
 
@@ -62,8 +69,7 @@ def install() -> None:
     if LOADER in sys.modules:
         owners.append(sys.modules[LOADER])
     for owner in owners:
-        replacements: tuple[Callable[..., Any], ...] = (_safetensors_iterator, _buffered_iterator)
-        for name, replacement in zip(ITERATORS, replacements, strict=True):
+        for name, replacement in zip(ITERATORS, REPLACEMENTS, strict=True):
             if getattr(owner, name, None) is PROCESS.iterators[name]:
                 PROCESS.calls.replace(owner, name, replacement)
 
@@ -183,3 +189,28 @@ def _buffered_iterator(
         )
         return _withheld(own) if PROCESS.served else own
     return _skipping(list(hf_weights_files), max_workers, drop_cache_after_load)
+
+
+def _runai_iterator(
+    hf_weights_files: list[str], is_distributed: bool = False, device: str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    original = PROCESS.iterators[ITERATORS[2]]
+    own = original(hf_weights_files, is_distributed, device)
+    if PROCESS.served:
+        say_once(
+            log,
+            logging.INFO,
+            "runai",
+            "runai_streamer streams whole checkpoint files, the n-gram tables engramd serves "
+            "included; the layers keep engramd's copy",
+        )
+        return _withheld(own)
+    return own
+
+
+#: The plugin's iterator for each of ITERATORS, in order.
+REPLACEMENTS: tuple[Callable[..., Any], ...] = (
+    _safetensors_iterator,
+    _buffered_iterator,
+    _runai_iterator,
+)

@@ -24,6 +24,7 @@ from engramd_client.engines.common import (
     decide,
     local_folder,
     probe,
+    refuse_stored,
     replaced,
     say_once,
     serving,
@@ -32,9 +33,7 @@ from engramd_client.engines.common import (
 )
 from engramd_client.engines.vllm.guard import VLLM, check_loader_seams
 from engramd_client.tables import Tables
-from engramd_shared.checkpoint import is_store_url
-from engramd_shared.errors import ShareError
-from engramd_shared.families import ENGRAM, Family
+from engramd_shared.families import Family
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
 log = logging.getLogger("vllm.engramd")
@@ -107,12 +106,7 @@ class Process:
 
         def ask() -> None:
             folder = checkpoint_folder(config)
-            if is_store_url(folder) and family is not ENGRAM:
-                # The PLE adapter lays its row shards out from the checkpoint's own headers.
-                raise ShareError(
-                    f"the model {folder} is in an object store: engramd's vLLM plugin serves "
-                    f"{family.tables} from a checkpoint folder only"
-                )
+            refuse_stored(folder, family, VLLM.name)
             probe(folder, pattern, family.selection)
 
         refusal = decide(ask, leader=leader, broadcast=broadcast)
