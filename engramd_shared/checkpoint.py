@@ -57,6 +57,8 @@ _SHARD = re.compile(r"^(.+)\.shard_([0-9]+)\.([^.]+)$")
 class TablePlan:
     """The selected tensors of one checkpoint and the identity of their bytes."""
 
+    #: The checkpoint folder (or file), resolved; a plan from an object store has no path
+    #: here (its URL as a Path: name it by `where`).
     checkpoint: Path
     selection: str
     tensors: tuple[TensorEntry, ...]

@@ -75,6 +75,13 @@ def test_objects_that_cannot_be_a_checkpoint_are_refused_with_the_fix(
         plan_objects(f"s3://{s3.bucket}/m", "auto", wrong)
 
 
+def _in_bucket(s3: S3, checkpoint: Path, token_file: Path) -> str:
+    """`checkpoint`'s files and attested manifest under the bucket's prefix "m"; its URL."""
+    s3.upload(checkpoint, "m")
+    s3.attest(checkpoint, "m", token_file)
+    return f"s3://{s3.bucket}/m"
+
+
 def _stored_node(nodes: Any, s3: S3, token_file: Path, *extra: str) -> Any:
     node = nodes("s")
     url = f"s3://{s3.bucket}/m"
@@ -88,9 +95,7 @@ def test_a_node_with_no_files_fills_from_the_bucket_and_serves_workers_by_the_ur
     """The bucket holds the files and the attested manifest, the node none of them: the set
     comes from the bucket, its bytes the checkpoint's; status names the URL; a worker
     attaching with the URL maps exactly those bytes, shared."""
-    s3.upload(checkpoint, "m")
-    s3.attest(checkpoint, "m", token_file)
-    url = f"s3://{s3.bucket}/m"
+    url = _in_bucket(s3, checkpoint, token_file)
     node = _stored_node(nodes, s3, token_file)
     d = node.daemon
     s = ready_set(d)
@@ -117,9 +122,7 @@ def test_a_restart_keeps_serving_the_held_copy_even_while_the_store_is_unreachab
     """Restarted, the daemon plans the objects again and adopts its copy (the fleet's
     attestation stands in for files to prove it with); restarted again with the store out of
     reach, it cannot plan, says so, and serves the attested copy it holds."""
-    s3.upload(checkpoint, "m")
-    s3.attest(checkpoint, "m", token_file)
-    url = f"s3://{s3.bucket}/m"
+    url = _in_bucket(s3, checkpoint, token_file)
     node = _stored_node(nodes, s3, token_file)
     loaded = ready_set(node.daemon)
     node.daemon.stop()
@@ -188,9 +191,7 @@ def test_a_joined_table_attached_by_the_url_names_its_row_shards(
     """Qwen4Exp's PLE tables, each joined from row shards, from the bucket: a worker
     attaching with the URL has no plan of its own, and the daemon tells it each table's
     shards (what an engine's loader skips), in order; the bytes are the checkpoint's."""
-    s3.upload(ple_checkpoint, "m")
-    s3.attest(ple_checkpoint, "m", token_file)
-    url = f"s3://{s3.bucket}/m"
+    url = _in_bucket(s3, ple_checkpoint, token_file)
     node = _stored_node(nodes, s3, token_file)
     s = ready_set(node.daemon)
     assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(ple_checkpoint)
@@ -207,15 +208,12 @@ def test_a_new_version_in_the_bucket_is_what_the_url_names_once_loaded(
     """The operator uploads another version over the prefix (and its attested manifest) and
     runs `engramd load URL`: the new set is what workers attaching by the URL get; the old
     one stays held for the workers that hold it, no longer attached by id."""
-    s3.upload(checkpoint, "m")
-    s3.attest(checkpoint, "m", token_file)
-    url = f"s3://{s3.bucket}/m"
+    url = _in_bucket(s3, checkpoint, token_file)
     node = _stored_node(nodes, s3, token_file)
     d = node.daemon
     old = ready_set(d)
     newer = synthesize(tmp_path / "v2", SynthSpec(rows=40_000, seed=1))
-    s3.upload(newer, "m")
-    s3.attest(newer, "m", token_file)
+    assert _in_bucket(s3, newer, token_file) == url
     loaded = engramd("load", url, "--socket", str(d.socket))
     assert loaded.returncode == 0, loaded.stderr
     by_id = {s.set_id: s for s in d.status().sets}
