@@ -5,6 +5,9 @@ workers by the URL. Real daemons, a real s3rver, real workers."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,13 +15,14 @@ import daemon.test_fleet as fleet
 import pytest
 from fleet_nodes import checkpoint_digests, ready_set, set_digests
 
-from conftest import Worker, wait_until
+from conftest import SUPPORT, Worker, wait_until
 from engramd.sets.objectplan import plan_objects
-from engramd.testing.fleet_lab import S3, free_port
+from engramd.testing.fleet_lab import S3, Net, free_port
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import attach
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.errors import CheckpointError
+from engramd_shared.layout import sets_root
 from helpers import engramd, reference_digests
 
 pytestmark = fleet.pytestmark
@@ -224,3 +228,64 @@ def test_a_new_version_in_the_bucket_is_what_the_url_names_once_loaded(
     with attach(url, socket=str(d.socket), share=True) as tables:
         assert tables.set_id == new_id
     assert set_digests(node.shm_dir, new_id) == checkpoint_digests(newer)
+
+
+#: Why each lie leaves the set unserved: the planning, or the fill.
+WHY = {
+    "late": "cannot plan the checkpoint at s3://bucket/m",
+    "window": "no source could give the set of s3://bucket/m",
+    "whole": "the server ignored the Range header",
+    "more": "cannot read the set's attested manifest",
+}
+
+
+@pytest.mark.parametrize("lie", sorted(WHY))
+def test_a_lying_store_of_the_only_source_serves_nothing_and_the_daemon_lives(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path, tmp_path: Path, lie: str
+) -> None:
+    """The node has only the URL; the S3 endpoint, in another namespace, holds the files and
+    the attested manifest and lies (tests/support/lying_s3.py): the header's range refused,
+    a table window refused mid-fill, Range ignored, or more bytes than asked. Nothing is
+    published (no spot check stands in for the files here: the planning's checks and the
+    attested digests do), no staged set is left, and the daemon answers on."""
+    bucket = tmp_path / "bucket"
+    shutil.copytree(checkpoint, bucket)
+    made = engramd(
+        *("manifest", str(checkpoint), "--peer-token-file", str(token_file)),
+        *("-o", str(bucket / f"engramd-manifest-{plan_tables(checkpoint).set_id}.json")),
+    )
+    assert made.returncode == 0, made.stderr
+    liar = subprocess.Popen(
+        [
+            *(*Net.run_in(net.b), sys.executable, str(SUPPORT / "lying_s3.py")),
+            *(net.ip_b, "9000", str(bucket), lie),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        url = "s3://bucket/m"
+        d = nodes("s").start(
+            ["--checkpoint", url, "--peer-token-file", str(token_file)],
+            net.a,
+            env={
+                "AWS_ENDPOINT_URL": f"http://{net.ip_b}:9000",
+                "AWS_ACCESS_KEY_ID": "liar",
+                "AWS_SECRET_ACCESS_KEY": "liar",
+            },
+        )
+
+        def refused() -> bool:
+            return bool(d.status().daemon.failed_checkpoints)
+
+        wait_until(refused, 120, "the checkpoint to be refused")
+        status = d.status()
+        assert [f.checkpoint for f in status.daemon.failed_checkpoints] == [url], d.log
+        assert WHY[lie] in status.daemon.failed_checkpoints[0].error, d.log
+        assert not status.daemon.ready and all(s.state != "ready" for s in status.sets)
+        assert d.proc is not None and d.proc.poll() is None, d.log
+        assert not any(".loading" in p.name for p in sets_root(d.shm_dir).iterdir())
+    finally:
+        liar.kill()
+        liar.wait()
