@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 import pytest
 from fleet_nodes import (
     checkpoint_digests,
+    lying_store,
     nixl_missing,
     ready_set,
     receiving,
@@ -39,7 +40,7 @@ from fleet_nodes import (
     write_token,
 )
 
-from conftest import SUPPORT, Daemon, Worker, huge_pages, mounted_hugetlbfs, wait_until
+from conftest import Daemon, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.cli.status_view import render
 from engramd.sources.peer import addresses
 from engramd.sources.strong import pieces
@@ -494,31 +495,10 @@ def test_a_lying_object_store_leaves_the_daemon_alive(
     still landing (the header's, or a table window's), ignores Range, or sends more than a
     range: the fill fails in its transfer process, which ends before the daemon reuses the
     memory; the daemon lives, and its files fill the set."""
-    liar = subprocess.Popen(
-        [
-            *Net.run_in(net.b),
-            sys.executable,
-            str(SUPPORT / "lying_s3.py"),
-            net.ip_b,
-            "9000",
-            str(checkpoint),
-            lie,
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+    with lying_store(net, checkpoint, lie) as env:
         node = nodes("s")
         d = node.start(
-            ["--checkpoint", str(checkpoint), "--object-store", "s3://bucket/m"],
-            net.a,
-            env={
-                "AWS_ENDPOINT_URL": f"http://{net.ip_b}:9000",
-                "AWS_ACCESS_KEY_ID": "liar",
-                "AWS_SECRET_ACCESS_KEY": "liar",
-                "AWS_REGION": "us-east-1",
-            },
+            ["--checkpoint", str(checkpoint), "--object-store", "s3://bucket/m"], net.a, env=env
         )
         s = ready_set(d)
         assert d.proc is not None and d.proc.poll() is None, d.log
@@ -528,9 +508,6 @@ def test_a_lying_object_store_leaves_the_daemon_alive(
         assert no_partial_loads(node.shm_dir)
         # The daemon serves on: a worker's status call after the failed fill.
         assert d.status().daemon.ready
-    finally:
-        liar.kill()
-        liar.wait()
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])

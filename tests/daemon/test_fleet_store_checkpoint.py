@@ -6,23 +6,20 @@ workers by the URL. Real daemons, a real s3rver, real workers."""
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import daemon.test_fleet as fleet
 import pytest
-from fleet_nodes import checkpoint_digests, ready_set, set_digests
+from fleet_nodes import checkpoint_digests, lying_store, ready_set, set_digests
 
-from conftest import SUPPORT, Worker, wait_until
+from conftest import Worker, wait_until
 from engramd.sets.objectplan import plan_objects
 from engramd.testing.fleet_lab import S3, Net, free_port
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import attach
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.errors import CheckpointError
-from engramd_shared.layout import sets_root
 from helpers import engramd, reference_digests
 
 pytestmark = fleet.pytestmark
@@ -255,25 +252,12 @@ def test_a_lying_store_of_the_only_source_serves_nothing_and_the_daemon_lives(
         *("-o", str(bucket / f"engramd-manifest-{plan_tables(checkpoint).set_id}.json")),
     )
     assert made.returncode == 0, made.stderr
-    liar = subprocess.Popen(
-        [
-            *(*Net.run_in(net.b), sys.executable, str(SUPPORT / "lying_s3.py")),
-            *(net.ip_b, "9000", str(bucket), lie),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+    with lying_store(net, bucket, lie) as env:
         url = "s3://bucket/m"
         d = nodes("s").start(
             ["--checkpoint", url, "--peer-token-file", str(token_file)],
             net.a,
-            env={
-                "AWS_ENDPOINT_URL": f"http://{net.ip_b}:9000",
-                "AWS_ACCESS_KEY_ID": "liar",
-                "AWS_SECRET_ACCESS_KEY": "liar",
-            },
+            env=env,
         )
 
         def refused() -> bool:
@@ -285,7 +269,4 @@ def test_a_lying_store_of_the_only_source_serves_nothing_and_the_daemon_lives(
         assert WHY[lie] in status.daemon.failed_checkpoints[0].error, d.log
         assert not status.daemon.ready and all(s.state != "ready" for s in status.sets)
         assert d.proc is not None and d.proc.poll() is None, d.log
-        assert not any(".loading" in p.name for p in sets_root(d.shm_dir).iterdir())
-    finally:
-        liar.kill()
-        liar.wait()
+        assert fleet.no_partial_loads(d.shm_dir)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -223,3 +224,28 @@ def rogue_peer(
         assert rogue.proc.stdin is not None
         rogue.proc.stdin.close()
         rogue.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def lying_store(net: Net, folder: Path, lie: str) -> Iterator[dict[str, str]]:
+    """tests/support/lying_s3.py serving `folder`'s files in namespace b on port 9000, lying
+    by `lie`; the AWS variables that reach it from namespace a. Stopped after."""
+    liar = subprocess.Popen(
+        [
+            *(*Net.run_in(net.b), sys.executable, str(SUPPORT / "lying_s3.py")),
+            *(net.ip_b, "9000", str(folder), lie),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert liar.stdout is not None and liar.stdout.readline().strip() == "listening"
+        yield {
+            "AWS_ENDPOINT_URL": f"http://{net.ip_b}:9000",
+            "AWS_ACCESS_KEY_ID": "liar",
+            "AWS_SECRET_ACCESS_KEY": "liar",
+            "AWS_REGION": "us-east-1",
+        }
+    finally:
+        liar.kill()
+        liar.wait()
