@@ -141,6 +141,8 @@ class ManifestTensor:
     #: The checkpoint tensors it is made of where that is not itself alone (a table joined
     #: from row shards: its shards, in order); () in sets of engramd before it was kept.
     parts: tuple[str, ...] = ()
+    #: Beside `parts`: the rows of each, in order; () in sets of engramd before it was kept.
+    part_rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,6 +207,7 @@ class Manifest:
                     nbytes=int(t["nbytes"]),
                     checksum=str(t["checksum"]),
                     parts=tuple(str(p) for p in t.get("parts", ())),
+                    part_rows=tuple(int(n) for n in t.get("part_rows", ())),
                 )
                 for t in doc["tensors"]
             )
@@ -237,6 +240,10 @@ class Manifest:
         for t in manifest.tensors:
             if t.dtype not in DTYPES or Path(t.file).name != t.file or t.offset < 0:
                 raise ManifestError(f"malformed entry for tensor {t.name!r}")
+            if t.part_rows and (
+                len(t.part_rows) != len(t.parts) or not t.shape or sum(t.part_rows) != t.shape[0]
+            ):
+                raise ManifestError(f"the row shards of tensor {t.name!r} do not add up")
         return manifest
 
 

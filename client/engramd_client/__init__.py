@@ -35,7 +35,7 @@ from engramd_shared.errors import (
 
 if TYPE_CHECKING:
     from engramd_client.binding import BindError, bind, layer_names
-    from engramd_client.share import attach
+    from engramd_client.share import TableInfo, attach, describe
     from engramd_client.tables import Tables
 
 __all__ = [
@@ -53,12 +53,14 @@ __all__ = [
     "SelectionRefused",
     "ShareError",
     "ShmCapacityError",
+    "TableInfo",
     "TablePlan",
     "Tables",
     "UnknownSet",
     "attach",
     "bind",
     "ceil_head_rows",
+    "describe",
     "head_rows",
     "head_rows_by_table",
     "layer_names",
@@ -67,10 +69,10 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    if name == "attach":
-        from engramd_client.share import attach
+    if name in ("attach", "describe", "TableInfo"):
+        from engramd_client import share
 
-        return attach
+        return getattr(share, name)
     if name == "Tables":
         from engramd_client.tables import Tables
 

@@ -11,6 +11,7 @@ import functools
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -228,6 +229,78 @@ def _stored_set(config: ClientConfig, url: str, tensors: str) -> str:
     return found[0]
 
 
+def _request(
+    target: TablePlan | str,
+    labels: Mapping[str, str],
+    handles: tuple[str, ...],
+    device: str = "",
+    route: int = pb.GPU_ROUTE_UNSPECIFIED,
+) -> pb.AttachRequest:
+    plan = target if isinstance(target, TablePlan) else None
+    return pb.AttachRequest(
+        set_id=plan.set_id if plan else str(target),
+        checkpoint=str(plan.checkpoint) if plan else "",
+        tensors=plan.selection if plan else "",
+        pid=os.getpid(),
+        labels=dict(labels),
+        accept=[KINDS[name] for name in handles],
+        pid_namespace=pid_namespace(),
+        pid_start=start_ticks(os.getpid()) or 0,
+        numa_node=local_node(),
+        device=device,
+        gpu_route=route,  # type: ignore[arg-type]
+    )
+
+
+@dataclass(frozen=True)
+class TableInfo:
+    """A selected tensor, as a worker learns it before it maps any row of it."""
+
+    name: str
+    #: Its safetensors dtype name (BF16, F8_E4M3, ...).
+    dtype: str
+    shape: tuple[int, ...]
+    #: The rows of each checkpoint tensor it is joined from, in order (a table joined from
+    #: row shards); () for a tensor of its own, or where an older daemon does not say.
+    part_rows: tuple[int, ...]
+
+
+def describe(
+    checkpoint: str | os.PathLike[str],
+    *,
+    tensors: str = DEFAULT_TENSORS,
+    socket: str | None = None,
+    labels: Mapping[str, str] | None = None,
+) -> list[TableInfo]:
+    """The selected tensors of a checkpoint: what a worker needs to choose the rows it attaches.
+
+    From a checkpoint folder's headers; for the s3://bucket/prefix the daemon
+    loaded (no files on the node), from the daemon, which hands out the set
+    for a moment and nothing of it is mapped here.
+
+    Raises:
+        CheckpointError: the checkpoint folder cannot be read.
+        ShareError: the daemon cannot hand out the set of `checkpoint`'s URL.
+    """
+    target = os.fspath(checkpoint)
+    if not is_store_url(target):
+        return [
+            TableInfo(t.name, t.dtype, t.shape, tuple(p.shape[0] for p in t.parts))
+            for t in plan_tables(target, tensors).tensors
+        ]
+    config = ClientConfig.from_env(socket=socket, share=True)
+    set_id = _stored_set(config, target, tensors)
+    handles = tuple(h for h in config.handles if h not in CUDA_HANDLE_KINDS)
+    lease = Lease(config, _request(set_id, labels or {}, handles))
+    try:
+        attachment = lease.wait_attached(set_id)
+    finally:
+        lease.close()
+    return [
+        TableInfo(t.name, t.dtype, tuple(t.shape), tuple(t.part_rows)) for t in attachment.tensors
+    ]
+
+
 def _device_name(text: str) -> str:
     index = parse_device(text)
     return "" if index is None else f"cuda:{index}"
@@ -273,19 +346,7 @@ def _attach_as(
     pad_rows: bool,
 ) -> Tables:
     plan = target if isinstance(target, TablePlan) else None
-    request = pb.AttachRequest(
-        set_id=plan.set_id if plan else str(target),
-        checkpoint=str(plan.checkpoint) if plan else "",
-        tensors=plan.selection if plan else "",
-        pid=os.getpid(),
-        labels=dict(labels),
-        accept=[KINDS[name] for name in handles],
-        pid_namespace=pid_namespace(),
-        pid_start=start_ticks(os.getpid()) or 0,
-        numa_node=local_node(),
-        device=_device_name(config.device),
-        gpu_route=route,  # type: ignore[arg-type]
-    )
+    request = _request(target, labels, handles, _device_name(config.device), route)
     lease = Lease(config, request)
     try:
         attachment = lease.wait_attached(plan.checkpoint.name if plan else request.set_id)

@@ -16,7 +16,7 @@ from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import COMPLETE, TableSet
 from engramd_shared.families import family_of_selection
-from engramd_shared.layout import Manifest, ManifestError
+from engramd_shared.layout import Manifest, ManifestError, ManifestTensor
 from engramd_shared.pb import engramd_pb2 as pb
 
 #: Each handle kind as the wire numbers it.
@@ -52,10 +52,14 @@ def source_files(manifest: Manifest) -> list[pb.SourceFile]:
     ]
 
 
-def tensor_handle(handle: Handle, parts: tuple[str, ...] = ()) -> pb.TensorHandle:
+def tensor_handle(handle: Handle, entry: ManifestTensor | None = None) -> pb.TensorHandle:
     """A backing's description of a tensor's bytes as the wire's handle (its kind from its form),
-    with the checkpoint tensors it is made of (`parts`, where not itself alone)."""
-    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape, parts=parts)
+    with the checkpoint tensors it is made of and their rows (`entry`'s, where not itself
+    alone)."""
+    out = pb.TensorHandle(name=handle.name, dtype=handle.dtype, shape=handle.shape)
+    if entry is not None:
+        out.parts.extend(entry.parts)
+        out.part_rows.extend(entry.part_rows)
     where = handle.where
     if isinstance(where, PathRange):
         out.kind = pb.HANDLE_KIND_SHM
@@ -94,14 +98,14 @@ def attachment(
     """The answer to an attach: the set, the lease, its handles, and the fd channel (if used);
     the checkpoint files it was loaded from only with `sources`."""
     assert ts.manifest is not None
-    parts = {t.name: t.parts for t in ts.manifest.tensors}
+    entries = {t.name: t for t in ts.manifest.tensors}
     out = pb.Attachment(
         set_id=ts.set_id,
         fingerprint=ts.fingerprint,
         nonce=ts.manifest.nonce,
         lease_id=lease.lease_id,
         sources=source_files(ts.manifest) if sources else [],
-        tensors=[tensor_handle(h, parts.get(h.name, ())) for h in handles],
+        tensors=[tensor_handle(h, entries.get(h.name)) for h in handles],
         gpu_route=WIRE_ROUTES[lease.gpu_route],  # type: ignore[arg-type]
     )
     if fd_socket is not None:

@@ -274,6 +274,7 @@ def load_set(
                     nbytes=t.nbytes,
                     checksum=sums[i],
                     parts=tuple(p.name for p in t.parts),
+                    part_rows=tuple(p.shape[0] for p in t.parts),
                 )
                 for i, t in enumerate(plan.tensors)
             ),

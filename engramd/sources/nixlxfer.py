@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from engramd.sources.base import SourceFailed
@@ -55,6 +56,16 @@ PASSED_PREFIXES = ("UCX_", "NIXL_")
 #: 1.19 GB/s with these against 0.89 with UCX's own, median of 6 alternating turns. UCX
 #: refuses a send segment larger than the receive one, so both are set, or neither.
 TCP_SEGMENTS = {"UCX_TCP_RX_SEG_SIZE": "256k", "UCX_TCP_TX_SEG_SIZE": "256k"}
+#: Where the kernel lists RDMA devices: without one, UCX here moves bytes over TCP only.
+RDMA_DEVICES = Path("/sys/class/infiniband")
+#: NIXL imports numpy, whose OpenBLAS starts a thread a core that spins a while (0.13
+#: CPU-seconds of every transfer process's start here); a transfer process does no algebra.
+NO_BLAS_THREADS = {"OPENBLAS_NUM_THREADS": "1"}
+#: UCX's memory events keep the registration cache of RDMA transports true; they cost 0.4 s
+#: of every transfer process's start (UCX patches malloc and mmap as NIXL loads its UCX
+#: plugin), for nothing over TCP, which registers nothing: off where no RDMA device exists
+#: and the daemon's own UCX_MEM_EVENTS says nothing.
+NO_MEMORY_EVENTS = {"UCX_MEM_EVENTS": "no"}
 
 
 def nixl_build() -> str:
@@ -90,6 +101,13 @@ def transfer_env(device: str, prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     return env
 
 
+def _has_rdma() -> bool:
+    try:
+        return any(RDMA_DEVICES.iterdir())
+    except OSError:
+        return False
+
+
 class _Process:
     """A transfer process started, its agent named, not yet given a fill."""
 
@@ -98,6 +116,9 @@ class _Process:
             k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)
         }
         env["ENGRAMD_NIXL_BUILD"] = nixl_build()
+        env.update(NO_BLAS_THREADS)
+        if not _has_rdma():
+            env = {**NO_MEMORY_EVENTS, **env}
         self.name = agent_name("xfer")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

@@ -62,6 +62,30 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True)
 
 
+#: Seconds a link set up has to come up.
+LINK_UP_S = 10.0
+
+
+def _running(links: list[tuple[str, str]]) -> None:
+    """Return once each (namespace, device) is up and running. The kernel says so up to a
+    second after `link set up` (its link watch is rate-limited), and UCX uses no device that
+    is not running: a daemon started sooner finds only loopback."""
+    deadline = time.monotonic() + LINK_UP_S
+    for ns, dev in links:
+        while True:
+            shown = subprocess.run(
+                ["ip", "-n", ns, "-j", "link", "show", "dev", dev],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
+            if json.loads(shown)[0].get("operstate") == "UP":
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{dev} in {ns} did not come up in {LINK_UP_S:.0f} s")
+            time.sleep(0.01)
+
+
 @contextlib.contextmanager
 def veth_pair(tag: str) -> Iterator[Net]:
     """Namespaces `<tag>a`, `<tag>b` and a veth between them (10.231.N.1, .2); removed after."""
@@ -77,6 +101,7 @@ def veth_pair(tag: str) -> Iterator[Net]:
             _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", dev)
             _ip("-n", ns, "link", "set", dev, "up")
             _ip("-n", ns, "link", "set", "lo", "up")
+        _running([(a, f"{tag}x"), (b, f"{tag}y")])
         yield Net(a, f"{subnet}.1", b, f"{subnet}.2")
     finally:
         for ns in made:
@@ -145,6 +170,7 @@ def bridged(tag: str, count: int, rate: str = "") -> Iterator[Lan]:
                         check=True,
                         capture_output=True,
                     )
+        _running(list(zip(names, devices, strict=True)))
         yield Lan(names, [f"{subnet}.{k + 1}" for k in range(count)], devices)
     finally:
         for ns in reversed(made):

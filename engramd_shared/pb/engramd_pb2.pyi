@@ -167,7 +167,7 @@ class SourceFile(_message.Message):
     def __init__(self, path: _Optional[str] = ..., dev: _Optional[int] = ..., ino: _Optional[int] = ..., size: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., ctime_ns: _Optional[int] = ...) -> None: ...
 
 class TensorHandle(_message.Message):
-    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd", "cumem", "parts")
+    __slots__ = ("name", "dtype", "shape", "kind", "shm", "fd", "cumem", "parts", "part_rows")
     NAME_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class TensorHandle(_message.Message):
     FD_FIELD_NUMBER: _ClassVar[int]
     CUMEM_FIELD_NUMBER: _ClassVar[int]
     PARTS_FIELD_NUMBER: _ClassVar[int]
+    PART_ROWS_FIELD_NUMBER: _ClassVar[int]
     name: str
     dtype: str
     shape: _containers.RepeatedScalarFieldContainer[int]
@@ -184,7 +185,8 @@ class TensorHandle(_message.Message):
     fd: FdHandle
     cumem: CuMemHandle
     parts: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cumem: _Optional[_Union[CuMemHandle, _Mapping]] = ..., parts: _Optional[_Iterable[str]] = ...) -> None: ...
+    part_rows: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, name: _Optional[str] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., kind: _Optional[_Union[HandleKind, str]] = ..., shm: _Optional[_Union[ShmHandle, _Mapping]] = ..., fd: _Optional[_Union[FdHandle, _Mapping]] = ..., cumem: _Optional[_Union[CuMemHandle, _Mapping]] = ..., parts: _Optional[_Iterable[str]] = ..., part_rows: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CuMemHandle(_message.Message):
     __slots__ = ("file", "fabric", "size", "offset", "length", "host_numa", "device_uuid")

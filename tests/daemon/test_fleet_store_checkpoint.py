@@ -17,7 +17,7 @@ from conftest import Worker, wait_until
 from engramd.sets.objectplan import plan_objects
 from engramd.testing.fleet_lab import S3, Net, free_port
 from engramd.testing.synth import SynthSpec, synthesize
-from engramd_client import attach
+from engramd_client import attach, describe
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.errors import CheckpointError
 from helpers import engramd, reference_digests
@@ -191,7 +191,9 @@ def test_a_joined_table_attached_by_the_url_names_its_row_shards(
 ) -> None:
     """Qwen4Exp's PLE tables, each joined from row shards, from the bucket: a worker
     attaching with the URL has no plan of its own, and the daemon tells it each table's
-    shards (what an engine's loader skips), in order; the bytes are the checkpoint's."""
+    shards (what an engine's loader skips) and their rows, in order (what an engine that
+    places the shards itself checks, before it chooses its rows); the bytes are the
+    checkpoint's."""
     url = _in_bucket(s3, ple_checkpoint, token_file)
     node = _stored_node(nodes, s3, token_file)
     s = ready_set(node.daemon)
@@ -201,6 +203,14 @@ def test_a_joined_table_attached_by_the_url_names_its_row_shards(
         assert tables.set_id == local.set_id
         assert tables.checkpoint_names == {p for n in local.checkpoint_names.values() for p in n}
         assert all(len(parts) > 1 for parts in local.checkpoint_names.values())
+    described = describe(url, socket=str(node.daemon.socket))
+    assert described == describe(ple_checkpoint)
+    assert [t.part_rows for t in described] == [
+        tuple(p.shape[0] for p in t.parts) for t in local.tensors
+    ]
+    assert all(sum(t.part_rows) == t.shape[0] and len(t.part_rows) > 1 for t in described)
+    # Nothing of it stays held for the worker that only asked.
+    wait_until(lambda: not node.daemon.status().sets[0].lease_count, 30, "the lease to end")
 
 
 def test_a_new_version_in_the_bucket_is_what_the_url_names_once_loaded(

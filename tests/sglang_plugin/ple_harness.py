@@ -203,9 +203,11 @@ def run_ple_ranks(
     tmp: Path,
     extra: tuple[str, ...] = (),
     timeout: float = 600,
+    path: str = "",
 ) -> list[subprocess.CompletedProcess[str]]:
-    """Run `world` SGLang ranks (ple_rank.py) as one TP group; their results."""
-    return run_rank_processes(RANK, world, tmp, str(model.folder), env, extra, timeout)
+    """Run `world` SGLang ranks (ple_rank.py) as one TP group; their results. `path`: the
+    model path they are given ("": the model's folder)."""
+    return run_rank_processes(RANK, world, tmp, path or str(model.folder), env, extra, timeout)
 
 
 def run_servers(

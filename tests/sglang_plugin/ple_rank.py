@@ -2,12 +2,13 @@
 the checkpoint with Qwen4ExpForConditionalGeneration's own load_weights.
 
     python ple_rank.py RANK WORLD INIT_FILE CHECKPOINT [--backend pinned|file]
-        [--offload-dir D] [--no-load] [--load-format F] [--whole-files]
+        [--offload-dir D] [--no-load] [--load-format F] [--whole-files] [--reference FOLDER]
 
 Everything is SGLang's own code (its plugin loader, runtime context, gloo TP
 GroupCoordinator, Qwen4ExpNGramEmbedding with its Qwen4ExpPinnedHostEmbedding
 and allocate_ple_host_table, the model's load_weights over its default
-safetensors iterator) except the one call that needs a GPU, replaced in
+safetensors iterator, or runai_streamer's for an s3:// CHECKPOINT whose files are
+in FOLDER) except the one call that needs a GPU, replaced in
 `cpu_only` with the reason beside it. The layers are SGLang's PLE embeddings
 under the names the model gives them (model.layers.K.ple.ple_embedding), with
 one ordinary weight beside each (value_proj) for the loader to load. Prints one
@@ -181,6 +182,9 @@ def main() -> None:
     parser.add_argument("--no-load", action="store_true")
     parser.add_argument("--load-format", default="auto")
     parser.add_argument("--whole-files", action="store_true", help="load with disable_mmap")
+    parser.add_argument(
+        "--reference", default="", help="the checkpoint's files, where CHECKPOINT is a URL"
+    )
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(name)s %(levelname)s %(message)s")
@@ -235,7 +239,7 @@ def main() -> None:
     out["patched"] = replaced(qwen4_exp.allocate_ple_host_table)
     out["iterator_patched"] = replaced(loader.buffered_multi_thread_safetensors_weights_iterator)
 
-    folder = Path(args.checkpoint)
+    folder = Path(args.reference or args.checkpoint)
     document = json.loads((folder / "config.json").read_text())
     config = Qwen4ExpTextConfig(**document["text_config"])
     # What SGLang's load_model_with_memory_saver sets on the text config for Qwen4Exp.
@@ -254,7 +258,21 @@ def main() -> None:
     written, started = io_write_bytes(), time.monotonic()
     net = Net(config, folder_config)
     out["build_s"] = time.monotonic() - started
-    if not args.no_load:
+    if not args.no_load and args.load_format == "runai_streamer":
+        from sglang.srt.model_loader import weight_utils
+        from sglang.srt.utils.runai_utils import list_safetensors
+
+        # What the runai_streamer loader streams (its module's binding, which the plugin
+        # replaced); not distributed: that broadcasts over a GPU's collectives.
+        started = time.monotonic()
+        loaded = net.load_weights(
+            weight_utils.runai_safetensors_weights_iterator(
+                list_safetensors(args.checkpoint), False, "cpu"
+            )
+        )
+        out["load_s"] = time.monotonic() - started
+        out["loaded"] = sorted(n for n in loaded if ".ple." in n)
+    elif not args.no_load:
         files = sorted(glob.glob(str(folder / "*.safetensors")))
         # One rank at a time: each measures its own reads with a cold cache.
         for turn in range(args.world):

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_harness import readahead, result
+from engine_harness import in_bucket, readahead, result
 from sglang_plugin.ple_harness import (
     DTYPES,
     FP8_SCALE,
@@ -333,3 +333,31 @@ def test_a_changed_seam_registers_nothing() -> None:
             check_ple_seams(qwen4_exp, vocab)
     finally:
         qwen4_exp.allocate_ple_host_table = original
+
+
+def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(
+    ple_model: Model, daemons: Any, tmp_path: Path
+) -> None:
+    """SGLang's model path is s3://tables/m under runai_streamer and the daemon loaded the PLE
+    tables from that URL with no files of them: the plugin learns each table's shape, dtype
+    and shard rows from the daemon (its checks and SGLang's rows need them), and each TP
+    rank's rows are the daemon's read-only pages, byte for byte the checkpoint's; the shards
+    the stream read are withheld from the layers."""
+    with in_bucket(ple_model.folder, daemons, tmp_path) as bucket:
+        extra = ("--load-format", "runai_streamer", "--reference", str(ple_model.folder))
+        runs = run_ple_ranks(ple_model, 2, bucket.env, tmp_path, extra, path=bucket.url)
+        for rank, done in enumerate(runs):
+            out = result(done)
+            assert out["patched"], out
+            for index, layer in enumerate(LAYERS):
+                info = out["layers"][layer]
+                assert info["org_vocab_size"] == ple_model.rows[index]
+                assert info["same_bytes"], (rank, layer, info)
+                assert str(bucket.daemon.shm_dir) in info["map"], info["map"]
+                assert info["map"].split()[1] == "r--s", info["map"]
+                assert info["anonymous_kib"] == 0
+                assert info["value_proj_loaded"]
+            assert "runai_streamer streams whole checkpoint files" in _output(done)
+            assert WARNING not in _output(done)
+        (s,) = bucket.daemon.status().sets
+        assert (s.checkpoint, s.source, s.family) == (bucket.url, bucket.url, "ple")

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from engine_harness import readahead, result
-from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, run_ple_ranks
+from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, bucket_config, run_ple_ranks
 
 from engramd.testing.synth import expected_ple_rows
 
@@ -148,3 +148,35 @@ def test_share_off_stands_aside(
     assert not out["patched"]
     assert all(info["served"] == [] for info in out["layers"].values())
     assert d.status().sets[0].lease_count == 0
+
+
+def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """vLLM's model is s3://tables/m under runai_streamer and the daemon loaded its PLE tables
+    from that URL with no files of them: each TP rank's vocab range of every table (NVFP4's
+    block scales too) is a read-only view of the daemon's copy, the checkpoint's rows byte for
+    byte across shard boundaries; the shards the stream read are withheld from the layers."""
+    model = ple_models["NVFP4"]
+    with bucket_config(model.folder, daemons, tmp_path, monkeypatch) as (pulled, pickled, bucket):
+        assert not list(pulled.glob("*.safetensors"))
+        runs = run_ple_ranks(PleModel(pulled, pickled, model.spec), 2, bucket.env, tmp_path)
+        parts = list(model.spec.widths())
+        for rank, done in enumerate(runs):
+            out = result(done)
+            assert len(out["layers"]) == len(model.spec.layers)
+            for module, info in out["layers"].items():
+                layer = _layer(module)
+                rows = model.spec.rows_of(layer)
+                assert (info["start"], info["rows"]) == (rank * rows // 2, rows // 2)
+                assert info["served"] == parts
+                for part in parts:
+                    assert info["maps"][part].split()[1] == "r--s", info["maps"][part]
+                    assert str(bucket.daemon.shm_dir) in info["maps"][part]
+                    assert info["sha256"][part] == _expected_sha(
+                        model, layer, part, info["start"], info["rows"]
+                    ), (rank, module, part)
+                assert info["anonymous_kib"] == 0
+            assert "this load format read a table engramd serves" in _output(done)
+        (s,) = bucket.daemon.status().sets
+        assert (s.checkpoint, s.source, s.family) == (bucket.url, bucket.url, "ple")

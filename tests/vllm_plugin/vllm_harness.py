@@ -8,6 +8,7 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import pickle
 import subprocess
@@ -160,15 +161,16 @@ class Stored:
     bucket: InBucket
 
 
-@pytest.fixture
-def stored(
-    model: Model, daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Stored]:
-    """`model` in a bucket (engine_harness.in_bucket); vLLM's config of its URL as the model,
-    its config files pulled from the bucket as vLLM pulls them."""
+@contextlib.contextmanager
+def bucket_config(
+    folder: Path, daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Path, Path, InBucket]]:
+    """The checkpoint in `folder` in a bucket (engine_harness.in_bucket): the folder vLLM
+    pulled its config files to from there, vLLM's pickled config of the URL as the model
+    streamed by runai_streamer, and the bucket."""
     from vllm.config import DeviceConfig, EngramConfig, LoadConfig, ModelConfig, VllmConfig
 
-    with in_bucket(model.folder, daemons, tmp_path) as bucket:
+    with in_bucket(folder, daemons, tmp_path) as bucket:
         for key, value in bucket.env.items():
             monkeypatch.setenv(key, value)
         # Where vLLM pulls the model's config files to.
@@ -181,8 +183,16 @@ def stored(
         )
         pickled = tmp_path / "vllm_config_s3.pkl"
         pickled.write_bytes(pickle.dumps(vllm_config))
-        as_url = Model(Path(vllm_config.model_config.model), pickled, model.spec, model.heads)
-        yield Stored(as_url, bucket)
+        yield Path(vllm_config.model_config.model), pickled, bucket
+
+
+@pytest.fixture
+def stored(
+    model: Model, daemons: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Stored]:
+    """`model` in a bucket; vLLM's config of its URL as the model (bucket_config)."""
+    with bucket_config(model.folder, daemons, tmp_path, monkeypatch) as (pulled, pickled, bucket):
+        yield Stored(Model(pulled, pickled, model.spec, model.heads), bucket)
 
 
 #: Qwen4Exp's PLE shape, small: PLE on decoder layers 1 and 3 (ple_layer_ids 2, 4), 2 n-gram

@@ -8,7 +8,8 @@ ranks whose PLE tables are split over all of them (`embedding_across_dp`).
 
 Everything is vLLM's own code (its plugin loader, distributed groups,
 Qwen4ExpNGramEmbedding with its pinned-host tables and embedding methods,
-AutoWeightsLoader, DefaultModelLoader) except the few calls that need a GPU,
+AutoWeightsLoader, DefaultModelLoader, or RunaiModelStreamerLoader for an
+s3:// model) except the few calls that need a GPU,
 replaced in `cpu_only` with the reason beside each. Prints one JSON line
 with what the rank holds and what its weight loading read.
 """
@@ -164,7 +165,16 @@ def main() -> None:
                     "uva_is_table": table._uva_weight.data_ptr() == table.weight.data_ptr(),
                 }
         out["layers"] = layers
-        if not args.no_load:
+        if not args.no_load and config.load_config.load_format == "runai_streamer":
+            from vllm.model_executor.model_loader.runai_streamer_loader import (
+                RunaiModelStreamerLoader,
+            )
+
+            # The weights stream from the object store (model_config.model_weights).
+            started = time.monotonic()
+            RunaiModelStreamerLoader(config.load_config).load_weights(net, config.model_config)
+            out["load_s"] = time.monotonic() - started
+        elif not args.no_load:
             from vllm.config import LoadConfig
 
             folder = Path(config.model_config.model)

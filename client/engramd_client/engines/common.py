@@ -38,7 +38,6 @@ from engramd_shared import errors
 from engramd_shared.checkpoint import checkpoint_files, is_store_url
 from engramd_shared.config import ClientConfig
 from engramd_shared.errors import EngramdError, SelectionRefused, ShareError
-from engramd_shared.families import ENGRAM, Family
 from engramd_shared.headers import read_header
 
 #: Load formats whose weights go through the engines' safetensors iterators, which the
@@ -292,16 +291,6 @@ def probe(folder: str | os.PathLike[str], engine_tables: Pattern, selection: str
             check_served(folder, tables.checkpoint_names, engine_tables)
     finally:
         tables.close()
-
-
-def refuse_stored(folder: str, family: Family, engine: str) -> None:
-    """ShareError for a model in an object store whose family's adapter lays its tables out
-    from the checkpoint's own headers (Qwen4Exp's PLE row shards): only a folder serves it."""
-    if is_store_url(folder) and family is not ENGRAM:
-        raise ShareError(
-            f"the model {folder} is in an object store: engramd's {engine} plugin serves "
-            f"{family.tables} from a checkpoint folder only"
-        )
 
 
 def check_served(

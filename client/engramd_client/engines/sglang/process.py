@@ -18,7 +18,6 @@ from engramd_client.engines.common import (
     decide,
     local_folder,
     probe,
-    refuse_stored,
     serving,
     settle,
     share_mode,
@@ -70,9 +69,7 @@ class Process:
             return False
 
         def ask() -> None:
-            folder = checkpoint_folder()
-            refuse_stored(folder, family, SGLANG.name)
-            probe(folder, engine_tables, family.selection)
+            probe(checkpoint_folder(), engine_tables, family.selection)
 
         refusal = decide(
             ask,

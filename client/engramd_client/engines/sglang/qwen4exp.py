@@ -49,6 +49,7 @@ allocates, is not served (strict: start-up fails).
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 import logging
 import re
@@ -71,11 +72,10 @@ from engramd_client.engines.sglang import ple_file, weights
 from engramd_client.engines.sglang.guard import check_ple_seams
 from engramd_client.engines.sglang.process import PROCESS, engine_path, log
 from engramd_client.mapping import torch_dtype
+from engramd_client.share import TableInfo, describe
 from engramd_client.tables import Tables
-from engramd_shared.checkpoint import plan_tables
 from engramd_shared.errors import CheckpointError
 from engramd_shared.families import PLE
-from engramd_shared.headers import TensorEntry
 
 QWEN4_EXP = "sglang.srt.models.qwen4_exp"
 PLE_TABLE = "sglang.srt.models.qwen4_exp_ple_table"
@@ -266,7 +266,7 @@ def _decide(building: _Building, dtype: torch.dtype) -> bool:
 def _misfit(folder: str, config: Any, dtype: torch.dtype) -> str | None:
     """Why engramd's tables are not the bytes SGLang would load into its tables, or None."""
     split = int(getattr(config, "split_ngram_parts", SPLIT_NGRAM_PARTS))
-    for table in plan_tables(folder, PLE.selection).tensors:
+    for table in _described(folder):
         if torch_dtype(table.dtype) != dtype:
             return (
                 f"{table.name} of {folder} is {torch_dtype(table.dtype)} where SGLang allocates "
@@ -274,7 +274,7 @@ def _misfit(folder: str, config: Any, dtype: torch.dtype) -> str | None:
                 "the dtype SGLang keeps (text_config.ple_embedding_dtype)"
             )
         shard = -(-table.shape[0] // split)
-        rows = [part.shape[0] for part in table.spans]
+        rows = list(table.part_rows) or [table.shape[0]]
         if any(n != shard for n in rows[:-1]) or not 0 < rows[-1] <= shard:
             return (
                 f"the row shards of {table.name} in {folder} hold {rows} rows, and SGLang "
@@ -285,7 +285,14 @@ def _misfit(folder: str, config: Any, dtype: torch.dtype) -> str | None:
     return None
 
 
-def _ranges(tables: list[TensorEntry], dtype: torch.dtype) -> dict[str, tuple[int, int]]:
+@functools.cache
+def _described(folder: str) -> tuple[TableInfo, ...]:
+    """The checkpoint's PLE tables, read once: from its folder, or from the daemon for the
+    s3:// URL of a set it loaded (no files here)."""
+    return tuple(describe(folder, tensors=PLE.selection))
+
+
+def _ranges(tables: tuple[TableInfo, ...], dtype: torch.dtype) -> dict[str, tuple[int, int]]:
     """Each PLE table's rows [start, stop) on this rank, as SGLang's own embedding splits them.
 
     Built as Qwen4ExpNGramEmbedding builds its VocabParallelEmbedding (on the
@@ -313,9 +320,9 @@ def _attach(dtype: torch.dtype, backend: str) -> Tables:
     pinned backend only: the file backend's GPU reads pageable memory)."""
     from sglang.srt.runtime_context import get_parallel
 
-    plan = list(plan_tables(PROCESS.folder, PLE.selection).tensors)
-    PROCESS.rows = _ranges(plan, dtype)
-    PROCESS.table_rows = {t.name: t.shape[0] for t in plan}
+    described = _described(PROCESS.folder)
+    PROCESS.rows = _ranges(described, dtype)
+    PROCESS.table_rows = {t.name: t.shape[0] for t in described}
     device = None
     if backend == "pinned" and torch.cuda.is_available():
         device = f"cuda:{torch.cuda.current_device()}"

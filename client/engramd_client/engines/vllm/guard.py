@@ -13,7 +13,7 @@ from engramd_client.engines.common import SERVED_LOAD_FORMATS, Engine, params
 #: vLLM as the guard names it, with the versions whose seams this plugin was written
 #: against and tested with. runai_streamer (vLLM's RunaiModelStreamerLoader, an s3:// model
 #: streamed from object storage) is served too: its iterator reads whole files and skips
-#: nothing, and each served table's weight loader drops what it reads (served_weight_loader).
+#: nothing, and the plugin withholds the served tables from the layers (process.py).
 VLLM = Engine("vLLM", frozenset({"0.33.0"}), SERVED_LOAD_FORMATS | {"runai_streamer"})
 
 
@@ -24,8 +24,11 @@ def vllm_version() -> str:
     return str(version.__version__)
 
 
-def check_loader_seams(weight_utils: ModuleType, default_loader: ModuleType) -> None:
-    """The weight loading both families rely on: the iterators' filter, the loaded-names count."""
+def check_loader_seams(
+    weight_utils: ModuleType, default_loader: ModuleType, runai_loader: ModuleType
+) -> None:
+    """The weight loading both families rely on: the iterators' filter, runai_streamer's
+    iterator as its loader calls it, the loaded-names count."""
     VLLM.expect(
         params(weight_utils.should_skip_weight) == ["weight_name", "local_expert_ids"]
         # Compiled with the `regex` package: anything with search() will do.
@@ -38,6 +41,12 @@ def check_loader_seams(weight_utils: ModuleType, default_loader: ModuleType) -> 
         and params(loader.track_weights_loading)
         == ["self", "model", "loaded_weights", "quantized"],
         "DefaultModelLoader",
+    )
+    runai = getattr(runai_loader, "runai_safetensors_weights_iterator", None)
+    VLLM.expect(
+        runai is not None
+        and params(runai) == ["hf_weights_files", "use_tqdm_on_load", "is_distributed"],
+        "runai_streamer_loader",
     )
 
 

@@ -3,15 +3,18 @@
 vLLM's ranks are processes, and vLLM loads general plugins several times in
 each: `PROCESS` is this process's one state, whichever model family it
 builds. Its loader hooks make vLLM's safetensors iterators skip the tensors
-engramd serves (`weight_utils.should_skip_weight`) and count the served
-parameters loaded (`DefaultModelLoader.track_weights_loading`).
+engramd serves (`weight_utils.should_skip_weight`), withhold them from the
+layers where the iterator reads whole files and skips nothing
+(runai_streamer's, an s3:// model streamed from object storage:
+`runai_streamer_loader.runai_safetensors_weights_iterator`), and count the
+served parameters loaded (`DefaultModelLoader.track_weights_loading`).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +27,6 @@ from engramd_client.engines.common import (
     decide,
     local_folder,
     probe,
-    refuse_stored,
     replaced,
     say_once,
     serving,
@@ -41,6 +43,7 @@ log = logging.getLogger("vllm.engramd")
 LOADER_MODULES = (
     "vllm.model_executor.model_loader.weight_utils",
     "vllm.model_executor.model_loader.default_loader",
+    "vllm.model_executor.model_loader.runai_streamer_loader",
 )
 
 #: Set on a layer whose tables engramd serves: its parameters count as loaded.
@@ -68,15 +71,16 @@ class Process:
 
     def install_loader(self) -> bool:
         """Hook vLLM's weight loading once; False (one warning) where its seams differ."""
-        weight_utils, default_loader = (importlib.import_module(m) for m in LOADER_MODULES)
+        weight_utils, default_loader, runai = (importlib.import_module(m) for m in LOADER_MODULES)
         if replaced(weight_utils.should_skip_weight):
             return True
-        check_loader_seams(weight_utils, default_loader)
+        check_loader_seams(weight_utils, default_loader, runai)
         self.pattern = weight_utils._ENGRAM_WEIGHT_RE
         self.calls.replace(
             default_loader.DefaultModelLoader, "track_weights_loading", _track_weights_loading
         )
         self.calls.replace(weight_utils, "should_skip_weight", _should_skip_weight)
+        self.calls.replace(runai, "runai_safetensors_weights_iterator", _runai_weights)
         return True
 
     def decide(
@@ -105,9 +109,7 @@ class Process:
         assert pattern is not None
 
         def ask() -> None:
-            folder = checkpoint_folder(config)
-            refuse_stored(folder, family, VLLM.name)
-            probe(folder, pattern, family.selection)
+            probe(checkpoint_folder(config), pattern, family.selection)
 
         refusal = decide(ask, leader=leader, broadcast=broadcast)
         self.serve = settle(refusal, share_mode(), family.tables, engine_path(family), log)
@@ -161,8 +163,12 @@ def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor)
     """A served layer's weight loader: the bytes are the daemon's already.
 
     Reached only by iterators that ignore should_skip_weight (fastsafetensors,
-    multi-threaded loads, runai_streamer's).
+    multi-threaded loads).
     """
+    _read_served()
+
+
+def _read_served() -> None:
     say_once(
         log,
         logging.INFO,
@@ -170,6 +176,20 @@ def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor)
         "this load format read a table engramd serves from the checkpoint; the layer keeps "
         "engramd's copy (auto or safetensors loads skip reading it)",
     )
+
+
+def _runai_weights(
+    hf_weights_files: list[str], use_tqdm_on_load: bool, is_distributed: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """runai_streamer's iterator, the tensors engramd serves withheld from the layers: it
+    streams whole files, and a served table's rows are read-only here."""
+    for name, tensor in PROCESS.calls.call(
+        _runai_weights, hf_weights_files, use_tqdm_on_load, is_distributed
+    ):
+        if name in PROCESS.served:
+            _read_served()
+            continue
+        yield name, tensor
 
 
 def _should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> bool:

@@ -55,8 +55,8 @@ from engramd_client.engines.vllm.process import (
     log,
     tp_labels,
 )
+from engramd_client.share import describe
 from engramd_client.tables import Tables
-from engramd_shared.checkpoint import plan_tables
 from engramd_shared.errors import CheckpointError
 from engramd_shared.families import PLE
 
@@ -169,8 +169,8 @@ def _table_of(layer: Any, tables: Tables, width: int, dtype: torch.dtype) -> str
 
 def _attach(layer: Any) -> Tables:
     """Every PLE table's rows for this process's ETP rank, attached once."""
-    plan = plan_tables(PROCESS.folder, PLE.selection)
-    PROCESS.rows = {t.name: _range(layer, t.shape[0]) for t in plan.tensors}
+    described = describe(PROCESS.folder, tensors=PLE.selection)
+    PROCESS.rows = {t.name: _range(layer, t.shape[0]) for t in described}
     tables = attach_rows(
         PROCESS.folder,
         PROCESS.rows,
