@@ -16,6 +16,11 @@ def test_manifest_round_trip_and_refusals() -> None:
     legacy = json.loads(m.to_json())
     del legacy["sources"]  # written by engramd 0.1
     assert Manifest.from_json(json.dumps(legacy)).sources == ()
+    joined = {**legacy, "tensors": [{**legacy["tensors"][0], "parts": ["a", "b"]}]}
+    # A joined table of a set written before the shards' rows were kept: no rows to tell.
+    assert Manifest.from_json(json.dumps(joined)).tensors[0].part_rows == ()
+    joined["tensors"][0]["part_rows"] = [3, 1]
+    assert Manifest.from_json(json.dumps(joined)).tensors[0].part_rows == (3, 1)
     for broken in (
         {**legacy, "layout_version": 99},
         {k: v for k, v in legacy.items() if k != "nonce"},
@@ -23,6 +28,10 @@ def test_manifest_round_trip_and_refusals() -> None:
         {**legacy, "tensors": [{**legacy["tensors"][0], "file": "../escape.bin"}]},
         {**legacy, "tensors": [{**legacy["tensors"][0], "dtype": "Q4"}]},
         {**legacy, "sources": [{"path": "/x"}]},
+        # Row shards whose rows are not the table's: 3 + 2 of a table of 4 rows, or 2 counts
+        # for 1 shard.
+        {**legacy, "tensors": [{**legacy["tensors"][0], "parts": ["a", "b"], "part_rows": [3, 2]}]},
+        {**legacy, "tensors": [{**legacy["tensors"][0], "parts": ["a"], "part_rows": [2, 2]}]},
     ):
         with pytest.raises(ManifestError):
             Manifest.from_json(json.dumps(broken))
