@@ -65,6 +65,7 @@ def test_systemd_units_verify(tmp_path: Path) -> None:
 def test_systemd_unit_matches_the_daemon() -> None:
     unit = (DEPLOY / "systemd" / "engramd.service").read_text()
     assert "Type=notify" in unit
+    assert "After=local-fs.target network-online.target" in unit
     assert "RuntimeDirectory=engramd" in unit and DEFAULT_SOCKET.startswith("/run/engramd/")
     assert "LimitMEMLOCK=infinity" in unit
     assert "LimitNOFILE=1048576" in unit
