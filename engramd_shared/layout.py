@@ -207,7 +207,7 @@ class Manifest:
                     nbytes=int(t["nbytes"]),
                     checksum=str(t["checksum"]),
                     parts=tuple(str(p) for p in t.get("parts", ())),
-                    part_rows=tuple(int(n) for n in t.get("part_rows", ())),
+                    part_rows=_part_rows(t.get("part_rows", [])),
                 )
                 for t in doc["tensors"]
             )
@@ -241,10 +241,19 @@ class Manifest:
             if t.dtype not in DTYPES or Path(t.file).name != t.file or t.offset < 0:
                 raise ManifestError(f"malformed entry for tensor {t.name!r}")
             if t.part_rows and (
-                len(t.part_rows) != len(t.parts) or not t.shape or sum(t.part_rows) != t.shape[0]
+                len(t.part_rows) != len(t.parts)
+                or not t.shape
+                or min(t.part_rows) < 1
+                or sum(t.part_rows) != t.shape[0]
             ):
                 raise ManifestError(f"the row shards of tensor {t.name!r} do not add up")
         return manifest
+
+
+def _part_rows(value: object) -> tuple[int, ...]:
+    if not isinstance(value, list) or any(type(n) is not int for n in value):
+        raise ManifestError("part_rows is not a list of whole numbers")
+    return tuple(value)
 
 
 def _optional_str(value: object) -> str | None:

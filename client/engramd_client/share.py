@@ -256,12 +256,16 @@ def _request(
 class TableInfo:
     """A selected tensor, as a worker learns it before it maps any row of it."""
 
+    #: The set it is a tensor of (a worker that attaches it after checks the same set).
+    set_id: str
     name: str
     #: Its safetensors dtype name (BF16, F8_E4M3, ...).
     dtype: str
     shape: tuple[int, ...]
-    #: The rows of each checkpoint tensor it is joined from, in order (a table joined from
-    #: row shards); () for a tensor of its own, or where an older daemon does not say.
+    #: The checkpoint tensors it is joined from, in order (a table's row shards); () for a
+    #: tensor of its own.
+    parts: tuple[str, ...]
+    #: Beside `parts`: the rows of each; () also where an older daemon does not say.
     part_rows: tuple[int, ...]
 
 
@@ -275,18 +279,28 @@ def describe(
     """The selected tensors of a checkpoint: what a worker needs to choose the rows it attaches.
 
     From a checkpoint folder's headers; for the s3://bucket/prefix the daemon
-    loaded (no files on the node), from the daemon, which hands out the set
-    for a moment and nothing of it is mapped here.
+    loaded (no files on the node), from the daemon: it hands the set out to
+    a lease that ends at once (after the set's load, where it still loads),
+    and nothing of it is mapped here.
 
     Raises:
         CheckpointError: the checkpoint folder cannot be read.
-        ShareError: the daemon cannot hand out the set of `checkpoint`'s URL.
+        ShareError: the daemon cannot hand out the set of `checkpoint`'s URL;
+            DaemonError where its answer does not add up.
     """
     target = os.fspath(checkpoint)
     if not is_store_url(target):
+        plan = plan_tables(target, tensors)
         return [
-            TableInfo(t.name, t.dtype, t.shape, tuple(p.shape[0] for p in t.parts))
-            for t in plan_tables(target, tensors).tensors
+            TableInfo(
+                plan.set_id,
+                t.name,
+                t.dtype,
+                t.shape,
+                tuple(p.name for p in t.parts),
+                tuple(p.shape[0] for p in t.parts),
+            )
+            for t in plan.tensors
         ]
     config = ClientConfig.from_env(socket=socket, share=True)
     set_id = _stored_set(config, target, tensors)
@@ -296,9 +310,25 @@ def describe(
         attachment = lease.wait_attached(set_id)
     finally:
         lease.close()
-    return [
-        TableInfo(t.name, t.dtype, tuple(t.shape), tuple(t.part_rows)) for t in attachment.tensors
-    ]
+    return [_table_info(attachment.set_id, t) for t in attachment.tensors]
+
+
+def _table_info(set_id: str, handle: pb.TensorHandle) -> TableInfo:
+    rows = tuple(handle.part_rows)
+    if rows and (
+        len(rows) != len(handle.parts)
+        or not handle.shape
+        or 0 in rows
+        or sum(rows) != handle.shape[0]
+    ):
+        raise DaemonError(
+            f"engramd says the {len(handle.parts)} row shards of {handle.name} hold {list(rows)} "
+            f"rows, which are not its {list(handle.shape)[:1]}: a daemon of another engramd, "
+            "or not engramd at that socket"
+        )
+    return TableInfo(
+        set_id, handle.name, handle.dtype, tuple(handle.shape), tuple(handle.parts), rows
+    )
 
 
 def _device_name(text: str) -> str:

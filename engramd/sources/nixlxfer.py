@@ -101,24 +101,30 @@ def transfer_env(device: str, prefixes: tuple[str, ...] = ()) -> dict[str, str]:
     return env
 
 
+def start_env() -> dict[str, str]:
+    """The environment a transfer process starts with: the daemon's variables it may see,
+    and what keeps its start short (NO_BLAS_THREADS, NO_MEMORY_EVENTS)."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)}
+    env.update(NO_BLAS_THREADS)
+    return env if _has_rdma() else {**NO_MEMORY_EVENTS, **env}
+
+
 def _has_rdma() -> bool:
     try:
         return any(RDMA_DEVICES.iterdir())
-    except OSError:
+    except FileNotFoundError:
         return False
+    except OSError:
+        # Unreadable: keep UCX's memory events, as for a host with RDMA.
+        return True
 
 
 class _Process:
     """A transfer process started, its agent named, not yet given a fill."""
 
     def __init__(self) -> None:
-        env = {
-            k: v for k, v in os.environ.items() if k in PASSED_ENV or k.startswith(PASSED_PREFIXES)
-        }
+        env = start_env()
         env["ENGRAMD_NIXL_BUILD"] = nixl_build()
-        env.update(NO_BLAS_THREADS)
-        if not _has_rdma():
-            env = {**NO_MEMORY_EVENTS, **env}
         self.name = agent_name("xfer")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:

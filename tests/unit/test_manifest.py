@@ -28,10 +28,18 @@ def test_manifest_round_trip_and_refusals() -> None:
         {**legacy, "tensors": [{**legacy["tensors"][0], "file": "../escape.bin"}]},
         {**legacy, "tensors": [{**legacy["tensors"][0], "dtype": "Q4"}]},
         {**legacy, "sources": [{"path": "/x"}]},
-        # Row shards whose rows are not the table's: 3 + 2 of a table of 4 rows, or 2 counts
-        # for 1 shard.
-        {**legacy, "tensors": [{**legacy["tensors"][0], "parts": ["a", "b"], "part_rows": [3, 2]}]},
-        {**legacy, "tensors": [{**legacy["tensors"][0], "parts": ["a"], "part_rows": [2, 2]}]},
+        # Row shards whose rows are not the table's 4, or not counts of rows.
+        *(
+            {**legacy, "tensors": [{**legacy["tensors"][0], "parts": parts, "part_rows": rows}]}
+            for parts, rows in (
+                (["a", "b"], [3, 2]),
+                (["a"], [2, 2]),
+                (["a", "b"], [5, -1]),
+                (["a", "b"], [4, 0]),
+                (["a"], "4"),
+                (["a"], [True]),
+            )
+        ),
     ):
         with pytest.raises(ManifestError):
             Manifest.from_json(json.dumps(broken))

@@ -105,6 +105,26 @@ def test_embedding_across_dp_splits_over_every_rank(
                 ), (rank, module, part)
 
 
+def test_a_multithreaded_load_leaves_the_served_rows_alone(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
+) -> None:
+    """vLLM's multi-threaded loader (`enable_multithread_load`) honours no skip and reads the
+    shards whole: the plugin withholds them from the layers, whose rows stay the daemon's
+    read-only pages (a copy into them would fault)."""
+    model = ple_models["BF16"]
+    d = daemons("--checkpoint", str(model.folder))
+    env = {"ENGRAMD_SOCKET": str(d.socket)}
+    runs = run_ple_ranks(model, 2, env, tmp_path, ("--multithread",))
+    for rank, done in enumerate(runs):
+        out = result(done)
+        for module, info in out["layers"].items():
+            assert info["maps"]["weight"].split()[1] == "r--s", info["maps"]["weight"]
+            assert info["sha256"]["weight"] == _expected_sha(
+                model, _layer(module), "weight", info["start"], info["rows"]
+            ), (rank, module)
+        assert "this load format read a table engramd serves" in _output(done)
+
+
 def test_two_tp1_servers_map_one_file(
     ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path
 ) -> None:

@@ -1,6 +1,7 @@
 """One vLLM rank on CPU: loads the plugins, builds Qwen4Exp's PLE n-gram embeddings, loads them.
 
     python vllm_ple_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--no-load]
+        [--multithread]
         [--dp N]
 
 With `--dp N`, WORLD ranks are N data-parallel replicas of WORLD / N TP
@@ -100,6 +101,9 @@ def main() -> None:
     parser.add_argument("config")
     parser.add_argument("--private-pin", action="store_true")
     parser.add_argument("--no-load", action="store_true")
+    parser.add_argument(
+        "--multithread", action="store_true", help="load with enable_multithread_load"
+    )
     parser.add_argument("--dp", type=int, default=1)
     args = parser.parse_args()
 
@@ -179,7 +183,12 @@ def main() -> None:
 
             folder = Path(config.model_config.model)
             loader = DefaultModelLoader(
-                LoadConfig(model_loader_extra_config={"enable_weights_track": True})
+                LoadConfig(
+                    model_loader_extra_config={
+                        "enable_weights_track": True,
+                        "enable_multithread_load": args.multithread,
+                    }
+                )
             )
             group = torch.distributed.group.WORLD
             # One rank at a time: each measures its own reads with a cold cache.

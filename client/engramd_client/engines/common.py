@@ -30,15 +30,18 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
 from engramd_shared import errors
 from engramd_shared.checkpoint import checkpoint_files, is_store_url
 from engramd_shared.config import ClientConfig
-from engramd_shared.errors import EngramdError, SelectionRefused, ShareError
+from engramd_shared.errors import CheckpointError, EngramdError, SelectionRefused, ShareError
 from engramd_shared.headers import read_header
+
+if TYPE_CHECKING:
+    from engramd_client.share import TableInfo
 
 #: Load formats whose weights go through the engines' safetensors iterators, which the
 #: adapters make skip the served tensors; others (dummy writes the tables) are not served,
@@ -291,6 +294,18 @@ def probe(folder: str | os.PathLike[str], engine_tables: Pattern, selection: str
             check_served(folder, tables.checkpoint_names, engine_tables)
     finally:
         tables.close()
+
+
+def check_described(tables: Tables, described: Sequence[TableInfo], folder: str) -> None:
+    """CheckpointError unless `tables` are of the set `described` describes: a URL names the
+    set the operator loaded last, which may change between a worker's two calls."""
+    if described and tables.set_id != described[0].set_id:
+        tables.close()
+        raise CheckpointError(
+            f"engramd's set for {folder} changed from {described[0].set_id} to "
+            f"{tables.set_id} while this worker attached it (a new version loaded): start "
+            "the engine again"
+        )
 
 
 def check_served(

@@ -63,6 +63,7 @@ from engramd_client.engines.common import (
     Refusal,
     UnknownEngine,
     attach_rows,
+    check_described,
     replaced,
     say_once,
     settle,
@@ -74,7 +75,7 @@ from engramd_client.engines.sglang.process import PROCESS, engine_path, log
 from engramd_client.mapping import torch_dtype
 from engramd_client.share import TableInfo, describe
 from engramd_client.tables import Tables
-from engramd_shared.errors import CheckpointError
+from engramd_shared.errors import CheckpointError, EngramdError
 from engramd_shared.families import PLE
 
 QWEN4_EXP = "sglang.srt.models.qwen4_exp"
@@ -266,12 +267,23 @@ def _decide(building: _Building, dtype: torch.dtype) -> bool:
 def _misfit(folder: str, config: Any, dtype: torch.dtype) -> str | None:
     """Why engramd's tables are not the bytes SGLang would load into its tables, or None."""
     split = int(getattr(config, "split_ngram_parts", SPLIT_NGRAM_PARTS))
-    for table in _described(folder):
+    try:
+        described = _described(folder)
+    except EngramdError as e:
+        # Each rank asks (for a URL, the daemon): one that cannot is refused, as a folder
+        # it cannot read would be.
+        return f"engramd cannot describe the PLE tables of {folder}: {e}"
+    for table in described:
         if torch_dtype(table.dtype) != dtype:
             return (
                 f"{table.name} of {folder} is {torch_dtype(table.dtype)} where SGLang allocates "
                 f"{dtype} (it would convert the rows as it copies them); serve a checkpoint of "
                 "the dtype SGLang keeps (text_config.ple_embedding_dtype)"
+            )
+        if table.parts and not table.part_rows:
+            return (
+                f"engramd does not say how the rows of {table.name} fall into its shards (a set "
+                "loaded by an older engramd): load it again"
             )
         shard = -(-table.shape[0] // split)
         rows = list(table.part_rows) or [table.shape[0]]
@@ -344,6 +356,7 @@ def _attach(dtype: torch.dtype, backend: str) -> Tables:
             selection=PLE.selection,
             pad_rows=True,
         )
+    check_described(tables, described, PROCESS.folder)
     return PROCESS.hold(tables, PLE.tables)
 
 

@@ -38,8 +38,8 @@ def check_loader_seams(
     loader = getattr(default_loader, "DefaultModelLoader", None)
     VLLM.expect(
         loader is not None
-        and params(loader.track_weights_loading)
-        == ["self", "model", "loaded_weights", "quantized"],
+        and params(loader.track_weights_loading) == ["self", "model", "loaded_weights", "quantized"]
+        and params(loader._get_weights_iterator) == ["self", "source"],
         "DefaultModelLoader",
     )
     runai = getattr(runai_loader, "runai_safetensors_weights_iterator", None)

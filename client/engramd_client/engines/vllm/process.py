@@ -4,17 +4,20 @@ vLLM's ranks are processes, and vLLM loads general plugins several times in
 each: `PROCESS` is this process's one state, whichever model family it
 builds. Its loader hooks make vLLM's safetensors iterators skip the tensors
 engramd serves (`weight_utils.should_skip_weight`), withhold them from the
-layers where the iterator reads whole files and skips nothing
-(runai_streamer's, an s3:// model streamed from object storage:
+layers where an iterator reads them anyway (DefaultModelLoader's
+multi-threaded and fastsafetensors iterators: `_get_weights_iterator`;
+runai_streamer's, an s3:// model streamed from object storage:
 `runai_streamer_loader.runai_safetensors_weights_iterator`), and count the
-served parameters loaded (`DefaultModelLoader.track_weights_loading`).
+served parameters loaded (`DefaultModelLoader.track_weights_loading`). A
+served table's rows are read-only here: a loader's copy into them would
+fault.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +83,9 @@ class Process:
             default_loader.DefaultModelLoader, "track_weights_loading", _track_weights_loading
         )
         self.calls.replace(weight_utils, "should_skip_weight", _should_skip_weight)
+        self.calls.replace(
+            default_loader.DefaultModelLoader, "_get_weights_iterator", _default_weights
+        )
         self.calls.replace(runai, "runai_safetensors_weights_iterator", _runai_weights)
         return True
 
@@ -162,8 +168,8 @@ def tp_labels() -> dict[str, str]:
 def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
     """A served layer's weight loader: the bytes are the daemon's already.
 
-    Reached only by iterators that ignore should_skip_weight (fastsafetensors,
-    multi-threaded loads).
+    Reached only through loaders whose iterators the plugin does not filter
+    (neither DefaultModelLoader's nor runai_streamer's).
     """
     _read_served()
 
@@ -178,18 +184,31 @@ def _read_served() -> None:
     )
 
 
-def _runai_weights(
-    hf_weights_files: list[str], use_tqdm_on_load: bool, is_distributed: bool = False
+def _withheld(
+    weights: Iterable[tuple[str, torch.Tensor]],
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """runai_streamer's iterator, the tensors engramd serves withheld from the layers: it
-    streams whole files, and a served table's rows are read-only here."""
-    for name, tensor in PROCESS.calls.call(
-        _runai_weights, hf_weights_files, use_tqdm_on_load, is_distributed
-    ):
+    for name, tensor in weights:
         if name in PROCESS.served:
             _read_served()
             continue
         yield name, tensor
+
+
+def _default_weights(self: Any, source: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """DefaultModelLoader's weights of `source`, the tensors engramd serves withheld: its
+    safetensors iterators skip them already; its multi-threaded and fastsafetensors ones
+    read them."""
+    return _withheld(PROCESS.calls.call(_default_weights, self, source))
+
+
+def _runai_weights(
+    hf_weights_files: list[str], use_tqdm_on_load: bool, is_distributed: bool = False
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """runai_streamer's iterator, the tensors engramd serves withheld: it streams whole
+    files."""
+    return _withheld(
+        PROCESS.calls.call(_runai_weights, hf_weights_files, use_tqdm_on_load, is_distributed)
+    )
 
 
 def _should_skip_weight(weight_name: str, local_expert_ids: set[int] | None) -> bool:

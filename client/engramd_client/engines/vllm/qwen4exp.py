@@ -43,6 +43,7 @@ from engramd_client.engines.common import (
     Pattern,
     UnknownEngine,
     attach_rows,
+    check_described,
     replaced,
     say_once,
     share_mode,
@@ -181,6 +182,7 @@ def _attach(layer: Any) -> Tables:
         selection=PLE.selection,
         pad_rows=True,
     )
+    check_described(tables, described, PROCESS.folder)
     return PROCESS.hold(tables, PLE.tables)
 
 
