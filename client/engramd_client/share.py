@@ -236,6 +236,7 @@ def _request(
     device: str = "",
     route: int = pb.GPU_ROUTE_UNSPECIFIED,
 ) -> pb.AttachRequest:
+    """The attach of `target` (a plan of the worker's files, or a set id) by this process."""
     plan = target if isinstance(target, TablePlan) else None
     return pb.AttachRequest(
         set_id=plan.set_id if plan else str(target),
