@@ -34,7 +34,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engramd.sources.strong import PIECE_BYTES, piece_digest
+from engramd.sources.landing import MOVE_CHUNK
+from engramd.sources.strong import PIECE_BYTES, piece_hasher
 from engramd.testing.daemon_process import DaemonProcess
 from engramd.testing.fleet_lab import (
     UCX_TCP,
@@ -143,8 +144,8 @@ def _raw_socket(net: Net, nbytes: int) -> tuple[float, float]:
 
 def _fill_work(nbytes: int) -> float:
     """CPU seconds a receiving daemon spends on `nbytes` beyond a socket's: each piece
-    written out of a landing slot into a new tmpfs file and digested there (landing.py's
-    `_move`)."""
+    written out of a landing slot into a new tmpfs file and digested there, a MOVE_CHUNK at
+    a time (landing.py's `_move`)."""
     slot = bytearray(os.urandom(PIECE_BYTES))
     fd = os.memfd_create("engramd-bench-fill", os.MFD_CLOEXEC)
     try:
@@ -154,8 +155,12 @@ def _fill_work(nbytes: int) -> float:
             start = time.process_time()
             for at in range(0, nbytes, PIECE_BYTES):
                 n = min(PIECE_BYTES, nbytes - at)
-                os.pwrite(fd, memoryview(slot)[:n], at)
-                piece_digest(view[at : at + n])
+                hasher = piece_hasher()
+                for part in range(at, at + n, MOVE_CHUNK):
+                    end = min(part + MOVE_CHUNK, at + n)
+                    os.pwrite(fd, memoryview(slot)[part - at : end - at], part)
+                    hasher.update(view[part:end])
+                hasher.digest()
             spent = time.process_time() - start
             view.release()
             return spent

@@ -5,9 +5,10 @@ The transfer process maps the ring and nothing of the set: over TCP its UCX
 port serves writes at any address of that process to whoever connects, so
 the ring is all that anyone can write into. The daemon copies each landed
 window out of its slot into the staged set (write(2) into the set's file,
-which the transfer process never maps) and digests the copy there, so the
-digests are of exactly the bytes that will be published, taken while the
-next windows are on the wire, on every core. A window is one piece of the
+which the transfer process never maps) and digests the copy there, each MiB
+as soon as it is written (MOVE_CHUNK), so the digests are of exactly the
+bytes that will be published, taken while the next windows are on the wire,
+on every core. A window is one piece of the
 strong digest (strong.PIECE_BYTES), so windows move and digest in any order.
 A slot is reused once its window has moved. A fill that reads with two
 transfer processes (the peers', and the object store's, which holds the
@@ -35,7 +36,7 @@ from engramd.sources.strong import (
     PIECE_BYTES,
     STRONG,
     kind_of,
-    piece_digest,
+    piece_hasher,
     pieces,
     tensor_digest,
     threads,
@@ -43,6 +44,10 @@ from engramd.sources.strong import (
 
 #: Threads that move and digest windows at most (a core each, at about 3 GB/s with BLAKE3).
 MAX_MOVERS = 32
+#: The bytes of a window written, then digested, at a time: the digest reads what was just
+#: written while it is in the core's cache (2 MiB of L2 on this EPYC) rather than the whole
+#: piece back from memory afterwards (one core: 3.6 GB/s against 3.0 moved and digested).
+MOVE_CHUNK = 1 << 20
 
 
 def movers() -> int:
@@ -166,18 +171,18 @@ class Landing:
         start = slot * PIECE_BYTES
         try:
             window = ring.region.view()[start : start + nbytes]
-            self._write(index, at, window, ring.region.address + start)
+            found = self._write(index, at, window, ring.region.address + start)
         finally:
             ring.free.append(slot)
-        self._check(index, at, nbytes, then)
+        self._check(index, at, found, then)
 
     def _put(self, index: int, at: int, data: bytearray, then: Callable[[bool], None]) -> None:
         nbytes = self._piece_bytes(index, at)
         if len(data) != nbytes:
             raise ValueError(f"{len(data)} bytes for a piece of {nbytes}")
         held = (ctypes.c_char * nbytes).from_buffer(data)
-        self._write(index, at, memoryview(data), ctypes.addressof(held))
-        self._check(index, at, nbytes, then)
+        found = self._write(index, at, memoryview(data), ctypes.addressof(held))
+        self._check(index, at, found, then)
 
     def _piece_bytes(self, index: int, at: int) -> int:
         region = self.regions[index]
@@ -185,16 +190,27 @@ class Landing:
             raise ValueError(f"no piece of tensor {index} starts at {at}")
         return min(PIECE_BYTES, region.nbytes - at)
 
-    def _check(self, index: int, at: int, nbytes: int, then: Callable[[bool], None] | None) -> None:
-        region = self.regions[index]
-        found = piece_digest(region.view()[at : at + nbytes], self._kinds[index])
+    def _check(
+        self, index: int, at: int, found: bytes, then: Callable[[bool], None] | None
+    ) -> None:
         good = self._expected is None or self._expected[index][at // PIECE_BYTES] == found
         if good:
             self._pieces[index][at // PIECE_BYTES] = found
         if then is not None:
             then(good)
 
-    def _write(self, index: int, at: int, window: memoryview, address: int) -> None:
+    def _write(self, index: int, at: int, window: memoryview, address: int) -> bytes:
+        """`window` (at `address` in this process) to bytes `at`.. of tensor `index`, and
+        the piece digest of what the set holds there afterwards."""
+        written = self.regions[index].view()[at : at + len(window)]
+        hasher = piece_hasher(self._kinds[index])
+        for start in range(0, len(window), MOVE_CHUNK):
+            end = min(start + MOVE_CHUNK, len(window))
+            self._write_part(index, at + start, window[start:end], address + start)
+            hasher.update(written[start:end])
+        return hasher.digest()
+
+    def _write_part(self, index: int, at: int, window: memoryview, address: int) -> None:
         """`window` (at `address` in this process) to bytes `at`.. of tensor `index`: by
         write(2), not by stores through a writable mapping, which would cost an unmap of
         pages the daemon dirtied (~0.2 s a GiB of 4 KiB pages) before a memfd set may be

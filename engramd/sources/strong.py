@@ -29,10 +29,11 @@ import hashlib
 import os
 import re
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from blake3 import blake3
 
@@ -52,16 +53,18 @@ PIECE_BYTES = 16 << 20
 _STRONG = re.compile(rf"^({STRONG}|{OLDER}):[0-9a-f]{{64}}$")
 
 
-def _blake3(data: memoryview | bytes) -> bytes:
-    # One thread a piece: the pool hashes several pieces at once already.
-    return blake3(data).digest()
+class Hasher(Protocol):
+    """A hash given its bytes in order, as BLAKE3's and hashlib's objects are."""
+
+    def update(self, data: memoryview | bytes, /) -> object:
+        """Hash `data` after the bytes given before."""
+
+    def digest(self) -> bytes:
+        """The digest of every byte given."""
 
 
-def _sha256(data: memoryview | bytes) -> bytes:
-    return hashlib.sha256(data).digest()
-
-
-_HASHES = {STRONG: _blake3, OLDER: _sha256}
+# blake3() hashes on one thread: the pools hash several pieces at once already.
+_HASHERS: dict[str, Callable[[], Hasher]] = {STRONG: blake3, OLDER: hashlib.sha256}
 
 
 def threads() -> int:
@@ -80,14 +83,22 @@ def set_pieces(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(i, at, n) for i, nbytes in enumerate(sizes) for at, n in pieces(nbytes)]
 
 
+def piece_hasher(kind: str = STRONG) -> Hasher:
+    """A hash of `kind` (STRONG or OLDER) to give a piece's bytes in parts, in order: its
+    digest() is piece_digest's of the whole piece."""
+    return _HASHERS[kind]()
+
+
 def piece_digest(piece: memoryview | bytes, kind: str = STRONG) -> bytes:
     """The 32-byte digest of one piece, of `kind` (STRONG or OLDER)."""
-    return _HASHES[kind](piece)
+    hasher = piece_hasher(kind)
+    hasher.update(piece)
+    return hasher.digest()
 
 
 def tensor_digest(piece_digests: Sequence[bytes], kind: str = STRONG) -> str:
     """The tensor's strong digest of `kind` from its pieces' digests of that kind, in order."""
-    return f"{kind}:{_HASHES[kind](b''.join(piece_digests)).hex()}"
+    return f"{kind}:{piece_digest(b''.join(piece_digests), kind).hex()}"
 
 
 def split_pieces(joined: bytes, nbytes: int, strong: str) -> list[bytes]:

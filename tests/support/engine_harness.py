@@ -56,6 +56,11 @@ def in_bucket(folder: Path, daemons: Any, tmp: Path) -> Iterator[InBucket]:
             "RUNAI_STREAMER_S3_ENDPOINT": s3.endpoint,
             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
             "AWS_EC2_METADATA_DISABLED": "true",
+            # Where the engines pull the model's config files to, keyed by the URL alone: a
+            # cache kept between tests (~/.cache) hands a later test of s3://tables/m the
+            # config of an earlier test's model.
+            "SGLANG_CACHE_DIR": str(tmp / "sglang-cache"),
+            "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
         }
         args = ("--checkpoint", url, "--peer-token-file", str(token))
         daemon = daemons(*args, env=env, python=[str(DAEMON_PYTHON)])

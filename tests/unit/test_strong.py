@@ -22,6 +22,7 @@ from engramd.sources.strong import (
     is_strong,
     kind_of,
     piece_digest,
+    piece_hasher,
     pieces,
     tensor_digest,
 )
@@ -127,3 +128,17 @@ def test_the_older_kind_is_sha256_of_the_same_pieces(tensor: bytes) -> None:
     assert (kind_of(older), kind_of(newer)) == (OLDER, STRONG)
     for wrong in ("sha512-pieces:" + "0" * 64, STRONG + ":" + "0" * 63, newer.upper(), older + "0"):
         assert not is_strong(wrong)
+
+
+@pytest.mark.parametrize("kind", [STRONG, OLDER])
+def test_a_piece_given_in_parts_has_the_digest_of_the_whole(tensor: bytes, kind: str) -> None:
+    """A fill digests each window a MiB at a time as it writes it (landing.MOVE_CHUNK): the
+    parts, of any sizes, give the digest of the whole piece, of either kind."""
+    piece = memoryview(tensor)[:P]
+    for cuts in ([], [1 << 20, 2 << 20], [1, P - 1], list(range(3 << 20, P, 5 << 20))):
+        hasher = piece_hasher(kind)
+        for a, b in itertools.pairwise([0, *cuts, P]):
+            hasher.update(piece[a:b])
+        assert hasher.digest() == piece_digest(piece, kind)
+    assert piece_digest(piece, OLDER) == hashlib.sha256(piece).digest()
+    assert piece_digest(piece, STRONG) == blake3(piece).digest()

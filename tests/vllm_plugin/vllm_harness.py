@@ -173,8 +173,6 @@ def bucket_config(
     with in_bucket(folder, daemons, tmp_path) as bucket:
         for key, value in bucket.env.items():
             monkeypatch.setenv(key, value)
-        # Where vLLM pulls the model's config files to.
-        monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "vllm-cache"))
         vllm_config = VllmConfig(
             model_config=ModelConfig(model=bucket.url, skip_tokenizer_init=True),
             engram_config=EngramConfig(),
