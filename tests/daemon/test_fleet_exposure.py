@@ -431,8 +431,11 @@ def test_a_filling_node_attacked_from_the_network_publishes_the_checkpoints_byte
     # B's two transfer processes: the one its fill reads with maps the landing ring, the one
     # that serves maps B's staged set, read-only, and nothing else of B's.
     landing = "/memfd:engramd-landing (deleted)"
-    (receiver,) = [p for p in transfer_processes(rb, net.b) if landing in mapped_files(p)]
-    (server,) = set(transfer_processes(rb, net.b)) - {receiver}
+    processes = transfer_processes(rb, net.b)
+    receivers = [p for p in processes if landing in mapped_files(p)]
+    assert len(processes) == 2 and len(receivers) == 1, (processes, receivers, rb.log)
+    (receiver,) = receivers
+    (server,) = set(processes) - {receiver}
     staged = {f for f in mapped_files(server) if f.startswith(str(b.shm_dir))}
     assert staged and all(".loading-" in f for f in staged), staged
     address, nbytes = opened["regions"][0]
@@ -442,7 +445,8 @@ def test_a_filling_node_attacked_from_the_network_publishes_the_checkpoints_byte
     assert alive(receiver)
 
     targets = [p for p in scan(net.a, net.ip_b, ra, rb) if p != PEER_PORT]
-    assert targets == sorted(s.port for s in transfer_processes(rb, net.b)[receiver])
+    listening = transfer_processes(rb, net.b)
+    assert targets == sorted(s.port for s in listening.get(receiver, [])), (listening, rb.log)
     for port in targets:
         forged = attacker.command("forge", net.ip_b, port)
         assert "remote" in forged, forged
