@@ -12,6 +12,16 @@ shut out another's workers), the request's size and deadline, the peer's
 credentials (SO_PEERCRED) and membership (root, the daemon's user, or the
 socket group). The lease's own checks and what the lease then records are
 the lease book's: LeaseBook.redeem, given the peer as the kernel names it.
+
+Membership is what the kernel judged at connect(): while the socket's mode
+lets no other user write it (0660), only its owner, a member of its group
+or a process allowed to override file modes could connect, whatever pid
+namespace the peer is in and wherever its groups come from (supplementary,
+a container's group_add, primary). The daemon cannot check that again: a
+peer in another pid namespace shows no /proc entry, and the daemon's group
+database is not the peer's (another image's /etc/group). Only a socket
+opened to every user (an operator's chmod) makes the daemon judge the
+groups it can see itself.
 """
 
 from __future__ import annotations
@@ -21,11 +31,10 @@ import asyncio
 import collections
 import contextlib
 import functools
-import grp
 import logging
 import os
-import pwd
 import socket
+import stat
 import struct
 import time
 from dataclasses import dataclass
@@ -103,6 +112,9 @@ class FdChannel:
         #: Exchanges one uid holds at once (0: only MAX_CONNECTIONS).
         self._per_uid = per_uid
         self._sock: socket.socket | None = None
+        #: The socket's file, opened without following a link once bound: its mode and group
+        #: say what connecting to it proves.
+        self._inode: int | None = None
         self._accepting: asyncio.Task[None] | None = None
         self._exchanges: set[asyncio.Task[None]] = set()
         #: Exchanges in progress by peer uid.
@@ -119,6 +131,7 @@ class FdChannel:
         sock.bind(self.path)
         sock.listen(128)
         self._sock = sock
+        self._inode = os.open(self.path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def start(self) -> None:
         """Accept connections on the running loop."""
@@ -130,6 +143,9 @@ class FdChannel:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._inode is not None:
+            os.close(self._inode)
+            self._inode = None
         if self._sock is not None:
             self._sock.close()
             with contextlib.suppress(FileNotFoundError):
@@ -249,42 +265,75 @@ class FdChannel:
             request = pb.FdRequest.FromString(data)
         except DecodeError:
             raise NotAllowed("the request is not an engramd.v1.FdRequest") from None
-        if not self._member(peer):
-            raise NotAllowed(
-                f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group"
-            )
         # The peer's own pid is the last of its NSpid (its pid in the pid
         # namespace the worker attached from); the daemon's view of it is peer.pid.
         nspid = peer.status_field("NSpid")
+        admitted, proven = self._connected(peer)
+        if not admitted and peer.uid not in (0, os.geteuid()):
+            groups = _groups(peer, nspid, None)
+            if self._gid not in groups:
+                raise NotAllowed(
+                    f"uid {peer.uid} is neither root, engramd's user, nor in the socket's group "
+                    f"(gid {self._gid}): the daemon saw its groups {sorted(groups)} "
+                    f"({_groups_from(peer, nspid, None)}), and {self.path} lets every user "
+                    f"connect (mode {self._mode():04o}), so connecting proves nothing; make the "
+                    "socket 0660 again (restart engramd), and give the worker the socket's "
+                    "group (usermod -aG, compose's group_add, a pod's supplementalGroups)"
+                )
         caller = Caller(
             pid=peer.pid,
             uid=peer.uid,
             own_pid=nspid[-1] if nspid else None,
-            groups=functools.partial(_groups, peer, nspid),
+            groups=functools.partial(_groups, peer, nspid, proven),
+            groups_from=_groups_from(peer, nspid, proven),
         )
         return await self._leases.redeem(request.lease_id, request.secret, caller)
 
-    def _member(self, peer: Peer) -> bool:
-        if peer.uid in (0, os.geteuid()) or peer.gid == self._gid:
-            return True
-        if self._gid in peer.status_field("Groups"):
-            return True
-        # A peer whose groups /proc does not show (another pid namespace).
-        try:
-            members = grp.getgrgid(self._gid).gr_mem
-            return pwd.getpwuid(peer.uid).pw_name in members
-        except KeyError:
-            return False
+    def _mode(self) -> int:
+        """The socket file's mode bits now."""
+        assert self._inode is not None
+        return stat.S_IMODE(os.fstat(self._inode).st_mode)
+
+    def _connected(self, peer: Peer) -> tuple[bool, int | None]:
+        """What the kernel proved by letting `peer` connect: whether it is its owner, in its
+        group or allowed to override modes (False: a socket every user may write proves
+        nothing), and the group it proved the peer is in (None: none)."""
+        assert self._inode is not None
+        st = os.fstat(self._inode)
+        if st.st_mode & stat.S_IWOTH:
+            return False, None
+        if peer.uid in (0, st.st_uid) or not st.st_mode & stat.S_IWGRP:
+            # The owner connects by its user bit; with no group write bit only the owner,
+            # or a process allowed to override modes, could.
+            return True, None
+        return True, st.st_gid
 
 
-def _groups(peer: Peer, nspid: list[int]) -> set[int]:
-    """The peer's groups: from /proc where its pid is visible (`nspid`), else the group database."""
+def _groups(peer: Peer, nspid: list[int], proven: int | None) -> set[int]:
+    """The peer's groups as the kernel showed them (_groups_from says where).
+
+    From /proc where its pid is visible (`nspid`), else its primary group
+    (SO_PEERCRED) and the socket's group where connecting proved it
+    (`proven`). Never the daemon's group database: in another pid namespace
+    the peer is most often in another container, whose /etc/group is not
+    the daemon's, and a guess from it could give a set to a uid that may not
+    read its checkpoint.
+    """
     if nspid:
         return {peer.gid, *peer.status_field("Groups")}
-    try:
-        return set(os.getgrouplist(pwd.getpwuid(peer.uid).pw_name, peer.gid))
-    except KeyError:
-        return {peer.gid}
+    return {peer.gid} if proven is None else {peer.gid, proven}
+
+
+def _groups_from(peer: Peer, nspid: list[int], proven: int | None) -> str:
+    """Where _groups found the peer's groups, for a refusal."""
+    if nspid:
+        return f"from /proc/{peer.pid}/status"
+    if proven is not None:
+        return (
+            "its pid is in a pid namespace the daemon cannot see: its primary group, and the "
+            "socket's group, which connecting proved"
+        )
+    return "its pid is in a pid namespace the daemon cannot see: its primary group alone"
 
 
 async def _send(conn: socket.socket, reply: pb.FdReply, fds: list[int]) -> None:

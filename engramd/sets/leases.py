@@ -141,6 +141,8 @@ class Caller:
     own_pid: int | None
     #: Its groups; read only when a set no operator published asks for them.
     groups: Callable[[], set[int]]
+    #: Where the daemon saw those groups (/proc, or what connecting proved), for a refusal.
+    groups_from: str = "its groups"
 
 
 class LeaseBook:
@@ -242,16 +244,18 @@ class LeaseBook:
                 f"lease {lease.lease_id} belongs to pid {lease.pid}, not to the connecting "
                 f"process (pid {caller.own_pid} in its namespace)"
             )
-        if not ts.published and not await asyncio.to_thread(
-            lambda: may_read(lease.readers, caller.uid, caller.groups())
-        ):
+        if not ts.published:
+            groups = caller.groups()
             # Read on a thread: a checkpoint's folder may sit on a network mount that hangs.
-            raise NotAllowed(
-                f"uid {caller.uid} may not read the checkpoint files of lease {lease.lease_id} "
-                f"(set {ts.set_id} was loaded by a worker's attach, not published by the "
-                "operator): run the worker as a user that may read its checkpoint, or have "
-                "the operator load it (engramd load)"
-            )
+            if not await asyncio.to_thread(may_read, lease.readers, caller.uid, groups):
+                raise NotAllowed(
+                    f"uid {caller.uid} may not read the checkpoint files of lease "
+                    f"{lease.lease_id} (set {ts.set_id} was loaded by a worker's attach, not "
+                    f"published by the operator), judged with its groups {sorted(groups)} "
+                    f"({caller.groups_from}): run the worker as a user that may read its "
+                    "checkpoint (where the daemon cannot see its pid: by its primary group or "
+                    "the socket's group), or have the operator load it (engramd load)"
+                )
         if lease.ended.is_set():
             # Ended (by the sweep, a drop, the stream) while the files were judged.
             raise NotAllowed(f"lease {lease.lease_id} ended; attach again")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import grp
 import json
 import os
 import pwd
@@ -125,12 +126,20 @@ def test_fd_channel_refuses_a_peer_outside_the_group(
             capture_output=True,
             text=True,
         )
-        assert json.loads(outsider.stdout) == {
-            "error": "NotAllowed",
-            "message": "engramd's fd channel refused: uid "
-            f"{pwd.getpwnam(OUTSIDER).pw_uid} is neither root, engramd's user, nor in the "
-            "socket's group",
-        }, outsider.stderr
+        who = pwd.getpwnam(OUTSIDER)
+        refused = json.loads(outsider.stdout)
+        assert refused["error"] == "NotAllowed", outsider.stderr
+        # The groups it was judged by (its pid is visible: /proc), and the fix.
+        assert refused["message"].startswith(
+            f"engramd's fd channel refused: uid {who.pw_uid} is neither root, engramd's user, "
+            f"nor in the socket's group (gid {grp.getgrnam(GROUP).gr_gid}): the daemon saw its "
+            f"groups [{who.pw_gid}] (from /proc/"
+        ), refused
+        assert refused["message"].endswith(
+            f"{fds} lets every user connect (mode 0666), so connecting proves nothing; make "
+            "the socket 0660 again (restart engramd), and give the worker the socket's group "
+            "(usermod -aG, compose's group_add, a pod's supplementalGroups)"
+        ), refused
         # Nothing was granted: the secret is still unspent for its own worker.
         fds_granted = collect(str(fds), lease.attachment.lease_id, secret, 10)
         assert fds_granted

@@ -1,6 +1,6 @@
 """Run a script or module as another user, after importing it as root.
 
-    python tests/support/run_as.py USER[:GROUP] (SCRIPT.py | -m MODULE) [ARGS...]
+    python tests/support/run_as.py USER[:GROUP[:GIDS]] (SCRIPT.py | -m MODULE) [ARGS...]
 
 A fresh clone (and its .venv, and often the interpreter itself) lives where
 other users cannot enter (under /root), so the test user could not even
@@ -14,7 +14,9 @@ every import folder is opened before the drop and named by its
 above it.
 
 USER is a name (its primary group and supplementary groups are used) or a
-numeric uid; GROUP, when given, is a numeric gid and the only group.
+numeric uid; GROUP, when given, is a numeric gid and the only group;
+USER:GROUP:GIDS gives the supplementary groups (comma-separated gids) as
+`setpriv --groups` does, whatever the group database says.
 """
 
 from __future__ import annotations
@@ -68,8 +70,9 @@ def keep_imports_reachable() -> None:
 
 
 def drop_to(spec: str) -> None:
-    """Become `spec` (a user name, or uid[:gid]) for good."""
+    """Become `spec` (a user name, or uid[:gid[:supplementary gids]]) for good."""
     name, _, group = spec.partition(":")
+    group, _, extra = group.partition(":")
     if name.isdigit():
         uid = int(name)
         gid = int(group) if group else uid
@@ -78,6 +81,8 @@ def drop_to(spec: str) -> None:
         entry = pwd.getpwnam(name)
         uid, gid = entry.pw_uid, int(group) if group else entry.pw_gid
         groups = [gid] if group else os.getgrouplist(name, gid)
+    if extra:
+        groups = [int(g) for g in extra.split(",")]
     os.setgroups(groups)
     os.setgid(gid)
     os.setuid(uid)
