@@ -359,8 +359,17 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             yield peer_pb2.FillReply(
                 offer=export.offer(served.manifest_json, served.offered, served.held())
             )
-            async for reply in self._grants(served, export, requests, context):
-                yield reply
+            started, granted = time.monotonic(), 0
+            try:
+                async for reply in self._grants(served, export, requests, context):
+                    step = reply.WhichOneof("step")
+                    if step == "piece":
+                        granted += served.pieces[reply.piece]
+                    elif step == "granted":
+                        granted += reply.granted
+                    yield reply
+            finally:
+                _log_served(context.peer(), served, granted, time.monotonic() - started)
         finally:
             # Not awaited: a stream the receiver cancelled may be cancelled again here.
             opening.end()
@@ -480,6 +489,19 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 ended,
             )
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the transfer process {ended}")
+
+
+def _log_served(receiver: str, served: _Served, granted: int, seconds: float) -> None:
+    """The line a fill this node served ends with: bytes, rate, receiver."""
+    log.info(
+        "peer %s: served set %s: %s of %s in %.2f s (%.2f GB/s)",
+        receiver,
+        served.name,
+        gib(granted),
+        gib(served.nbytes),
+        seconds,
+        granted / max(seconds, 1e-9) / 1e9,
+    )
 
 
 async def _with_ticks(

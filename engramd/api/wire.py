@@ -14,7 +14,7 @@ from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, 
 from engramd.sets.intents import GpuRoute, Progress
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
-from engramd.sets.tableset import COMPLETE, TableSet
+from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd_shared.families import family_of_selection
 from engramd_shared.layout import Manifest, ManifestError, ManifestTensor
 from engramd_shared.pb import engramd_pb2 as pb
@@ -114,6 +114,14 @@ def attachment(
     return out
 
 
+def _load_seconds(ts: TableSet, now: float) -> float:
+    """How long the set's load took, or, while it loads, has run so far (status's rate and
+    time left)."""
+    if ts.state is SetState.LOADING and ts.progress is not None:
+        return max(now - ts.progress.started, 0.0)
+    return ts.load_seconds
+
+
 def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
     """A set and (at most STATUS_LEASES of) its leases."""
     now = time.monotonic() if now is None else now
@@ -130,7 +138,7 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         locked=ts.locked,
         error=str(ts.error) if ts.error else "",
         tensors=ts.ntensors,
-        load_seconds=ts.load_seconds,
+        load_seconds=_load_seconds(ts, now),
         source=ts.source,
         bytes_by_source=ts.bytes_by_source,
         leases=[

@@ -183,7 +183,7 @@ def _locked(s: pb.SetInfo) -> str:
 
 def _source(s: pb.SetInfo) -> str:
     """Where the set's bytes came from (each source's share, where several gave: the peers,
-    the object store, the files), and at what rate once loaded."""
+    the object store, the files), and at what rate; while loading, the time left too."""
     source = s.source
     if s.bytes_by_source:
         given = max(sum(s.bytes_by_source.values()), 1)
@@ -195,7 +195,11 @@ def _source(s: pb.SetInfo) -> str:
         ]
         source = ", ".join((named if peers else []) + others)
     if s.load_seconds and s.source != "adopted":
-        return f"{source} {s.bytes / s.load_seconds / 1e9:.2f} GB/s"
+        rate = s.bytes_loaded / s.load_seconds
+        if s.state != "loading":
+            return f"{source} {rate / 1e9:.2f} GB/s"
+        left = f"{(s.bytes - s.bytes_loaded) / rate:.0f} s left" if rate else "time left unknown"
+        return f"{source} {rate / 1e9:.2f} GB/s, {left}"
     return source
 
 

@@ -63,6 +63,7 @@ from engramd.host.blocking import cores, map_on_threads
 from engramd.host.numa import applied
 from engramd.sources.regions import Region
 from engramd.sources.trust import Filled
+from engramd.units import gib
 from engramd.values import Placement
 from engramd_shared.beneath import Opened
 from engramd_shared.checkpoint import TablePlan
@@ -86,11 +87,24 @@ class LoadCancelled(Exception):
     """The daemon stopped while the load was running."""
 
 
-class LoadProgress:
-    """Bytes copied so far; updated by the copy threads, read by the service."""
+#: A load or fill logs a progress line whenever this share of its set more is in since its
+#: last line, or PROGRESS_EVERY_S passed, whichever comes first...
+PROGRESS_STEP = 0.10
+PROGRESS_EVERY_S = 5.0
+#: ...but none before this: a load done sooner is told by its start and ready lines.
+PROGRESS_QUIET_S = 1.0
 
-    def __init__(self, total: int) -> None:
+
+class LoadProgress:
+    """Bytes copied so far; updated by the copy threads, read by the service.
+
+    Named (`name`: the set's copy), it logs a progress line every few
+    seconds or percent: bytes, share, source, rate, time left.
+    """
+
+    def __init__(self, total: int, name: str = "") -> None:
         self.total = total
+        self.name = name
         self._done = 0
         self._lock = threading.Lock()
         self.started = time.monotonic()
@@ -99,6 +113,8 @@ class LoadProgress:
         self.source = "files"
         #: The bytes each of several sources gave (a fill from peers), by its name.
         self.by_source: dict[str, int] = {}
+        #: When the last progress line was logged, and the bytes it told.
+        self._told = (self.started, 0)
 
     @property
     def done(self) -> int:
@@ -108,12 +124,41 @@ class LoadProgress:
     def add(self, n: int, source: str = "") -> None:
         """Count `n` more bytes copied (from `source`, one of several); raise LoadCancelled if
         the load was cancelled."""
+        now = time.monotonic()
         with self._lock:
             self._done += n
             if source:
                 self.by_source[source] = self.by_source.get(source, 0) + n
+            due = self._due(now)
+        if due:
+            log.info("%s", self.line(now))
         if self.cancel.is_set():
             raise LoadCancelled("the daemon is stopping")
+
+    def _due(self, now: float) -> bool:
+        """Whether a progress line is due now (it is then counted as told)."""
+        when, told = self._told
+        if not self.name or self._done >= self.total or now - self.started < PROGRESS_QUIET_S:
+            return False
+        if now - when < PROGRESS_EVERY_S and self._done - told < PROGRESS_STEP * self.total:
+            return False
+        self._told = (now, self._done)
+        return True
+
+    def rate(self, now: float | None = None) -> float:
+        """Bytes a second since the load (or its last restart) started."""
+        elapsed = (time.monotonic() if now is None else now) - self.started
+        return self._done / elapsed if elapsed > 0 else 0.0
+
+    def line(self, now: float | None = None) -> str:
+        """The progress line: bytes, share, source, rate, time left."""
+        rate = self.rate(now)
+        left = f"{(self.total - self._done) / rate:.0f} s left" if rate else "time left unknown"
+        return (
+            f"set {self.name}: {gib(self._done)} of {gib(self.total)} "
+            f"({100 * self._done // max(self.total, 1)}%) from {self.source}, "
+            f"{rate / 1e9:.2f} GB/s, {left}"
+        )
 
     def restart(self, source: str) -> None:
         """Count again from nothing: the bytes now come from `source`."""
@@ -122,6 +167,7 @@ class LoadProgress:
             self.source = source
             self.by_source = {}
             self.started = time.monotonic()
+            self._told = (self.started, 0)
 
 
 #: Writes a staged set's memory from another source and returns its tensors'

@@ -266,7 +266,7 @@ class SetStore:
             ntensors=len(plan.tensors),
             backing=backing,
             node=node,
-            progress=LoadProgress(plan.nbytes),
+            progress=LoadProgress(plan.nbytes, copy_name(plan.set_id, node)),
             # A copy for another node of a set the operator loaded is the operator's too.
             published=self.sets.published(plan.set_id),
             charges=None if charges is None else dict(charges),

@@ -53,6 +53,7 @@ from engramd.testing.fleet_lab import (
     s3rver_missing,
 )
 from engramd.testing.synth import PleSpec, synthesize_ple
+from engramd.units import gib
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import sets_root
 from engramd_shared.pb import engramd_pb2 as pb
@@ -106,6 +107,13 @@ def test_fill_from_a_peer_over_tcp(
     assert set_digests(b.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
     assert "filling set" in a.daemon.log
     assert no_partial_loads(b.shm_dir)
+    # The serving side says what it served, once the receiver's stream ended.
+    size = gib(s.bytes)
+    served = re.compile(
+        rf"peer ipv4:{re.escape(net.ip_b)}:\d+: served set {s.set_id}: {size} of {size} in "
+        r"[\d.]+ s \([\d.]+ GB/s\)"
+    )
+    wait_until(lambda: served.search(a.daemon.log), 10, "the serving side's line")
 
 
 @pytest.mark.parametrize("backing", ["memfd", "hugetlbfs"])
