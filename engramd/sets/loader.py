@@ -113,8 +113,8 @@ class LoadProgress:
         self.source = "files"
         #: The bytes each of several sources gave (a fill from peers), by its name.
         self.by_source: dict[str, int] = {}
-        #: When the last progress line was logged, and the bytes it told.
-        self._told = (self.started, 0)
+        #: When the last progress line was logged (None: none since the start), and its bytes.
+        self._told: tuple[float | None, int] = (None, 0)
 
     @property
     def done(self) -> int:
@@ -138,6 +138,8 @@ class LoadProgress:
     def _due(self, now: float) -> bool:
         """Whether a progress line is due now (it is then counted as told)."""
         when, told = self._told
+        if when is None:
+            when = self.started
         if not self.name or self._done >= self.total or now - self.started < PROGRESS_QUIET_S:
             return False
         if now - when < PROGRESS_EVERY_S and self._done - told < PROGRESS_STEP * self.total:
@@ -167,7 +169,7 @@ class LoadProgress:
             self.source = source
             self.by_source = {}
             self.started = time.monotonic()
-            self._told = (self.started, 0)
+            self._told = (None, 0)
 
 
 #: Writes a staged set's memory from another source and returns its tensors'
