@@ -6,11 +6,11 @@ answering.
 No registry is needed: the base is made here with debootstrap from the mirror apt uses,
 with the host's CA certificates and pip configuration (pip in the build reaches the
 index the way the host does), imported with podman and kept (with its rootfs under
-.tools/image/) for the next run, as the built image's layers are; torch comes from the
-wheel `pip download` finds for this machine. Containers and volumes are removed after.
-runc runs them: crun refuses hybrid cgroups. The ulimits are given together, each the
-host's own: podman's defaults (and compose's `memlock: -1`) exceed what an unprivileged
-container host allows.
+.tools/image/) for the next run, as the built image's layers are (earlier builds' are
+pruned); torch comes from the wheel `pip download` finds for this machine. Containers and
+volumes are removed after. runc runs them: crun refuses hybrid cgroups. The ulimits are
+given together, within the host's hard limits: podman's defaults (and compose's
+`memlock: -1`) exceed what an unprivileged container host allows.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -132,13 +133,12 @@ def image() -> str:
     TOOLS.mkdir(parents=True, exist_ok=True)
     _base()
     wheel = _torch_wheel()
-    _run(
+    started = int(time.time())
+    build = [
         *PODMAN,
         "build",
         "--file",
         str(ROOT / "deploy" / "docker" / "Dockerfile"),
-        "--tag",
-        IMAGE,
         "--build-arg",
         f"BASE={BASE}",
         "--build-arg",
@@ -149,9 +149,12 @@ def image() -> str:
         f"TORCH_INDEX={_index()}",
         "--volume",
         f"{wheel.parent}:/wheels:ro",
-        str(ROOT),
-        timeout=900,
-    )
+    ]
+    # The wheel stage tagged too, so that both stay the next build's cache.
+    _run(*build, "--target", "wheel", "--tag", f"{IMAGE}-wheel", str(ROOT), timeout=900)
+    _run(*build, "--tag", IMAGE, str(ROOT), timeout=900)
+    # Earlier builds' stages, untagged by now.
+    _run("podman", "image", "prune", "--force", "--filter", f"until={started}")
     return IMAGE
 
 
