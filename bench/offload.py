@@ -20,7 +20,8 @@ the table. Warm and quarter-cache sides gather for short windows, taking
 turns in an order that rotates each turn, and each ratio is the median of
 the ratios of one turn's windows (the CPU is shared: a slow moment hits
 both sides of a ratio); cold sides take turns too, each run from an evicted
-file. Besides: the daemon's warm-up of the set (restart, evicted), each
+file, and the first cold step is also timed alone with the reader as an
+engine reading warm leaves it (it learns a step was cold from that step). Besides: the daemon's warm-up of the set (restart, evicted), each
 side's setup to its first lookup (attach against loading the table resident),
 four replicas' unique memory (USS) against the table, and the disk's own
 floor for a cold step (its distinct pages read by 32 threads, nothing else).
@@ -499,8 +500,36 @@ def _cold(
     table: int,
     reps: int,
 ) -> list[Figure]:
-    """(d) and (e) from evicted files: the first COLD_STEPS steps, turns alternating."""
+    """(d) and (e) from evicted files: the first COLD_STEPS steps, turns alternating (the
+    reader as the last run left it, reading cold); then the first step alone after the cache
+    was dropped under an engine reading warm."""
     figures: list[Figure] = []
+    for size in SIZES:
+        firsts: dict[str, list[float]] = {"offload": [], "vllm-mmap": []}
+        for rep in range(reps):
+            order = [("offload", offload), ("vllm-mmap", vllm)]
+            for name, child in order if rep % 2 == 0 else order[::-1]:
+                _evict_cold(dfile, shards, [offload, vllm])
+                child.ask("as-warm")
+                firsts[name].append(_rate(child, f"steps {size} uniform {100 + rep} 1"))
+        figures.append(
+            compare(
+                f"disk_offload {size} uniform: (d) first cold step, reader warm until then / "
+                "(e) its first cold step",
+                "Mrows/s",
+                firsts["offload"],
+                firsts["vllm-mmap"],
+                higher_is_better=True,
+                target="reported",
+                paired=True,
+            )
+        )
+        print(
+            f"  first cold {size} step after warm ones: offload "
+            f"{statistics.median(firsts['offload']):.3f}, vLLM mmap "
+            f"{statistics.median(firsts['vllm-mmap']):.3f} Mrows/s",
+            flush=True,
+        )
     for size in SIZES:
         for dist in DISTS:
             r: dict[str, list[float]] = {"offload": [], "vllm-mmap": []}

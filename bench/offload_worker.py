@@ -24,6 +24,8 @@ gather), then one answer per command:
     unmap                      drops the table's pages from this process's page tables
                                (MADV_DONTNEED), so that an eviction of the file's pages
                                (which spares mapped pages, as drop_caches does) empties it
+    as-warm                    the reader's state as a warm engine's (RowReader.cold False:
+                               it learns a step was cold from that step's major faults)
     exit
 """
 
@@ -223,6 +225,11 @@ def main() -> None:
         words = line.split()
         if words[0] == "exit":
             return
+        if words[0] == "as-warm":
+            if isinstance(side, Offload):
+                side.reader.cold = False
+            say({"cold": False})
+            continue
         if words[0] == "unmap":
             side.unmap()
             say({"unmapped": True})
