@@ -21,8 +21,9 @@ turns in an order that rotates each turn, and each ratio is the median of
 the ratios of one turn's windows (the CPU is shared: a slow moment hits
 both sides of a ratio); cold sides take turns too, each run from an evicted
 file, and the first cold step is also timed alone with the reader as an
-engine reading warm leaves it (it learns a step was cold from that step). Besides: the daemon's warm-up of the set (restart, evicted), each
-side's setup to its first lookup (attach against loading the table resident),
+engine reading warm leaves it (it learns a step was cold from that step).
+Besides: the daemon's warm-up of the set (restart, evicted), each side's setup
+to its first lookup (attach against loading the table resident),
 four replicas' unique memory (USS) against the table, and the disk's own
 floor for a cold step (its distinct pages read by 32 threads, nothing else).
 """
