@@ -177,7 +177,7 @@ def _sets(reply: pb.StatusReply) -> Table:
 
 
 def _locked(s: pb.SetInfo) -> str:
-    """Whether the set is locked in memory; a disk-backed set's bytes in the page cache."""
+    """Whether the set is locked in memory (a disk-backed set never is: see _cached)."""
     return "yes" if s.locked else "no"
 
 

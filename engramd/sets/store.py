@@ -96,8 +96,8 @@ class SetStore:
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
         self._files = BlockingPool("files", 4)
-        #: Disk sets read into the page cache once each is served.
-        self.warmer = PageCacheWarmer(warm_page_cache)
+        # Disk sets read into the page cache once each is served.
+        self._warmer = PageCacheWarmer(warm_page_cache)
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_mlock = False
         #: Every copy of the sets the operator configured (--checkpoint), once loading.
@@ -329,7 +329,7 @@ class SetStore:
         ended = [self.leases.end_all(ts) for ts in copies]
         for ts in copies:
             self.sets.remove(ts)
-            self.warmer.forget(ts)
+            self._warmer.forget(ts)
         for ts, leases in zip(copies, ended, strict=True):
             await self._files.run(_remove, ts.backing, ts.pins, ts.copy)
             log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
@@ -439,11 +439,12 @@ class SetStore:
 
     async def _pin(self, ts: TableSet) -> None:
         # After the set is served: locking walks every page (~0.4 s per GiB
-        # on 4 KiB pages), which must not delay readiness or adoption.
+        # on 4 KiB pages), and a disk set's warm-up reads it, neither of which
+        # may delay readiness or adoption.
         if ts.manifest is None:
             return
         ts.pages = await self._files.run(_census, ts.backing, ts.manifest)
-        await self.warmer.warm(ts)
+        await self._warmer.warm(ts)
         if not self._mlock or not ts.backing.lockable:
             return
         for index in range(len(ts.manifest.tensors)):
@@ -500,7 +501,7 @@ class SetStore:
         Waits at most `grace` seconds for each step: a load stuck on a hung
         checkpoint mount does not keep the daemon from exiting.
         """
-        self.warmer.close()
+        self._warmer.close()
         for ts in self.sets.all():
             if ts.progress is not None:
                 ts.progress.cancel.set()
