@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engramd.host import pagewarm
 from engramd.host.memlimit import MemoryLimit
 from engramd.host.pagewarm import CHUNK_BYTES, Span, headroom, memory_stall_pct, warm
 from engramd.testing.pagecache import cached, evict
@@ -82,6 +83,24 @@ def test_it_stops_when_the_available_memory_falls_under_the_headroom(
     done = warm([Span(fd, 0, SIZE)], threading.Event(), shrinking)
     assert done.stopped.startswith("memory pressure: 512 MiB available"), done.stopped
     assert 3 * CHUNK_BYTES <= cached(path.parent) < SIZE / 2
+
+
+def test_it_stops_when_what_it_read_is_evicted_again(
+    cold_file: tuple[Path, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path, fd = cold_file
+    read = pagewarm._read
+
+    def read_then_lose(fd: int, offset: int, into: memoryview) -> int:
+        # Memory pressure elsewhere: the kernel evicts each chunk as soon as it is read.
+        got = read(fd, offset, into)
+        os.posix_fadvise(fd, offset, got, os.POSIX_FADV_DONTNEED)
+        return got
+
+    monkeypatch.setattr(pagewarm, "_read", read_then_lose)
+    done = warm([Span(fd, 0, SIZE)], threading.Event(), _plenty)
+    assert done.stopped.startswith("the page cache evicts what was read (0 of 64 MiB"), done
+    assert cached(path.parent) < SIZE / 20
 
 
 def test_a_stop_ends_it_before_the_next_chunk(cold_file: tuple[Path, int]) -> None:
