@@ -10,10 +10,12 @@ them cached. It never takes memory the node needs:
   headroom (HEADROOM_BYTES, at most an eighth of the bound);
 - it stops as soon as memory is short: the available memory falls under the
   headroom (an engine allocating, or the cgroup's limit filling with the
-  pages read: v1 counts them), the kernel reports memory stalls (PSI,
-  /proc/pressure/memory "some avg10" over PRESSURE_PCT), or the pages it read
-  are being evicted again (the cache cannot hold them: warming further would
-  only churn the disk);
+  pages read: v1 counts them), the kernel reports the node stalled on memory
+  (PSI, /proc/pressure/memory "full avg10" over PRESSURE_PCT: every runnable
+  task waiting on memory at once; "some" also counts a container thrashing
+  against its own limit, which the warm-up does not relieve), or the pages it
+  read are being evicted again (the cache cannot hold them: warming further
+  would only churn the disk);
 - bytes already cached are skipped without a read (cachestat or mincore).
 """
 
@@ -34,7 +36,8 @@ HEADROOM_BYTES = 1 << 30
 #: Bytes read at once: large enough for the disk's largest requests, small enough to check
 #: memory often.
 CHUNK_BYTES = 8 << 20
-#: Share of the time some task stalled on memory in the last 10 s (PSI) that stops warming.
+#: Share of the last 10 s in which every runnable task stalled on memory (PSI "full") that
+#: stops warming.
 PRESSURE_PCT = 10.0
 #: Bytes read between checks that what was read is still cached.
 EVICTION_CHECK_BYTES = 64 << 20
@@ -72,13 +75,13 @@ def headroom(bound: MemoryLimit) -> int:
 
 
 def memory_stall_pct(proc: str = "/proc") -> float | None:
-    """PSI's "some avg10" for memory (percent of the last 10 s); None without PSI."""
+    """PSI's "full avg10" for memory (percent of the last 10 s); None without PSI."""
     try:
         text = (Path(proc) / "pressure/memory").read_text()
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith("some "):
+        if line.startswith("full "):
             for field in line.split()[1:]:
                 key, _, value = field.partition("=")
                 if key == "avg10":
@@ -90,6 +93,7 @@ def warm(
     spans: list[Span],
     stop: threading.Event,
     limit: Callable[[], MemoryLimit] = memory_limit,
+    stall: Callable[[], float | None] = memory_stall_pct,
 ) -> Warmed:
     """Read `spans` into the page cache, chunk by chunk, until done, `stop` is set, or memory
     is short (the module's rules); what was read stays cached for the kernel to evict."""
@@ -121,7 +125,7 @@ def warm(
                     f"memory bound: {budget >> 20} MiB may be read ({bound.where}: "
                     f"{bound.available >> 20} MiB available, {spare >> 20} MiB kept free)"
                 )
-            if (why := _short_of_memory(limit, spare)) is not None:
+            if (why := _short_of_memory(limit, stall, spare)) is not None:
                 return result(why)
             got = _read(span.fd, at, view[:size])
             read += got
@@ -145,7 +149,9 @@ def _cached(spans: list[Span]) -> int:
     return sum(resident_bytes(s.fd, s.offset, s.length) for s in spans)
 
 
-def _short_of_memory(limit: Callable[[], MemoryLimit], spare: int) -> str | None:
+def _short_of_memory(
+    limit: Callable[[], MemoryLimit], stall: Callable[[], float | None], spare: int
+) -> str | None:
     """Why memory is too short to read on, or None."""
     now = limit()
     if now.available < spare:
@@ -153,9 +159,12 @@ def _short_of_memory(limit: Callable[[], MemoryLimit], spare: int) -> str | None
             f"memory pressure: {now.available >> 20} MiB available ({now.where}), "
             f"under the {spare >> 20} MiB kept free"
         )
-    stall = memory_stall_pct()
-    if stall is not None and stall > PRESSURE_PCT:
-        return f"memory pressure: tasks stalled on memory {stall:.0f}% of the last 10 s (PSI)"
+    stalled = stall()
+    if stalled is not None and stalled > PRESSURE_PCT:
+        return (
+            f"memory pressure: every task stalled on memory {stalled:.0f}% of the last 10 s "
+            "(PSI full)"
+        )
     return None
 
 

@@ -63,6 +63,11 @@ class PageCacheWarmer:
                     ts.backing.name,
                 )
                 done = await self._pool.run(ts.backing.warm, ts.manifest, stop)
+        except (OSError, ManifestError) as e:
+            # Dropped meanwhile, or a file cut short: the next attach finds it and says so.
+            ts.warming = f"{STOPPED}{e}"
+            log.warning("set %s warm-up stopped: %s", ts.copy, e)
+            return
         finally:
             self._stops.pop(id(ts), None)
         ts.warming = STOPPED + done.stopped if done.stopped else WARMED
