@@ -54,6 +54,7 @@ class PageCacheWarmer:
         try:
             async with self._turn:
                 if stop.is_set() or self._closing:
+                    ts.warming = STOPPED + "the set was dropped, or the daemon is stopping"
                     return
                 ts.warming = WARMING
                 log.info(
