@@ -3,8 +3,8 @@
     python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
                     [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
                     [--storm 64]
-                    [--cumem-gib 1,8,32]
-                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm]
+                    [--cumem-gib 1,8,32] [--offload-gib 1.5]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,offload]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -32,6 +32,7 @@ from .gpu import gpu_figures
 from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
+from .offload import offload_figures
 from .restart import restart_to_attach
 from .storm import attach_storm
 from .swarm import swarm_fills
@@ -51,6 +52,7 @@ SECTIONS = [
     "cumem",
     "fleet",
     "swarm",
+    "offload",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -87,6 +89,12 @@ def main() -> int:
     )
     parser.add_argument(
         "--swarm-gib", type=float, default=0.5, help="set for the swarm section (default 0.5)"
+    )
+    parser.add_argument(
+        "--offload-gib",
+        type=float,
+        default=1.5,
+        help="PLE table for the disk_offload section (default 1.5)",
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -169,6 +177,10 @@ def main() -> int:
     if "swarm" in only:
         print("a cold fleet of 5 filling at once from 1 warm node and each other, 200 Mbit/s links")
         figures += swarm_fills(checkpoint(args.workdir, args.swarm_gib), max(2, args.reps // 2))
+
+    if "offload" in only:
+        print("disk_offload: a PLE table's rows read each step from the daemon's disk copy")
+        figures += offload_figures(args.workdir, args.offload_gib, args.reps)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -166,6 +166,12 @@ class DaemonConfig:
         "from the page cache, kept across reboots.",
         parse=path,
     )
+    #: Read each disk set into the page cache once it is ready or adopted, within free memory.
+    warm_page_cache: bool = setting(
+        True,
+        "Read each --backing disk set into the page cache once, when it is ready or adopted: "
+        "within the memory the node can spare (less 1 GiB), stopped under memory pressure.",
+    )
     #: Accept a shm folder on a disk filesystem: the tables then go to disk and the page cache.
     allow_disk_backed_tables: bool = setting(
         False,

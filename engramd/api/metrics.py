@@ -28,6 +28,7 @@ from engramd.backings import Usage
 from engramd.sets.leases import LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
+from engramd.sets.warming import cached_bytes
 
 #: The longest request head (request line and headers) read.
 MAX_HEAD_BYTES = 8192
@@ -54,6 +55,8 @@ class SetSample:
     source: str
     #: The bytes each of several sources gave its load (a fill from peers).
     by_source: dict[str, int]
+    #: Bytes of a disk-backed set in the page cache; None for a set held in memory whole.
+    cached: int | None
 
 
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
@@ -78,6 +81,7 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 rate,
                 ts.source,
                 ts.bytes_by_source,
+                cached_bytes(ts),
             )
         )
     return samples, [(b.name, b.usage()) for b in store.backings]
@@ -113,7 +117,14 @@ class StoreCollector(Collector):
             "Bytes each of several sources gave a load (a fill from peers)",
             labels=[*copy, "source"],
         )
+        cached = GaugeMetricFamily(
+            "engramd_set_cached_bytes",
+            "Bytes of a disk-backed set in the page cache",
+            labels=copy,
+        )
         for s in sets:
+            if s.cached is not None:
+                cached.add_metric([s.set_id, s.node], s.cached)
             for name, n in s.by_source.items():
                 by_source.add_metric([s.set_id, s.node, name], n)
             set_bytes.add_metric([s.set_id, s.node, s.backing, s.state], s.nbytes)
@@ -124,7 +135,7 @@ class StoreCollector(Collector):
                 rate.add_metric([s.set_id, s.node], s.rate)
             if s.source:
                 source.add_metric([s.set_id, s.node, s.source], 1)
-        yield from (set_bytes, leases, locked, loaded, rate, source, by_source)
+        yield from (set_bytes, leases, locked, loaded, rate, source, by_source, cached)
         attached, fell_back = self._stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():

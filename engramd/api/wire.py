@@ -14,9 +14,10 @@ from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, 
 from engramd.sets.intents import GpuRoute, Progress
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
-from engramd.sets.tableset import COMPLETE, SetState, TableSet
+from engramd.sets.tableset import SetState, TableSet
+from engramd.sets.warming import cached_bytes
 from engramd_shared.families import family_of_selection
-from engramd_shared.layout import Manifest, ManifestError, ManifestTensor
+from engramd_shared.layout import Manifest, ManifestTensor
 from engramd_shared.pb import engramd_pb2 as pb
 
 #: Each handle kind as the wire numbers it.
@@ -163,17 +164,9 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         huge_page_bytes=None if ts.pages is None else ts.pages.huge_bytes,
         family=family.name if (family := family_of_selection(ts.selection)) else "",
         changed_tensors=ts.changed,
-        resident_bytes=_resident(ts),
+        resident_bytes=cached_bytes(ts),
+        page_cache_warming=ts.warming,
     )
-
-
-def _resident(ts: TableSet) -> int | None:
-    if ts.manifest is None or ts.state not in COMPLETE:
-        return None
-    try:
-        return ts.backing.resident(ts.manifest)
-    except (OSError, ManifestError):
-        return None  # dropped meanwhile, or a file cut short (the next attach says so)
 
 
 def _withheld(ts: TableSet) -> pb.SetInfo:

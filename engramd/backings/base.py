@@ -10,6 +10,7 @@ the fd channel its read-only descriptors.
 from __future__ import annotations
 
 import os
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
@@ -18,6 +19,7 @@ from engramd.backings.handles import FileRange, Handle, HandleKind
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.pagesize import PageCensus, census
+from engramd.host.pagewarm import Warmed
 from engramd.host.pinning import PinnedFiles
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest
@@ -85,6 +87,8 @@ class Backing(ABC):
     writable_descriptors: ClassVar[bool] = False
     #: Its sets' pages are locked in memory with --mlock (a disk's are the page cache's).
     lockable: ClassVar[bool] = True
+    #: Its sets are served from the page cache, which `warm` reads them into (a disk's).
+    warmable: ClassVar[bool] = False
     #: Bytes per page backing new sets (fixed for the backing's life).
     page_size: int
     #: The backing asked for that this one replaces (it cannot work here), or "".
@@ -206,6 +210,11 @@ class Backing(ABC):
         """Bytes of the set in memory where the kernel may evict them (a disk's page
         cache); None where the set is held in memory whole."""
         return None
+
+    def warm(self, manifest: Manifest, stop: threading.Event) -> Warmed:
+        """Read the set into the page cache it is served from, within what the node can spare,
+        until `stop` is set (only where `warmable`)."""
+        raise NotImplementedError(f"{self.name} sets are held in memory whole")
 
     @staticmethod
     def fd_handles(manifest: Manifest) -> list[Handle]:

@@ -8,6 +8,9 @@ changes:
 - the set is the page cache's: never locked (--mlock does not apply), its
   pages evicted under memory pressure and read back from the disk at the next
   fault, in the daemon and in every worker; status shows the bytes resident;
+- the daemon reads a ready or adopted set into the page cache once, within the
+  memory the node can spare (`warm`, engramd.host.pagewarm), so engines that
+  start later find it cached;
 - files are written once, by the daemon, and then read-only to everyone:
   0400 until the operator publishes the set, 0440 after; `<disk_dir>/engramd`
   is the daemon's (0750), in a folder where no one else may replace it
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import ClassVar
 
 from engramd.backings.base import Usage
@@ -40,6 +44,7 @@ from engramd.errors import ShmOnDisk
 from engramd.host.fdstore import FdStore
 from engramd.host.pagecache import resident_bytes
 from engramd.host.pagesize import PageCensus
+from engramd.host.pagewarm import Span, Warmed, warm
 from engramd.host.pinning import PinnedFiles
 from engramd.host.shmfs import usage
 from engramd_shared.layout import Manifest, open_owned, set_dir
@@ -62,6 +67,7 @@ class DiskBacking(TmpfsBacking):
     name: ClassVar[str] = "disk"
     writable_descriptors = False
     lockable = False
+    warmable = True
     private_mode = 0o400
     shared_mode = 0o440
     folder_kind = "the disk folder"
@@ -107,3 +113,17 @@ class DiskBacking(TmpfsBacking):
             finally:
                 os.close(fd)
         return total
+
+    def warm(self, manifest: Manifest, stop: threading.Event) -> Warmed:
+        """Read the set's tensors into the page cache within free memory (engramd.host.pagewarm)."""
+        folder = set_dir(self.shm_dir, manifest.copy)
+        opened: list[int] = []
+        try:
+            spans = []
+            for t in manifest.tensors:
+                opened.append(open_owned(folder / t.file, self._owner))
+                spans.append(Span(opened[-1], t.offset, t.nbytes))
+            return warm(spans, stop)
+        finally:
+            for fd in opened:
+                os.close(fd)

@@ -147,12 +147,13 @@ def _sets(reply: pb.StatusReply) -> Table:
         "BYTES",
         "LOADED",
         "LOCKED",
+        "CACHED",
         "LEASES",
         "SOURCE",
         "CHECKPOINT",
         box=box.SIMPLE,
     )
-    for column in table.columns[4:9]:
+    for column in table.columns[4:10]:
         column.justify = "right"
     table.columns[0].min_width = len("0" * 20 + "-node0")
     for s in reply.sets:
@@ -165,6 +166,7 @@ def _sets(reply: pb.StatusReply) -> Table:
             gib(s.bytes),
             f"{100 * s.bytes_loaded // max(s.bytes, 1)}%",
             _locked(s),
+            _cached(s),
             str(s.lease_count),
             Text(escape(_source(s))),
             Text(escape(s.checkpoint)),
@@ -175,10 +177,28 @@ def _sets(reply: pb.StatusReply) -> Table:
 
 
 def _locked(s: pb.SetInfo) -> str:
-    """Whether the set is locked in memory; a disk-backed set's bytes in the page cache."""
-    if s.HasField("resident_bytes"):
-        return f"no, {gib(s.resident_bytes)} cached"
+    """Whether the set is locked in memory (a disk-backed set never is: see _cached)."""
     return "yes" if s.locked else "no"
+
+
+def _cached(s: pb.SetInfo) -> str:
+    """A disk-backed set's bytes in the page cache, its share, and its warm-up; "-" for a set
+    held in memory whole."""
+    if not s.HasField("resident_bytes"):
+        return "-"
+    share = f"{gib(s.resident_bytes)} {100 * s.resident_bytes // max(s.bytes, 1)}%"
+    # Only the word: why a warm-up stopped is a line below the table (_warm_ups_stopped).
+    warming = s.page_cache_warming.partition(":")[0]
+    return f"{share} ({warming})" if warming else share
+
+
+def _warm_ups_stopped(reply: pb.StatusReply) -> list[Text]:
+    """Why each disk-backed set's page cache warm-up stopped early."""
+    return [
+        Text(f"set {s.set_id}: page cache warm-up {escape(s.page_cache_warming)}")
+        for s in reply.sets
+        if s.page_cache_warming.startswith("stopped")
+    ]
 
 
 def _source(s: pb.SetInfo) -> str:
@@ -300,6 +320,7 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
             if b.small_pages_fix:
                 parts.append(Text(f"  the fix: {escape(b.small_pages_fix)}", style="yellow"))
     parts.append(_sets(reply) if reply.sets else Text("no sets"))
+    parts += _warm_ups_stopped(reply)
     if any(s.leases for s in reply.sets):
         parts.append(_leases(reply))
     if any(s.adopted for s in reply.sets):

@@ -107,6 +107,7 @@ class SetKeeper:
             leases_per_uid=config.leases_per_uid,
             worker_share_per_uid=config.worker_share_per_uid,
             fill=sources,
+            warm_page_cache=config.warm_page_cache,
         )
         self._policy = LoadPolicy(config)
         #: The plans of checkpoints: workers attaching together name the same one.

@@ -39,6 +39,7 @@ from engramd.sets.loader import DEFAULT_PLACEMENT, Fill, LoadCancelled, LoadProg
 from engramd.sets.objectplan import plan_objects
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import COMPLETE, SetState, TableSet
+from engramd.sets.warming import PageCacheWarmer
 from engramd.units import gib
 from engramd.values import Placement
 from engramd_shared.checkpoint import TablePlan, is_store_url, plan_tables
@@ -73,6 +74,7 @@ class SetStore:
         leases_per_uid: int = 0,
         worker_share_per_uid: float = 0.0,
         fill: Fill | None = None,
+        warm_page_cache: bool = True,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
         self.backings = backings
@@ -94,6 +96,8 @@ class SetStore:
         # bounded daemon threads that never hold up shutdown.
         self._loads = BlockingPool("load", 4)
         self._files = BlockingPool("files", 4)
+        # Disk sets read into the page cache once each is served.
+        self._warmer = PageCacheWarmer(warm_page_cache)
         self._tasks: set[asyncio.Task[None]] = set()
         self._warned_mlock = False
         #: Every copy of the sets the operator configured (--checkpoint), once loading.
@@ -325,6 +329,7 @@ class SetStore:
         ended = [self.leases.end_all(ts) for ts in copies]
         for ts in copies:
             self.sets.remove(ts)
+            self._warmer.forget(ts)
         for ts, leases in zip(copies, ended, strict=True):
             await self._files.run(_remove, ts.backing, ts.pins, ts.copy)
             log.info("dropped set %s (%s, %d leases ended)", ts.copy, gib(ts.nbytes), leases)
@@ -434,10 +439,12 @@ class SetStore:
 
     async def _pin(self, ts: TableSet) -> None:
         # After the set is served: locking walks every page (~0.4 s per GiB
-        # on 4 KiB pages), which must not delay readiness or adoption.
+        # on 4 KiB pages), and a disk set's warm-up reads it, neither of which
+        # may delay readiness or adoption.
         if ts.manifest is None:
             return
         ts.pages = await self._files.run(_census, ts.backing, ts.manifest)
+        await self._warmer.warm(ts)
         if not self._mlock or not ts.backing.lockable:
             return
         for index in range(len(ts.manifest.tensors)):
@@ -494,6 +501,7 @@ class SetStore:
         Waits at most `grace` seconds for each step: a load stuck on a hung
         checkpoint mount does not keep the daemon from exiting.
         """
+        self._warmer.close()
         for ts in self.sets.all():
             if ts.progress is not None:
                 ts.progress.cancel.set()

@@ -80,6 +80,9 @@ class TableSet:
     locked: bool = False
     #: Bytes of the set on each NUMA node, as the daemon's pinned mappings show (numa_maps).
     nodes: dict[int, int] = field(default_factory=dict)
+    #: Its page cache warm-up (engramd.sets.warming): "waiting", "warming", "warmed", "off",
+    #: "stopped: <why>"; "" for a set held in memory whole.
+    warming: str = ""
     #: The pages backing the set, as the kernel maps them (measured once ready), or None.
     pages: PageCensus | None = None
     leases: dict[str, Lease] = field(default_factory=dict)
