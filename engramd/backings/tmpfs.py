@@ -127,7 +127,8 @@ class TmpfsBacking(Backing):
             # Its group must pass through it to the sets, whatever the umask.
             self.secure_folder(folder)
         self._accept_filesystem(mount_of(self.shm_dir)[0])
-        root = claim_root(self.shm_dir, self._gid)
+        # A disk's folder (--disk-dir) lives among the operator's: every folder above it counts.
+        root = claim_root(self.shm_dir, self._gid, above=self.name == "disk")
         # Before anything in it is adopted, changed or mounted over.
         self._lock.take(root)
         if self.disk_filesystem or self.name != TmpfsBacking.name:
