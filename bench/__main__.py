@@ -2,7 +2,7 @@
 
     python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
                     [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
-                    [--storm 64]
+                    [--storm 64] [--proof-gib 1]
                     [--cumem-gib 1,8,32]
                     [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm]
 
@@ -32,6 +32,7 @@ from .gpu import gpu_figures
 from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
+from .proof import planning_costs, proof_costs
 from .restart import restart_to_attach
 from .storm import attach_storm
 from .swarm import swarm_fills
@@ -51,6 +52,7 @@ SECTIONS = [
     "cumem",
     "fleet",
     "swarm",
+    "proof",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -87,6 +89,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--swarm-gib", type=float, default=0.5, help="set for the swarm section (default 0.5)"
+    )
+    parser.add_argument(
+        "--proof-gib", type=float, default=1.0, help="tensor for the proof section (default 1)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -169,6 +174,11 @@ def main() -> int:
     if "swarm" in only:
         print("a cold fleet of 5 filling at once from 1 warm node and each other, 200 Mbit/s links")
         figures += swarm_fills(checkpoint(args.workdir, args.swarm_gib), max(2, args.reps // 2))
+
+    if "proof" in only:
+        print("the proof of a held set (BLAKE3 against XXH3), and a store's headers planned")
+        figures += proof_costs(args.proof_gib, args.reps)
+        figures += planning_costs(400_000)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)
