@@ -2,9 +2,9 @@
 
     python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
                     [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
-                    [--storm 64]
+                    [--storm 64] [--proof-gib 1]
                     [--cumem-gib 1,8,32] [--offload-gib 1.5]
-                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,offload]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,offload,proof]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -33,6 +33,7 @@ from .hugepages import huge_page_figures
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .offload import offload_figures
+from .proof import planning_costs, proof_costs
 from .restart import restart_to_attach
 from .storm import attach_storm
 from .swarm import swarm_fills
@@ -53,6 +54,7 @@ SECTIONS = [
     "fleet",
     "swarm",
     "offload",
+    "proof",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -95,6 +97,9 @@ def main() -> int:
         type=float,
         default=1.5,
         help="PLE table for the disk_offload section (default 1.5)",
+    )
+    parser.add_argument(
+        "--proof-gib", type=float, default=1.0, help="tensor for the proof section (default 1)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
@@ -181,6 +186,10 @@ def main() -> int:
     if "offload" in only:
         print("disk_offload: a PLE table's rows read each step from the daemon's disk copy")
         figures += offload_figures(args.workdir, args.offload_gib, args.reps)
+    if "proof" in only:
+        print("the proof of a held set (BLAKE3 against XXH3), and a store's headers planned")
+        figures += proof_costs(args.proof_gib, args.reps)
+        figures += planning_costs(400_000)
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from engramd.sources.landing import MOVE_CHUNK
-from engramd.sources.strong import PIECE_BYTES, piece_hasher
+from engramd.strong import PIECE_BYTES, piece_hasher
 from engramd.testing.daemon_process import DaemonProcess
 from engramd.testing.fleet_lab import (
     UCX_TCP,

@@ -37,7 +37,7 @@ manifest.json::
      "strong_digests": ["sha256-pieces:<hex>", ...]}
                                              beside it: each tensor's strong digest
                                              the origin attested, in order
-                                             (engramd/sources/strong.py)
+                                             (engramd/strong.py)
 
 A set folder never changes after its rename: the daemon writes everything
 under the `.loading-*` name, writes the manifest last and renames; on a

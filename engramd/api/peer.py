@@ -49,8 +49,8 @@ from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.netdev import interface_of
 from engramd.sources.nixlxfer import Agent, nixl_build, spare
 from engramd.sources.regions import Region, close_all
-from engramd.sources.strong import Digests, digest_views, set_pieces
 from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
+from engramd.strong import Digests, digest_views, set_pieces
 from engramd.units import gib
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc

@@ -164,8 +164,9 @@ class Backing(ABC):
         """Lock the index-th tensor of a set in memory (recorded in `pins`)."""
 
     @abstractmethod
-    def checksum(self, manifest: Manifest, index: int) -> str:
-        """The checksum of the index-th tensor as it is now, of the kind its manifest names."""
+    def checksum(self, manifest: Manifest, index: int, like: str = "") -> str:
+        """The digest of the index-th tensor as it is now, of the kind `like` names (a
+        checksum's or a strong digest's, engramd.strong.digester; "": its manifest's checksum's)."""
 
     @abstractmethod
     def remove(self, copy: str) -> None:

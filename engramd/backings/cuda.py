@@ -52,11 +52,12 @@ from engramd.backings.cudacopy import (
 )
 from engramd.backings.cudaprobe import trial
 from engramd.backings.handles import CuMemRange, Handle, HandleKind
-from engramd.checksum import BUFFER_BYTES, Digest
+from engramd.checksum import BUFFER_BYTES
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.memlimit import check_memory, memory_limit
 from engramd.host.pinning import PinnedFiles
+from engramd.strong import digester
 from engramd.units import gib
 from engramd_shared import cudadriver
 from engramd_shared.checkpoint import TablePlan
@@ -186,9 +187,9 @@ class CudaBackingBase(Backing):
     def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
         """Nothing to do: cuMem allocations are pinned from cuMemCreate on."""
 
-    def checksum(self, manifest: Manifest, index: int) -> str:
-        """The checksum, of the manifest's kind, of the tensor's bytes as they are in the
-        allocation now."""
+    def checksum(self, manifest: Manifest, index: int, like: str = "") -> str:
+        """The digest, of the kind `like` names (the manifest's checksum's by default), of the
+        tensor's bytes as they are in the allocation now."""
         t = manifest.tensors[index]
         with self._lock:
             copy = self._copies.get(manifest.copy)
@@ -200,10 +201,10 @@ class CudaBackingBase(Backing):
         with copy.lock:
             if copy.released:
                 raise gone
-            return self._digest(copy.mapped.pointer + t.offset, t.nbytes, t.checksum)
+            return self._digest(copy.mapped.pointer + t.offset, t.nbytes, like or t.checksum)
 
     def _digest(self, pointer: int, nbytes: int, like: str) -> str:
-        digest = Digest.like(like)
+        digest = digester(like)
         for at in range(0, nbytes, BUFFER_BYTES):
             digest.update(self._read(pointer + at, min(BUFFER_BYTES, nbytes - at)))
         return digest.label()

@@ -14,7 +14,8 @@ changes:
 - files are written once, by the daemon, and then read-only to everyone:
   0400 until the operator publishes the set, 0440 after; `<disk_dir>/engramd`
   is the daemon's (0750), in a folder where no one else may replace it
-  (shmroot.claim_root: not writable by all without its sticky bit);
+  (shmroot.claim_root: neither it nor a folder above it writable by its group
+  or by all, unless sticky);
 - a load is durable before it is published: the files, then the manifest,
   then the renamed folder reach the disk (fsync) in that order, so a power
   loss leaves a `.loading-*` folder (removed at the next start) or a whole set;

@@ -28,7 +28,6 @@ from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
 from engramd.backings.handles import Handle, HandleKind
-from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.host.fdstore import FdStore
 from engramd.host.hugepages import MEMFD_PAGE_SIZES, MappedWriter, pool
@@ -36,6 +35,7 @@ from engramd.host.memlimit import check_memory, memory_limit, page_size_of_memfd
 from engramd.host.pinning import PinnedFiles
 from engramd.host.reserve import reserve_files
 from engramd.host.shmfs import shmem_enabled
+from engramd.strong import digest_fd_as
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import ShmCapacityError
@@ -200,12 +200,13 @@ class MemfdBacking(Backing):
         finally:
             os.close(fd)
 
-    def checksum(self, manifest: Manifest, index: int) -> str:
-        """The checksum, of the manifest's kind, of the tensor's range as it is now."""
+    def checksum(self, manifest: Manifest, index: int, like: str = "") -> str:
+        """The digest, of the kind `like` names (the manifest's checksum's by default), of the
+        tensor's range as it is now."""
         t = manifest.tensors[index]
         fd = self._dup(manifest.copy)
         try:
-            return digest_fd(fd, t.offset, t.nbytes, t.checksum)
+            return digest_fd_as(fd, t.offset, t.nbytes, like or t.checksum)
         finally:
             os.close(fd)
 

@@ -20,7 +20,6 @@ from typing import ClassVar
 
 from engramd.backings.base import Backing, StagedSet, Usage
 from engramd.backings.handles import Handle, HandleKind, PathRange
-from engramd.checksum import digest_fd
 from engramd.config import DaemonConfig
 from engramd.errors import ShmOnDisk
 from engramd.host.fdstore import FdStore
@@ -29,6 +28,7 @@ from engramd.host.pinning import PinnedFiles
 from engramd.host.reserve import reserve_files
 from engramd.host.shmfs import huge_pages, is_mount_point, mount_of, usage, whole_huge_pages
 from engramd.host.shmroot import RootLock, claim_root
+from engramd.strong import digest_fd_as
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import ShmCapacityError
@@ -127,7 +127,8 @@ class TmpfsBacking(Backing):
             # Its group must pass through it to the sets, whatever the umask.
             self.secure_folder(folder)
         self._accept_filesystem(mount_of(self.shm_dir)[0])
-        root = claim_root(self.shm_dir, self._gid)
+        # A disk's folder (--disk-dir) lives among the operator's: every folder above it counts.
+        root = claim_root(self.shm_dir, self._gid, above=self.name == "disk")
         # Before anything in it is adopted, changed or mounted over.
         self._lock.take(root)
         if self.disk_filesystem or self.name != TmpfsBacking.name:
@@ -353,12 +354,12 @@ class TmpfsBacking(Backing):
         t = manifest.tensors[index]
         pins.pin(self._path(manifest, index), t.offset, t.nbytes)
 
-    def checksum(self, manifest: Manifest, index: int) -> str:
-        """The checksum, of the manifest's kind, of the tensor's file as it is now ("short"
-        when it is shorter)."""
+    def checksum(self, manifest: Manifest, index: int, like: str = "") -> str:
+        """The digest, of the kind `like` names (the manifest's checksum's by default), of the
+        tensor's file as it is now ("short" when it is shorter)."""
         t = manifest.tensors[index]
         with open(open_owned(self._path(manifest, index), self._owner), "rb") as f:
-            return digest_fd(f.fileno(), t.offset, t.nbytes, t.checksum)
+            return digest_fd_as(f.fileno(), t.offset, t.nbytes, like or t.checksum)
 
     def remove(self, copy: str) -> None:
         """Unlink the copy's folder."""

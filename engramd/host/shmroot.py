@@ -39,17 +39,33 @@ FIX_ROOT = (
 )
 
 
-def claim_root(shm_dir: str, gid: int | None) -> Path:
-    """`<shm_dir>/engramd`, a folder of the daemon's own (0750, group `gid`); made if missing."""
+def check_writers(folder: str, above: bool) -> None:
+    """Refuse `folder` (and with `above`, every folder above it, symlinks resolved) where
+    others than its owner may write without its sticky bit: its group's members or every
+    user could rename engramd's folder away and put another in its place."""
+    real = Path(os.path.realpath(folder))
+    for where in [real, *real.parents] if above else [Path(folder)]:
+        st = os.stat(where)
+        mode = stat.S_IMODE(st.st_mode)
+        if not mode & (stat.S_IWGRP | stat.S_IWOTH) or mode & stat.S_ISVTX:
+            continue
+        who = "every user" if mode & stat.S_IWOTH else f"the members of its group (gid {st.st_gid})"
+        raise UntrustedShm(
+            f"{where} may be written by {who} (mode {mode:04o}) and has no sticky bit, so they "
+            f"could replace engramd's folder in {folder}; use a folder only engramd's user may "
+            f"write: `chmod go-w {where}` (or sticky: `chmod +t {where}`)"
+        )
+
+
+def claim_root(shm_dir: str, gid: int | None, above: bool = False) -> Path:
+    """`<shm_dir>/engramd`, a folder of the daemon's own (0750, group `gid`); made if missing.
+
+    `shm_dir` may not be written by others than its owner unless sticky
+    (/dev/shm is), nor with `above` (a disk's folder) any folder above it.
+    """
     root = sets_root(shm_dir)
     uid = os.geteuid()
-    parent = os.stat(shm_dir)
-    if parent.st_mode & stat.S_IWOTH and not parent.st_mode & stat.S_ISVTX:
-        raise UntrustedShm(
-            f"{shm_dir} may be written by every user and has no sticky bit, so anyone could "
-            "replace engramd's folder in it; use a folder only engramd's user may write "
-            "(or /dev/shm, which is sticky)"
-        )
+    check_writers(shm_dir, above)
     try:
         check_owned_dir(root, uid)
     except FileNotFoundError:

@@ -41,13 +41,14 @@ from engramd.sets.intents import (
 )
 from engramd.sets.leases import LeaseBook, Stats, check_served
 from engramd.sets.loader import LoadProgress
-from engramd.sets.objectplan import StoreUnreadable, plan_objects
+from engramd.sets.objectplan import plan_objects
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
 from engramd.sets.store import SetStore, reload_fix
 from engramd.sets.tableset import SetState, TableSet
 from engramd.sources.chain import SourceChain
+from engramd.sources.s3api import StoreUnreadable
 from engramd_shared.beneath import OutsideRoot, Root
 from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, is_store_url, set_id_of
 from engramd_shared.errors import (
@@ -120,6 +121,8 @@ class SetKeeper:
         self._provers = BlockingPool("prove", PROVERS)
         # Configured checkpoints that could not be planned, with why (status shows them).
         self._unplanned: list[tuple[str, str]] = []
+        # The plannings of configured checkpoints in object stores, under way.
+        self._planning: set[asyncio.Task[None]] = set()
 
     @property
     def leases(self) -> LeaseBook:
@@ -136,42 +139,62 @@ class SetKeeper:
     async def load_configured(self, verifying: Callable[[str], None] | None = None) -> None:
         """Adopt what the backings hold, then start loading every --checkpoint and publish it.
 
-        Returns once every configured set is loading or held; `store.settle()`
+        Returns once every configured set of files is loading or held; `store.settle()`
         waits for the loads. `verifying(set_id)` is called before an adopted
         set's bytes are read in full (--verify, or a proof of other files).
         A checkpoint that cannot be loaded is logged and the daemon serves the
-        others; the store then never becomes ready.
+        others; the store then never becomes ready. A checkpoint in an object
+        store is planned meanwhile, on a task of its own (its store may take up
+        to PLANNING_TIMEOUT_S): a slow store delays its own set, not the others
+        nor the daemon's sockets.
         """
         await self.store.adopt_existing(verify=self._config.verify, verifying=verifying)
         for checkpoint in self._config.checkpoints:
-            try:
-                plan = await self._operator_plan(checkpoint, self._config.tensors)
-                copies = await self.store.ensure_everywhere(plan)
-                for ts in copies:
-                    if ts.manifest is not None:
-                        # Adopted: perhaps loaded from a worker's copy under this id.
-                        await self._prove_held(plan, ts, verifying)
-                self._publish(plan, copies)
-                self.store.configure(copies)
-            except (CheckpointError, ShareError) as e:
-                held = self._held_from_store(checkpoint) if isinstance(e, StoreUnreadable) else []
-                if held:
-                    # A restart while the store is unreachable keeps serving what it held.
-                    log.warning(
-                        "cannot plan configured checkpoint %s (%s); serving set %s held from it, "
-                        "which carries the fleet's attestation",
-                        checkpoint,
-                        e,
-                        held[0].set_id,
-                    )
-                    self.store.publish(held)
-                    self.store.configure(held)
-                    continue
-                # The daemon keeps serving every other set; it stays not ready
-                # so the operator sees that this one is missing.
-                log.error("cannot load configured checkpoint %s: %s", checkpoint, e)
-                self._unplanned.append((checkpoint, str(e)))
-                self.store.configure(None)
+            if is_store_url(checkpoint):
+                self.store.configure_later()
+                task = asyncio.get_running_loop().create_task(self._configure_stored(checkpoint))
+                self._planning.add(task)
+                task.add_done_callback(self._planning.discard)
+        for checkpoint in self._config.checkpoints:
+            if not is_store_url(checkpoint):
+                await self._configure(checkpoint, verifying)
+
+    async def _configure_stored(self, checkpoint: str) -> None:
+        try:
+            await self._configure(checkpoint, None)
+        finally:
+            self.store.configured_later()
+
+    async def _configure(self, checkpoint: str, verifying: Callable[[str], None] | None) -> None:
+        """Plan, load (or adopt and prove) and publish one --checkpoint; a failure is logged."""
+        try:
+            plan = await self._operator_plan(checkpoint, self._config.tensors)
+            copies = await self.store.ensure_everywhere(plan)
+            for ts in copies:
+                if ts.manifest is not None:
+                    # Adopted: perhaps loaded from a worker's copy under this id.
+                    await self._prove_held(plan, ts, verifying)
+            self._publish(plan, copies)
+            self.store.configure(copies)
+        except (CheckpointError, ShareError) as e:
+            held = self._held_from_store(checkpoint) if isinstance(e, StoreUnreadable) else []
+            if held:
+                # A restart while the store is unreachable keeps serving what it held.
+                log.warning(
+                    "cannot plan configured checkpoint %s (%s); serving set %s held from it, "
+                    "which carries the fleet's attestation",
+                    checkpoint,
+                    e,
+                    held[0].set_id,
+                )
+                self.store.publish(held)
+                self.store.configure(held)
+                return
+            # The daemon keeps serving every other set; it stays not ready
+            # so the operator sees that this one is missing.
+            log.error("cannot load configured checkpoint %s: %s", checkpoint, e)
+            self._unplanned.append((checkpoint, str(e)))
+            self.store.configure(None)
 
     def _held_from_store(self, checkpoint: str) -> list[TableSet]:
         """The ready copies held (adopted) of a configured checkpoint in an object store that
@@ -242,13 +265,19 @@ class SetKeeper:
         prefix, planned from its objects."""
         if not is_store_url(checkpoint):
             return await self.readers.run(self.plans.plan, _operator_path(checkpoint), selection)
-        if self._sources is None or self._sources.key is None:
+        sources = self._sources
+        if sources is None or sources.key is None:
             raise CheckpointError(
                 f"{checkpoint} has no files on this node: its set is filled from the peers and "
                 "that store and trusted by the fleet's attested manifest; start engramd with "
                 "--peer-token-file (the fleet's token)"
             )
-        return await self.readers.run(plan_objects, checkpoint, selection)
+        plan = await self.readers.run(plan_objects, checkpoint, selection)
+        if not self.store.sets.copies(plan.set_id):
+            # Its sizes are whatever the bucket's headers say: nothing is reserved (nor
+            # evicted for it) before the fleet's key vouches for them.
+            await self.readers.run(sources.vouch, plan)
+        return plan
 
     async def _prove_held(
         self, plan: TablePlan, ts: TableSet, verifying: Callable[[str], None] | None = None
@@ -269,9 +298,13 @@ class SetKeeper:
                 )
             return
         proof = await self.readers.run(self.prover.judge, plan, ts.manifest)
-        if proof.nbytes and verifying is not None:
+        if not proof.unproven:
+            return
+        if verifying is not None:
             verifying(ts.set_id)
-        await self.readers.run(self.prover.prove, proof, ts.manifest, LoadProgress(proof.nbytes))
+        held = await self.store.strong_digests(ts)
+        progress = LoadProgress(proof.nbytes)
+        await self.readers.run(self.prover.prove, proof, ts.manifest, held, progress)
 
     async def drop(self, set_id: str, force: bool) -> tuple[int, int]:
         """Unlink every copy of a set: (bytes, leases ended); as SetStore.drop."""
@@ -550,13 +583,14 @@ class SetKeeper:
         proof = await self._checks.run(self.prover.judge, plan, ts.manifest)
         if not proof.unproven:
             return
+        held = await self.store.strong_digests(ts)
         progress = LoadProgress(proof.nbytes)
         if not proof.nbytes:
             # Every digest is kept: a comparison, no reads, no wait behind digests.
-            await self._checks.run(self.prover.prove, proof, ts.manifest, progress)
+            await self._checks.run(self.prover.prove, proof, ts.manifest, held, progress)
             return
         task = asyncio.ensure_future(
-            self._provers.run(self.prover.prove, proof, ts.manifest, progress)
+            self._provers.run(self.prover.prove, proof, ts.manifest, held, progress)
         )
         # Its outcome is read below, or lost with a worker that hung up.
         task.add_done_callback(lambda t: t.cancelled() or t.exception())
@@ -598,6 +632,8 @@ class SetKeeper:
 
     async def close(self, drop: bool, grace: float) -> None:
         """Stop loads in progress, unlock every set, and unlink them if `drop` (SetStore.close)."""
+        for task in self._planning:
+            task.cancel()
         await self.store.close(drop=drop, grace=grace)
 
 

@@ -1,18 +1,26 @@
-"""Whether a worker's checkpoint files hold the bytes of the set it attaches.
+"""Whether a checkpoint's files hold the bytes of the set held under its id.
 
 A set id covers names, sizes, headers and samples of the data, not every
-byte: two files that differ between the samples share it. So a set is
-handed out for a worker's checkpoint only when
+byte: two files that differ between the samples share it. So a held set is
+handed out for a worker's checkpoint, or published for the operator's
+(`engramd load`, --checkpoint, a set adopted after a restart), only when
 
 - its files are the very files the set was loaded from, unchanged (device,
   inode, size, mtime, ctime as the load saw them), on a filesystem that
-  updates mtime on every write; or
-- a full digest of the worker's tensors equals the set's checksums.
+  updates mtime on every write: the daemon read those bytes itself, and the
+  manifest that says so is written by the daemon alone, in its own folder
+  (no read at all: a restart's adoption stays instant); or
+- the strong digest (engramd.strong: BLAKE3 over 16 MiB pieces) of the
+  files' tensors equals the held set's, taken from the set's own pages once
+  (or landed and kept by its fill). Never the manifest's XXH3 checksums:
+  with XXH3's public secret a second preimage of a piece is arithmetic, so
+  a copy built to share them would pass.
 
-Digests are kept per file identity (the kernel's, as above) and tensor range,
-so a copy is read once, not once per attach. On tmpfs, ramfs and hugetlbfs a
-write through a shared mapping changes neither mtime nor ctime: there the
-identity proves nothing, and the tensors are digested at every attach.
+Digests of the files are kept per file identity (the kernel's, as above) and
+tensor range, so a copy is read once, not once per attach. On tmpfs, ramfs
+and hugetlbfs a write through a shared mapping changes neither mtime nor
+ctime: there the identity proves nothing, and the tensors are digested at
+every attach.
 """
 
 from __future__ import annotations
@@ -24,9 +32,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from engramd.checksum import CHECKSUM, Digest, chunks, kind_of
+from engramd.checksum import chunks
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
+from engramd.strong import STRONG, digester, kind_of
 from engramd_shared.beneath import Opened
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError, FingerprintMismatch
@@ -79,7 +88,7 @@ class Prover:
             t for t in plan.tensors if not all(str(p.file) in trusted for p in t.spans)
         )
         sources = {s.path: s for s in plan.sources}
-        kinds = {t.name: kind_of(t.checksum) for t in manifest.tensors}
+        kinds = strong_kinds(manifest)
         with self._lock:
             kept = {
                 t.name
@@ -94,21 +103,24 @@ class Prover:
             nbytes=sum(t.nbytes for t in unproven if t.name not in kept),
         )
 
-    def prove(self, proof: Proof, manifest: Manifest, progress: LoadProgress) -> None:
+    def prove(
+        self, proof: Proof, manifest: Manifest, held: Mapping[str, str], progress: LoadProgress
+    ) -> None:
         """Return when the proof's tensors hold the set's bytes; FingerprintMismatch otherwise.
 
-        Runs on a thread: it may read every selected byte of the worker's files.
+        `held`: the held set's strong digests by tensor name (SetStore.strong_digests).
+        Runs on a thread: it may read every selected byte of the files.
         """
-        checksums = {t.name: t.checksum for t in manifest.tensors}
         sources = {s.path: s for s in proof.plan.sources}
         loaded = {s.path for s in manifest.sources}
         for entry in proof.unproven:
             files = [sources[str(p.file)] for p in entry.spans]
             key = _key(sources, entry)
-            expected = checksums.get(entry.name, CHECKSUM)
+            # A tensor the held set has no strong digest of is proven by nothing.
+            expected = held.get(entry.name, f"{STRONG}:")
             with self._lock:
                 digest = self._digests.get(key)
-            # A kept digest of another kind (a set loaded by an earlier engramd) is no answer.
+            # A kept digest of another kind (a filled set's older one) is no answer.
             if digest is None or kind_of(digest) != kind_of(expected):
                 digest = _digest(sources, entry, proof.plan.held, expected)
                 if all(f in proof.stamped for f in files):
@@ -139,6 +151,15 @@ class Prover:
                 self._digests.popitem(last=False)
 
 
+def strong_kinds(manifest: Manifest) -> dict[str, str]:
+    """The kind of strong digest each tensor of a held set is proven with, by name: that of
+    the digest its fill landed and kept, else this engramd's (taken from its pages)."""
+    kept = manifest.strong_digests
+    if kept is None or len(kept) != len(manifest.tensors):
+        kept = (STRONG,) * len(manifest.tensors)
+    return {t.name: kind_of(d) for t, d in zip(manifest.tensors, kept, strict=True)}
+
+
 def _key(sources: dict[str, SourceFile], entry: TensorEntry) -> _DigestKey:
     """A tensor's bytes by the identity of each file they lie in, and where."""
     key: list[int] = []
@@ -157,12 +178,12 @@ def _where(plan: TablePlan, source: SourceFile) -> str:
 def _digest(
     sources: dict[str, SourceFile], entry: TensorEntry, held: Mapping[str, Opened], like: str
 ) -> str:
-    """The checksum, of the kind `like` names, of a tensor's bytes ("short" where a file
+    """The strong digest, of the kind `like` names, of a tensor's bytes ("short" where a file
     ends first).
 
     A file the plan holds (opened beneath a root) is digested, never its path again.
     """
-    digest = Digest.like(like)
+    digest = digester(like)
     for span in entry.spans:
         source = sources[str(span.file)]
         opened = held.get(source.path)

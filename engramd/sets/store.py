@@ -40,6 +40,7 @@ from engramd.sets.objectplan import plan_objects
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.sets.warming import PageCacheWarmer
+from engramd.strong import STRONG
 from engramd.units import gib
 from engramd.values import Placement
 from engramd_shared.checkpoint import TablePlan, is_store_url, plan_tables
@@ -104,6 +105,11 @@ class SetStore:
         self.configured: list[TableSet] = []
         # A configured checkpoint gave no set: the daemon never becomes ready.
         self._incomplete = False
+        # Configured checkpoints still being planned (an object store's), and an event set
+        # whenever none is.
+        self._planning = 0
+        self._planned = asyncio.Event()
+        self._planned.set()
         self._ready = False
 
     # -- readiness ------------------------------------------------------------
@@ -124,14 +130,30 @@ class SetStore:
         else:
             self.configured += copies
 
+    def configure_later(self) -> None:
+        """A configured checkpoint is being planned: `configure` comes later, then
+        `configured_later`; the daemon is not ready before."""
+        self._planning += 1
+        self._planned.clear()
+
+    def configured_later(self) -> None:
+        """A planning that `configure_later` announced ended (and called `configure`)."""
+        self._planning -= 1
+        if not self._planning:
+            self._planned.set()
+
     async def settle(self, interval: float, waiting: Callable[[], None]) -> bool:
-        """Wait for every configured load to end, calling `waiting()` every `interval` seconds
-        until then; ready (True) when every configured set is."""
-        while not all(ts.done.is_set() for ts in self.configured):
+        """Wait for every configured checkpoint's planning and load to end, calling
+        `waiting()` every `interval` seconds until then; ready (True) when every configured
+        set is."""
+        while self._planning or not all(ts.done.is_set() for ts in self.configured):
             waiting()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(
-                    asyncio.gather(*(ts.done.wait() for ts in self.configured)), interval
+                    asyncio.gather(
+                        self._planned.wait(), *(ts.done.wait() for ts in self.configured)
+                    ),
+                    interval,
                 )
         self._ready = not self._incomplete and all(
             ts.state is SetState.READY for ts in self.configured
@@ -271,13 +293,23 @@ class SetStore:
             backing=backing,
             node=node,
             progress=LoadProgress(plan.nbytes, copy_name(plan.set_id, node)),
-            # A copy for another node of a set the operator loaded is the operator's too.
-            published=self.sets.published(plan.set_id),
+            # A copy for another node of a set the operator loaded is the operator's too;
+            # never a worker's load from its own files under that id.
+            published=charges is None and self.sets.published(plan.set_id),
             charges=None if charges is None else dict(charges),
         )
         self.sets.add(ts)
         self._spawn(self._load(ts, plan))
         return ts
+
+    async def strong_digests(self, ts: TableSet) -> dict[str, str]:
+        """Each tensor's strong digest of copy `ts`'s bytes, by name: those its fill landed
+        and checked (a filled set's manifest keeps them), else taken from its pages (on a
+        files thread; BLAKE3, about 0.35 CPU-s a GiB) and kept with the copy."""
+        if ts.strong is None:
+            assert ts.manifest is not None
+            ts.strong = await self._files.run(_strong_of, ts.backing, ts.manifest)
+        return ts.strong
 
     def publish(self, copies: list[TableSet]) -> None:
         """Publish sets the operator loaded: any caller may attach them by id, and map them
@@ -561,6 +593,13 @@ def _corrupted(backing: Backing, manifest: Manifest) -> list[str]:
         for i, t in enumerate(manifest.tensors)
         if backing.checksum(manifest, i) != t.checksum
     ]
+
+
+def _strong_of(backing: Backing, manifest: Manifest) -> dict[str, str]:
+    kept = manifest.strong_digests
+    if kept is not None and len(kept) == len(manifest.tensors):
+        return {t.name: d for t, d in zip(manifest.tensors, kept, strict=True)}
+    return {t.name: backing.checksum(manifest, i, STRONG) for i, t in enumerate(manifest.tensors)}
 
 
 def _load_error(ts: TableSet, e: BaseException) -> BaseException:

@@ -69,6 +69,9 @@ class TableSet:
     #: their checkpoint only, and proven for it.
     published: bool = False
     manifest: Manifest | None = None
+    #: Each tensor's strong digest of the copy's own bytes, by name, once a proof needed
+    #: them (SetStore.strong_digests): taken once, from its pages, by the daemon.
+    strong: dict[str, str] | None = None
     progress: LoadProgress | None = None
     #: Why the load failed (state failed), or what a verify found (failed-verification).
     error: BaseException | None = None

@@ -23,9 +23,10 @@ from functools import partial
 from engramd.backings import StagedSet
 from engramd.sources.base import Progress, SourceFailed
 from engramd.sources.nixlxfer import spare
-from engramd.sources.objstore import ObjectStoreSource
+from engramd.sources.objstore import ObjectStoreSource, StoreUnanswered
 from engramd.sources.peer import PeerSource
 from engramd.sources.regions import close_all, staged_regions
+from engramd.sources.s3api import StoreUnreadable
 from engramd.sources.trust import Filled, FleetKey
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError
@@ -61,6 +62,38 @@ class SourceChain:
             if plan.store not in self._stores:
                 self._stores[plan.store] = ObjectStoreSource(plan.store, self.key)
             return self._stores[plan.store]
+
+    def vouch(self, plan: TablePlan) -> None:
+        """Return once an attestation valid under the fleet's key covers the set of `plan`, a
+        plan made from a store (its id, each tensor's name, dtype, shape and size): the
+        store's attested manifest, or a peer's offer. Until then the node reserves nothing
+        for a set whose sizes whoever writes the bucket chose. CheckpointError otherwise;
+        StoreUnreadable when the store did not answer and no peer vouched."""
+        store = self.store_for(plan)
+        why: list[str] = []
+        unanswered = False
+        if store is not None:
+            try:
+                store.vouch(plan)
+                return
+            except SourceFailed as e:
+                why.append(f"{store.url}: {e}")
+                unanswered = isinstance(e, StoreUnanswered)
+        if self._peers is not None:
+            try:
+                self._peers.vouch(plan)
+                return
+            except SourceFailed as e:
+                why.append(f"peers: {e}")
+        problem = (
+            f"no attestation of the fleet's key covers the set of {plan.store} ({'; '.join(why)})"
+        )
+        if unanswered:
+            raise StoreUnreadable(f"{problem}; the store did not answer")
+        raise CheckpointError(
+            f"{problem}; nothing was reserved for it: upload its attested manifest beside the "
+            "objects (engramd manifest), or start a peer that holds the set (--peers)"
+        )
 
     def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> Filled | None:
         """Fill `staged` from the first source that can; None: load from the files."""

@@ -32,7 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from engramd.sources.nixlxfer import Agent
 from engramd.sources.regions import Region
-from engramd.sources.strong import (
+from engramd.strong import (
     PIECE_BYTES,
     STRONG,
     kind_of,

@@ -33,8 +33,7 @@ from engramd.sources.inflight import InOrder
 from engramd.sources.landing import Landing
 from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.regions import Region
-from engramd.sources.s3api import StoreAccess
-from engramd.sources.strong import pieces
+from engramd.sources.s3api import ObjectReader, StoreAccess, StoreError
 from engramd.sources.trust import (
     OBJECT_HEADER_BYTES,
     OBJECT_MAX_BYTES,
@@ -44,6 +43,7 @@ from engramd.sources.trust import (
     check_received,
     manifest_key,
 )
+from engramd.strong import pieces
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
 from engramd_shared.headers import TensorEntry, sample_ranges
@@ -58,6 +58,14 @@ OBJ_THREADS = 4
 WINDOW_TIMEOUT_S = 60.0
 #: The NIXL OBJ device of the attested manifest (the checkpoint's files are 0, 1, ...).
 MANIFEST_DEVICE = 1 << 20
+#: Bytes of an attested manifest read before a set is reserved, per tensor of the set.
+VOUCH_BYTES = 8 << 10
+#: Seconds the read of the attested manifest before a set is reserved may take.
+VOUCH_TIMEOUT_S = 30.0
+
+
+class StoreUnanswered(SourceFailed):
+    """The store gave no answer to a read (not a refusal, not a bad object)."""
 
 
 class ObjectStoreSource:
@@ -132,6 +140,38 @@ class ObjectStoreSource:
         except ValueError as e:
             raise SourceFailed(f"{where}: {e}") from None
         body = self._read_object(agent, where, OBJECT_HEADER_BYTES, length, progress)
+        return self._checked(body, plan, where)
+
+    def vouch(self, plan: TablePlan) -> None:
+        """Return when the bucket's attested manifest covers the set of `plan` (its id, each
+        tensor's name, dtype, shape and size), attested by the fleet's key; SourceFailed
+        otherwise. A few plain signed GETs (s3api.py), no transfer process: nothing of the
+        set is reserved before an attestation covers it."""
+        key = manifest_key(self._prefix, plan.set_id)
+        where = f"s3://{self._bucket}/{key}"
+        if self._fleet is None:
+            raise SourceFailed(f"no fleet token to check {where} with")
+        # A manifest is a few hundred bytes a tensor: no more is read, nor parsed.
+        limit = min(OBJECT_MAX_BYTES, VOUCH_BYTES * (len(plan.tensors) + 1))
+        reader = ObjectReader(self.access, deadline=time.monotonic() + VOUCH_TIMEOUT_S)
+        try:
+            found = reader.get(key.rpartition("/")[2], OBJECT_HEADER_BYTES + limit)
+        except StoreError as e:
+            raise StoreUnanswered(f"{where}: {e}") from None
+        if found is None:
+            raise SourceFailed(f"{where}: no attested manifest there")
+        try:
+            length = AttestedManifest.body_length(found[:OBJECT_HEADER_BYTES])
+        except ValueError as e:
+            raise SourceFailed(f"{where}: {e}") from None
+        if length != len(found) - OBJECT_HEADER_BYTES:
+            raise SourceFailed(f"{where}: {len(found)} bytes, its header says {length} follow")
+        self._checked(found[OBJECT_HEADER_BYTES:], plan, where)
+
+    def _checked(self, body: bytes, plan: TablePlan, where: str) -> AttestedManifest:
+        """The attested manifest in `body`, once it proved to be this set's, attested by the
+        fleet's key; SourceFailed otherwise."""
+        assert self._fleet is not None
         try:
             attested = AttestedManifest.from_body(body)
         except (ValueError, KeyError, TypeError) as e:

@@ -24,6 +24,7 @@ import xxhash
 from engramd.sources.base import Progress, SourceFailed
 from engramd.sources.filling import FillingSets
 from engramd.sources.objstore import ObjectStoreSource
+from engramd.sources.peerstream import PeerStream
 from engramd.sources.regions import Region
 from engramd.sources.swarmfill import MAX_PEERS, SwarmFill
 from engramd.sources.trust import Filled, FleetKey
@@ -117,6 +118,23 @@ class PeerSource:
             if not (self._own_port and a.rpartition(":")[2] == self._own_port and is_local(a))
         ]
         return spread(found, set_id, self._receiver)
+
+    def vouch(self, plan: TablePlan) -> None:
+        """Return when a peer offers the set of `plan` under an attestation of the fleet's key
+        that covers it (peerstream's checks of an offer); SourceFailed naming why each peer
+        did not. Nothing of the set is reserved before."""
+        found = self.addresses(plan.set_id)[:MAX_PEERS]
+        why = []
+        for address in found:
+            stream = PeerStream(address)
+            try:
+                stream.open(plan, self._key)
+                return
+            except SourceFailed as e:
+                why.append(f"{address}: {e}")
+            finally:
+                stream.close()
+        raise SourceFailed("; ".join(why) or "no peer address resolves")
 
     def fill(
         self,

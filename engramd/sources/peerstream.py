@@ -28,8 +28,8 @@ import grpc
 
 from engramd.sources.base import SourceFailed
 from engramd.sources.filling import bits, indices
-from engramd.sources.strong import set_pieces, split_pieces
 from engramd.sources.trust import FleetKey, nonce, proven
+from engramd.strong import set_pieces, split_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc

@@ -8,6 +8,12 @@ object's size (a read past the end only fails), so these are plain HTTP
 GETs signed with AWS Signature Version 4: a ranged GET's Content-Range
 gives the object's size with its first bytes.
 
+Every request ends within REQUEST_TIMEOUT_S, its status line and headers
+included (http.client reads those bounded only by the socket's timeout,
+which each byte received restarts: a timer shuts the socket at the
+deadline, whatever is being read), and within the deadline of the planning
+it serves (objectplan.PLANNING_TIMEOUT_S).
+
 Endpoint and keys come from the variables the AWS tools read:
 AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL (path-style addresses there),
 AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION / AWS_DEFAULT_REGION.
@@ -17,23 +23,29 @@ session tokens, profiles and instance roles are not read.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import hmac
 import http.client
 import re
+import socket
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 from urllib.parse import quote, urlparse
+
+from engramd_shared.errors import CheckpointError
 
 #: The default region where none is configured (the AWS tools' too).
 DEFAULT_REGION = "us-east-1"
-#: Seconds one request may take.
+#: Seconds one request may take, from its connection to its body's last byte.
 REQUEST_TIMEOUT_S = 30.0
 #: The longest page of a listing read (S3 lists at most 1,000 keys a page: about 300 KB).
-LISTING_BYTES = 16 << 20
+LISTING_BYTES = 4 << 20
 #: Pages of a listing read at most: a checkpoint's prefix holds a few hundred objects.
 LISTING_PAGES = 100
 #: The hash of an empty payload, which every GET signs.
@@ -44,8 +56,45 @@ _CONTENT_RANGE = re.compile(r"^bytes ([0-9]{1,20})-([0-9]{1,20})/([0-9]{1,20})$"
 _UNSATISFIED = re.compile(r"^bytes \*/([0-9]{1,20})$")
 
 
+#: What a planning is charged per byte of a body it reads: the bytes, and their text decoded
+#: (up to 4 bytes a character where one character needs them).
+COPIES = 5
+#: What it is charged per JSON or XML value of a body it parses (a delimiter counted: `{`,
+#: `[`, `,`, `<`): json.loads' object (a dict and the pairs hook's list, at most about 120
+#: bytes), or the parsed entry it becomes (about 410 bytes a tensor, which has at least 8
+#: values): measured by bench/proof.py.
+VALUE_BYTES = 160
+
+
+def values_in(text: bytes) -> int:
+    """How many JSON or XML values `text` may parse into, at most: one more than its
+    delimiters (a value after the first in a container follows a comma; each object, array
+    or element opens with a bracket of its own)."""
+    return 1 + sum(text.count(c) for c in (b"{", b"[", b",", b"<"))
+
+
+def parse_cost(text: bytes) -> int:
+    """What parsing `text` may take beyond the COPIES of its bytes."""
+    return VALUE_BYTES * values_in(text)
+
+
+class Charges(Protocol):
+    """A planning's memory charges (sets/objectplan.PlanningCharges)."""
+
+    def charge(self, n: int) -> None:
+        """Charge `n` bytes before they are held; raises when they may not be."""
+
+    def give(self, n: int) -> None:
+        """Give back `n` bytes held no more."""
+
+
 class StoreError(Exception):
     """A request to the object store failed; the message names the object and the reply."""
+
+
+class StoreUnreadable(CheckpointError):
+    """The store did not give the objects of a checkpoint planned from it: unreachable,
+    refused, too slow, or no S3 in its answers (not a checkpoint that is malformed)."""
 
 
 @dataclass(frozen=True)
@@ -111,9 +160,14 @@ class ObjectReader:
     """Signed GETs of one store's objects: ranges with the object's size, small whole
     objects, the names under the prefix."""
 
-    def __init__(self, access: StoreAccess, timeout: float = REQUEST_TIMEOUT_S) -> None:
+    def __init__(
+        self, access: StoreAccess, timeout: float = REQUEST_TIMEOUT_S, deadline: float = 0.0
+    ) -> None:
+        """Requests of `access`'s store, each ended at `timeout` seconds, and none past
+        `deadline` (time.monotonic(); 0: none), the end of the work they serve."""
         self._access = access
         self._timeout = timeout
+        self._deadline = deadline
         if access.endpoint:
             parsed = urlparse(access.endpoint)
             self._scheme = parsed.scheme or "https"
@@ -163,8 +217,9 @@ class ObjectReader:
             raise StoreError(f"{self._access.url}/{name}: larger than {limit} bytes")
         return body
 
-    def names(self, suffix: str) -> list[str]:
-        """The names (below the prefix, no further slash) of the objects ending in `suffix`."""
+    def names(self, suffix: str, held: Charges) -> list[str]:
+        """The names (below the prefix, no further slash) of the objects ending in `suffix`;
+        each page charged to `held` while it is read and parsed, the names kept after."""
         below = f"{self._access.prefix}/" if self._access.prefix else ""
         found: list[str] = []
         token = ""
@@ -173,21 +228,30 @@ class ObjectReader:
             query = {"list-type": "2", "prefix": below, "delimiter": "/"}
             if token:
                 query["continuation-token"] = token
+            held.charge(COPIES * LISTING_BYTES)
             status, _, body = self._get("", query, {}, LISTING_BYTES)
+            page = COPIES * LISTING_BYTES + parse_cost(body)
+            held.charge(page - COPIES * LISTING_BYTES)
             if status != 200:
                 raise self._failed(f"(the listing of {below or 'the bucket'})", status, body)
             try:
                 doc = ET.fromstring(body)
             except ET.ParseError as e:
                 raise StoreError(f"{self._access.url}: the listing does not parse ({e})") from None
+            del body
             # By local name: S3-compatible servers differ in the namespace they put.
             texts: dict[str, list[str]] = {}
             for element in doc.iter():
                 texts.setdefault(element.tag.rpartition("}")[2], []).append(element.text or "")
+            kept = 0
             for key in texts.get("Key", []):
                 name = key[len(below) :]
                 if key.startswith(below) and name.endswith(suffix) and "/" not in name:
                     found.append(name)
+                    kept += VALUE_BYTES + COPIES * len(name)
+            del doc
+            held.charge(kept)
+            held.give(page)
             token = (texts.get("NextContinuationToken") or [""])[0]
             if texts.get("IsTruncated") != ["true"] or not token:
                 return sorted(found)
@@ -224,29 +288,67 @@ class ObjectReader:
         kind = (
             http.client.HTTPSConnection if self._scheme == "https" else http.client.HTTPConnection
         )
-        deadline = time.monotonic() + self._timeout
-        connection = kind(self._host, timeout=self._timeout)
+        now = time.monotonic()
+        ends = now + self._timeout
+        if self._deadline:
+            if now >= self._deadline:
+                raise StoreError(f"{self._access.url}/{key}: the planning's time is up")
+            ends = min(ends, self._deadline)
+        late = StoreError(
+            f"{self._access.url}/{key}: no whole reply within {ends - now:.0f} s (status line, "
+            "headers and body)"
+        )
+        connection = kind(self._host, timeout=ends - now)
+        cutoff = _Cutoff(connection, ends - now)
         try:
+            connection.connect()
+            if cutoff.fired:
+                raise late
             connection.request("GET", target, headers=headers)
             reply = connection.getresponse()
-            # The socket's timeout bounds each read; a reply that trickles in is cut at the
-            # request's deadline.
             parts, got = [], 0
             while got < limit:
-                if time.monotonic() > deadline:
-                    raise StoreError(
-                        f"{self._access.url}/{key}: no whole reply within {self._timeout:.0f} s"
-                    )
                 part = reply.read1(min(limit - got, 1 << 20))
                 if not part:
                     break
                 parts.append(part)
                 got += len(part)
+            if cutoff.fired or time.monotonic() > ends:
+                raise late
             return reply.status, {k.lower(): v for k, v in reply.getheaders()}, b"".join(parts)
         except (OSError, http.client.HTTPException, ValueError) as e:
+            if cutoff.fired:
+                raise late from None
             raise StoreError(f"{self._access.url}/{key}: {e}") from None
         finally:
+            cutoff.cancel()
             connection.close()
+
+
+class _Cutoff:
+    """Shuts a connection's socket once `seconds` pass: whatever http.client is reading then
+    (a connection's handshake, the status line, a header, the body) ends at once."""
+
+    def __init__(self, connection: http.client.HTTPConnection, seconds: float) -> None:
+        self._connection = connection
+        #: The deadline passed: the socket was shut (a read's error is the deadline's).
+        self.fired = False
+        self._timer = threading.Timer(seconds, self._cut)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def _cut(self) -> None:
+        self.fired = True
+        sock = self._connection.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                # The plain socket's own shutdown: an SSL socket's would drop its TLS state
+                # under the thread reading it.
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        """The request ended: no cut."""
+        self._timer.cancel()
 
 
 def canonical_query(query: Mapping[str, str]) -> str:

@@ -57,9 +57,9 @@ from engramd.sources.nixlxfer import Agent, TransferFailed
 from engramd.sources.objstore import ObjectStoreSource, object_ranges
 from engramd.sources.peerstream import PeerStream
 from engramd.sources.regions import Region
-from engramd.sources.strong import set_pieces
 from engramd.sources.swarm import Schedule, Tier
 from engramd.sources.trust import Filled, FleetKey, check_received
+from engramd.strong import set_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.pb import peer_pb2
 

@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Protocol
 
 from engramd.sources.base import SourceFailed
-from engramd.sources.strong import digest_files, is_strong
+from engramd.strong import digest_files, is_strong
 from engramd_shared.checkpoint import TablePlan
 
 #: Random bytes each side adds to a fill's handshake.

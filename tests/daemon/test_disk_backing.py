@@ -163,3 +163,36 @@ def test_a_worker_under_a_memory_cgroup_smaller_than_the_set_reads_every_byte(
             w.exit()
         finally:
             w.kill()
+
+
+@pytest.mark.parametrize(
+    ("where", "mode"),
+    [("parent", 0o775), ("parent", 0o777), ("itself", 0o775)],
+)
+def test_a_disk_folder_others_may_replace_is_refused_with_the_fix(
+    tables: Path, disk: Path, daemons: Any, where: str, mode: int
+) -> None:
+    """--disk-dir in a folder its group (or every user) may write, or group-writable itself,
+    without a sticky bit: a member could rename the daemon's folder away and put another in
+    its place, so the daemon refuses to start and names the folder and the fix. Sticky, the
+    same folder is taken."""
+    shared = disk / "shared"
+    shared.mkdir()
+    folder = shared / "tables"
+    folder.mkdir()
+    for p in (shared, folder):
+        p.chmod(0o755)
+    loose = shared if where == "parent" else folder
+    loose.chmod(mode)
+    d = daemons(
+        *("--backing", "disk", "--disk-dir", str(folder), "--checkpoint", str(tables)), wait="no"
+    )
+    assert d.proc is not None
+    assert d.proc.wait(timeout=60) != 0, d.log
+    who = "every user" if mode & 0o002 else "the members of its group"
+    assert f"{loose} may be written by {who}" in d.log, d.log
+    assert f"chmod go-w {loose}" in d.log
+    assert not sets_root(folder).exists()
+    loose.chmod(mode | 0o1000)
+    ready = daemons(*("--backing", "disk", "--disk-dir", str(folder), "--checkpoint", str(tables)))
+    assert [s.state for s in ready.status().sets] == ["ready"]

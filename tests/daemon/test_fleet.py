@@ -43,8 +43,8 @@ from fleet_nodes import (
 from conftest import Daemon, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.cli.status_view import render
 from engramd.sources.peer import addresses
-from engramd.sources.strong import pieces
 from engramd.sources.swarmfill import RESTARTS, STALL_S
+from engramd.strong import pieces
 from engramd.testing.fleet_lab import (
     S3,
     Net,

@@ -31,7 +31,7 @@ from engramd.api.metrics import CONNECTIONS_PER_ADDRESS
 from engramd.api.peer import SERVE_SLOTS
 from engramd.api.sockets import REQUEST_TIMEOUT_S
 from engramd.sources.base import WINDOW_BYTES
-from engramd.sources.strong import set_pieces
+from engramd.strong import set_pieces
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.fleet_lab import Net, free_port
 from engramd.testing.pagecache import cached

@@ -147,20 +147,21 @@ def test_without_an_attested_manifest_nothing_is_served(
     s3: S3, nodes: Any, checkpoint: Path, token_file: Path
 ) -> None:
     """The bucket holds the files but no attested manifest and no peer holds the set: the
-    set fails with why and the fix, never published; a worker naming the URL is told no
-    set was loaded from it."""
+    checkpoint fails with why and the fix before a set is made of it (nothing reserved);
+    a worker naming the URL is told no set was loaded from it."""
     s3.upload(checkpoint, "m")
     url = f"s3://{s3.bucket}/m"
     d = _stored_node(nodes, s3, token_file).daemon
 
     def failed() -> bool:
-        return any(s.state == "failed" for s in d.status().sets)
+        return bool(d.status().daemon.failed_checkpoints)
 
-    wait_until(failed, 120, "the set to fail")
-    (s,) = d.status().sets
-    assert f"no source could give the set of {url}" in s.error, s.error
-    assert "cannot read the set's attested manifest" in s.error and "engramd manifest" in s.error
-    assert [f.checkpoint for f in d.status().daemon.failed_checkpoints] == [url]
+    wait_until(failed, 120, "the checkpoint to fail")
+    assert not d.status().sets
+    (f,) = d.status().daemon.failed_checkpoints
+    assert f.checkpoint == url
+    assert f"no attestation of the fleet's key covers the set of {url}" in f.error, f.error
+    assert "no attested manifest there" in f.error and "engramd manifest" in f.error
     worker = Worker(url, d.socket, share="on", wait=False)
     try:
         assert worker.greeted().hello["error"] == "UnknownSet", worker.hello

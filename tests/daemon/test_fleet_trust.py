@@ -36,8 +36,8 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT
-from engramd.sources.strong import OLDER, PIECE_BYTES, pieces
 from engramd.sources.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
+from engramd.strong import OLDER, PIECE_BYTES, pieces
 from engramd.testing.fleet_lab import S3, Net
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry

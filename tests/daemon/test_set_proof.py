@@ -2,8 +2,9 @@
 
 Two unprivileged users share one daemon (socket group, --allow-root): one
 plants altered bytes under a public checkpoint's set id, the other attaches
-its own clean copy. And a checkpoint on tmpfs written in place through a
-shared mapping, which changes neither its mtime nor its ctime.
+its own clean copy; one forges a twin that keeps every XXH3 checksum, which
+the operator then loads or configures. And a checkpoint on tmpfs written in
+place through a shared mapping, which changes neither its mtime nor its ctime.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
+from xxh3_forge import forge
 
 from conftest import SUPPORT, Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.host.hugeroot import remove_shm_folder
@@ -32,7 +34,7 @@ from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
 from engramd_shared.layout import MANIFEST_NAME, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
-from helpers import attach_error, bytes_read, reason, reference_digests
+from helpers import attach_error, bytes_read, engramd, reason, reference_digests
 
 GROUP = "engramd-tp"
 ALICE = 60151
@@ -544,3 +546,76 @@ def test_one_users_checkpoints_take_only_their_share_and_leave_when_unleased(
     again = Worker(bobs[2], d.socket, share="on", user=node.user(BOB))
     workers.append(again)
     assert again.hello["mode"] == "shared", again.hello
+
+
+def _forged_twin(node: Node, checkpoint: Path) -> Path:
+    """Alice's copy of the public `checkpoint` with POISONED written into its largest table,
+    between the fingerprint's samples, every 2 MiB piece's XXH3 kept (tests/support/
+    xxh3_forge.py): the same set id, the same checksums, other bytes."""
+    twin = node.copy_for(ALICE, "twin", checkpoint)
+    victim = max(plan_tables(twin).tensors, key=lambda t: t.nbytes)
+    at = forge(victim.file, victim.offset, 2, b"POISONED")
+    assert victim.file.read_bytes()[at : at + 8] == b"POISONED"
+    assert plan_tables(twin).set_id == plan_tables(checkpoint).set_id
+    assert reference_digests(twin) != reference_digests(checkpoint)
+    return twin
+
+
+def _loads_twin(node: Node, twin: Path, workers: list[Worker]) -> str:
+    """Alice attaches her twin: the daemon loads her bytes under the checkpoint's id."""
+    alice = Worker(twin, node.daemon.socket, share="on", user=node.user(ALICE))
+    workers.append(alice)
+    assert alice.hello["mode"] == "shared", alice.hello
+    assert alice.hello["digests"] == reference_digests(twin)
+    assert alice.exit() == 0
+    set_id: str = alice.hello["set_id"]
+    return set_id
+
+
+def _not_published(node: Node, set_id: str, checkpoint: Path, workers: list[Worker]) -> None:
+    """Nobody gets the twin's bytes as the checkpoint's: not by id, not by its path."""
+    by_id = Worker(set_id, node.daemon.socket, share="on", user=node.user(BOB))
+    workers.append(by_id)
+    assert by_id.hello.get("error") == "UnknownSet", by_id.hello
+    clean = Worker(checkpoint, node.daemon.socket)
+    workers.append(clean)
+    assert clean.hello["digests"] == reference_digests(checkpoint), clean.hello
+    assert all(s.set_id != set_id or not s.published for s in node.daemon.status().sets)
+
+
+def test_a_forged_twin_adopted_from_disk_is_not_published_when_configured(
+    node: Node, checkpoint: Path, workers: list[Worker], tmp_path: Path
+) -> None:
+    """A group member's twin of a public checkpoint, forged to keep every XXH3 checksum,
+    loaded by her attach onto the disk backing; the operator then configures the checkpoint
+    and restarts: the adopted set is proven against the checkpoint's files by its strong
+    digest, fails, and is never published."""
+    d = node.daemon
+    disk = tmp_path / "tables"
+    disk.mkdir(mode=0o755)
+    d.stop()
+    d.args += ["--backing", "disk", "--disk-dir", str(disk)]
+    d.start()
+    set_id = _loads_twin(node, _forged_twin(node, checkpoint), workers)
+    assert set_id == plan_tables(checkpoint).set_id
+    d.stop()
+    d.args += ["--checkpoint", str(checkpoint)]
+    d.start(wait="up")
+    assert "adopted set " + set_id in d.log
+    assert f"cannot load configured checkpoint {checkpoint}" in d.log
+    assert "does not hold the bytes" in d.log
+    assert not d.status().daemon.ready
+    _not_published(node, set_id, checkpoint, workers)
+
+
+def test_engramd_load_does_not_publish_a_forged_twin(
+    node: Node, checkpoint: Path, workers: list[Worker]
+) -> None:
+    """The same twin held from the member's attach; the operator runs `engramd load` of the
+    checkpoint: refused (the strong digests differ), and the twin stays unpublished."""
+    d = node.daemon
+    set_id = _loads_twin(node, _forged_twin(node, checkpoint), workers)
+    loaded = engramd("load", str(checkpoint), "--socket", str(d.socket))
+    assert loaded.returncode != 0, loaded.stdout
+    assert "does not hold the bytes" in loaded.stderr, loaded.stderr
+    _not_published(node, set_id, checkpoint, workers)

@@ -9,6 +9,12 @@ and prefix: the last part of the path names the file), answers ranged GETs, and 
   in late.
 - whole: Range is ignored: 200 with the whole object.
 - more: 206 with 64 KiB more bytes than the range asked for.
+- head: "HTTP/1.1 200 OK", then a header's bytes, one a second, for as long as the
+  connection stays open.
+- honest: no lie (what the bucket holds is the attack: headers of many entries, a header
+  of a large tensor with no attested manifest beside it).
+
+Only the ranges asked are read from FOLDER's files (which may be large and sparse).
 
 It prints "listening" once it accepts connections and, for each request, one line
 "GET <path> <range> -> <status> <bytes>".
@@ -57,30 +63,44 @@ class Liar(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path = self._object()
         asked = self.headers.get("Range", "")
+        if self.mode == "head":
+            self._say(asked, 200, 0)
+            with contextlib.suppress(OSError):
+                self.wfile.write(b"HTTP/1.1 200 OK\r\nX-Slow: ")
+                self.wfile.flush()
+                for _ in range(3600):
+                    time.sleep(1)
+                    self.wfile.write(b"a")
+                    self.wfile.flush()
+            return
         if path is None:
             self._status(404, b"")
             self._say(asked, 404, 0)
             return
-        data = path.read_bytes()
+        size = path.stat().st_size
         found = re.fullmatch(r"bytes=(\d+)-(\d*)", asked)
         start = int(found.group(1)) if found else 0
-        end = int(found.group(2)) + 1 if found and found.group(2) else len(data)
+        end = min(int(found.group(2)) + 1, size) if found and found.group(2) else size
+        whole = self.mode == "whole" or not found
+        with path.open("rb") as f:
+            f.seek(0 if whole else start)
+            data = f.read(size if whole else end + EXTRA - start)
         if self.mode in ("late", "window") and self._refused(path, start, end - start):
             self._status(404, b"<Error><Code>NoSuchKey</Code></Error>")
             self._say(asked, 404, 0)
             return
         if self.mode in ("late", "window"):
             time.sleep(DELAY_S)
-        if self.mode == "whole" or not found:
+        if whole:
             body, status = data, 200
         elif self.mode == "more":
-            body, status = data[start : end + EXTRA], 206
+            body, status = data, 206
         else:
-            body, status = data[start:end], 206
+            body, status = data[: end - start], 206
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
         if status == 206:
-            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
         self.end_headers()
         # The daemon's transfer process may go away mid-answer.
         with contextlib.suppress(OSError):
@@ -113,6 +133,7 @@ def main() -> None:
     Liar.folder = folder
     Liar.mode = mode
     Liar.largest = max(folder.glob("*.safetensors"), key=lambda p: p.stat().st_size).name
+    ThreadingHTTPServer.daemon_threads = True
     server = ThreadingHTTPServer((host, port), Liar)
     print("listening", flush=True)
     server.serve_forever()

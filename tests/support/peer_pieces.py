@@ -19,7 +19,7 @@ import sys
 import grpc
 from peer_open import open_fill, own_channel
 
-from engramd.sources.strong import set_pieces
+from engramd.strong import set_pieces
 
 #: The client's own deadline: far beyond what any answer here should take.
 CLIENT_DEADLINE_S = 300.0

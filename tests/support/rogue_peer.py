@@ -48,7 +48,7 @@ from typing import Any
 
 import grpc
 
-from engramd.sources.strong import digest_views
+from engramd.strong import digest_views
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import Manifest, ManifestTensor, tensor_file_name
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc

@@ -72,7 +72,7 @@ class Pool(Backing):
     def pin(self, manifest: Manifest, index: int, pins: PinnedFiles) -> None:
         self._unused()
 
-    def checksum(self, manifest: Manifest, index: int) -> str:
+    def checksum(self, manifest: Manifest, index: int, like: str = "") -> str:
         self._unused()
 
     def remove(self, copy: str) -> None:

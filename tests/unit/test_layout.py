@@ -28,6 +28,7 @@ FLOORS = [
         "engramd.units",
         "engramd.text",
         "engramd.checksum",
+        "engramd.strong",
     ),
     ("engramd.host",),
     ("engramd.backings",),

@@ -1,10 +1,12 @@
-"""Prover (engramd.sets.proof): a worker's checkpoint files judged and proven against a set's
-checksums, on real files: on a disk that stamps every write, and on tmpfs, which does not."""
+"""Prover (engramd.sets.proof): a checkpoint's files judged and proven against a held set's
+strong digests, on real files: on a disk that stamps every write, and on tmpfs, which does
+not; and a copy forged to keep every XXH3 checksum is found."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import secrets
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -12,36 +14,52 @@ from pathlib import Path
 
 import pytest
 from backing_fill import sample_manifest
+from xxh3_forge import forge
 
-from engramd.checksum import CHECKSUM, WHOLE, digest_fd
+from engramd.checksum import CHECKSUM
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.sets.loader import LoadProgress
 from engramd.sets.proof import Prover, stamps_writes
+from engramd.strong import OLDER, STRONG, digest_fd_as
 from engramd_shared.checkpoint import TablePlan, plan_tables
 from engramd_shared.errors import CheckpointError, FingerprintMismatch
 from engramd_shared.headers import TensorEntry
 from engramd_shared.layout import Manifest, ManifestTensor
 
+#: Each held set's strong digests by tensor name, as SetStore.strong_digests gives them,
+#: by the set's manifest's nonce: taken from the files when "loaded", before a test changes them.
+HELD: dict[str, dict[str, str]] = {}
 
-def loaded_from(plan: TablePlan, kind: str = CHECKSUM) -> Manifest:
-    """The manifest of the set a load of `plan` makes: each tensor's checksum (of `kind`),
-    the files."""
+
+def _digest(t: TensorEntry, like: str) -> str:
+    fd = os.open(t.file, os.O_RDONLY)
+    try:
+        return digest_fd_as(fd, t.offset, t.nbytes, like)
+    finally:
+        os.close(fd)
+
+
+def loaded_from(plan: TablePlan, filled_as: str = "") -> Manifest:
+    """The manifest of the set a load of `plan` makes: each tensor's checksum, the files;
+    with `filled_as` (a strong digest's kind), a set a fill landed, which keeps its strong
+    digests of that kind."""
     tensors = []
+    strong = {t.name: _digest(t, f"{filled_as or STRONG}:") for t in plan.tensors}
     for i, t in enumerate(plan.tensors):
-        fd = os.open(t.file, os.O_RDONLY)
-        try:
-            checksum = digest_fd(fd, t.offset, t.nbytes, f"{kind}:")
-        finally:
-            os.close(fd)
+        checksum = _digest(t, f"{CHECKSUM}:")
         tensors.append(
             ManifestTensor(t.name, t.dtype, t.shape, f"{i:04}.bin", 0, t.nbytes, checksum)
         )
-    return sample_manifest(
+    manifest = sample_manifest(
         set_id=plan.set_id,
         checkpoint=str(plan.checkpoint),
         tensors=tuple(tensors),
         sources=plan.sources,
+        nonce=secrets.token_hex(16),
+        strong_digests=tuple(strong.values()) if filled_as else None,
     )
+    HELD[manifest.nonce] = strong
+    return manifest
 
 
 def flip_byte(t: TensorEntry, at: int = 0) -> None:
@@ -57,7 +75,7 @@ def proven(prover: Prover, plan: TablePlan, manifest: Manifest) -> int:
     """Judge and prove `plan` against the set; the bytes the proof read."""
     proof = prover.judge(plan, manifest)
     progress = LoadProgress(proof.nbytes)
-    prover.prove(proof, manifest, progress)
+    prover.prove(proof, manifest, HELD[manifest.nonce], progress)
     assert progress.done == proof.nbytes
     return progress.done
 
@@ -117,23 +135,43 @@ def test_a_changed_byte_in_a_copy_is_found(ours: Path, tmp_path: Path) -> None:
     assert repr(victim.name) in str(info.value) and manifest.set_id not in str(info.value)
 
 
-def test_a_set_loaded_before_piece_checksums_is_proven_by_its_own_kind(
+def test_a_set_filled_with_older_strong_digests_is_proven_by_their_kind(
     ours: Path, tmp_path: Path
 ) -> None:
-    """A set of an earlier engramd (one XXH3-64 of each whole tensor) still proves a copy of
-    its files, and still finds a changed byte; a digest kept for the other kind is no proof."""
+    """A set an earlier engramd filled (SHA-256 pieces kept beside its attestation) proves a
+    copy of its files in that kind, and still finds a changed byte; a digest kept for the
+    other kind is no proof."""
     plan = plan_tables(ours)
-    whole, pieces = loaded_from(plan, WHOLE), loaded_from(plan)
-    assert all(t.checksum.startswith("xxh3-64:") for t in whole.tensors)
-    assert [t.checksum for t in whole.tensors] != [t.checksum for t in pieces.tensors]
+    older, blake = loaded_from(plan, OLDER), loaded_from(plan, STRONG)
+    assert all(d.startswith(f"{OLDER}:") for d in older.strong_digests or ())
     copy = plan_tables(shutil.copytree(ours, tmp_path / "copy"))
     prover = Prover()
-    assert proven(prover, copy, pieces) == copy.nbytes
-    assert proven(prover, copy, whole) == copy.nbytes
+    assert proven(prover, copy, blake) == copy.nbytes
+    assert proven(prover, copy, older) == copy.nbytes
     victim = copy.tensors[-1]
     flip_byte(victim, at=victim.nbytes - 1)
     with pytest.raises(FingerprintMismatch, match="does not hold the bytes"):
-        proven(Prover(), plan_tables(copy.checkpoint), whole)
+        proven(Prover(), plan_tables(copy.checkpoint), older)
+
+
+def test_a_copy_forged_to_keep_every_xxh3_checksum_is_found(ours: Path, tmp_path: Path) -> None:
+    """XXH3's lane arithmetic: a word set to POISONED in a tensor's piece, the piece's XXH3
+    unchanged, so every checksum of the set is too; the strong digest finds it."""
+    manifest = loaded_from(plan_tables(ours))
+    copy = tmp_path / "forged"
+    shutil.copytree(ours, copy)
+    victim = max(plan_tables(copy).tensors, key=lambda t: t.nbytes)
+    assert victim.nbytes > 3 * (2 << 20)
+    at = forge(victim.file, victim.offset, 1, b"POISONED")
+    assert victim.file.read_bytes()[at : at + 8] == b"POISONED"
+    forged = plan_tables(copy)
+    assert forged.set_id == manifest.set_id
+    assert [_digest(t, f"{CHECKSUM}:") for t in forged.tensors] == [
+        t.checksum for t in manifest.tensors
+    ]
+    with pytest.raises(FingerprintMismatch, match="does not hold the bytes") as info:
+        proven(Prover(), forged, manifest)
+    assert repr(victim.name) in str(info.value)
 
 
 def test_a_loaded_file_changed_in_place_is_named_as_changed_on_disk(ours: Path) -> None:
@@ -147,7 +185,7 @@ def test_a_loaded_file_changed_in_place_is_named_as_changed_on_disk(ours: Path) 
     assert rewritten == {str(changed.tensors[0].file)}
     assert {str(t.file) for t in proof.unproven} == rewritten
     with pytest.raises(FingerprintMismatch, match="changed on disk after engramd loaded it"):
-        Prover().prove(proof, manifest, LoadProgress(proof.nbytes))
+        Prover().prove(proof, manifest, HELD[manifest.nonce], LoadProgress(proof.nbytes))
 
 
 def test_a_file_still_being_written_is_refused_not_proven(ours: Path, tmp_path: Path) -> None:

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from engramd.sets.objectplan import StoreUnreadable, plan_objects
-from engramd.sources.s3api import ObjectReader, StoreAccess, StoreError, sign
+from engramd.sets.objectplan import plan_objects
+from engramd.sources.s3api import ObjectReader, StoreAccess, StoreError, StoreUnreadable, sign
 from engramd_shared.checkpoint import TablePlan
 
 #: The example keys of AWS's Signature Version 4 documentation (Amazon S3, "Examples of
@@ -154,6 +154,13 @@ class _Hostile(BaseHTTPRequestHandler):
         elif mode == "flood":  # claims 64 MiB, and sends 8 MiB more than any range asked
             headers = {"Content-Range": f"bytes {at}-{end}/{64 << 20}"}
             self._send(206, headers, _OBJECT[at : end + 1], _FLOOD)
+        elif mode == "head":  # the status line, then a header's byte now and then, for ever
+            with contextlib.suppress(OSError):
+                self.wfile.write(b"HTTP/1.1 206 Partial Content\r\nX-Slow: ")
+                for _ in range(600):
+                    self.wfile.write(b"a")
+                    self.wfile.flush()
+                    time.sleep(0.1)
         elif mode == "trickle":  # a byte now and then, for ever
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {at}-{end}/{size}")
@@ -235,3 +242,23 @@ def test_a_reply_that_trickles_in_is_cut_at_the_deadline(hostile: str) -> None:
     access = StoreAccess.of("s3://trickle/p", {"AWS_ENDPOINT_URL": hostile}, "--checkpoint")
     with pytest.raises(StoreError, match="no whole reply within 1 s"):
         ObjectReader(access, timeout=1.0).read("a.safetensors", 0, 4096)
+
+
+@pytest.mark.parametrize("limit", ["request", "planning"])
+def test_a_head_that_trickles_in_is_cut_at_the_deadline(hostile: str, limit: str) -> None:
+    """The status line, then a header's byte every 100 ms (http.client reads the head bounded
+    only by the socket's timeout, which each byte restarts): the request ends at its own
+    deadline, or at the planning's where that comes first."""
+    access = StoreAccess.of("s3://head/p", {"AWS_ENDPOINT_URL": hostile}, "--checkpoint")
+    reader = (
+        ObjectReader(access, timeout=1.0)
+        if limit == "request"
+        else ObjectReader(access, deadline=time.monotonic() + 1.0)
+    )
+    started = time.monotonic()
+    with pytest.raises(StoreError, match="no whole reply within 1 s"):
+        reader.read("a.safetensors", 0, 4096)
+    assert time.monotonic() - started < 10
+    if limit == "planning":
+        with pytest.raises(StoreError, match="the planning's time is up"):
+            reader.read("a.safetensors", 0, 4096)

@@ -1,4 +1,4 @@
-"""A tensor's strong digest (engramd/sources/strong.py): BLAKE3 of each 16 MiB piece, BLAKE3
+"""A tensor's strong digest (engramd/strong.py): BLAKE3 of each 16 MiB piece, BLAKE3
 over the pieces' digests; from memory on threads and from files in one pass with the
 manifest's checksum; the older kind (SHA-256) still made and recognised for checks."""
 
@@ -13,7 +13,7 @@ import pytest
 from blake3 import blake3
 from checksums import checksum_by_hand
 
-from engramd.sources.strong import (
+from engramd.strong import (
     OLDER,
     PIECE_BYTES,
     STRONG,

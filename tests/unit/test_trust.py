@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from engramd.sources.base import SourceFailed
-from engramd.sources.strong import digest_views
 from engramd.sources.trust import (
     OBJECT_HEADER_BYTES,
     AttestedManifest,
@@ -23,6 +22,7 @@ from engramd.sources.trust import (
     manifest_key,
     read_token,
 )
+from engramd.strong import digest_views
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import Manifest, ManifestError, ManifestTensor

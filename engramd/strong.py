@@ -1,9 +1,12 @@
 """A tensor's strong digest: BLAKE3 of each fixed piece, and BLAKE3 over the pieces' digests.
 
 XXH3-64 (engramd.checksum) catches accidents at ~12 GB/s a core, but it
-is no defence against bytes built on purpose to share a tensor's digest.
-What a fill publishes is therefore compared with this digest too, and it
-is what the fleet's attestation covers (trust.py). A tensor is cut into
+is no defence against bytes built on purpose to share a tensor's digest:
+with its public secret, a second preimage of a piece is arithmetic (one
+word of a 1 KiB block set at will, three of the same lane fixed up). So
+every comparison that decides whose bytes a set holds uses this digest: a
+held set proven against other files than its own (sets/proof.py), what a
+fill publishes, and what the fleet's attestation covers (sources/trust.py). A tensor is cut into
 pieces of PIECE_BYTES (16 MiB, a fill's window; the last piece shorter, an
 empty tensor none); its digest is "blake3-pieces:" and the hex BLAKE3 of
 its pieces' 32-byte digests back to back. So a piece can be checked on its
@@ -37,7 +40,7 @@ from typing import Protocol
 
 from blake3 import blake3
 
-from engramd.checksum import CHECKSUM, Digest
+from engramd.checksum import CHECKSUM, Digest, chunks
 from engramd_shared.fileid import open_regular
 
 #: The strong digest this engramd makes, its name in manifests and offers
@@ -121,6 +124,54 @@ def is_strong(text: str) -> bool:
 def kind_of(digest: str) -> str:
     """The kind of the strong digest `digest` (is_strong must hold)."""
     return digest.partition(":")[0]
+
+
+class StrongDigest:
+    """A tensor's strong digest from its bytes fed in order, in parts of any size: what
+    tensor_digest gives of its pieces' digests."""
+
+    def __init__(self, kind: str = STRONG) -> None:
+        self._kind = kind
+        self._piece = piece_hasher(kind)
+        self._filled = 0
+        self._digests: list[bytes] = []
+
+    def update(self, data: memoryview | bytes) -> None:
+        """Feed the tensor's next bytes."""
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), PIECE_BYTES - self._filled)
+            self._piece.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == PIECE_BYTES:
+                self._digests.append(self._piece.digest())
+                self._piece = piece_hasher(self._kind)
+                self._filled = 0
+
+    def label(self) -> str:
+        """The strong digest, as tensor_digest writes it, of every byte fed so far."""
+        last = [self._piece.digest()] if self._filled else []
+        return tensor_digest(self._digests + last, self._kind)
+
+
+def digester(like: str) -> Digest | StrongDigest:
+    """A digest of the kind `like` names: a strong digest's (STRONG, OLDER), or else a
+    checksum's (Digest.like)."""
+    kind = kind_of(like)
+    return StrongDigest(kind) if kind in _HASHERS else Digest.like(like)
+
+
+def digest_fd_as(fd: int, offset: int, nbytes: int, like: str) -> str:
+    """The digest, of the kind `like` names (a checksum or a strong digest), of `nbytes` of
+    `fd` from `offset` ("short" if the file is shorter)."""
+    digest = digester(like)
+    try:
+        for chunk in chunks(fd, offset, nbytes):
+            digest.update(chunk)
+    except EOFError:
+        return "short"
+    return digest.label()
 
 
 @dataclass(frozen=True)
