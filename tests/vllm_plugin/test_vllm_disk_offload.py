@@ -327,3 +327,27 @@ def test_a_checkpoint_with_no_files_here_runs_vllms_own_tables_and_says_their_me
     for layer in out["layers"].values():
         assert layer["served"] == [] and " r--s " not in layer["maps"]["weight"]
         assert layer["storage_bytes"]["weight"] == layer["nbytes"]["weight"]
+
+
+def test_a_changed_lookup_seam_disables_the_plugin_for_ple() -> None:
+    """The rows read on the host replace `_lookup`, which both entry points call: a vLLM whose
+    `_lookup` or NVFP4 decode differ is not the one they were read from."""
+    import tvshim  # noqa: F401 (before vLLM imports torchvision)
+    import vllm.models.qwen4_exp.common.ngram_embedding as ple
+
+    from engramd_client.engines.common import UnknownEngine
+    from engramd_client.engines.vllm.guard import check_ple_seams
+
+    table = ple.Qwen4ExpPLEPinnedHostEmbedding
+    check_ple_seams(ple)
+    original = table._lookup
+
+    def renamed(self: Any, ids: torch.Tensor, out: Any = None) -> Any:
+        return None
+
+    try:
+        table._lookup = renamed
+        with pytest.raises(UnknownEngine, match=r"Qwen4ExpPLEPinnedHostEmbedding\._lookup"):
+            check_ple_seams(ple)
+    finally:
+        table._lookup = original
