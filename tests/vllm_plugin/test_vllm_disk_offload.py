@@ -332,7 +332,6 @@ def test_a_checkpoint_with_no_files_here_runs_vllms_own_tables_and_says_their_me
 def test_a_changed_lookup_seam_disables_the_plugin_for_ple() -> None:
     """The rows read on the host replace `_lookup`, which both entry points call: a vLLM whose
     `_lookup` or NVFP4 decode differ is not the one they were read from."""
-    import tvshim  # noqa: F401 (before vLLM imports torchvision)
     import vllm.models.qwen4_exp.common.ngram_embedding as ple
 
     from engramd_client.engines.common import UnknownEngine
