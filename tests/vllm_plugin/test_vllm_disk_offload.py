@@ -158,8 +158,9 @@ def test_two_tp1_engines_read_one_file_and_allocate_no_table(
         tables = sum(sum(layer["nbytes"].values()) for layer in info["layers"].values())
         assert tables > 40 << 20
         # Building the layers, loading and looking rows up left no table in the engine's own
-        # memory: a private table would be all of `tables`.
-        assert info["anonymous_growth_kib"] * 1024 < tables / 10, info["anonymous_growth_kib"]
+        # memory (about 4 MiB grew here, vLLM's loader's and the lookups'): a private table
+        # would be all of `tables`, one layer's half of it.
+        assert info["anonymous_growth_kib"] * 1024 < tables / 4, info["anonymous_growth_kib"]
         inodes |= {layer["maps"]["weight"].split()[4] for layer in info["layers"].values()}
     # Every engine's rows of a layer are the same file of the daemon's.
     assert len(inodes) == len(large.spec.layers)
