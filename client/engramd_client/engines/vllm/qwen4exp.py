@@ -137,9 +137,9 @@ def install(module: ModuleType) -> None:
 
 def _allocate(self: Any, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> Any:
     assert PROCESS.pattern is not None
-    if torch.get_default_device().type == "meta" or not PROCESS.decide(
-        PLE, engine_tables=_EngineTables(PROCESS.pattern), instead=_instead
-    ):
+    if torch.get_default_device().type == "meta":
+        return PROCESS.calls.call(_allocate, self, num_embeddings, embedding_dim, dtype)
+    if not PROCESS.decide(PLE, engine_tables=_EngineTables(PROCESS.pattern), instead=_instead):
         if _HOST.checkpoint is not None:
             return _from_checkpoint(self, _HOST.checkpoint, num_embeddings, embedding_dim, dtype)
         return PROCESS.calls.call(_allocate, self, num_embeddings, embedding_dim, dtype)
