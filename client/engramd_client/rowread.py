@@ -16,7 +16,7 @@ API:
     reader.gather(ids, out=staging)             # into any CPU tensor of len(ids) rows
                                                 # of row_bytes bytes (pinned staging)
     reader.fault_in(ids)                        # only bring the rows into the page cache
-    reader.close()
+    reader.close()                              # drops the staging buffer
 
 `gather` writes row `ids[i]` of the table to `out[i]` when `start <= ids[i] <
 stop` and the table has that row, and zeros otherwise: another rank's rows,
@@ -29,7 +29,7 @@ How it reads, chosen by measuring each way (tools/rowread_choices.py; the
 figures are in docs/engines.md):
 
 - warm (the rows' pages in the page cache): one `index_select` over a
-  tensor viewing the mapping, as fast as over a resident tensor: no hint, no
+  tensor viewing the mapping, the gather a resident table takes: no hint, no
   thread, no system call;
 - cold: a step whose gather took major page faults (getrusage) makes the
   next steps read cold until one finds all its pages resident: the step's
