@@ -46,6 +46,10 @@ class ClientConfig:
     private_thp: bool = True
     #: "cuda:N": the tables also get CUDA views on device N (registered in place); "": CPU only.
     device: str = ""
+    #: An engine's PLE rows read each step on the host from a file mapping, no table
+    #: allocated (the seed's disk_offload): None where the set is on the disk backing, True
+    #: always (the checkpoint's own files without a daemon), False never.
+    disk_offload: bool | None = None
 
     @classmethod
     def from_env(
@@ -56,7 +60,8 @@ class ClientConfig:
         share: bool | None = None,
         device: str | None = None,
     ) -> ClientConfig:
-        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES, _SHARE, _PRIVATE_THP, _DEVICE.
+        """Settings from ENGRAMD_SOCKET, _FD_SOCKET, _HANDLES, _SHARE, _PRIVATE_THP, _DEVICE,
+        _DISK_OFFLOAD.
 
         Arguments win over the environment.
         """
@@ -82,6 +87,9 @@ class ClientConfig:
         thp = env.get("ENGRAMD_PRIVATE_THP", "on").strip().lower()
         if thp not in _SWITCH_WORDS:
             raise ValueError(f"ENGRAMD_PRIVATE_THP={thp!r}: use on or off")
+        offload = env.get("ENGRAMD_DISK_OFFLOAD", "auto").strip().lower()
+        if offload not in _SHARE_WORDS or offload == "strict":
+            raise ValueError(f"ENGRAMD_DISK_OFFLOAD={offload!r}: use auto, on or off")
         return cls(
             socket=socket or env.get("ENGRAMD_SOCKET") or DEFAULT_SOCKET,
             fd_socket=env.get("ENGRAMD_FD_SOCKET", ""),
@@ -89,4 +97,5 @@ class ClientConfig:
             share=share,
             private_thp=_SWITCH_WORDS[thp],
             device=device,
+            disk_offload=_SHARE_WORDS[offload],
         )

@@ -16,7 +16,7 @@ API:
     reader.gather(ids, out=staging)             # into any CPU tensor of len(ids) rows
                                                 # of row_bytes bytes (pinned staging)
     reader.fault_in(ids)                        # only bring the rows into the page cache
-    reader.close()
+    reader.close()                              # drops the staging buffer
 
 `gather` writes row `ids[i]` of the table to `out[i]` when `start <= ids[i] <
 stop` and the table has that row, and zeros otherwise: another rank's rows,
@@ -29,7 +29,7 @@ How it reads, chosen by measuring each way (tools/rowread_choices.py; the
 figures are in docs/engines.md):
 
 - warm (the rows' pages in the page cache): one `index_select` over a
-  tensor viewing the mapping, as fast as over a resident tensor: no hint, no
+  tensor viewing the mapping, the gather a resident table takes: no hint, no
   thread, no system call;
 - cold: a step whose gather took major page faults (getrusage) makes the
   next steps read cold until one finds all its pages resident: the step's
@@ -37,7 +37,8 @@ figures are in docs/engines.md):
   runs not resident, `madvise(MADV_WILLNEED)` starts their reads at once
   (many reads in flight, one request per run, exactly the step's pages),
   and the gather is split over `threads` threads, each waiting on its own
-  faults. Every mapping is `MADV_RANDOM`: a fault reads its own page, not
+  faults (one pool of threads in the process, shared by every reader).
+  Every mapping is `MADV_RANDOM`: a fault reads its own page, not
   a readahead window of rows no step asked for.
 """
 
@@ -172,9 +173,7 @@ class RowReader:
         self.cold = False
         #: Pages a cold gather found not resident, summed over this reader's life.
         self.pages_missed = 0
-        self._pool: ThreadPoolExecutor | None = None
         self._staging: torch.Tensor | None = None
-        self._lock = threading.Lock()
         # Held rows: this range, cut to what the pieces hold (the rest reads as zeros).
         self._lo = max(start, rows.first)
         self._hi = min(stop, rows.end)
@@ -238,10 +237,7 @@ class RowReader:
         return missing
 
     def close(self) -> None:
-        """Stop the threads and drop the staging buffer (the mappings go with `rows`)."""
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            pool.shutdown(wait=True)
+        """Drop the staging buffer (the mappings go with `rows`)."""
         self._staging = None
 
     def _gather(
@@ -281,13 +277,7 @@ class RowReader:
             a, b = bounds[k], bounds[k + 1]
             torch.index_select(rows, 0, local[a:b], out=out[a:b])
 
-        list(self._threads().map(one, range(parts)))
-
-    def _threads(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="engramd-rows")
-            return self._pool
+        list(_threads(threads).map(one, range(parts)))
 
     def _hint(self, flat: torch.Tensor) -> int:
         """Start the reads of the runs of the step's pages that are not resident; the count
@@ -302,6 +292,24 @@ class RowReader:
             missing += _willneed(piece.rows, local, self.rows.row_bytes)
         self.pages_missed += missing
         return missing
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+_pool_lock = threading.Lock()
+
+
+def _threads(at_least: int) -> ThreadPoolExecutor:
+    """The process's one pool of reading threads (every reader's, every layer's), grown to
+    `at_least` threads."""
+    global _pool, _pool_size
+    with _pool_lock:
+        if _pool is None or _pool_size < at_least:
+            old, _pool = _pool, ThreadPoolExecutor(at_least, thread_name_prefix="engramd-rows")
+            _pool_size = at_least
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
 
 
 def _major_faults() -> int:

@@ -229,6 +229,28 @@ def _stored_set(config: ClientConfig, url: str, tensors: str) -> str:
     return found[0]
 
 
+def backing_of(set_id: str, *, socket: str | None = None) -> str:
+    """Where the daemon keeps set `set_id` ("tmpfs", "disk", "cuda-host", ... as `engramd
+    status` names it): the backing of its copy, or where it would load it (the daemon's first
+    backing) while it holds none.
+
+    Raises DaemonUnavailable (a ShareError) where the daemon does not answer.
+    """
+    config = ClientConfig.from_env(socket=socket)
+    probe_socket(config.socket, config.connect_timeout_s)
+    try:
+        with open_channel(config) as channel:
+            reply = pb_grpc.TableServiceStub(channel).Status(
+                pb.StatusRequest(), timeout=config.reply_timeout_s
+            )
+    except grpc.RpcError as e:
+        raise share_error(e) from None
+    held = [s.backing for s in reply.sets if s.set_id == set_id and s.state in ("loading", "ready")]
+    if held:
+        return held[0]
+    return reply.backings[0].name if reply.backings else ""
+
+
 def _request(
     target: TablePlan | str,
     labels: Mapping[str, str],

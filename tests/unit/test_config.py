@@ -29,3 +29,9 @@ def test_client_config_from_env() -> None:
     assert ClientConfig.from_env(env, socket="/y", share=False) == ClientConfig("/y", False)
     with pytest.raises(ValueError, match="use auto, on or off"):
         ClientConfig.from_env({"ENGRAMD_SHARE": "maybe"})
+    # ENGRAMD_DISK_OFFLOAD: auto (where the set is on disk), on, off.
+    assert ClientConfig.from_env({}).disk_offload is None
+    assert ClientConfig.from_env({"ENGRAMD_DISK_OFFLOAD": "ON"}).disk_offload is True
+    assert ClientConfig.from_env({"ENGRAMD_DISK_OFFLOAD": "off"}).disk_offload is False
+    with pytest.raises(ValueError, match=r"ENGRAMD_DISK_OFFLOAD='strict': use auto, on or off"):
+        ClientConfig.from_env({"ENGRAMD_DISK_OFFLOAD": "strict"})

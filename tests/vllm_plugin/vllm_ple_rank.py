@@ -3,9 +3,20 @@
     python vllm_ple_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--no-load]
         [--multithread]
         [--dp N]
+        [--lookup OUT.pt [--all-rows] [--evict DIR]... [--cgroup DIR] [--pause]]
 
 With `--dp N`, WORLD ranks are N data-parallel replicas of WORLD / N TP
 ranks whose PLE tables are split over all of them (`embedding_across_dp`).
+
+With `--lookup`, each PLE layer then looks rows up through vLLM's own entry
+points (`sync_lookup`, and `start_prefetch` / `finalize_prefetch`) for ids at
+every shard and rank boundary and random ids (`--all-rows`: every row of the
+first layer, in steps), and saves ids and results to OUT.pt. `--evict DIR`
+drops the files under DIR from the page cache before the lookups and says
+how many of their bytes the page cache holds after (fincore); `--cgroup DIR`
+runs the lookups in memory cgroup DIR (v1), limited to what the rank uses
+then plus a quarter of its tables; `--pause` prints PAUSED after the first
+step and waits for a line on stdin before the second.
 
 Everything is vLLM's own code (its plugin loader, distributed groups,
 Qwen4ExpNGramEmbedding with its pinned-host tables and embedding methods,
@@ -18,10 +29,12 @@ with what the rank holds and what its weight loading read.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import pickle
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,6 +46,25 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine_harness import anonymous_kib, disk_read_bytes, drop_cache, mapping_of
+
+from engramd.testing.pagecache import evict
+
+
+def cpu_streams() -> None:
+    """The CUDA stream calls of vLLM's prefetch entry points, as no-ops: one CPU "stream"."""
+
+    class Stream:
+        def __init__(self, device: Any = None) -> None:
+            self.device = device
+
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+    torch.cuda.Stream = Stream  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda device=None: Stream()  # type: ignore[assignment,return-value]
+    torch.cuda.stream = lambda stream: contextlib.nullcontext()  # type: ignore[assignment,return-value]
+    torch.cuda.is_current_stream_capturing = lambda: False
+    torch.Tensor.record_stream = lambda self, stream: None  # type: ignore[method-assign,assignment]
 
 
 def cpu_only(private_pin: bool) -> None:
@@ -105,6 +137,11 @@ def main() -> None:
         "--multithread", action="store_true", help="load with enable_multithread_load"
     )
     parser.add_argument("--dp", type=int, default=1)
+    parser.add_argument("--lookup", default="")
+    parser.add_argument("--all-rows", action="store_true")
+    parser.add_argument("--evict", action="append", default=[])
+    parser.add_argument("--cgroup", default="")
+    parser.add_argument("--pause", action="store_true")
     args = parser.parse_args()
 
     from vllm.config.logging import LoggingConfig
@@ -112,6 +149,8 @@ def main() -> None:
 
     configure_logging(LoggingConfig())
     cpu_only(args.private_pin)
+    if args.lookup:
+        cpu_streams()
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
@@ -142,6 +181,7 @@ def main() -> None:
 
         table_class = ple.Qwen4ExpPLEPinnedHostEmbedding
         out["patched"] = bool(getattr(table_class.allocate_embedding_weight, "__engramd__", False))
+        anonymous_before = anonymous_total_kib()
         started = time.monotonic()
         net = Net(config.model_config.hf_text_config, args.rank // tp)
         out["build_s"] = time.monotonic() - started
@@ -164,6 +204,7 @@ def main() -> None:
                     "dtypes": {p: str(t.dtype) for p, t in params.items()},
                     "shapes": {p: list(t.shape) for p, t in params.items()},
                     "nbytes": {p: t.numel() * t.element_size() for p, t in params.items()},
+                    "storage_bytes": {p: t.untyped_storage().nbytes() for p, t in params.items()},
                     "maps": {p: mapping_of(t.data_ptr()) for p, t in params.items()},
                     "served": list(getattr(table, "_engramd_served", ())),
                     "uva_is_table": table._uva_weight.data_ptr() == table.weight.data_ptr(),
@@ -204,19 +245,166 @@ def main() -> None:
             torch.distributed.barrier(group)
         for name, info in layers.items():
             table = net.get_submodule(name)
-            info["sha256"] = {
-                p: hashlib.sha256(
-                    table.get_parameter(p).data.view(torch.uint8).contiguous().numpy().tobytes()
-                ).hexdigest()
-                for p in info["dtypes"]
-            }
+            if not args.lookup:
+                # (Lookups check the rows themselves, reading only the ones they ask for.)
+                info["sha256"] = {
+                    p: hashlib.sha256(
+                        table.get_parameter(p).data.view(torch.uint8).contiguous().numpy().tobytes()
+                    ).hexdigest()
+                    for p in info["dtypes"]
+                }
             info["anonymous_kib"] = anonymous_kib(table.weight.data_ptr())
             if "weight_scale" not in info["dtypes"] and hasattr(table, "weight_scale"):
                 # fp8's global scale: an ordinary parameter, loaded by vLLM.
                 info["global_scale"] = float(table.weight_scale.float().reshape(-1)[0])
+        if args.lookup:
+            out.update(lookups(net, table_class, config, args))
+            out["anonymous_growth_kib"] = anonymous_total_kib() - anonymous_before
     print(json.dumps(out), flush=True)
     sys.stdout.flush()
     os._exit(0)
+
+
+def anonymous_total_kib() -> int:
+    """The process's anonymous memory (its private pages: heap, copies), in KiB."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("Anonymous:"):
+            return int(line.split()[1])
+    raise AssertionError("no Anonymous line in smaps_rollup")
+
+
+def boundary_ids(table: Any, rows: int, parts: int, world: int, g: torch.Generator) -> torch.Tensor:
+    """Ids on each side of every shard boundary and ETP rank boundary, and random ids,
+    as [tokens, heads]."""
+    shard = -(-rows // parts)
+    edges = [k * shard for k in range(1, parts)] + [k * rows // world for k in range(1, world)]
+    ids = [0, rows - 1] + [e + d for e in edges for d in (-1, 0)]
+    ids += torch.randint(0, rows, (190,), generator=g).tolist()
+    heads = table._num_ngram_heads
+    ids += [0] * (-len(ids) % heads)
+    return torch.tensor(ids, dtype=torch.long).view(-1, heads)
+
+
+def lookups(net: Any, table_class: type, config: Any, args: Any) -> dict[str, Any]:
+    """Rows looked up through vLLM's entry points; saved to args.lookup with their ids."""
+    text = config.model_config.hf_text_config
+    tp = args.world // args.dp
+    dp_rank = args.rank // tp
+    # The same tokens on every TP rank of a replica; each replica its own.
+    g = torch.Generator().manual_seed(1000 + dp_rank)
+    tables: list[tuple[str, Any]] = [
+        (n, m) for n, m in net.named_modules() if isinstance(m, table_class)
+    ]
+    steps: dict[str, list[torch.Tensor]] = {}
+    for name, table in tables:
+        rows = table.org_vocab_size
+        if args.all_rows and name == tables[0][0]:
+            every = torch.arange(rows, dtype=torch.long)
+            every = torch.cat([every, every.new_zeros(-rows % table._num_ngram_heads)])
+            steps[name] = list(every.view(-1, table._num_ngram_heads).split(4096))
+        elif not args.all_rows:
+            steps[name] = [boundary_ids(table, rows, int(text.split_ngram_parts), args.world, g)]
+    for folder in args.evict:
+        evict(Path(folder))
+    report: dict[str, Any] = {"cached_before": {f: fincore(Path(f)) for f in args.evict}}
+    if args.cgroup:
+        report["cgroup"] = join_cgroup(Path(args.cgroup), tables[0][1])
+    saved: dict[str, Any] = {}
+    for step in range(2 if args.pause else 1):
+        if step == 1:
+            print("PAUSED", flush=True)
+            sys.stdin.readline()
+        for name, table in tables:
+            digests = {"local": hashlib.sha256(), "sync": hashlib.sha256()}
+            for ids in steps.get(name, []):
+                local = table._lookup(ids)
+                with step_context(config, ids.shape[0], args.dp):
+                    got = table.sync_lookup(ids)
+                if args.all_rows:
+                    # Every row: digests only, the rank's memory stays the step's.
+                    digests["local"].update(local.view(torch.uint8).numpy().tobytes())
+                    digests["sync"].update(got.view(torch.uint8).numpy().tobytes())
+                    continue
+                prefetched = []
+                # As many tokens a step as vLLM's prefetch buffer holds.
+                for chunk in ids.split(table._prefetch_rows // table.etp_data_parallel_size):
+                    with step_context(config, chunk.shape[0], args.dp):
+                        table.start_prefetch(chunk)
+                        prefetched.append(table.finalize_prefetch(chunk.shape[0]).clone())
+                indices = table.shard_indices
+                saved.setdefault(f"{name}/{step}", []).append(
+                    {
+                        "ids": ids,
+                        # This rank's own rows before the ETP reduce (vLLM's `_lookup`).
+                        "local": local.clone(),
+                        "range": (indices.org_vocab_start_index, indices.org_vocab_end_index),
+                        "sync": got.clone(),
+                        "prefetch": torch.cat(prefetched),
+                    }
+                )
+            if args.all_rows and name in steps:
+                saved[f"{name}/{step}/sha256"] = {k: d.hexdigest() for k, d in digests.items()}
+            scale2 = getattr(table, "weight_scale_2", None)
+            if scale2 is not None:
+                saved[f"{name}/weight_scale_2"] = scale2.detach().clone()
+    if args.cgroup:
+        report["cgroup"].update(leave_cgroup(Path(args.cgroup)))
+    torch.save(saved, args.lookup.format(rank=args.rank))
+    report["cached"] = {folder: fincore(Path(folder)) for folder in args.evict}
+    return report
+
+
+def step_context(config: Any, tokens: int, dp: int) -> Any:
+    """vLLM's forward context of a step of `tokens` tokens on each of `dp` replicas."""
+    from vllm.forward_context import set_forward_context
+
+    across = torch.tensor([tokens] * dp) if dp > 1 else None
+    return set_forward_context(None, config, num_tokens=tokens, num_tokens_across_dp=across)
+
+
+def fincore(folder: Path) -> int:
+    """Bytes of the files under `folder` in the page cache, as util-linux's fincore counts."""
+    files = [str(p) for p in sorted(folder.rglob("*")) if p.is_file()]
+    done = subprocess.run(
+        ["fincore", "--bytes", "--noheadings", "--raw", "--output", "RES", *files],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return sum(int(line) for line in done.stdout.split())
+
+
+def join_cgroup(group: Path, table: Any) -> dict[str, int]:
+    """Move this process into memory cgroup `group`: what it is charged from now on (its
+    charges so far stay where they were) limited to a quarter of `table`'s rows (the layer
+    every row of which it reads), beside ANON_ROOM for its own memory."""
+    table_bytes = table.weight.numel() * table.weight.element_size()
+    (group / "cgroup.procs").write_text(str(os.getpid()))
+    used = int((group / "memory.usage_in_bytes").read_text())
+    limit = used + ANON_ROOM + table_bytes // 4
+    (group / "memory.limit_in_bytes").write_text(str(limit))
+    return {"table_bytes": table_bytes, "limit": limit}
+
+
+#: Room in the cgroup for the rank's own memory while it looks rows up (the step's ids and
+#: rows, its threads' stacks): the rest of the limit is the page cache's.
+ANON_ROOM = 8 << 20
+
+
+def leave_cgroup(group: Path) -> dict[str, int]:
+    """Back to the root memory cgroup (the group can then be removed); what the group saw:
+    its peak, how often the limit was hit, the page cache it held at the end."""
+    stat = dict(
+        (line.split()[0], int(line.split()[1]))
+        for line in (group / "memory.stat").read_text().splitlines()
+    )
+    seen = {
+        "max_usage": int((group / "memory.max_usage_in_bytes").read_text()),
+        "failcnt": int((group / "memory.failcnt").read_text()),
+        "cache": stat["cache"],
+    }
+    (group.parent / "cgroup.procs").write_text(str(os.getpid()))
+    return seen
 
 
 if __name__ == "__main__":

@@ -114,3 +114,32 @@ def check_ple_seams(ngram_embedding: ModuleType) -> None:
         nvfp4 is not None and "_uva_weight_scale" in nvfp4.create_weights.__code__.co_names,
         "Qwen4ExpPLENvFp4EmbeddingMethod",
     )
+    check_ple_lookup_seams(ngram_embedding)
+
+
+def check_ple_lookup_seams(ngram_embedding: ModuleType) -> None:
+    """What rows read on the host each step rely on (ple_rows.py, ENGRAMD_DISK_OFFLOAD): the
+    one lookup both entry points call, the lookup dtype, the ETP rank's vocab range, NVFP4's
+    decode."""
+    from vllm.model_executor.layers.quantization.utils import nvfp4_emulation_utils as nvfp4
+
+    table = ngram_embedding.Qwen4ExpPLEPinnedHostEmbedding
+    VLLM.expect(
+        params(table._lookup) == ["self", "input_ids", "output"]
+        and "_lookup" in table.sync_lookup.__code__.co_names
+        and "_lookup"
+        in getattr(table.start_prefetch, "__wrapped__", table.start_prefetch).__code__.co_names,
+        "Qwen4ExpPLEPinnedHostEmbedding._lookup",
+    )
+    method = ngram_embedding.Qwen4ExpPLEEmbeddingMethod
+    VLLM.expect(
+        params(method.lookup_dtype) == ["self", "layer"]
+        and "org_vocab_end_index" in method.lookup_from_pinned.__code__.co_names,
+        "Qwen4ExpPLEEmbeddingMethod's lookup",
+    )
+    VLLM.expect(
+        params(nvfp4.dequantize_to_dtype)[:4]
+        == ["tensor_fp4", "tensor_sf", "global_scale", "dtype"]
+        and "swizzle" in params(nvfp4.dequantize_to_dtype),
+        "nvfp4_emulation_utils.dequantize_to_dtype",
+    )

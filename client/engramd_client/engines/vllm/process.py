@@ -95,13 +95,16 @@ class Process:
         leader: bool = True,
         broadcast: Callable[[Refusal | None], Refusal | None] | None = None,
         engine_tables: Pattern | None = None,
+        instead: Callable[[Any], str] | None = None,
     ) -> bool:
         """Whether engramd serves this process's `family` tables (decided once per process).
 
         The leader asks the daemon for the checkpoint's tables; `broadcast`
         (vLLM's collective) hands its answer to every rank of the group.
         `engine_tables`: the checkpoint names vLLM loads as the family's
-        tables, where vLLM's own pattern does not name them all.
+        tables, where vLLM's own pattern does not name them all. `instead`:
+        given vLLM's config where engramd does not serve (auto mode), what runs
+        in its place, for the one warning (default: vLLM allocates its tables).
         """
         if self.serve is not None:
             return self.serve
@@ -118,7 +121,10 @@ class Process:
             probe(checkpoint_folder(config), pattern, family.selection)
 
         refusal = decide(ask, leader=leader, broadcast=broadcast)
-        self.serve = settle(refusal, share_mode(), family.tables, engine_path(family), log)
+        path = engine_path(family)
+        if refusal is not None and instead is not None and not share_mode():
+            path = instead(config)
+        self.serve = settle(refusal, share_mode(), family.tables, path, log)
         if self.serve:
             self.folder = checkpoint_folder(config)
         return self.serve
