@@ -471,6 +471,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     ) -> None:
         """Wait for `n` bytes of the rate cap; end the stream if its transfer process died."""
         await self._cap.take(n)
+        self._store.leases.stats.served(n)
         if ended := export.ended():
             # A peer wrote into the read-only copy, or read outside it.
             log.warning(

@@ -44,7 +44,9 @@ def _columns() -> int:
 
 
 def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
-    typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
+    from engramd.cli.reach import unanswered
+
+    typer.echo(unanswered(socket, str(e.details())), err=True)
     return typer.Exit(1)
 
 
@@ -89,7 +91,9 @@ def status(
         try:
             text = render(fetch(socket, admin), _columns())
         except grpc.RpcError as e:
-            text = f"engramd is not answering on {socket}: {e.details()}"
+            from engramd.cli.reach import unanswered
+
+            text = unanswered(socket, str(e.details()))
         # Home the cursor and clear, so the table redraws in place (written
         # directly: typer.echo strips escape codes when not on a terminal).
         sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")
