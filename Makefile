@@ -25,7 +25,8 @@ $(VENV)/.installed: pyproject.toml requirements-nixl.txt
 	$(PIP) --no-deps -r requirements-nixl.txt
 	touch $@
 
-# The deployment tests verify the systemd units with systemd-analyze, and the
+# The deployment tests verify the systemd units with systemd-analyze and the alert rules
+# with promtool (Debian's prometheus), and the
 # fleet tests make network namespaces with ip (iproute2) and start s3rver (npm):
 # as root on a Debian-like machine, install what is missing (elsewhere those
 # tests say why they skip). s3rver goes to .tools/, beside the checkout.
@@ -37,6 +38,8 @@ test-tools: $(S3RVER)
 	  || { apt-get update -qq && apt-get install -y -qq systemd >/dev/null; }
 	@command -v ip >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
 	  || { apt-get update -qq && $(APT_GET) iproute2 >/dev/null; }
+	@command -v promtool >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || { apt-get update -qq && $(APT_GET) prometheus >/dev/null; }
 
 $(S3RVER):
 	@command -v npm >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \

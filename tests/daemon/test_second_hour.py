@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
+import shutil
 import subprocess
 import sys
 import urllib.request
@@ -14,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from fleet_nodes import nixl_missing, serving
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
@@ -345,3 +348,43 @@ def test_a_set_no_configured_checkpoint_names_is_marked_with_the_drop_command(
     text = engramd("status", "--socket", str(d.socket)).stdout
     assert f"`engramd drop {s['set_id']}` frees it" in text, text
     assert "named by no configured --checkpoint" in text
+
+
+# -- 7. dashboards and alerts -------------------------------------------------------------
+
+
+def _named_metrics() -> set[str]:
+    """Every engramd metric the alert rules and the dashboard's panels name."""
+    rules = yaml.safe_load((MONITORING / "engramd-alerts.yml").read_text())
+    exprs = [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    dashboard = json.loads((MONITORING / "engramd-dashboard.json").read_text())
+    exprs += [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    assert exprs
+    return {m for e in exprs for m in re.findall(r"\bengramd_[a-z_]+", e)}
+
+
+def test_the_alert_rules_pass_promtool() -> None:
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.skip("promtool is missing: `make test-tools` installs Debian's prometheus")
+    run = subprocess.run(
+        [promtool, "check", "rules", str(MONITORING / "engramd-alerts.yml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "SUCCESS: 5 rules found" in run.stdout, run.stdout
+
+
+def test_every_metric_the_rules_and_panels_name_is_exported(checkpoint: Path, daemons: Any) -> None:
+    port = free_port()
+    daemons("--checkpoint", str(checkpoint), "--metrics-port", str(port))
+    exported = set()
+    for line in _metrics(port).splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            exported |= {name, f"{name}_total"} if kind == "counter" else {name}
+    named = _named_metrics()
+    assert {"engramd_fallback_replicas", "engramd_set_bytes", "engramd_ready"} <= named
+    assert named - exported == set()
