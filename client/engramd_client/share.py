@@ -214,8 +214,9 @@ def _leave_record(
     )
     fd = leave_record(config.socket, record)
     if fd is None:
-        _warn_once(
-            "record",
+        # Info, not a second warning: a fallback gives one.
+        log.info(
+            "%s",
             f"this replica cannot leave its record in {folder_for(config.socket)} (no such "
             "folder, or this user is not in the socket's group): `engramd status` will not "
             "list it among the replicas that fell back",

@@ -61,7 +61,7 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
 
     text = engramd("status", "--socket", str(d.socket))
     assert text.returncode == 0
-    assert s["set_id"] in text.stdout and "dp_rank=3" in text.stdout
+    assert s["set_id"] in text.stdout and "dp 3, tp 0" in text.stdout
 
 
 def test_status_without_daemon_exits_1(sock_dir: Path) -> None:
