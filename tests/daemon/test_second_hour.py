@@ -22,11 +22,15 @@ from fleet_nodes import nixl_missing, serving
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.testing.fleet_lab import UCX_TCP, Net, free_port
 from engramd_client import plan_tables
-from engramd_shared.fallbacks import folder_for
 from helpers import engramd
 
 ROOT = Path(__file__).resolve().parents[2]
 MONITORING = ROOT / "deploy" / "monitoring"
+
+
+def folder_for(socket: str) -> Path:
+    """Where workers that fall back leave their records: beside the daemon's socket."""
+    return Path(socket).parent / "fallbacks"
 
 
 def _wide(*args: str) -> subprocess.CompletedProcess[str]:
