@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # click's own help: at 80 columns rich's option tables cut flags and variable names short.
+    rich_markup_mode=None,
+    # As wide as the terminal (click stops at 80 by default).
+    context_settings={"max_content_width": 1000},
     help="One copy of the Engram tables per node, shared by every worker.",
 )
 app.command()(serve)

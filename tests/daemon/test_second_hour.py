@@ -20,6 +20,7 @@ import yaml
 from fleet_nodes import nixl_missing, serving
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
+from engramd.config import flags
 from engramd.testing.fleet_lab import UCX_TCP, Net, free_port
 from engramd_client import plan_tables
 from helpers import engramd
@@ -393,3 +394,19 @@ def test_every_metric_the_rules_and_panels_name_is_exported(checkpoint: Path, da
     named = _named_metrics()
     assert {"engramd_fallback_replicas", "engramd_set_bytes", "engramd_ready"} <= named
     assert named - exported == set()
+
+
+def test_serve_help_at_80_columns_cuts_no_flag_or_variable() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "engramd", "serve", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "80"},
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert max(len(line) for line in shown.stdout.splitlines()) <= 80, shown.stdout
+    assert "…" not in shown.stdout
+    words = set(re.findall(r"[\w-]+", shown.stdout))
+    for flag in flags():
+        assert flag.env in words and flag.option in words, flag
