@@ -67,7 +67,7 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
     # strings; byte counts are far below 2**53, so give scripts numbers.
     for section in (doc["shm"], *doc["sets"], *doc["backings"], *doc["fallbacks"]):
         for key, value in section.items():
-            if key.endswith("bytes") or key in ("bytes", "bytes_loaded", "page_size"):
+            if key.endswith("bytes") or key in ("bytes_loaded", "page_size"):
                 section[key] = int(value)
     for s, info in zip(doc["sets"], reply.sets, strict=True):
         s["saved_bytes"] = saved_bytes(info)
@@ -219,9 +219,11 @@ def _ranks(labels: Mapping[str, str]) -> str:
 
 
 def _other_labels(labels: Mapping[str, str]) -> str:
-    shown = (*_ENGINE_LABELS,)
+    """The labels that ENGINE and RANKS do not show."""
     return " ".join(
-        f"{k}={v}" for k, v in sorted(labels.items()) if k not in shown and not k.endswith("_rank")
+        f"{k}={v}"
+        for k, v in sorted(labels.items())
+        if k not in _ENGINE_LABELS and not k.endswith("_rank")
     )
 
 
@@ -300,7 +302,7 @@ def _fallbacks(reply: pb.StatusReply) -> Table:
             Text(escape(f.cause)),
             _ago(f.since_s),
             gib(f.bytes),
-            f.set_id,
+            Text(escape(f.set_id)),
         )
         table.add_row("", Text(f"why: {escape(f.reason)}", style="yellow"), end_section=True)
     table.columns[6].justify = "right"
@@ -403,6 +405,10 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
         parts += _unconfigured(reply)
     if reply.fallbacks:
         parts.append(_fallbacks(reply))
+        held = sum(f.bytes for f in reply.fallbacks)
+        parts.append(
+            Text(f"host memory held privately by {len(reply.fallbacks)} replicas: {gib(held)}")
+        )
         if any(not f.pid_verified for f in reply.fallbacks):
             parts.append(Text("(pid? as the worker said: another pid namespace, or unverified)"))
     if any(lease.stale for s in reply.sets for lease in s.leases):
