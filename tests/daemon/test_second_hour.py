@@ -280,6 +280,20 @@ def test_a_fill_whose_own_transfer_process_cannot_start_names_this_node(
     assert "offers the set" not in d.log, d.log
 
 
+@pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")
+def test_a_fill_from_a_peer_no_one_answers_for_names_the_network(
+    checkpoint: Path, daemons: Any, token_file: Path
+) -> None:
+    port = free_port()
+    d = daemons(
+        *("--checkpoint", str(checkpoint), "--peers", f"127.0.0.1:{port}"),
+        *("--peer-token-file", str(token_file)),
+    )
+    assert _status(d)["daemon"]["ready"]
+    assert f"peer 127.0.0.1:{port}: UNAVAILABLE: the network: this node cannot reach" in d.log
+    assert "--peer-listen" in d.log, d.log
+
+
 def test_a_disk_folder_the_daemon_cannot_write_names_user_mode_and_fix(
     checkpoint: Path, sock_dir: Path, tmp_path: Path
 ) -> None:
