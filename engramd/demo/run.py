@@ -234,22 +234,22 @@ def _demo(rows: int, replicas: int, steps: int, tokens: int, workdir: Path | Non
         shared = _start_replicas(
             checkpoint, daemon.socket, "auto", replicas, steps, tokens, started
         )
-        shared_mem = [r.memory() for r in shared]
-        daemon_uss = psutil.Process(daemon.pid).memory_full_info().uss
-        status = daemon.status()
-        # The shm folder's, or the huge-page tmpfs the daemon mounted over its sets root.
-        shm_used = status.shm.used_bytes
-        leases = len(status.sets[0].leases)
-
         _say("starting 1 private replica (it loads its own copy of the tables)", started)
         [private] = _start_replicas(checkpoint, daemon.socket, "off", 1, steps, tokens, started)
-        private_mem = private.memory()
         _say(
             f"{turns(replicas)} turns of {steps} checked lookup steps, one replica at a time: "
             "a shared replica's and the private one's, in alternating order",
             started,
         )
         shared_runs, private_runs = _turns(shared, private, steps, started)
+        # Measured once every replica ran its lookups (their buffers held, the tables touched).
+        shared_mem = [r.memory() for r in shared]
+        private_mem = private.memory()
+        daemon_uss = psutil.Process(daemon.pid).memory_full_info().uss
+        status = daemon.status()
+        # engramd's sets in the shm folder (or the huge-page tmpfs over its sets root).
+        shm_used = status.shm.used_bytes
+        leases = len(status.sets[0].leases)
         for r in (*shared, private):
             r.close()
 

@@ -9,12 +9,14 @@ few small reads of a tmpfs folder: done on the event loop.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from engramd.sets.leases import Stats
+from engramd.units import gib
 from engramd_shared.errors import CAUSES
 from engramd_shared.fallbacks import FallbackRecord, folder_for, read_records
 from engramd_shared.process import pid_namespace, start_ticks
@@ -23,6 +25,8 @@ from engramd_shared.process import pid_namespace, start_ticks
 OTHER_CAUSE = "other"
 
 _PID_NAMESPACE = pid_namespace()
+
+log = logging.getLogger("engramd")
 
 
 @dataclass(frozen=True)
@@ -64,6 +68,14 @@ class FallbackBook:
             names.add(r.name)
             if r.name not in self._counted:
                 self._stats.fallback(fallback.cause)
+                log.info(
+                    "pid %d (uid %d) fell back to private tables (%s, set %s, %s)",
+                    r.record.pid,
+                    r.uid,
+                    fallback.cause,
+                    r.record.set_id,
+                    gib(r.record.nbytes),
+                )
             found.append(fallback)
         # Only the live ones are remembered: a name is never reused while its file exists.
         self._counted = names
