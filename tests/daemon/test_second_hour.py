@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import yaml
-from fleet_nodes import nixl_missing, serving
+from fleet_nodes import nixl_missing, ready_set, receiving, serving
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.config import flags
@@ -292,6 +292,40 @@ def test_a_fill_from_a_peer_no_one_answers_for_names_the_network(
     assert _status(d)["daemon"]["ready"]
     assert f"peer 127.0.0.1:{port}: UNAVAILABLE: the network: this node cannot reach" in d.log
     assert "--peer-listen" in d.log, d.log
+
+
+def _metrics_in(netns: str, port: int) -> str:
+    """A scrape of the metrics port a daemon in `netns` serves on its loopback."""
+    scrape = f"import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:{port}/metrics').read().decode())"
+    run = subprocess.run(
+        [*Net.run_in(netns), sys.executable, "-c", scrape],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout
+
+
+@pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")
+def test_bytes_served_to_peers_and_received_by_source_are_counted(
+    net: Net, nodes: Any, checkpoint: Path, token_file: Path
+) -> None:
+    a, b = nodes("a"), nodes("b")
+    port_a, port_b = free_port(), free_port()
+    serving(a, checkpoint, net, token_file, "--metrics-port", str(port_a))
+    rb = receiving(b, checkpoint, net, token_file, "--metrics-port", str(port_b))
+    s = ready_set(rb)
+    assert s.source == f"peer {net.ip_a}:7077", rb.log
+    served = _sample(_metrics_in(net.a, port_a), "engramd_peer_served_bytes_total")
+    assert served >= s.bytes, served
+    received = _metrics_in(net.b, port_b)
+    peer = f"{net.ip_a}:7077"
+    assert _sample(received, "engramd_received_bytes_total", source=peer) == s.bytes
+    # The serving node loaded its own from the files.
+    assert _sample(_metrics_in(net.a, port_a), "engramd_received_bytes_total", source="files") == (
+        s.bytes
+    )
 
 
 def test_a_disk_folder_the_daemon_cannot_write_names_user_mode_and_fix(
