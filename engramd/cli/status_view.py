@@ -278,8 +278,9 @@ def _leases(reply: pb.StatusReply) -> Table:
     return _whole(table)
 
 
-def _fallbacks(reply: pb.StatusReply) -> Table:
-    """The replicas holding private tables, each with why (their records beside the socket)."""
+def _fallbacks(reply: pb.StatusReply) -> Group:
+    """The replicas holding private tables, then why each did (their records beside the
+    socket): a line each under the table, which a long reason would otherwise widen."""
     table = Table(
         "PID",
         "UID",
@@ -304,9 +305,9 @@ def _fallbacks(reply: pb.StatusReply) -> Table:
             gib(f.bytes),
             Text(escape(f.set_id)),
         )
-        table.add_row("", Text(f"why: {escape(f.reason)}", style="yellow"), end_section=True)
     table.columns[6].justify = "right"
-    return _whole(table)
+    why = [Text(f"pid {f.pid}: {escape(f.reason)}", style="yellow") for f in reply.fallbacks]
+    return Group(_whole(table), *why)
 
 
 def _unconfigured(reply: pb.StatusReply) -> list[Text]:
@@ -405,9 +406,9 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
         parts += _unconfigured(reply)
     if reply.fallbacks:
         parts.append(_fallbacks(reply))
-        held = sum(f.bytes for f in reply.fallbacks)
+        held, n = sum(f.bytes for f in reply.fallbacks), len(reply.fallbacks)
         parts.append(
-            Text(f"host memory held privately by {len(reply.fallbacks)} replicas: {gib(held)}")
+            Text(f"host memory held privately by {n} replica{'' if n == 1 else 's'}: {gib(held)}")
         )
         if any(not f.pid_verified for f in reply.fallbacks):
             parts.append(Text("(pid? as the worker said: another pid namespace, or unverified)"))

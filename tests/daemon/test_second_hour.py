@@ -101,7 +101,7 @@ def test_a_replica_that_falls_back_on_a_small_tmpfs_is_listed_and_counted(
         text = engramd("status", "--socket", str(d.socket)).stdout
         assert "replicas that fell back to private tables" in text, text
         assert str(w.proc.pid) in text and "capacity" in text and "vllm" in text
-        assert "tp 1" in text and "host memory held privately by 1 replicas" in text
+        assert "tp 1" in text and "host memory held privately by 1 replica: 20" in text
         assert _sample(_metrics(port), "engramd_fallbacks_total", cause="capacity") == 1
         assert _sample(_metrics(port), "engramd_fallback_replicas", cause="capacity") == 1
 
