@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml requirements-nixl.txt
 	$(PIP) --no-deps -r requirements-nixl.txt
 	touch $@
 
-# The deployment tests verify the systemd units with systemd-analyze and build and
-# run the image with podman (a base from debootstrap; runc), and the
+# The deployment tests verify the systemd units with systemd-analyze, the alert rules
+# with promtool (Debian's prometheus), and build and run the image with podman (a base
+# from debootstrap; runc), and the
 # fleet tests make network namespaces with ip (iproute2) and start s3rver (npm):
 # as root on a Debian-like machine, install what is missing (elsewhere those
 # tests say why they skip). s3rver goes to .tools/, beside the checkout.
@@ -41,6 +42,8 @@ test-tools: $(S3RVER)
 	@command -v podman >/dev/null && command -v debootstrap >/dev/null && command -v runc >/dev/null \
 	  || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
 	  || { apt-get update -qq && $(APT_GET) podman buildah debootstrap runc >/dev/null; }
+	@command -v promtool >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \
+	  || { apt-get update -qq && $(APT_GET) prometheus >/dev/null; }
 
 $(S3RVER):
 	@command -v npm >/dev/null || [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null \

@@ -108,6 +108,67 @@ def flags() -> list[Flag]:
     return found
 
 
+#: What a --config file's value must be, by the type a field declares.
+_EXPECTED: dict[Any, str] = {
+    bool: "true or false",
+    int: "a whole number",
+    float: "a number",
+    str: "text in quotes",
+}
+#: TOML's names of the values a file may hold.
+_TOML_TYPES: dict[type, str] = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    str: "text",
+    list: "an array",
+    dict: "a table",
+}
+
+
+def expected(flag: Flag) -> str:
+    """What a --config file must give `flag`'s key, from the field's declaration."""
+    one = _expected_one(flag)
+    if typing.get_origin(flag.type) is list:
+        return f"{one}, or an array of them"
+    return one
+
+
+def _expected_one(flag: Flag) -> str:
+    if flag.setting.parse is parse_size:
+        return 'a size: a number of bytes, or text with a unit ("2M", "200G")'
+    if flag.setting.parse is not None:
+        return "text in quotes"
+    return _EXPECTED.get(flag.type, "text in quotes")
+
+
+def toml_value_error(flag: Flag, value: object) -> str | None:
+    """Why `value`, as a --config file gives it, cannot be `flag`'s (None: it can).
+
+    Judged from the field's declared type (and its parse), for every setting
+    alike: TOML's true/false for a switch, a number for a number, text for a
+    path or a name, a number or text for a size.
+    """
+    items = value if typing.get_origin(flag.type) is list and isinstance(value, list) else [value]
+    if all(_fits(flag, v) for v in items):
+        return None
+    return f"expected {expected(flag)}, got {value!r} ({_TOML_TYPES.get(type(value), 'a value')})"
+
+
+def _fits(flag: Flag, value: object) -> bool:
+    if flag.setting.parse is parse_size:
+        return isinstance(value, str) or (isinstance(value, int) and not isinstance(value, bool))
+    if flag.setting.parse is not None or typing.get_origin(flag.type) is list:
+        return isinstance(value, str)
+    if flag.type is bool:
+        return isinstance(value, bool)
+    if flag.type is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if flag.type is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
 @dataclass
 class DaemonConfig:
     """Everything `create_server` needs; every field has a working default."""

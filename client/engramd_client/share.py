@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,7 @@ from engramd_shared.errors import (
     ShareError,
     UnknownSet,
 )
+from engramd_shared.fallbacks import MAX_REASON, FallbackRecord, folder_for, leave_record
 from engramd_shared.families import family_of_selection
 from engramd_shared.fileid import SourceFile
 from engramd_shared.pb import engramd_pb2 as pb
@@ -166,12 +168,13 @@ def _attach(
             f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
         )
         _warn_once(e.cause, reason)
-        if not isinstance(e, DaemonUnavailable | NotAllowed):
-            # The daemon answered but cannot serve: count it where operators look.
-            report_fallback(config, e.cause, plan.set_id, plan.nbytes)
         tables = Tables.private(
             plan, rows, reason=reason, thp=config.private_thp, pad_rows=pad_rows
         )
+        recorded = _leave_record(config, e, plan, reason, labels, tables)
+        if not recorded and not isinstance(e, DaemonUnavailable | NotAllowed):
+            # No record beside the socket (an older daemon): the daemon answered, count it.
+            report_fallback(config, e.cause, plan.set_id, plan.nbytes)
     tables.reattach = functools.partial(
         attach,
         checkpoint,
@@ -185,6 +188,42 @@ def _attach(
         pad_rows=pad_rows,
     )
     return tables
+
+
+def _leave_record(
+    config: ClientConfig,
+    error: ShareError,
+    plan: TablePlan,
+    reason: str,
+    labels: Mapping[str, str] | None,
+    tables: Tables,
+) -> bool:
+    """Leave the record `engramd status` lists this replica by (engramd_shared/fallbacks.py),
+    held until `tables` close; where it cannot be left, say so once (False)."""
+    record = FallbackRecord(
+        pid=os.getpid(),
+        pid_namespace=pid_namespace(),
+        pid_start=start_ticks(os.getpid()) or 0,
+        set_id=plan.set_id,
+        checkpoint=str(plan.checkpoint),
+        cause=error.cause,
+        reason=reason[:MAX_REASON],
+        nbytes=plan.nbytes,
+        since=time.time(),
+        labels={str(k): str(v) for k, v in (labels or {}).items()},
+    )
+    fd = leave_record(config.socket, record)
+    if fd is None:
+        # Info, not a second warning: a fallback gives one.
+        log.info(
+            "%s",
+            f"this replica cannot leave its record in {folder_for(config.socket)} (no such "
+            "folder, or this user is not in the socket's group): `engramd status` will not "
+            "list it among the replicas that fell back",
+        )
+        return False
+    tables.when_closed(functools.partial(os.close, fd))
+    return True
 
 
 def _parts_of(attachment: pb.Attachment) -> dict[str, tuple[str, ...]]:

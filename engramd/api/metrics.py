@@ -15,7 +15,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry
@@ -24,7 +24,9 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 from engramd.api.sockets import REQUEST_TIMEOUT_S, TCP_CONNECTIONS
+from engramd.api.wire import own_usage
 from engramd.backings import Usage
+from engramd.sets.fallbacks import FallbackBook
 from engramd.sets.leases import LeaseBook
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import SetState
@@ -57,6 +59,10 @@ class SetSample:
     by_source: dict[str, int]
     #: Bytes of a disk-backed set in the page cache; None for a set held in memory whole.
     cached: int | None
+    #: The checkpoint it was loaded from (a folder, or s3://bucket/prefix).
+    checkpoint: str
+    #: Seconds since its oldest lease began (None: no lease).
+    oldest_lease_s: float | None
 
 
 def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
@@ -82,24 +88,49 @@ def _sample(store: SetStore) -> tuple[list[SetSample], list[tuple[str, Usage]]]:
                 ts.source,
                 ts.bytes_by_source,
                 cached_bytes(ts),
+                ts.checkpoint,
+                max((now - lease.started for lease in LeaseBook.listed(ts)), default=None),
             )
         )
-    return samples, [(b.name, b.usage()) for b in store.backings]
+    return samples, [(b.name, own_usage(store, b)) for b in store.backings]
 
 
 class StoreCollector(Collector):
     """Reads the daemon's state on each scrape (on the event loop); nothing is updated on the
     hot path."""
 
-    def __init__(self, store: SetStore) -> None:
+    def __init__(
+        self,
+        store: SetStore,
+        fallbacks: FallbackBook | None = None,
+        configured: Callable[[], set[str]] | None = None,
+    ) -> None:
         self._store = store
         self._stats = store.leases.stats
+        self._fallbacks = fallbacks
+        self._configured = configured or (lambda: set())
+        self._started = time.time()
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """One scrape's worth of metrics."""
         sets, usages = _sample(self._store)
         ready = self._store.ready
-        copy = ["set_id", "node"]
+        yield from self._sets(sets)
+        yield from self._moved()
+        yield from self._replicas()
+        yield from self._backings(usages)
+        yield GaugeMetricFamily(
+            "engramd_ready", "1 once every configured set is ready", 1 if ready else 0
+        )
+        yield GaugeMetricFamily(
+            "engramd_start_time_seconds",
+            "When this daemon started (seconds since the epoch): a restart moves it",
+            self._started,
+        )
+
+    def _sets(self, sets: list[SetSample]) -> Iterator[GaugeMetricFamily]:
+        configured = self._configured()
+        copy = ["set_id", "node", "checkpoint"]
         set_bytes = GaugeMetricFamily(
             "engramd_set_bytes", "Bytes of a set's tensors", labels=[*copy, "backing", "state"]
         )
@@ -122,20 +153,53 @@ class StoreCollector(Collector):
             "Bytes of a disk-backed set in the page cache",
             labels=copy,
         )
+        oldest = GaugeMetricFamily(
+            "engramd_set_oldest_lease_seconds",
+            "Seconds since the set's oldest lease began (sets with leases only)",
+            labels=copy,
+        )
+        unconfigured = GaugeMetricFamily(
+            "engramd_set_unconfigured",
+            "1 for a set no configured checkpoint names (engramd drop frees it)",
+            labels=copy,
+        )
         for s in sets:
+            key = [s.set_id, s.node, s.checkpoint]
             if s.cached is not None:
-                cached.add_metric([s.set_id, s.node], s.cached)
+                cached.add_metric(key, s.cached)
             for name, n in s.by_source.items():
-                by_source.add_metric([s.set_id, s.node, name], n)
-            set_bytes.add_metric([s.set_id, s.node, s.backing, s.state], s.nbytes)
-            leases.add_metric([s.set_id, s.node], s.leases)
-            locked.add_metric([s.set_id, s.node], 1 if s.locked else 0)
-            loaded.add_metric([s.set_id, s.node], s.loaded)
+                by_source.add_metric([*key, name], n)
+            set_bytes.add_metric([*key, s.backing, s.state], s.nbytes)
+            leases.add_metric(key, s.leases)
+            locked.add_metric(key, 1 if s.locked else 0)
+            loaded.add_metric(key, s.loaded)
             if s.rate is not None:
-                rate.add_metric([s.set_id, s.node], s.rate)
+                rate.add_metric(key, s.rate)
             if s.source:
-                source.add_metric([s.set_id, s.node, s.source], 1)
-        yield from (set_bytes, leases, locked, loaded, rate, source, by_source, cached)
+                source.add_metric([*key, s.source], 1)
+            if s.oldest_lease_s is not None:
+                oldest.add_metric(key, s.oldest_lease_s)
+            unconfigured.add_metric(key, 0 if s.set_id in configured else 1)
+        yield from (set_bytes, leases, locked, loaded, rate, source, by_source, cached, oldest)
+        yield unconfigured
+
+    def _moved(self) -> Iterator[CounterMetricFamily]:
+        received, served = self._stats.moved()
+        by_source = CounterMetricFamily(
+            "engramd_received_bytes",
+            "Bytes finished loads took from each source (files, a peer HOST:PORT, s3://...)",
+            labels=["source"],
+        )
+        for name, n in received.items():
+            by_source.add_metric([name], n)
+        yield by_source
+        yield CounterMetricFamily(
+            "engramd_peer_served_bytes", "Bytes granted to peer daemons' fills", served
+        )
+
+    def _replicas(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        # Scanned first: a record new since the last sweep is counted in this scrape.
+        found = self._fallbacks.scan() if self._fallbacks is not None else []
         attached, fell_back = self._stats.snapshot()
         attaches = CounterMetricFamily("engramd_attaches", "Attaches answered", labels=["result"])
         for result, count in attached.items():
@@ -147,6 +211,27 @@ class StoreCollector(Collector):
         for cause, count in fell_back.items():
             fallbacks.add_metric([cause], count)
         yield fallbacks
+        replicas = GaugeMetricFamily(
+            "engramd_fallback_replicas",
+            "Replicas holding private tables now, by cause (their records beside the socket)",
+            labels=["cause"],
+        )
+        private = GaugeMetricFamily(
+            "engramd_fallback_bytes",
+            "Bytes of private tables those replicas hold, by cause",
+            labels=["cause"],
+        )
+        counts: collections.Counter[str] = collections.Counter()
+        held: collections.Counter[str] = collections.Counter()
+        for f in found:
+            counts[f.cause] += 1
+            held[f.cause] += max(f.record.nbytes, 0)
+        for cause in counts:
+            replicas.add_metric([cause], counts[cause])
+            private.add_metric([cause], held[cause])
+        yield from (replicas, private)
+
+    def _backings(self, usages: list[tuple[str, Usage]]) -> Iterator[GaugeMetricFamily]:
         first = usages[0][1]
         for name, value in (("total", first.total), ("used", first.used), ("free", first.free)):
             yield GaugeMetricFamily(
@@ -159,19 +244,23 @@ class StoreCollector(Collector):
             for backing, usage in usages:
                 family.add_metric([backing], getattr(usage, name))
             yield family
-        yield GaugeMetricFamily(
-            "engramd_ready", "1 once every configured set is ready", 1 if ready else 0
-        )
 
 
 class MetricsServer:
     """/metrics over HTTP on the event loop; start() binds, stop() closes every connection."""
 
-    def __init__(self, store: SetStore, address: str, port: int) -> None:
+    def __init__(
+        self,
+        store: SetStore,
+        address: str,
+        port: int,
+        fallbacks: FallbackBook | None = None,
+        configured: Callable[[], set[str]] | None = None,
+    ) -> None:
         self._address = address
         self._port = port
         self._registry = CollectorRegistry()
-        self._registry.register(StoreCollector(store))
+        self._registry.register(StoreCollector(store, fallbacks, configured))
         self._server: asyncio.Server | None = None
         self._open: set[asyncio.Task[None]] = set()
         self._by_address: collections.Counter[str] = collections.Counter()

@@ -47,7 +47,7 @@ from engramd.sets.tableset import TableSet
 from engramd.sources.base import WINDOW_BYTES, SourceFailed
 from engramd.sources.filling import Filling, FillingSets
 from engramd.sources.netdev import interface_of
-from engramd.sources.nixlxfer import Agent, nixl_build, spare
+from engramd.sources.nixlxfer import Agent, TransferFailed, nixl_build, spare
 from engramd.sources.regions import Region, close_all
 from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd.strong import Digests, digest_views, set_pieces
@@ -352,6 +352,15 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 export = await self._pool.run(
                     opening.make, served, receiver_address(context.peer())
                 )
+            except TransferFailed as e:
+                # This node's side, not the receiver's: said so, with where the fix is.
+                log.warning("peer %s: %s", context.peer(), e)
+                await context.abort(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"the serving peer's own transfer process failed ({e}); the fix is on "
+                    "that node (its log names it)",
+                )
+                return
             except Exception as e:
                 await abort(context, e)
                 return
@@ -480,6 +489,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     ) -> None:
         """Wait for `n` bytes of the rate cap; end the stream if its transfer process died."""
         await self._cap.take(n)
+        self._store.leases.stats.served(n)
         if ended := export.ended():
             # A peer wrote into the read-only copy, or read outside it.
             log.warning(

@@ -35,6 +35,7 @@ from engramd.api.sockets import (
     REQUEST_TIMEOUT_S,
     HealthCheckOnly,
     RequestDeadline,
+    claim_records_folder,
     claim_socket,
     secure_socket,
     tcp_server,
@@ -66,6 +67,7 @@ class Listeners:
         self._config = config
         self._gid = gid
         self._store = sets.store
+        self._sets = sets
         self.service = TableService(config, sets)
         self.health = health_aio.HealthServicer()
         self.fd_channel = FdChannel(
@@ -109,6 +111,7 @@ class Listeners:
         """Take the sockets' paths: refuse when another daemon serves there, else clear them."""
         for path in self.sockets():
             claim_socket(path, self._gid)
+        claim_records_folder(self._config.socket, self._gid)
 
     async def start(self) -> None:
         """Bind and serve, health NOT_SERVING until `serving()`."""
@@ -135,7 +138,13 @@ class Listeners:
             # are a tenth of the daemon's imports, paid on every restart.
             from engramd.api.metrics import MetricsServer
 
-            self._metrics = MetricsServer(self._store, config.metrics_address, config.metrics_port)
+            self._metrics = MetricsServer(
+                self._store,
+                config.metrics_address,
+                config.metrics_port,
+                self._sets.fallbacks,
+                self._sets.configured_ids,
+            )
             await self._metrics.start()
             log.info(
                 "metrics on http://%s:%d/metrics",

@@ -130,6 +130,8 @@ class TableService(pb_grpc.TableServiceServicer):
             self._config.worker_share_per_uid,
             self._config.worker_set_grace,
             self._sets.failed_configured(),
+            self._sets.fallbacks.scan(),
+            self._sets.configured_ids(),
         )
 
 

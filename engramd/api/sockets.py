@@ -11,6 +11,7 @@ each connection's streams and the calls in flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import functools
 import grp
@@ -30,6 +31,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.config import DaemonConfig
 from engramd.errors import DecodeGuard, NotInSocketGroup, UntrustedSocketFolder
+from engramd_shared.fallbacks import FOLDER_MODE, folder_for
 
 log = logging.getLogger("engramd")
 
@@ -164,6 +166,39 @@ _FIX_FOLDER = (
     "engramd's user (chown <user> {folder}; chmod 0750 {folder}; the unit's "
     "RuntimeDirectory=, the DaemonSet's init container)"
 )
+
+
+def claim_records_folder(socket_path: str, gid: int | None) -> None:
+    """Make (or take back) the folder beside the socket where workers that fall back leave
+    their records (engramd_shared/fallbacks.py): the daemon's, its socket group's to write in.
+
+    Best effort: without it, workers that cannot reach the daemon go unseen (a warning says so).
+    """
+    folder = folder_for(socket_path)
+    try:
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+        fd = os.open(folder, os.O_PATH | os.O_NOFOLLOW | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning(
+            "cannot make %s, where workers that fall back to private tables leave a record "
+            "(%s): engramd status will not list them",
+            folder,
+            e,
+        )
+        return
+    try:
+        if os.fstat(fd).st_uid != os.geteuid():
+            log.warning(
+                "%s is not engramd's (uid %d): its records are not read", folder, os.geteuid()
+            )
+            return
+        # chmod drops the setgid bit on a chown: the group first.
+        if gid is not None:
+            os.chown(f"/proc/self/fd/{fd}", -1, gid)
+        os.chmod(f"/proc/self/fd/{fd}", FOLDER_MODE)
+    finally:
+        os.close(fd)
 
 
 def claim_socket(path: str, gid: int | None) -> None:

@@ -5,12 +5,15 @@ The other direction, requests as the sets' values, is requests.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
 
 from engramd import __version__
+from engramd.backings import Backing, Usage
 from engramd.backings.handles import CuMemRange, FileRange, Handle, HandleKind, PathRange
+from engramd.sets.fallbacks import Fallback
 from engramd.sets.intents import GpuRoute, Progress
 from engramd.sets.leases import STATUS_LEASES, Lease, LeaseBook
 from engramd.sets.store import SetStore
@@ -123,6 +126,36 @@ def _load_seconds(ts: TableSet, now: float) -> float:
     return ts.load_seconds
 
 
+def own_usage(store: SetStore, backing: Backing) -> Usage:
+    """`backing`'s usage with `used` the bytes of this daemon's own sets in it (a file
+    system's own count holds other daemons' sets and unrelated files)."""
+    u = backing.usage()
+    own = sum(ts.nbytes for ts in store.held() if ts.backing is backing)
+    return dataclasses.replace(u, used=own)
+
+
+def _marked(info: pb.SetInfo, configured: set[str] | None) -> pb.SetInfo:
+    info.unconfigured = configured is not None and info.set_id not in configured
+    return info
+
+
+def fallback_info(f: Fallback, now: float) -> pb.FallbackInfo:
+    """A replica holding private tables, as the wire says it."""
+    r = f.record
+    return pb.FallbackInfo(
+        pid=r.pid,
+        uid=f.uid,
+        pid_verified=f.pid_verified,
+        set_id=r.set_id,
+        checkpoint=r.checkpoint,
+        cause=r.cause,
+        reason=r.reason,
+        bytes=max(r.nbytes, 0),
+        since_s=max(now - r.since, 0.0),
+        labels=r.labels,
+    )
+
+
 def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
     """A set and (at most STATUS_LEASES of) its leases."""
     now = time.monotonic() if now is None else now
@@ -192,14 +225,19 @@ def status_reply(
     worker_share_per_uid: float = 0.0,
     worker_set_grace_s: float = 0.0,
     failed_checkpoints: list[tuple[str, str]] | None = None,
+    fallbacks: list[Fallback] | None = None,
+    configured: set[str] | None = None,
 ) -> pb.StatusReply:
     """What the node holds; sets that `shown` refuses are listed without id, path or leases.
 
     `failed_checkpoints`: (checkpoint, why) of each configured checkpoint with no ready set.
+    `fallbacks`: the replicas holding private tables. `configured`: the set ids configured
+    checkpoints name (None: every set counts as configured).
     """
-    usages = [(b, b.usage()) for b in store.backings]
+    usages = [(b, own_usage(store, b)) for b in store.backings]
     u = usages[0][1]
     now = time.monotonic()
+    wall = time.time()
     return pb.StatusReply(
         daemon=pb.DaemonInfo(
             version=__version__,
@@ -223,9 +261,10 @@ def status_reply(
             page_size=u.page_size,
         ),
         sets=[
-            set_info(ts, now) if shown is None or shown(ts) else _withheld(ts)
+            _marked(set_info(ts, now), configured) if shown is None or shown(ts) else _withheld(ts)
             for ts in store.held()
         ],
+        fallbacks=[fallback_info(f, wall) for f in fallbacks or ()],
         backings=[
             pb.BackingInfo(
                 name=b.name,

@@ -35,7 +35,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pwd
+import stat
 import threading
+from pathlib import Path
 from typing import ClassVar
 
 from engramd.backings.base import Usage
@@ -79,6 +82,13 @@ class DiskBacking(TmpfsBacking):
         """Files under `config.disk_dir`."""
         holder = f"pid {os.getpid()}, socket {config.socket}"
         return cls(config.disk_dir, gid, allow_disk=True, huge_tmpfs=False, holder=holder)
+
+    def claim(self) -> None:
+        """Take the folder as tmpfs does; a folder this user may not write says whose it is."""
+        try:
+            super().claim()
+        except PermissionError as e:
+            raise PermissionError(_not_writable(self.shm_dir, e)) from None
 
     def _accept_filesystem(self, fstype: str) -> None:
         """Any local file system; a network one is refused."""
@@ -128,3 +138,27 @@ class DiskBacking(TmpfsBacking):
         finally:
             for fd in opened:
                 os.close(fd)
+
+
+def _not_writable(disk_dir: str, e: PermissionError) -> str:
+    """Which user may not write which folder (its owner and mode), and the fix."""
+
+    place = Path(e.filename or disk_dir)
+    while not place.exists() and place != place.parent:
+        place = place.parent
+    try:
+        st = place.stat()
+        owner = pwd.getpwuid(st.st_uid).pw_name
+        found = f"{place} is {owner}'s, mode {stat.S_IMODE(st.st_mode):04o}"
+    except (OSError, KeyError):
+        found = f"{place} cannot be read"
+    uid = os.geteuid()
+    try:
+        user = pwd.getpwuid(uid).pw_name
+    except KeyError:
+        user = str(uid)
+    return (
+        f"--disk-dir {disk_dir}: engramd runs as {user} (uid {uid}), which may not write there "
+        f"({found}); give the folder to that user (install -d -m 0750 -o {user} {disk_dir}, "
+        f"or chown {user} {disk_dir}), or point --disk-dir at a folder it owns"
+    )

@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
+    # click's own help: at 80 columns rich's option tables cut flags and variable names short.
+    rich_markup_mode=None,
+    # As wide as the terminal (click stops at 80 by default).
+    context_settings={"max_content_width": 1000},
     help="One copy of the Engram tables per node, shared by every worker.",
 )
 app.command()(serve)
@@ -44,7 +48,9 @@ def _columns() -> int:
 
 
 def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
-    typer.echo(f"engramd is not answering on {socket}: {e.details()}", err=True)
+    from engramd.cli.reach import unanswered
+
+    typer.echo(unanswered(socket, str(e.details())), err=True)
     return typer.Exit(1)
 
 
@@ -89,7 +95,9 @@ def status(
         try:
             text = render(fetch(socket, admin), _columns())
         except grpc.RpcError as e:
-            text = f"engramd is not answering on {socket}: {e.details()}"
+            from engramd.cli.reach import unanswered
+
+            text = unanswered(socket, str(e.details()))
         # Home the cursor and clear, so the table redraws in place (written
         # directly: typer.echo strips escape codes when not on a terminal).
         sys.stdout.write(f"\033[H\033[2J{time.strftime('%H:%M:%S')}  {text}\n")

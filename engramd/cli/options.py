@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -72,9 +73,39 @@ _CLIENT_KEYS = ("socket", "admin_socket")
 def read_config(path: Path) -> dict[str, Any]:
     """The TOML file `--config` names; an unreadable one is the flag's error."""
     try:
-        return tomllib.loads(path.read_text())
-    except (OSError, tomllib.TOMLDecodeError) as e:
+        text = path.read_text()
+    except OSError as e:
         raise typer.BadParameter(f"cannot read {path}: {e}", param_hint="--config") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise typer.BadParameter(toml_syntax(path, text, str(e)), param_hint="--config") from None
+
+
+#: tomllib's words for what is wrong, and what the file should say instead.
+_TOML_HINTS = {
+    "Invalid value": (
+        "a value must be true or false, a number, or text in quotes "
+        '(socket = "/run/engramd/engramd.sock", checkpoint = ["/models/a"])'
+    ),
+    "Expected '=' after a key": "each line is key = value (load_threads = 4); text goes in quotes",
+    "Cannot overwrite a value": "a key is given twice: keep one",
+    "Invalid statement": "each line is key = value; a comment starts with #",
+}
+
+
+def toml_syntax(path: Path, text: str, error: str) -> str:
+    """A TOML syntax error as the operator can fix it: what, where, the line, the rule."""
+    where = re.search(r"\(at line (\d+), column (\d+)\)", error)
+    what = error[: where.start()].strip() if where else error
+    message = f"{path} is not valid TOML: {what}"
+    if where:
+        line, column = int(where[1]), int(where[2])
+        lines = text.splitlines()
+        shown = lines[line - 1] if 0 < line <= len(lines) else ""
+        message += f" at line {line}, column {column}: {shown.strip()!r}"
+    hint = next((h for start, h in _TOML_HINTS.items() if what.startswith(start)), "")
+    return f"{message}; {hint}" if hint else message
 
 
 def _client_config(ctx: typer.Context, path: Path | None) -> Path | None:

@@ -18,7 +18,15 @@ import typer
 
 from engramd.cli.logs import setup_logging
 from engramd.cli.options import FLAGS, default, option, read_config
-from engramd.config import DaemonConfig
+from engramd.config import DaemonConfig, Flag, Setting, toml_value_error
+
+#: Every key a --config file may hold, as its flag: DaemonConfig's, and serve's own options
+#: (--log-level, --log-json) typed as `serve` declares them.
+FIELDS: dict[str, Flag] = {f.field: f for f in FLAGS} | {
+    name: Flag(name, "--" + name.replace("_", "-"), "", kind, None, Setting(""))
+    for name, kind in (("log_level", str), ("log_json", bool))
+}
+
 
 # Each command imports what it needs inside it: the daemon's modules (asyncio,
 # gRPC's server, the backings) cost `serve` nothing it does not use, and cost
@@ -44,6 +52,9 @@ def _read_config_file(ctx: typer.Context, path: Path | None) -> Path | None:
                 f"unknown key {key!r} in {path} (known: {', '.join(sorted(params))})",
                 param_hint="--config",
             )
+        wrong = toml_value_error(FIELDS[param.name], value)
+        if wrong is not None:
+            raise typer.BadParameter(f"key {key!r} in {path}: {wrong}", param_hint="--config")
         multiple = getattr(param, "multiple", False)
         value = [value] if multiple and isinstance(value, str) else value
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -64,7 +65,7 @@ def as_dict(reply: pb.StatusReply) -> dict[str, Any]:
     )
     # JSON has no 64-bit integers, so protobuf's mapping writes them as
     # strings; byte counts are far below 2**53, so give scripts numbers.
-    for section in (doc["shm"], *doc["sets"], *doc["backings"]):
+    for section in (doc["shm"], *doc["sets"], *doc["backings"], *doc["fallbacks"]):
         for key, value in section.items():
             if key.endswith("bytes") or key in ("bytes_loaded", "page_size"):
                 section[key] = int(value)
@@ -93,6 +94,7 @@ def _set_pages(s: pb.SetInfo) -> str:
 
 
 def _backings(reply: pb.StatusReply) -> Table:
+    # USED: engramd's own sets there; FREE and TOTAL: the file system's or memory's.
     table = Table("BACKING", "WHERE", "USED", "FREE", "TOTAL", "PAGES", "SETS", box=box.SIMPLE)
     if not reply.backings:  # a daemon older than the backings field
         shm = reply.shm
@@ -160,7 +162,7 @@ def _sets(reply: pb.StatusReply) -> Table:
         table.add_row(
             copy_name(s.set_id, s.numa_node if s.HasField("numa_node") else None),
             s.family or "custom",
-            s.state + ("*" if s.adopted else ""),
+            s.state + ("*" if s.adopted else "") + ("+" if s.unconfigured else ""),
             s.backing,
             _set_pages(s),
             gib(s.bytes),
@@ -223,11 +225,61 @@ def _source(s: pb.SetInfo) -> str:
     return source
 
 
+#: The labels a worker's engine sets that status shows in columns of their own.
+_ENGINE_LABELS = ("engine", "engine_version")
+
+
+def _engine(labels: Mapping[str, str]) -> str:
+    """The engine and its version, as the worker's labels say ("-": a bare client)."""
+    return " ".join(labels[k] for k in _ENGINE_LABELS if labels.get(k)) or "-"
+
+
+def _ranks(labels: Mapping[str, str]) -> str:
+    """The worker's ranks (tp_rank=0 -> tp 0), as its labels say."""
+    ranks = [
+        f"{k.removesuffix('_rank')} {v}" for k, v in sorted(labels.items()) if k.endswith("_rank")
+    ]
+    return ", ".join(ranks) or "-"
+
+
+def _other_labels(labels: Mapping[str, str]) -> str:
+    """The labels that ENGINE and RANKS do not show."""
+    return " ".join(
+        f"{k}={v}"
+        for k, v in sorted(labels.items())
+        if k not in _ENGINE_LABELS and not k.endswith("_rank")
+    )
+
+
+def _ago(seconds: float) -> str:
+    """How long ago, to the unit that reads best."""
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
 def _leases(reply: pb.StatusReply) -> Table:
-    table = Table("SET", "LEASE", "PID", "UID", "BY", "DEVICE", "LABELS", "", box=box.SIMPLE)
+    table = Table(
+        "SET",
+        "LEASE",
+        "PID",
+        "UID",
+        "ENGINE",
+        "RANKS",
+        "SINCE",
+        "BY",
+        "DEVICE",
+        "LABELS",
+        "",
+        box=box.SIMPLE,
+    )
     for s in reply.sets:
         for lease in s.leases:
-            labels = " ".join(f"{k}={v}" for k, v in sorted(lease.labels.items()))
+            labels = _other_labels(lease.labels)
             marks = ("" if lease.pid_verified else "unverified pid  ") + (
                 _stale(s) if lease.stale else ""
             )
@@ -236,6 +288,9 @@ def _leases(reply: pb.StatusReply) -> Table:
                 lease.lease_id,
                 str(lease.pid),
                 str(lease.uid) if lease.HasField("uid") else "?",
+                Text(escape(_engine(lease.labels))),
+                Text(escape(_ranks(lease.labels))),
+                _ago(lease.attached_s),
                 _KIND.get(lease.kind, "?"),
                 lease.device + _ROUTE.get(lease.gpu_route, " ?") if lease.device else "cpu",
                 Text(escape(labels)),
@@ -245,6 +300,52 @@ def _leases(reply: pb.StatusReply) -> Table:
             table.add_row(s.set_id, f"... and {s.lease_count - len(s.leases)} more leases")
     table.columns[0].min_width = 20
     return _whole(table)
+
+
+def _fallbacks(reply: pb.StatusReply) -> Group:
+    """The replicas holding private tables, then why each did (their records beside the
+    socket): a line each under the table, which a long reason would otherwise widen."""
+    table = Table(
+        "PID",
+        "UID",
+        "ENGINE",
+        "RANKS",
+        "CAUSE",
+        "SINCE",
+        "PRIVATE",
+        "SET",
+        title="replicas that fell back to private tables",
+        title_justify="left",
+        box=box.SIMPLE,
+    )
+    for f in reply.fallbacks:
+        table.add_row(
+            str(f.pid) + ("" if f.pid_verified else "?"),
+            str(f.uid),
+            Text(escape(_engine(f.labels))),
+            Text(escape(_ranks(f.labels))),
+            Text(escape(f.cause)),
+            _ago(f.since_s),
+            gib(f.bytes),
+            Text(escape(f.set_id)),
+        )
+    table.columns[6].justify = "right"
+    why = [Text(f"pid {f.pid}: {escape(f.reason)}", style="yellow") for f in reply.fallbacks]
+    return Group(_whole(table), *why)
+
+
+def _unconfigured(reply: pb.StatusReply) -> list[Text]:
+    """A line per set no configured checkpoint names, with the command that drops it."""
+    return [
+        Text(
+            f"set {s.set_id} ({gib(s.bytes)}, {escape(s.checkpoint) or 'no path shown'}) is named "
+            f"by no configured --checkpoint; `engramd drop {s.set_id}` frees it"
+            + (" once its workers leave (or --force)" if s.lease_count else ""),
+            style="yellow",
+        )
+        for s in reply.sets
+        if s.unconfigured and s.set_id
+    ]
 
 
 def _stale(s: pb.SetInfo) -> str:
@@ -325,6 +426,17 @@ def render(reply: pb.StatusReply, width: int = 0) -> str:
         parts.append(_leases(reply))
     if any(s.adopted for s in reply.sets):
         parts.append(Text("(* adopted from an earlier daemon without reloading)"))
+    if any(s.unconfigured for s in reply.sets):
+        parts.append(Text("(+ named by no configured checkpoint)"))
+        parts += _unconfigured(reply)
+    if reply.fallbacks:
+        parts.append(_fallbacks(reply))
+        held, n = sum(f.bytes for f in reply.fallbacks), len(reply.fallbacks)
+        parts.append(
+            Text(f"host memory held privately by {n} replica{'' if n == 1 else 's'}: {gib(held)}")
+        )
+        if any(not f.pid_verified for f in reply.fallbacks):
+            parts.append(Text("(pid? as the worker said: another pid namespace, or unverified)"))
     if any(lease.stale for s in reply.sets for lease in s.leases):
         parts.append(
             Text(

@@ -30,6 +30,7 @@ from engramd.backings import Backing
 from engramd.backings.handles import HandleKind
 from engramd.config import DaemonConfig
 from engramd.host.blocking import BlockingPool
+from engramd.sets.fallbacks import FallbackBook
 from engramd.sets.intents import (
     AttachIntent,
     GpuRoute,
@@ -123,6 +124,8 @@ class SetKeeper:
         self._unplanned: list[tuple[str, str]] = []
         # The plannings of configured checkpoints in object stores, under way.
         self._planning: set[asyncio.Task[None]] = set()
+        #: The replicas that went private, from their records beside the socket.
+        self.fallbacks = FallbackBook(config.socket, self.store.leases.stats)
 
     @property
     def leases(self) -> LeaseBook:
@@ -215,6 +218,14 @@ class SetKeeper:
         ]
         newest = max(held, key=lambda ts: ts.manifest.created if ts.manifest else 0.0, default=None)
         return [ts for ts in held if newest is not None and ts.set_id == newest.set_id]
+
+    def configured_ids(self) -> set[str]:
+        """The set ids of the configured checkpoints' sets (--checkpoint)."""
+        named = {c if is_store_url(c) else str(Path(c).resolve()) for c in self._config.checkpoints}
+        named |= set(self._config.checkpoints)
+        return {ts.set_id for ts in self.store.configured} | {
+            ts.set_id for ts in self.store.held() if ts.checkpoint in named
+        }
 
     def failed_configured(self) -> list[tuple[str, str]]:
         """(checkpoint, why) for each --checkpoint that gave no ready set: it could not be
@@ -626,8 +637,10 @@ class SetKeeper:
     # -- upkeep and shutdown --------------------------------------------------
 
     async def sweep(self) -> None:
-        """End leases whose process is gone; drop workers' sets idle past --worker-set-grace."""
+        """End leases whose process is gone; count new fallback records and remove stale ones;
+        drop workers' sets idle past --worker-set-grace."""
         self.leases.sweep_dead()
+        self.fallbacks.scan()
         await self.store.drop_abandoned(self._config.worker_set_grace)
 
     async def close(self, drop: bool, grace: float) -> None:

@@ -58,6 +58,23 @@ class Stats:
         self._lock = threading.Lock()
         self._attaches: Counter[str] = Counter()
         self._fallbacks: Counter[str] = Counter()
+        self._received: Counter[str] = Counter()
+        self._served = 0
+
+    def received(self, by_source: dict[str, int]) -> None:
+        """Count the bytes a finished load took from each source ("files", a peer, a store)."""
+        with self._lock:
+            self._received.update(by_source)
+
+    def served(self, nbytes: int) -> None:
+        """Count bytes granted to peers (each granted window or piece is read by the peer)."""
+        with self._lock:
+            self._served += nbytes
+
+    def moved(self) -> tuple[dict[str, int], int]:
+        """(bytes received by source, bytes served to peers), copied."""
+        with self._lock:
+            return dict(self._received), self._served
 
     def attach(self, ok: bool) -> None:
         """Count an attach answered with the set ("ok") or an error."""

@@ -456,6 +456,7 @@ class SetStore:
             # A copy for another node of a set the operator published.
             self.publish([ts])
         ts.load_seconds = time.monotonic() - ts.progress.started
+        self.leases.stats.received(ts.bytes_by_source or {_source_kind(ts.source): ts.nbytes})
         ts.state = SetState.READY
         ts.last_used = time.monotonic()
         ts.done.set()
@@ -608,3 +609,9 @@ def _load_error(ts: TableSet, e: BaseException) -> BaseException:
     if isinstance(e, LoadCancelled | asyncio.CancelledError):
         return Draining(f"engramd stopped while loading set {ts.set_id}; attach again")
     return LoadFailed(f"loading set {ts.set_id} from {ts.checkpoint} failed: {e}")
+
+
+def _source_kind(source: str) -> str:
+    """A load's one source as the received-bytes counter labels it: "files", "s3://...", or
+    the peer's HOST:PORT ("peer HOST:PORT" says it)."""
+    return source.removeprefix("peer ")

@@ -215,7 +215,7 @@ class Agent:
             self._call("start", backends=backends, env=env, progress_thread=serves)
         except TransferFailed as e:
             self.close()
-            raise TransferFailed(f"cannot start a NIXL agent ({e})") from None
+            raise TransferFailed(_start_failed(e, peer, env)) from None
         self._sock.settimeout(None)
 
     def _call(self, op: str, fds: list[int] | None = None, **args: Any) -> Any:
@@ -359,3 +359,18 @@ class Agent:
 
     def __exit__(self, *_: object) -> None:
         self.close()
+
+
+def _start_failed(e: TransferFailed, peer: str, env: dict[str, str]) -> str:
+    """Why this node's own transfer process could not start its agent, and the fix: the
+    failing side is this node, never the peer."""
+    if not peer:
+        return f"this node's transfer process could not start its NIXL agent ({e})"
+    device = env.get("UCX_NET_DEVICES", "")
+    return (
+        f"this node's transfer process could not start its NIXL agent ({e}): UCX found no "
+        f"usable network device for the route to {peer} (UCX_NET_DEVICES={device}); the "
+        "peer is not at fault. Where engramd runs in a network namespace entered with "
+        "`nsenter --net`, /sys is the host's and UCX sees only lo: start it with `ip netns "
+        "exec` (which mounts the namespace's /sys), or in the pod's own namespaces"
+    )

@@ -224,4 +224,11 @@ def rpc_reason(e: grpc.RpcError, cancelled: str) -> str:
     details = e.details() if isinstance(e, grpc.Call) else str(e)
     if code is grpc.StatusCode.CANCELLED:
         return cancelled
+    if code is grpc.StatusCode.UNAVAILABLE and details.startswith("failed to connect"):
+        # No daemon answered: the network's side (or no daemon there), not the peer's answer.
+        return (
+            f"UNAVAILABLE: the network: this node cannot reach the peer ({details}); check that "
+            "its daemon serves --peer-listen on that address and that the route and firewall "
+            "between the nodes let TCP through"
+        )
     return f"{code.name if code else 'error'}: {details}"

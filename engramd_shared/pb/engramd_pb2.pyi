@@ -233,16 +233,49 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("daemon", "shm", "sets", "backings")
+    __slots__ = ("daemon", "shm", "sets", "backings", "fallbacks")
     DAEMON_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
     SETS_FIELD_NUMBER: _ClassVar[int]
     BACKINGS_FIELD_NUMBER: _ClassVar[int]
+    FALLBACKS_FIELD_NUMBER: _ClassVar[int]
     daemon: DaemonInfo
     shm: ShmInfo
     sets: _containers.RepeatedCompositeFieldContainer[SetInfo]
     backings: _containers.RepeatedCompositeFieldContainer[BackingInfo]
-    def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ...) -> None: ...
+    fallbacks: _containers.RepeatedCompositeFieldContainer[FallbackInfo]
+    def __init__(self, daemon: _Optional[_Union[DaemonInfo, _Mapping]] = ..., shm: _Optional[_Union[ShmInfo, _Mapping]] = ..., sets: _Optional[_Iterable[_Union[SetInfo, _Mapping]]] = ..., backings: _Optional[_Iterable[_Union[BackingInfo, _Mapping]]] = ..., fallbacks: _Optional[_Iterable[_Union[FallbackInfo, _Mapping]]] = ...) -> None: ...
+
+class FallbackInfo(_message.Message):
+    __slots__ = ("pid", "uid", "pid_verified", "set_id", "checkpoint", "cause", "reason", "bytes", "since_s", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PID_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    PID_VERIFIED_FIELD_NUMBER: _ClassVar[int]
+    SET_ID_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_S_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    pid: int
+    uid: int
+    pid_verified: bool
+    set_id: str
+    checkpoint: str
+    cause: str
+    reason: str
+    bytes: int
+    since_s: float
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, pid: _Optional[int] = ..., uid: _Optional[int] = ..., pid_verified: _Optional[bool] = ..., set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., cause: _Optional[str] = ..., reason: _Optional[str] = ..., bytes: _Optional[int] = ..., since_s: _Optional[float] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DaemonInfo(_message.Message):
     __slots__ = ("version", "pid", "uptime_s", "socket", "ready", "writable_gpu_mappings", "worker_share_per_uid", "worker_set_grace_s", "failed_checkpoints")
@@ -317,7 +350,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source", "published", "page_cache_warming")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source", "published", "page_cache_warming", "unconfigured")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +390,7 @@ class SetInfo(_message.Message):
     BYTES_BY_SOURCE_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     PAGE_CACHE_WARMING_FIELD_NUMBER: _ClassVar[int]
+    UNCONFIGURED_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -382,7 +416,8 @@ class SetInfo(_message.Message):
     bytes_by_source: _containers.ScalarMap[str, int]
     published: bool
     page_cache_warming: str
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., published: _Optional[bool] = ..., page_cache_warming: _Optional[str] = ...) -> None: ...
+    unconfigured: bool
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., published: _Optional[bool] = ..., page_cache_warming: _Optional[str] = ..., unconfigured: _Optional[bool] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from conftest import Worker
 from engramd.config import flags
+from engramd.demo.run import TURNS
 from engramd.testing.synth import PleSpec, expected_ple_rows, expected_rows
 from engramd_client import attach
 from engramd_shared.checkpoint import INDEX_FILE
@@ -61,7 +62,7 @@ def test_status_json(checkpoint: Path, daemons: Any, workers: list[Worker]) -> N
 
     text = engramd("status", "--socket", str(d.socket))
     assert text.returncode == 0
-    assert s["set_id"] in text.stdout and "dp_rank=3" in text.stdout
+    assert s["set_id"] in text.stdout and "dp 3, tp 0" in text.stdout
 
 
 def test_status_without_daemon_exits_1(sock_dir: Path) -> None:
@@ -150,7 +151,13 @@ def test_demo_runs_small_and_cleans_up(tmp_path: Path) -> None:
     first, *lines = result.stdout.splitlines()
     assert first.startswith("engramd demo: 2 replicas") and " s on " in first, first
     assert [f"replica {r} attached in" in "\n".join(lines) for r in (0, 1)] == [True, True]
-    assert sum(" M lookups/s, 0 of " in line for line in lines) == 3, result.stdout
+    # Five turns, each a shared replica's run and the private replica's, in alternating order.
+    runs = [line for line in lines if " M lookups/s, 0 of " in line]
+    assert len(runs) == 2 * TURNS, result.stdout
+    order = ["private" in line for line in runs]
+    assert order == [False, True, True, False, False, True, True, False, False, True], runs
+    assert [f"replica {r}:" in "\n".join(runs) for r in (0, 1)] == [True, True]
+    assert f"lookups/s (median of {TURNS} turns)" in result.stdout
 
 
 def test_demo_ctrl_c_cleans_up(tmp_path: Path) -> None:

@@ -492,7 +492,12 @@ def test_fill_from_the_object_store(s3: S3, nodes: Any, checkpoint: Path, token_
     assert f"{url} {s.bytes / s.load_seconds / 1e9:.2f} GB/s" in " ".join(shown.stdout.split())
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
         metrics = r.read().decode()
-    assert f'engramd_set_source{{node="",set_id="{s.set_id}",source="{url}"}} 1.0' in metrics
+    labels = f'checkpoint="{checkpoint}",node="",set_id="{s.set_id}"'
+    assert f'engramd_set_source{{{labels},source="{url}"}} 1.0' in metrics
+    # What the load took from the store, counted by source.
+    received = f'engramd_received_bytes_total{{source="{url}"}} '
+    [count] = [line for line in metrics.splitlines() if line.startswith(received)]
+    assert float(count.split()[-1]) == s.bytes, metrics
 
 
 @pytest.mark.parametrize("lie", ["late", "window", "whole", "more"])

@@ -144,7 +144,7 @@ def test_metrics(checkpoint: Path, daemons: Any, workers: list[Worker]) -> None:
         if line and not line.startswith("#"):
             name, _, value = line.rpartition(" ")
             samples[name] = float(value)
-    labels = f'node="",set_id="{s.set_id}"'
+    labels = f'checkpoint="{checkpoint}",node="",set_id="{s.set_id}"'
     assert samples[f'engramd_set_bytes{{backing="tmpfs",{labels},state="ready"}}'] == s.bytes
     assert samples[f"engramd_set_leases{{{labels}}}"] == 1
     assert samples[f"engramd_load_bytes_done{{{labels}}}"] == s.bytes

@@ -30,6 +30,7 @@ import contextvars
 import logging
 import re
 from collections.abc import Callable
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -115,7 +116,12 @@ def _attach(layout: Any, host_layout: str) -> Tables:
         # the other ranks built their layers on engramd's answer.
         strict=True if strict else None,
         device=device,
-        labels={"engine": "sglang", "tp_rank": str(parallel.tp_rank), "layout": host_layout},
+        labels={
+            "engine": "sglang",
+            "engine_version": version("sglang"),
+            "tp_rank": str(parallel.tp_rank),
+            "layout": host_layout,
+        },
         selection=ENGRAM.selection,
     )
     # SGLang's weight loading skips exactly what this process maps.

@@ -54,6 +54,7 @@ import importlib
 import logging
 import re
 from dataclasses import dataclass
+from importlib.metadata import version
 from types import ModuleType
 from typing import Any
 
@@ -350,6 +351,7 @@ def _attach(dtype: torch.dtype, backend: str) -> Tables:
             device=device,
             labels={
                 "engine": "sglang",
+                "engine_version": version("sglang"),
                 "tp_rank": str(get_parallel().tp_rank),
                 "family": PLE.name,
             },

@@ -165,10 +165,16 @@ def cuda_device() -> str | None:
 
 
 def tp_labels() -> dict[str, str]:
-    """The lease's labels in `engramd status`: the engine and this rank's TP rank."""
+    """The lease's labels in `engramd status`: the engine, its version and this rank's TP rank."""
+    from importlib.metadata import version
+
     from vllm.distributed import get_tensor_model_parallel_rank
 
-    return {"engine": "vllm", "tp_rank": str(get_tensor_model_parallel_rank())}
+    return {
+        "engine": "vllm",
+        "engine_version": version("vllm"),
+        "tp_rank": str(get_tensor_model_parallel_rank()),
+    }
 
 
 def served_weight_loader(param: torch.nn.Parameter, loaded_weight: torch.Tensor) -> None:
