@@ -114,3 +114,13 @@ def check_ple_seams(ngram_embedding: ModuleType) -> None:
         nvfp4 is not None and "_uva_weight_scale" in nvfp4.create_weights.__code__.co_names,
         "Qwen4ExpPLENvFp4EmbeddingMethod",
     )
+
+
+def check_step_seams(gpu_worker: ModuleType) -> None:
+    """Where vLLM starts a step on every rank: its Worker's execute_model (a step with work or
+    none) and execute_dummy_batch (an idle data-parallel rank's step)."""
+    worker = getattr(gpu_worker, "Worker", None)
+    VLLM.expect(worker is not None, "GPU worker module")
+    model_step = params(worker.execute_model)
+    VLLM.expect(model_step == ["self", "scheduler_output"], "Worker.execute_model")
+    VLLM.expect(params(worker.execute_dummy_batch) == ["self"], "Worker.execute_dummy_batch")
