@@ -306,19 +306,18 @@ def main() -> None:
         from engramd_client.engines.sglang.process import PROCESS
 
         def addresses() -> dict[str, Any]:
-            return {
-                str(layer_id): net.get_submodule(
-                    f"model.layers.{layer_id}.ple"
-                ).ple_embedding.ngram_embedding.weight.data_ptr()
-                for layer_id in range(config.num_hidden_layers)
-                if layer_id + 1 in config.ple_layer_ids
-            }
+            found = {}
+            for layer_id in range(config.num_hidden_layers):
+                if layer_id + 1 in config.ple_layer_ids:
+                    ple: Any = net.get_submodule(f"model.layers.{layer_id}.ple")
+                    found[str(layer_id)] = ple.ple_embedding.ngram_embedding.weight.data_ptr()
+            return found
 
-        before = addresses()
+        addressed = addresses()
         # SGLang's step seam (Scheduler.run_batch) does not import here (no setproctitle in
         # this venv): the plugin's hook it calls first is called instead.
         out["live"] = move_when_told(args.rank, Path(args.live), PROCESS.step, PROCESS.tables)
-        out["live"]["same_addresses"] = addresses() == before
+        out["live"]["same_addresses"] = addresses() == addressed
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())

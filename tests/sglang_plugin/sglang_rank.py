@@ -297,18 +297,17 @@ def main() -> None:
         from engramd_client.engines.sglang.process import PROCESS
 
         def addresses() -> dict[str, Any]:
-            return {
-                str(layer_id): list(
-                    net.get_submodule(f"model.layers.{layer_id}.engram.embed")._table_ptrs()
-                )
-                for layer_id in layout.layer_ids
-            }
+            found = {}
+            for layer_id in layout.layer_ids:
+                embed: Any = net.get_submodule(f"model.layers.{layer_id}.engram.embed")
+                found[str(layer_id)] = list(embed._table_ptrs())
+            return found
 
-        before = addresses()
+        addressed = addresses()
         # SGLang's step seam (Scheduler.run_batch) does not import here (no setproctitle in
         # this venv): the plugin's hook it calls first is called instead.
         out["live"] = move_when_told(args.rank, Path(args.live), PROCESS.step, PROCESS.tables)
-        out["live"]["same_addresses"] = addresses() == before
+        out["live"]["same_addresses"] = addresses() == addressed
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())

@@ -212,7 +212,7 @@ def main() -> None:
                 out["load_s"] = time.monotonic() - started
             torch.distributed.barrier(group)
         if args.live:
-            from vllm_rank import idle_step
+            from vllm_rank import idle_step  # type: ignore[import-not-found]
 
             from engramd_client.engines.vllm.process import PROCESS
 
@@ -223,9 +223,9 @@ def main() -> None:
                     for p in info["dtypes"]
                 }
 
-            before = addresses()
+            addressed = addresses()
             out["live"] = move_when_told(args.rank, Path(args.live), idle_step(), PROCESS.tables)
-            out["live"]["same_addresses"] = addresses() == before
+            out["live"]["same_addresses"] = addresses() == addressed
             for name, info in layers.items():
                 table = net.get_submodule(name)
                 info["maps"] = {

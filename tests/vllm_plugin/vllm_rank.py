@@ -285,22 +285,21 @@ def main() -> None:
             from engramd_client.engines.vllm.process import PROCESS
 
             def addresses() -> dict[str, list[int]]:
-                return {
-                    str(layer_id): [
-                        net.get_submodule(info["name"]).weight.data_ptr(),
-                        net.get_submodule(info["name"]).weight_scale_inv.data_ptr(),
-                    ]
-                    for layer_id, info in layers.items()
-                }
+                found = {}
+                for layer_id, info in layers.items():
+                    embedding: Any = net.get_submodule(info["name"])
+                    pair = [embedding.weight.data_ptr(), embedding.weight_scale_inv.data_ptr()]
+                    found[str(layer_id)] = pair
+                return found
 
-            before = addresses()
+            addressed = addresses()
             step = idle_step()
             out["live"] = move_when_told(args.rank, Path(args.live), step, PROCESS.tables)
-            out["live"]["same_addresses"] = addresses() == before
+            out["live"]["same_addresses"] = addresses() == addressed
             for info in layers.values():
-                table = net.get_submodule(info["name"])
-                info["weight_map"] = mapping_of(table.weight.data_ptr())
-                info["scale_map"] = mapping_of(table.weight_scale_inv.data_ptr())
+                moved: Any = net.get_submodule(info["name"])
+                info["weight_map"] = mapping_of(moved.weight.data_ptr())
+                info["scale_map"] = mapping_of(moved.weight_scale_inv.data_ptr())
         if args.lookup:
             torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
         from safetensors import safe_open

@@ -167,7 +167,7 @@ def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
 def check_step_seams(scheduler: ModuleType) -> None:
     """Where SGLang starts a step on every TP rank: its Scheduler's run_batch (generation,
     embedding, idle and split-prefill batches alike)."""
-    owner = getattr(scheduler, "Scheduler", None)
+    owner: Any = getattr(scheduler, "Scheduler", None)
     SGLANG.expect(owner is not None, "scheduler module")
     SGLANG.expect(
         params(owner.run_batch) == ["self", "batch", "pp_proxy_tensors"], "Scheduler.run_batch"
