@@ -4,7 +4,7 @@
                     [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
                     [--storm 64]
                     [--cumem-gib 1,8,32]
-                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,live]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -30,6 +30,7 @@ from .fleet import fleet_fills
 from .gather import gather_throughput
 from .gpu import gpu_figures
 from .hugepages import huge_page_figures
+from .live import live_tables
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .restart import restart_to_attach
@@ -51,6 +52,7 @@ SECTIONS = [
     "cumem",
     "fleet",
     "swarm",
+    "live",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -89,6 +91,9 @@ def main() -> int:
         "--swarm-gib", type=float, default=0.5, help="set for the swarm section (default 0.5)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
+    parser.add_argument(
+        "--live-gib", type=float, default=0.5, help="tables for the live section (default 0.5)"
+    )
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run")
     parser.add_argument(
@@ -169,6 +174,10 @@ def main() -> int:
     if "swarm" in only:
         print("a cold fleet of 5 filling at once from 1 warm node and each other, 200 Mbit/s links")
         figures += swarm_fills(checkpoint(args.workdir, args.swarm_gib), max(2, args.reps // 2))
+
+    if "live" in only:
+        print("live tables: the step boundary, a fallen-back worker's move to the daemon's copy")
+        figures += live_tables(checkpoint(args.workdir, args.live_gib), max(3, args.reps // 2))
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)
