@@ -107,6 +107,7 @@ class Tables(Mapping[str, torch.Tensor]):
         self._pending: Move | None = None
         self._pending_lock = threading.Lock()
         self._until_shared: list[Callable[[], None]] = []
+        self._on_move: list[Callable[[], None]] = []
         #: Stops the thread that looks for the daemon (rejoin.py); None without one.
         self.stop_rejoin: Callable[[], None] | None = None
         self._freeing: threading.Thread | None = None
@@ -263,6 +264,8 @@ class Tables(Mapping[str, torch.Tensor]):
             callbacks, self._until_shared = self._until_shared, []
             for callback in reversed(callbacks):
                 callback()
+        for callback in self._on_move:
+            callback()
         log.info(
             "engramd tables moved from %s to %s (set %s, %d tensors, same addresses)",
             f"{was} copy",
@@ -270,6 +273,12 @@ class Tables(Mapping[str, torch.Tensor]):
             self.set_id,
             len(self._live),
         )
+
+    def when_moved(self, callback: Callable[[], None]) -> None:
+        """Call `callback` at the step boundary, after every move (advance() returned True):
+        what holds a mapping of its own of these tables' rows (a row reader over other
+        addresses) takes the new ones there."""
+        self._on_move.append(callback)
 
     def until_shared(self, callback: Callable[[], None]) -> None:
         """Call `callback` when these private tables move to the daemon's copy, or close
@@ -407,7 +416,7 @@ class Tables(Mapping[str, torch.Tensor]):
         if move is not None:
             move.discard()
         callbacks = self._until_shared + self._when_closed
-        self._until_shared, self._when_closed = [], []
+        self._until_shared, self._when_closed, self._on_move = [], [], []
         self._views, self.device = {}, None
         for callback in reversed(callbacks):
             callback()

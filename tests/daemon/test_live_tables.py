@@ -59,6 +59,9 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
     try:
         assert (tables.mode, tables.live) == ("private", True)
         before = {name: tables[name].data_ptr() for name in tables}
+        heard: list[str] = []
+        tables.until_shared(lambda: heard.append("shared"))
+        tables.when_moved(lambda: heard.append("moved"))
         assert len(memfd_mappings(os.getpid())) == len(tables)
         assert not tables.advance()  # nothing pending: nothing moves
         d = daemons("--checkpoint", str(checkpoint))
@@ -67,6 +70,7 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
             tables.advance()
             time.sleep(0.002)
         assert tables.mode == "shared", caplog.text
+        assert heard == ["shared", "moved"]
         assert {name: tables[name].data_ptr() for name in tables} == before
         with attach(checkpoint, share=False, rows=rows) as reference:
             assert all(_rows_of(tables, reference).values())
@@ -92,6 +96,23 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
     said = [r.getMessage() for r in caplog.records if r.name == "engramd_client"]
     assert sum("Falling back to private tables" in m for m in said) == 1, said
     assert sum("moved from private copy to the daemon's copy" in m for m in said) == 1, said
+
+
+def test_private_live_tables_closed_before_a_move_end_their_hooks(
+    checkpoint: Path, sock_dir: Path
+) -> None:
+    """What waits for the move to shared (a fallback record's removal) happens at close too;
+    the rejoin thread stops with the tables."""
+    import threading
+
+    others = set(threading.enumerate())
+    tables = attach(checkpoint, socket=str(sock_dir / "d.sock"))
+    heard: list[str] = []
+    tables.until_shared(lambda: heard.append("shared"))
+    (rejoin,) = [t for t in set(threading.enumerate()) - others if t.name == "engramd-rejoin"]
+    tables.close()
+    assert heard == ["shared"]
+    assert not rejoin.is_alive()
 
 
 def test_a_daemon_killed_after_handing_out_its_copy_leaves_one_whole_copy(
