@@ -31,6 +31,7 @@ from engramd_client.engines.common import (
 from engramd_client.engines.sglang.guard import SGLANG, check_step_seams
 from engramd_client.tables import Tables
 from engramd_shared.checkpoint import is_store_url
+from engramd_shared.errors import EngramdError
 from engramd_shared.families import Family
 
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
@@ -88,7 +89,7 @@ class Process:
             leader=group is None or group.rank_in_group == 0,
             broadcast=None if group is None else lambda r: group.broadcast_object(r, src=0),
         )
-        live = live and not is_store_url(checkpoint_folder())
+        live = live and refusal is not None and _local_files()
         self.serve = settle(refusal, share_mode(), family.tables, engine_path(own), log, live)
         if self.serve:
             self.folder = checkpoint_folder()
@@ -112,6 +113,14 @@ class Process:
 
 
 PROCESS = Process()
+
+
+def _local_files() -> bool:
+    """Whether the model's checkpoint is a folder here (engramd's private copy can be read)."""
+    try:
+        return not is_store_url(checkpoint_folder())
+    except EngramdError:
+        return False
 
 
 def _tp_group() -> Any:

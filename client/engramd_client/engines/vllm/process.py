@@ -43,6 +43,7 @@ from engramd_client.engines.common import (
 from engramd_client.engines.vllm.guard import VLLM, check_loader_seams, check_step_seams
 from engramd_client.tables import Tables
 from engramd_shared.checkpoint import is_store_url
+from engramd_shared.errors import EngramdError
 from engramd_shared.families import Family
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
@@ -125,7 +126,7 @@ class Process:
             probe(checkpoint_folder(config), pattern, family.selection)
 
         refusal = decide(ask, leader=leader, broadcast=broadcast)
-        live = not is_store_url(checkpoint_folder(config))
+        live = refusal is not None and _local_files(lambda: checkpoint_folder(config))
         self.serve = settle(refusal, share_mode(), family.tables, engine_path(family), log, live)
         if self.serve:
             self.folder = checkpoint_folder(config)
@@ -149,6 +150,14 @@ class Process:
 
 
 PROCESS = Process()
+
+
+def _local_files(folder: Callable[[], str]) -> bool:
+    """Whether the model's checkpoint is a folder here (engramd's private copy can be read)."""
+    try:
+        return not is_store_url(folder())
+    except EngramdError:
+        return False
 
 
 def _world_group() -> Any:
