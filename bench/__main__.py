@@ -2,9 +2,9 @@
 
     python -m bench [--size-gib 2] [--load-gib 1] [--cold-gib 2] [--replicas 1,2,4,8]
                     [--attach-sizes 0.25,1,4] [--fleet-gib 1] [--swarm-gib 0.5] [--reps 5]
-                    [--storm 64] [--proof-gib 1]
+                    [--storm 64] [--proof-gib 1] [--live-gib 0.5]
                     [--cumem-gib 1,8,32] [--offload-gib 1.5]
-                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,offload,proof]
+                    [--only memory,attach,load,cold,...,gpu,cumem,fleet,swarm,offload,proof,live]
 
 Prints a table (ours, baseline, ratio, spread of ours over repetitions,
 target), writes bench/results/latest.json and, with matplotlib (the `bench`
@@ -30,6 +30,7 @@ from .fleet import fleet_fills
 from .gather import gather_throughput
 from .gpu import gpu_figures
 from .hugepages import huge_page_figures
+from .live import live_tables
 from .load import load_throughput
 from .memory import host_memory, page_tables
 from .offload import offload_figures
@@ -55,6 +56,7 @@ SECTIONS = [
     "swarm",
     "offload",
     "proof",
+    "live",
 ]
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -102,6 +104,9 @@ def main() -> int:
         "--proof-gib", type=float, default=1.0, help="tensor for the proof section (default 1)"
     )
     parser.add_argument("--reps", type=int, default=5, help="repetitions per comparison")
+    parser.add_argument(
+        "--live-gib", type=float, default=0.5, help="tables for the live section (default 0.5)"
+    )
     parser.add_argument("--storm", type=int, default=64, help="workers attaching at once")
     parser.add_argument("--only", default=",".join(SECTIONS), help="sections to run")
     parser.add_argument(
@@ -190,6 +195,9 @@ def main() -> int:
         print("the proof of a held set (BLAKE3 against XXH3), and a store's headers planned")
         figures += proof_costs(args.proof_gib, args.reps)
         figures += planning_costs(400_000)
+    if "live" in only:
+        print("live tables: the step boundary, a fallen-back worker's move to the daemon's copy")
+        figures += live_tables(checkpoint(args.workdir, args.live_gib), max(3, args.reps // 2))
 
     _print(figures)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -37,6 +37,8 @@ class ClientConfig:
     #: First and longest pause between reconnects after the daemon went away.
     reconnect_min_s: float = 0.05
     reconnect_max_s: float = 2.0
+    #: Longest pause between a fallen-back worker's tries to reach its daemon (a connect).
+    rejoin_max_s: float = 1.0
     #: The daemon's fd channel; "": the name the daemon gives, beside `socket`.
     fd_socket: str = ""
     #: Handle kinds to accept, preferred first: "cumem"/"fabric" (with a device), "fd" (any

@@ -49,7 +49,9 @@ PY
 } > "$OUT/machine.txt" 2>&1
 # Each part within its own time, so a hung CUDA call in one leaves the other its
 # turn; a test past 90 s dumps every thread's stack. GPU tests skip with the
-# device's reason where a route is unsupported (-rs lists the reasons).
+# device's reason where a route is unsupported (-rs lists the reasons). Among them,
+# tests/gpu/test_live_views.py: a live table's move re-registered at the same address,
+# a CUDA graph captured before it replayed after.
 timeout "${TEST_S:-160}" "$PY" -m pytest -m gpu tests/gpu -rs -o faulthandler_timeout=90 \
   > "$OUT/test-gpu.log" 2>&1
 echo "pytest tests/gpu: exit $?" | tee -a "$OUT/test-gpu.log"

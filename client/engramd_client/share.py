@@ -23,8 +23,10 @@ from engramd_client.cumem import import_set
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
 from engramd_client.lease import Lease, report_fallback, share_error
-from engramd_client.mapping import RowRanges, check_row_names, map_fd
-from engramd_client.tables import Tables
+from engramd_client.live import LiveAddress, file_backing
+from engramd_client.mapping import Region, RowRanges, check_row_names, map_fd
+from engramd_client.rejoin import start_rejoin
+from engramd_client.tables import Move, Tables
 from engramd_shared.channel import daemon_uid, open_channel, probe_socket
 from engramd_shared.checkpoint import (
     DEFAULT_TENSORS,
@@ -168,9 +170,13 @@ def _attach(
             f"{e}. Falling back to private tables ({plan.nbytes / 2**30:.2f} GiB in this process)."
         )
         _warn_once(e.cause, reason)
-        tables = Tables.private(
-            plan, rows, reason=reason, thp=config.private_thp, pad_rows=pad_rows
-        )
+        if isinstance(e, DaemonUnavailable):
+            # The daemon may come back: live tables move to its copy when it does.
+            tables = _live_fallback(config, plan, rows, reason, labels or {}, route, pad_rows)
+        else:
+            tables = Tables.private(
+                plan, rows, reason=reason, thp=config.private_thp, pad_rows=pad_rows
+            )
         recorded = _leave_record(config, e, plan, reason, labels, tables)
         if not recorded and not isinstance(e, DaemonUnavailable | NotAllowed):
             # No record beside the socket (an older daemon): the daemon answered, count it.
@@ -222,8 +228,66 @@ def _leave_record(
             "list it among the replicas that fell back",
         )
         return False
-    tables.when_closed(functools.partial(os.close, fd))
+    # Released when the replica moves to the daemon's copy (live tables) or closes.
+    tables.until_shared(functools.partial(os.close, fd))
     return True
+
+
+def _live_fallback(
+    config: ClientConfig,
+    plan: TablePlan,
+    rows: RowRanges | None,
+    reason: str,
+    labels: Mapping[str, str],
+    route: int,
+    pad_rows: bool,
+) -> Tables:
+    """Private live tables that look for the daemon and move to its copy (rejoin.py)."""
+    tables = Tables.private_live(plan, rows, reason=reason, pad_rows=pad_rows)
+    if tables.live:
+        regions = tables.live_regions()
+        start_rejoin(
+            tables,
+            config,
+            lambda: _shared_move(config, plan, rows, labels, regions, route, pad_rows),
+        )
+    return tables
+
+
+def _shared_move(
+    config: ClientConfig,
+    plan: TablePlan,
+    rows: RowRanges | None,
+    labels: Mapping[str, str],
+    regions: Mapping[str, LiveAddress],
+    route: int,
+    pad_rows: bool,
+) -> Move:
+    """The daemon's copy of `plan`'s rows as backings of the live `regions`, descriptors in
+    hand and its lease held: a move that no longer needs the daemon to happen."""
+    # Host memory only: a cuMem import is another range of addresses.
+    handles = tuple(h for h in config.handles if h not in CUDA_HANDLE_KINDS)
+    lease = Lease(config, _request(plan, labels, handles, _device_name(config.device), route))
+    backings = {}
+    try:
+        attachment = lease.wait_attached(plan.checkpoint.name)
+        _check_sources(plan, attachment)
+        owner = daemon_uid(config.socket, config.connect_timeout_s)
+        writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
+        if writable and attachment.gpu_route != route:
+            raise NoGpuRoute(_no_gpu_route(parse_device(config.device), attachment))
+        for name, (fd, region) in _open(attachment, rows, config, owner, pad_rows).items():
+            if name in regions:
+                backings[name] = file_backing(fd, region, regions[name], writable)
+            else:
+                os.close(fd)
+    except BaseException:
+        for backing in backings.values():
+            backing.close()
+        lease.close()
+        raise
+    gpu_route = ROUTES.get(attachment.gpu_route) or ROUTES.get(route, "")
+    return Move(backings, "shared", attachment.set_id, lease, gpu_route)
 
 
 def _parts_of(attachment: pb.Attachment) -> dict[str, tuple[str, ...]]:
@@ -554,8 +618,28 @@ def _map(
     writable: bool,
     pad_rows: bool,
 ) -> dict[str, torch.Tensor]:
-    mappers: dict[str, HandleMapper] = {}
+    opened = _open(attachment, rows, config, owner, pad_rows)
     tensors = {}
+    try:
+        for name in list(opened):
+            fd, region = opened.pop(name)
+            tensors[name] = map_fd(fd, region, populate, writable)
+    finally:
+        for fd, _ in opened.values():
+            os.close(fd)
+    return tensors
+
+
+def _open(
+    attachment: pb.Attachment,
+    rows: RowRanges | None,
+    config: ClientConfig,
+    owner: int,
+    pad_rows: bool,
+) -> dict[str, tuple[int, Region]]:
+    """A read-only descriptor of each handed-out tensor's memory, and its region (`rows` cut)."""
+    mappers: dict[str, HandleMapper] = {}
+    opened: dict[str, tuple[int, Region]] = {}
     try:
         for handle in attachment.tensors:
             which = handle.WhichOneof("handle")
@@ -568,9 +652,12 @@ def _map(
                 mappers[which] = MAPPERS[which][1](config, owner)
             mapper = mappers[which]
             region = mapper.region(handle).cut(rows, pad_rows)
-            fd = mapper.open(attachment, handle)
-            tensors[handle.name] = map_fd(fd, region, populate, writable)
+            opened[handle.name] = (mapper.open(attachment, handle), region)
+    except BaseException:
+        for fd, _ in opened.values():
+            os.close(fd)
+        raise
     finally:
         for mapper in mappers.values():
             mapper.close()
-    return tensors
+    return opened

@@ -1,21 +1,66 @@
 """`Tables`: a set's tensors by name, shared (over mapping.py's read-only mappings)
 or private copies, with the lease that keeps a shared set served.
+
+Live tables (live.py) keep each tensor's address for the worker's life and
+move to what is pending at `advance()`, the step boundary: a worker that
+fell back because the daemon was down moves to the daemon's copy once its
+rejoin thread (rejoin.py) has that copy's descriptors in hand.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING
 
 import torch
 
-from engramd_client.mapping import RowRanges, check_row_names, load_private
+from engramd_client.live import Backing, LiveAddress, delta_for, private_backing
+from engramd_client.mapping import Region, RowRanges, check_row_names, load_private, torch_dtype
 from engramd_shared.checkpoint import TablePlan
-from engramd_shared.errors import NoCpuView
+from engramd_shared.errors import DeviceError, NoCpuView
 
 if TYPE_CHECKING:
+    from engramd_client.cuda import Registration
     from engramd_client.lease import Lease
+
+log = logging.getLogger("engramd_client")
+
+
+@dataclass
+class Move:
+    """A backing for every live tensor, whole and in hand, to map at the next step boundary.
+
+    Its descriptors are held here: the daemon that handed them out may stop
+    before the move, and the move still maps one whole copy.
+    """
+
+    #: The new backing of each live tensor, by name.
+    backings: dict[str, Backing]
+    #: What the tables are after the move: "shared".
+    mode: str
+    #: The set id of the new backing.
+    set_id: str
+    #: The lease that keeps the new backing served (shared), or None.
+    lease: Lease | None
+    #: How a device reads the new backing (engramd_client.cuda.ROUTES).
+    gpu_route: str = ""
+
+    def discard(self) -> None:
+        """Let go of what the move holds (it will not happen)."""
+        for backing in self.backings.values():
+            backing.close()
+        if self.lease is not None:
+            self.lease.close()
+
+
+def _close_all(backings: list[Backing]) -> None:
+    """Close backings: their pages go once no mapping holds them (a private copy's at once)."""
+    for backing in backings:
+        backing.close()
 
 
 class Tables(Mapping[str, torch.Tensor]):
@@ -54,6 +99,18 @@ class Tables(Mapping[str, torch.Tensor]):
         self.device: torch.device | None = None
         #: How the device reads the tables (engramd_client.cuda.ROUTES), "" without one.
         self.gpu_route = ""
+        # Live tensors: their fixed addresses and what backs each now.
+        self._live: dict[str, LiveAddress] = {}
+        self._backings: dict[str, Backing] = {}
+        self._registrations: dict[str, Registration] = {}
+        # Set by the rejoin thread, taken by advance() in the engine's step thread.
+        self._pending: Move | None = None
+        self._pending_lock = threading.Lock()
+        self._until_shared: list[Callable[[], None]] = []
+        self._on_move: list[Callable[[], None]] = []
+        #: Stops the thread that looks for the daemon (rejoin.py); None without one.
+        self.stop_rejoin: Callable[[], None] | None = None
+        self._freeing: threading.Thread | None = None
 
     @classmethod
     def private(
@@ -74,6 +131,159 @@ class Tables(Mapping[str, torch.Tensor]):
             reason=reason,
             parts=plan.checkpoint_names,
         )
+
+    @classmethod
+    def private_live(
+        cls, plan: TablePlan, rows: RowRanges | None, reason: str | None, pad_rows: bool = False
+    ) -> Tables:
+        """Private copies of a plan's tensors at live addresses (live.py), read from the
+        checkpoint: `advance()` can move them to the daemon's copy at the same addresses."""
+        check_row_names(rows, [t.name for t in plan.tensors])
+        tensors: dict[str, torch.Tensor] = {}
+        live: dict[str, LiveAddress] = {}
+        backings: dict[str, Backing] = {}
+        try:
+            for entry in plan.tensors:
+                region = Region(
+                    entry.name, entry.dtype, entry.shape, str(entry.file), 0, entry.nbytes
+                ).cut(rows, pad_rows)
+                dtype = torch_dtype(region.dtype)
+                if region.length + region.pad == 0:
+                    tensors[entry.name] = torch.empty(region.shape, dtype=dtype)
+                    continue
+                # The daemon's files start each tensor on a page: its rows then fall where
+                # the tensor's own offset puts them.
+                address = LiveAddress(region.length + region.pad, delta_for(region.offset))
+                backing = private_backing(entry, region, address)
+                backings[entry.name] = backing
+                address.apply(backing)
+                live[entry.name] = address
+                tensors[entry.name] = address.tensor(dtype, region.shape)
+        except BaseException:
+            for backing in backings.values():
+                backing.close()
+            raise
+        tables = cls(
+            tensors,
+            mode="private",
+            set_id=plan.set_id,
+            reason=reason,
+            parts=plan.checkpoint_names,
+        )
+        tables._live, tables._backings = live, backings
+        return tables
+
+    @property
+    def live(self) -> bool:
+        """Whether the tensors' addresses stay while what backs them moves (`advance()`)."""
+        return bool(self._live)
+
+    def live_regions(self) -> dict[str, LiveAddress]:
+        """The live tensors' address ranges, by name (a rejoin maps its backings there)."""
+        return dict(self._live)
+
+    @property
+    def pending(self) -> bool:
+        """A move waits for the next `advance()`."""
+        return self._pending is not None
+
+    def offer(self, move: Move) -> str | None:
+        """Make `move` the one the next `advance()` makes; why not (it is discarded), or None.
+
+        Every live tensor gets a backing that fits its range, or nothing moves.
+        """
+        why = None
+        if set(move.backings) != set(self._live):
+            why = f"it backs {sorted(move.backings)[:4]}, not {sorted(self._live)[:4]}"
+        for name, backing in move.backings.items():
+            if why is None and name in self._live:
+                misfit = self._live[name].misfit(backing)
+                why = f"{name}: {misfit}" if misfit else None
+        with self._pending_lock:
+            if why is None and not self._live:
+                why = "these tables are closed"
+            if why is not None:
+                move.discard()
+                return why
+            old, self._pending = self._pending, move
+        if old is not None:
+            old.discard()
+        return None
+
+    def advance(self) -> bool:
+        """Move the tables to what is pending (the step boundary); nearly free when nothing is.
+
+        Call it where no step reads the tables (the engines' plugins call it
+        where the engine starts a step, on every rank at the same step). The
+        tensors keep their addresses; what backed them before is freed. True
+        when the tables moved.
+        """
+        if self._pending is None:
+            return False
+        with self._pending_lock:
+            move, self._pending = self._pending, None
+        if move is None:
+            return False
+        self._move(move)
+        return True
+
+    def _move(self, move: Move) -> None:
+        """Map `move`'s backings under the live addresses, all of them or (undone) none."""
+        device = self.device
+        if device is not None:
+            # Nothing of an earlier step may still read the pages on the device.
+            torch.cuda.synchronize(device)
+            self._unregister()
+        done: list[str] = []
+        try:
+            for name, backing in move.backings.items():
+                self._live[name].apply(backing)
+                done.append(name)
+        except BaseException:
+            for name in done:
+                self._live[name].apply(self._backings[name])
+            move.discard()
+            if device is not None:
+                self._reregister(self.gpu_route)
+            raise
+        old, self._backings = self._backings, dict(move.backings)
+        # Freeing a private copy's pages takes about as long as mapping the new ones (0.1 s
+        # a GiB here): off the step, in a thread of its own.
+        self._freeing = threading.Thread(
+            target=_close_all, args=(list(old.values()),), name="engramd-free", daemon=True
+        )
+        self._freeing.start()
+        was = self.mode
+        if device is not None:
+            self._reregister(move.gpu_route or self.gpu_route)
+        if self._lease is not None:
+            self._lease.close()
+        self._lease = move.lease
+        self.mode, self.set_id, self.reason = move.mode, move.set_id, None
+        if move.mode == "shared":
+            callbacks, self._until_shared = self._until_shared, []
+            for callback in reversed(callbacks):
+                callback()
+        for callback in self._on_move:
+            callback()
+        log.info(
+            "engramd tables moved from %s to %s (set %s, %d tensors, same addresses)",
+            f"{was} copy",
+            "the daemon's copy" if move.mode == "shared" else f"a {move.mode} copy",
+            self.set_id,
+            len(self._live),
+        )
+
+    def when_moved(self, callback: Callable[[], None]) -> None:
+        """Call `callback` at the step boundary, after every move (advance() returned True):
+        what holds a mapping of its own of these tables' rows (a row reader over other
+        addresses) takes the new ones there."""
+        self._on_move.append(callback)
+
+    def until_shared(self, callback: Callable[[], None]) -> None:
+        """Call `callback` when these private tables move to the daemon's copy, or close
+        (a fallen-back worker's record beside the socket goes then)."""
+        self._until_shared.append(callback)
 
     @property
     def checkpoint_names(self) -> frozenset[str]:
@@ -133,14 +343,36 @@ class Tables(Mapping[str, torch.Tensor]):
         """
         from engramd_client.cuda import register_all
 
-        registrations = register_all(self._tensors, index, route)
+        self._registrations = register_all(self._tensors, index, route)
         self.gpu_route = route
+        views = {n: r.view for n, r in self._registrations.items()}
+        self.set_views(views, index, self._unregister)
 
-        def release() -> None:
-            for registration in registrations.values():
-                registration.release()
+    def _unregister(self) -> None:
+        for registration in self._registrations.values():
+            registration.release()
 
-        self.set_views({n: r.view for n, r in registrations.items()}, index, release)
+    def _reregister(self, route: str) -> None:
+        """Register the live tensors' new pages at the same addresses, for the same views.
+
+        A device that cannot use host pointers for registered memory may give
+        another device pointer, which CUDA graphs captured before would not see.
+        """
+        from engramd_client.cuda import register_all
+
+        assert self.device is not None
+        index = self.device.index or 0
+        registrations = register_all(self._tensors, index, route)
+        for name, registration in registrations.items():
+            if registration.view.data_ptr() != self._views[name].data_ptr():
+                for fresh in registrations.values():
+                    fresh.release()
+                raise DeviceError(
+                    f"{name} moved on {self.device}: its registered pages have another device "
+                    "address; this device cannot keep live tables at one address"
+                )
+        self._registrations = registrations
+        self.gpu_route = route
 
     def set_views(
         self, views: dict[str, torch.Tensor], index: int, release: Callable[[], None]
@@ -175,13 +407,27 @@ class Tables(Mapping[str, torch.Tensor]):
 
     def close(self) -> None:
         """Undo bindings, release CUDA views, end the lease (if shared), drop the references."""
-        callbacks, self._when_closed = self._when_closed, []
+        if self.stop_rejoin is not None:
+            self.stop_rejoin()
+            self.stop_rejoin = None
+        with self._pending_lock:
+            move, self._pending = self._pending, None
+            live, self._live = self._live, {}
+        if move is not None:
+            move.discard()
+        callbacks = self._until_shared + self._when_closed
+        self._until_shared, self._when_closed, self._on_move = [], [], []
         self._views, self.device = {}, None
         for callback in reversed(callbacks):
             callback()
         if self._lease is not None:
             self._lease.close()
             self._lease = None
+        if self._freeing is not None:
+            self._freeing.join()
+        _close_all(list(self._backings.values()))
+        self._backings = {}
+        del live
         self._tensors, self._names = {}, []
 
     def __enter__(self) -> Tables:

@@ -39,6 +39,7 @@ from engine_harness import (  # noqa: E402
     io_read_bytes,
     io_write_bytes,
     mapping_of,
+    move_when_told,
 )
 from sglang_plugin.sglang_rank import cached_bytes  # noqa: E402
 from torch import nn  # noqa: E402
@@ -174,6 +175,9 @@ def file_backend(table: Any, rows: torch.Tensor) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
+    parser.add_argument(
+        "--live", default="", help="after loading, step until the tables move (move_when_told)"
+    )
     parser.add_argument("world", type=int)
     parser.add_argument("init_file")
     parser.add_argument("checkpoint")
@@ -298,6 +302,22 @@ def main() -> None:
                 for lo, hi in spans
             )
         group.barrier()
+    if args.live:
+        from engramd_client.engines.sglang.process import PROCESS
+
+        def addresses() -> dict[str, Any]:
+            found = {}
+            for layer_id in range(config.num_hidden_layers):
+                if layer_id + 1 in config.ple_layer_ids:
+                    ple: Any = net.get_submodule(f"model.layers.{layer_id}.ple")
+                    found[str(layer_id)] = ple.ple_embedding.ngram_embedding.weight.data_ptr()
+            return found
+
+        addressed = addresses()
+        # SGLang's step seam (Scheduler.run_batch) does not import here (no setproctitle in
+        # this venv): the plugin's hook it calls first is called instead.
+        out["live"] = move_when_told(args.rank, Path(args.live), PROCESS.step, PROCESS.tables)
+        out["live"]["same_addresses"] = addresses() == addressed
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())

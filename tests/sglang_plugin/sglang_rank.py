@@ -30,7 +30,13 @@ sys.path.insert(0, str(HERE.parent))
 
 import torch  # noqa: E402
 import tvshim  # noqa: E402, F401 (before anything imports sglang)
-from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of  # noqa: E402
+from engine_harness import (  # noqa: E402
+    anonymous_kib,
+    drop_cache,
+    io_read_bytes,
+    mapping_of,
+    move_when_told,
+)
 from sglang_plugin.sglang_harness import engram_config  # noqa: E402
 from torch import nn  # noqa: E402
 
@@ -152,6 +158,9 @@ def lookups(net: nn.Module, layer_ids: tuple[int, ...]) -> dict[int, torch.Tenso
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
+    parser.add_argument(
+        "--live", default="", help="after loading, step until the tables move (move_when_told)"
+    )
     parser.add_argument("world", type=int)
     parser.add_argument("init_file")
     parser.add_argument("checkpoint")
@@ -284,6 +293,21 @@ def main() -> None:
         group.barrier()
     if args.lookup:
         torch.save(lookups(net, layout.layer_ids), args.lookup)
+    if args.live:
+        from engramd_client.engines.sglang.process import PROCESS
+
+        def addresses() -> dict[str, Any]:
+            found = {}
+            for layer_id in layout.layer_ids:
+                embed: Any = net.get_submodule(f"model.layers.{layer_id}.engram.embed")
+                found[str(layer_id)] = list(embed._table_ptrs())
+            return found
+
+        addressed = addresses()
+        # SGLang's step seam (Scheduler.run_batch) does not import here (no setproctitle in
+        # this venv): the plugin's hook it calls first is called instead.
+        out["live"] = move_when_told(args.rank, Path(args.live), PROCESS.step, PROCESS.tables)
+        out["live"]["same_addresses"] = addresses() == addressed
     from safetensors import safe_open
 
     index = json.loads((folder / "model.safetensors.index.json").read_text())

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_harness import in_bucket, readahead, result
+from engine_harness import in_bucket, ranks_in_thread, readahead, result
 from sglang_plugin.ple_harness import (
     DTYPES,
     FP8_SCALE,
@@ -167,21 +167,49 @@ def test_share_off_stands_aside(ple_model: Model, ple_served: Any, tmp_path: Pat
     assert len(ple_served.status().sets[0].leases) == 0
 
 
-def test_daemon_down_runs_sglangs_own_path_with_one_warning(
+def test_daemon_down_serves_engramds_private_copy_with_one_warning(
     ple_model: Model, tmp_path: Path
 ) -> None:
+    """No daemon at the socket: engramd's own private live copy of the rank's rows (padding
+    zero) serves SGLang's pinned backend, one warning naming the socket."""
     env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
     (done,) = run_ple_ranks(ple_model, 1, env, tmp_path)
     out = result(done)
     assert out["patched"]
     for info in out["layers"].values():
-        assert info["same_bytes"]  # SGLang's loader filled its own tables
-        assert "engramd" not in info["map"]
-    # SGLang read the tables itself: the measurement sees reads where they happen.
-    assert out["read_bytes"] >= ple_model.table_bytes / 2, out["read_bytes"]
+        assert info["same_bytes"] and info["padding_zero"], info
+        assert "/memfd:engramd-private" in info["map"], info["map"]
     log = _output(done)
-    assert log.count(WARNING) == 1, log[-3000:]
-    assert "SGLang allocates its own PLE n-gram host tables" in log
+    assert log.count("Falling back to private tables") == 1, log[-3000:]
+    assert str(tmp_path / "none.sock") in log
+
+
+def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
+    ple_model: Model, daemons: Any, sock_dir: Path, tmp_path: Path
+) -> None:
+    """Two TP ranks built while the daemon is down serve engramd's private live copy of their
+    vocab ranges; once the daemon is ready they move to its copy at the same step within the
+    issue's 2 s: same addresses, the checkpoint's rows, padding zero, the daemon's pages, the
+    private copies gone."""
+    env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
+    live = tmp_path / "live"
+    live.mkdir()
+    extra = ("--live", str(live))
+    with ranks_in_thread(
+        lambda: run_ple_ranks(ple_model, 2, env, tmp_path, extra), live, 2
+    ) as done:
+        d = daemons("--checkpoint", str(ple_model.folder))
+        (live / "go").touch()
+    for rank, out in enumerate(result(r) for r in done):
+        moved = out["live"]
+        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
+        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
+        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+        for info in out["layers"].values():
+            assert info["same_bytes"] and info["padding_zero"], info
+            assert str(d.shm_dir) in info["map"], info["map"]
+        log = _output(done[rank])
+        assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
 
 
 def test_strict_with_daemon_down_fails_start_up(ple_model: Model, tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -200,3 +201,76 @@ def anonymous_kib(address: int) -> int:
         elif inside and head == "Anonymous:":
             return int(line.split()[1])
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def private_copies() -> int:
+    """How many mappings of engramd's private live copies (memfds) this process holds."""
+    maps = Path("/proc/self/maps").read_text()
+    return sum("/memfd:engramd-private" in line for line in maps.splitlines())
+
+
+def private_copy_files() -> int:
+    """How many of engramd's private live copies (memfds) this process holds open."""
+    held = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            held += "engramd-private" in os.readlink(f"/proc/self/fd/{fd}")
+    return held
+
+
+def move_when_told(
+    rank: int, folder: Path, step: Callable[[], bool], tables: Any, max_steps: int = 1000
+) -> dict[str, Any]:
+    """A rank whose live tables were built while the daemon was down: it says so (the file
+    `built-RANK` in `folder`), waits for the test's `go` (the daemon is ready), then starts a
+    step every 2 ms (`step`: the plugin's hook where the engine starts one) until its tables
+    are the daemon's copy, at most `max_steps` (the same count on every rank: a group's
+    ranks vote on the move together). What it saw, and how long the move took."""
+    seen: dict[str, Any] = {
+        "mode_before": tables.mode,
+        "live": tables.live,
+        "private_copies_before": private_copies(),
+    }
+    (folder / f"built-{rank}").touch()
+    go = folder / "go"
+    while not go.exists():
+        time.sleep(0.005)
+    began = time.monotonic()
+    steps = 0
+    while steps < max_steps:
+        steps += 1
+        step()
+        if tables.mode == "shared":
+            break
+        time.sleep(0.002)
+    seen.update(mode=tables.mode, seconds=time.monotonic() - began, steps=steps)
+    # Their descriptors close off the step, in a thread of the tables' own.
+    waited = time.monotonic()
+    while private_copy_files() and time.monotonic() - waited < 10:
+        time.sleep(0.01)
+    seen.update(private_copies_after=private_copies() + private_copy_files())
+    return seen
+
+
+@contextlib.contextmanager
+def ranks_in_thread(
+    run: Callable[[], list[subprocess.CompletedProcess[str]]], folder: Path, world: int
+) -> Iterator[list[subprocess.CompletedProcess[str]]]:
+    """`run()` (ranks run to their end) in a thread, entered once every rank wrote
+    `built-RANK` in `folder`; their results in the yielded list once the block is left."""
+    import threading
+
+    done: list[subprocess.CompletedProcess[str]] = []
+    thread = threading.Thread(target=lambda: done.extend(run()), daemon=True)
+    thread.start()
+    while not all((folder / f"built-{r}").exists() for r in range(world)):
+        # Ranks that ended before they built say why in their results.
+        if not thread.is_alive():
+            raise AssertionError(
+                "ranks ended before building: " + " | ".join(d.stderr[-2000:] for d in done)
+            )
+        time.sleep(0.05)
+    try:
+        yield done
+    finally:
+        thread.join()

@@ -9,6 +9,11 @@ Commands (one per line, each answered by one JSON line):
   write NAME    write into tensor NAME (a shared one must fault)
   lookups S     gather random rows of every synthetic table for S seconds, check each row
   churn S       close, then attach and close again and again for S seconds
+  step          Tables.advance() once: the mode, whether a move waits, each tensor's address
+  until_shared S  advance() every 2 ms until the tables are shared, at most S seconds: the
+                mode and how long it took
+  pending       whether a move waits for the next step (nothing moves)
+  rows          every row of every tensor against the checkpoint's, read privately
   exit          close the tables and exit 0
 """
 
@@ -54,6 +59,22 @@ def lookups(tables: Tables, seconds: float) -> dict[str, int]:
     return {"lookups": count, "bad": bad}
 
 
+def pointers(tables: Tables) -> dict[str, int]:
+    """Each tensor's address."""
+    return {name: tables[name].data_ptr() for name in tables}
+
+
+def same_rows(tables: Tables, checkpoint: str) -> dict[str, bool]:
+    """Whether each tensor holds, row for row, the checkpoint's bytes."""
+    with attach(checkpoint, share=False) as reference:
+        return {
+            name: bool(
+                torch.equal(tables[name].view(torch.uint8), reference[name].view(torch.uint8))
+            )
+            for name in tables
+        }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("checkpoint")
@@ -86,6 +107,8 @@ def main() -> int:
             "set_id": tables.set_id,
             "lease_id": tables.lease_id,
             "attach_s": time.perf_counter() - start,
+            "live": tables.live,
+            "pointers": pointers(tables),
             "digests": {} if args.untouched else digests(tables),
         }
     )
@@ -116,6 +139,26 @@ def main() -> int:
                 tables.close()
                 cycles += 1
             say({"cycles": cycles})
+        elif command == "step":
+            moved = tables.advance()
+            say(
+                {
+                    "moved": moved,
+                    "mode": tables.mode,
+                    "pending": tables.pending,
+                    "pointers": pointers(tables),
+                }
+            )
+        elif command == "pending":
+            say({"pending": tables.pending, "mode": tables.mode})
+        elif command == "until_shared":
+            began = time.monotonic()
+            while tables.mode != "shared" and time.monotonic() - began < float(arg):
+                tables.advance()
+                time.sleep(0.002)
+            say({"mode": tables.mode, "seconds": time.monotonic() - began})
+        elif command == "rows":
+            say({"same": same_rows(tables, args.checkpoint)})
         elif command == "exit":
             tables.close()
             say({"closed": True})

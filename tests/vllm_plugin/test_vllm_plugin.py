@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import readahead, result
+from engine_harness import ranks_in_thread, readahead, result
 from vllm_plugin.vllm_harness import Model, Stored, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
@@ -93,20 +93,24 @@ def test_tp4_ranks_hold_vllms_rows_of_the_daemons_copy(
     assert len(status.sets) == 1
 
 
-def test_daemon_down_runs_vllms_own_path_with_one_warning(model: Model, tmp_path: Path) -> None:
+def test_daemon_down_serves_engramds_private_copy_with_one_warning(
+    model: Model, tmp_path: Path
+) -> None:
+    """No daemon at the socket: engramd's own private live copy of vLLM's rows serves (vLLM's
+    pinned tables are never allocated), vLLM's loader skips the tables, one warning naming
+    the socket."""
     env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
     (done,) = run_ranks(model, 1, env, tmp_path, ("--private-pin",))
     out = result(done)
     assert out["patched"]
     for info in out["layers"].values():
-        assert not info["served"]
-        assert info["same_bytes"] == [True, True]  # vLLM's loader filled its own tables
-        assert "engramd" not in info["weight_map"]
-    # vLLM read the tables itself: the measurement sees reads where they happen.
-    assert out["read_bytes"] >= _table_bytes(model), out["read_bytes"]
+        assert info["served"] and info["same_bytes"] == [True, True], info
+        assert "/memfd:engramd-private" in info["weight_map"], info["weight_map"]
+    # The copy was read while the layers were built; the loader read no table.
+    assert out["read_bytes"] <= _may_read(model), out["read_bytes"]
     log = _output(done)
-    assert log.count("engramd does not serve the Engram tables here") == 1, log[-3000:]
-    assert "vLLM allocates its own Engram tables" in log
+    assert log.count("Falling back to private tables") == 1, log[-3000:]
+    assert str(tmp_path / "none.sock") in log
 
 
 def test_share_off_stands_aside(model: Model, served: Any, tmp_path: Path) -> None:
@@ -157,12 +161,47 @@ def test_a_group_follows_its_leaders_answer(model: Model, served: Any, tmp_path:
     env = {"ENGRAMD_SOCKET": str(served.socket)}
     ranks = run_ranks(model, 2, env, tmp_path, ("--decide-only", "--follower-env", nowhere))
     assert [result(d)["serve"] for d in ranks] == [True, True]
-    # The leader sees no daemon, rank 1 does: neither serves.
+    # The leader sees no daemon, rank 1 does: both serve (engramd's private live copy where
+    # the daemon cannot be reached, which moves to its copy when it is back).
     (tmp_path / "again").mkdir()
     env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
     there = f"ENGRAMD_SOCKET={served.socket}"
     ranks = run_ranks(model, 2, env, tmp_path / "again", ("--decide-only", "--follower-env", there))
-    assert [result(d)["serve"] for d in ranks] == [False, False]
+    assert [result(d)["serve"] for d in ranks] == [True, True]
+
+
+def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
+    model: Model, daemons: Any, sock_dir: Path, tmp_path: Path
+) -> None:
+    """Two TP ranks built while the daemon is down serve engramd's private live copy of
+    vLLM's rows; once the daemon is ready, they move to its copy at the same step (vLLM's
+    Worker.execute_dummy_batch, the plugin's hook first), within the issue's 2 s: the layers'
+    tables at the same addresses, the checkpoint's rows, the daemon's read-only pages, the
+    private copies gone."""
+    env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
+    live = tmp_path / "live"
+    live.mkdir()
+    extra = ("--live", str(live))
+    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
+        d = daemons("--checkpoint", str(model.folder))
+        (live / "go").touch()
+    for rank, out in enumerate(result(r) for r in done):
+        moved = out["live"]
+        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
+        assert moved["private_copies_before"] == 2 * len(model.spec.engram_layers)
+        assert moved["mode"] == "shared", moved
+        assert moved["seconds"] < 2.0, moved
+        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+        for index, layer_id in enumerate(model.spec.engram_layers):
+            info = out["layers"][str(layer_id)]
+            assert (info["start"], info["end"]) == ceil_head_rows(model.heads[index], rank, 2)
+            assert info["served"] and info["same_bytes"] == [True, True], info
+            assert str(d.shm_dir) in info["weight_map"], info["weight_map"]
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+        # One line each way: the fallback's warning, the move's.
+        log = _output(done[rank])
+        assert log.count("Falling back to private tables") == 1, log[-3000:]
+        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
 
 
 def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(

@@ -16,12 +16,10 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import readahead, result
+from engine_harness import ranks_in_thread, readahead, result
 from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, bucket_config, run_ple_ranks
 
 from engramd.testing.synth import expected_ple_rows
-
-WARNING = "engramd does not serve the PLE n-gram tables here"
 
 
 def _layer(module: str) -> int:
@@ -140,21 +138,56 @@ def test_two_tp1_servers_map_one_file(
     assert inodes[0] == inodes[1]
 
 
-def test_without_a_daemon_vllm_loads_its_own_tables_with_one_warning(
+def test_without_a_daemon_engramds_private_copy_serves_with_one_warning(
     ple_models: dict[str, PleModel], tmp_path: Path
 ) -> None:
+    """No daemon at the socket: engramd's own private live copy of the rank's rows serves
+    (vLLM's pinned tables are never allocated), one warning naming the socket."""
     model = ple_models["F8_E4M3"]
     env = {"ENGRAMD_SOCKET": str(tmp_path / "none.sock")}
     (done,) = run_ple_ranks(model, 1, env, tmp_path, ("--private-pin",))
     out = result(done)
-    assert _output(done).count(WARNING) == 1
+    log = _output(done)
+    assert log.count("Falling back to private tables") == 1, log[-3000:]
+    assert str(tmp_path / "none.sock") in log
     for module, info in out["layers"].items():
-        assert info["served"] == []
-        assert " r--s " not in info["maps"]["weight"]
-        # vLLM's own loader filled its own table from the shards.
+        assert info["served"] == ["weight"]
+        assert "/memfd:engramd-private" in info["maps"]["weight"], info["maps"]
         assert info["sha256"]["weight"] == _expected_sha(
             model, _layer(module), "weight", 0, info["rows"]
         )
+
+
+def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
+    ple_models: dict[str, PleModel], daemons: Any, sock_dir: Path, tmp_path: Path
+) -> None:
+    """Two ETP ranks built while the daemon is down serve engramd's private live copy of
+    their vocab ranges (padding rows zero); once the daemon is ready they move to its copy at
+    the same step (vLLM's Worker.execute_dummy_batch, the plugin's hook first) within the
+    issue's 2 s: same addresses (the UVA view is the table), the checkpoint's rows, the
+    daemon's read-only pages, the private copies gone."""
+    model = ple_models["BF16"]
+    env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
+    live = tmp_path / "live"
+    live.mkdir()
+    extra = ("--live", str(live))
+    with ranks_in_thread(lambda: run_ple_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
+        d = daemons("--checkpoint", str(model.folder))
+        (live / "go").touch()
+    for rank, out in enumerate(result(r) for r in done):
+        moved = out["live"]
+        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
+        assert moved["private_copies_before"] > 0, moved
+        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
+        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+        for module, info in out["layers"].items():
+            assert info["served"] == ["weight"] and info["uva_is_table"], info
+            assert str(d.shm_dir) in info["maps"]["weight"], info["maps"]
+            assert info["sha256"]["weight"] == _expected_sha(
+                model, _layer(module), "weight", info["start"], info["rows"]
+            )
+        log = _output(done[rank])
+        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
 
 
 def test_share_off_stands_aside(

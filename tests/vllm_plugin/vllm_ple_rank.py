@@ -45,7 +45,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine_harness import anonymous_kib, disk_read_bytes, drop_cache, mapping_of
+from engine_harness import (
+    anonymous_kib,
+    disk_read_bytes,
+    drop_cache,
+    mapping_of,
+    move_when_told,
+)
 
 from engramd.testing.pagecache import evict
 
@@ -142,6 +148,9 @@ def main() -> None:
     parser.add_argument("--evict", action="append", default=[])
     parser.add_argument("--cgroup", default="")
     parser.add_argument("--pause", action="store_true")
+    parser.add_argument(
+        "--live", default="", help="after loading, step until the tables move (move_when_told)"
+    )
     args = parser.parse_args()
 
     from vllm.config.logging import LoggingConfig
@@ -243,6 +252,27 @@ def main() -> None:
                 out["read_bytes"] = disk_read_bytes(folder) - before
                 out["load_s"] = time.monotonic() - started
             torch.distributed.barrier(group)
+        if args.live:
+            from vllm_rank import idle_step  # type: ignore[import-not-found]
+
+            from engramd_client.engines.vllm.process import PROCESS
+
+            def addresses() -> dict[str, int]:
+                return {
+                    f"{name}.{p}": net.get_submodule(name).get_parameter(p).data_ptr()
+                    for name, info in layers.items()
+                    for p in info["dtypes"]
+                }
+
+            addressed = addresses()
+            out["live"] = move_when_told(args.rank, Path(args.live), idle_step(), PROCESS.tables)
+            out["live"]["same_addresses"] = addresses() == addressed
+            for name, info in layers.items():
+                table = net.get_submodule(name)
+                info["maps"] = {
+                    p: mapping_of(table.get_parameter(p).data_ptr()) for p in info["dtypes"]
+                }
+                info["uva_is_table"] = table._uva_weight.data_ptr() == table.weight.data_ptr()
         for name, info in layers.items():
             table = net.get_submodule(name)
             if not args.lookup:

@@ -1,7 +1,7 @@
 """One vLLM rank on CPU: loads the plugins, builds real Engram layers, loads the checkpoint.
 
     python vllm_rank.py RANK WORLD INIT_FILE CONFIG_PICKLE [--private-pin] [--version V]
-        [--no-load] [--load-format F] [--reference FOLDER]
+        [--no-load] [--load-format F] [--reference FOLDER] [--live FOLDER]
 
 Everything is vLLM's own code (its plugin loader, distributed groups, Engram
 layers, ColumnParallelLinear, DefaultModelLoader, DeepSeek-V4.1's weight
@@ -26,7 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of
+from engine_harness import anonymous_kib, drop_cache, io_read_bytes, mapping_of, move_when_told
 
 
 def cpu_only(private_pin: bool) -> None:
@@ -133,6 +133,22 @@ def lookups(net: nn.Module, table_class: type) -> dict[str, torch.Tensor]:
     return found
 
 
+def idle_step() -> Any:
+    """A step as vLLM starts one on an idle rank: its Worker's execute_dummy_batch, which the
+    plugin's hook runs first; the model runner's dummy forward (a GPU's) does nothing here."""
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    class Runner:
+        # The forward pass needs a GPU.
+        def _dummy_run(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
+    worker.model_runner = Runner()
+    assert getattr(gpu_worker.Worker.execute_dummy_batch, "__engramd__", False)
+    return lambda: worker.execute_dummy_batch()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -148,6 +164,9 @@ def main() -> None:
     parser.add_argument("--lookup", default="", help="on a GPU: save vLLM's lookups here")
     parser.add_argument(
         "--reference", default="", help="the checkpoint's files, where the model's folder has none"
+    )
+    parser.add_argument(
+        "--live", default="", help="after loading, step until the tables move (move_when_told)"
     )
     args = parser.parse_args()
 
@@ -262,6 +281,25 @@ def main() -> None:
                 out["read_bytes"] = io_read_bytes() - before
                 out["load_s"] = time.monotonic() - started
             torch.distributed.barrier(group)
+        if args.live:
+            from engramd_client.engines.vllm.process import PROCESS
+
+            def addresses() -> dict[str, list[int]]:
+                found = {}
+                for layer_id, info in layers.items():
+                    embedding: Any = net.get_submodule(info["name"])
+                    pair = [embedding.weight.data_ptr(), embedding.weight_scale_inv.data_ptr()]
+                    found[str(layer_id)] = pair
+                return found
+
+            addressed = addresses()
+            step = idle_step()
+            out["live"] = move_when_told(args.rank, Path(args.live), step, PROCESS.tables)
+            out["live"]["same_addresses"] = addresses() == addressed
+            for info in layers.values():
+                moved: Any = net.get_submodule(info["name"])
+                info["weight_map"] = mapping_of(moved.weight.data_ptr())
+                info["scale_map"] = mapping_of(moved.weight_scale_inv.data_ptr())
         if args.lookup:
             torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
         from safetensors import safe_open

@@ -32,6 +32,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+import torch
+
 from engramd_client.mapping import RowRanges
 from engramd_client.tables import Tables
 from engramd_shared import errors
@@ -349,13 +351,25 @@ def decide(
 
 
 def settle(
-    refusal: Refusal | None, strict: bool | None, tables: str, engine_path: str, log: logging.Logger
+    refusal: Refusal | None,
+    strict: bool | None,
+    tables: str,
+    engine_path: str,
+    log: logging.Logger,
+    live: bool = False,
 ) -> bool:
-    """Whether to serve: strict raises the refusal; auto warns once that `engine_path` runs."""
+    """Whether to serve: strict raises the refusal; auto warns once that `engine_path` runs.
+
+    `live`: the checkpoint's files are here, so where the daemon is only unreachable
+    engramd serves its own private copy (each rank's attach warns once), which moves to
+    the daemon's copy at a step once it is back (live tables, StepGate).
+    """
     if refusal is None:
         return True
     if strict:
         refusal.throw()
+    if live and refusal.kind == "DaemonUnavailable":
+        return True
     say_once(
         log,
         logging.WARNING,
@@ -377,6 +391,68 @@ def serving(log: logging.Logger, engine: str, what: str, tables: Tables) -> None
         tables.mode,
         len(tables),
         tables.nbytes / 2**30,
+    )
+
+
+#: Steps between two votes of an engine's ranks on a pending move (StepGate): a move waits
+#: at most this many steps after every rank has it in hand; between votes a step costs a
+#: counter increment.
+VOTE_EVERY = 16
+
+
+class StepGate:
+    """Where an engine starts a step: its live tables move there, every rank at the same step.
+
+    A rank alone (or a worker without a group) moves at its next step. The
+    ranks of a group vote every VOTE_EVERY steps, a MIN all-reduce of one
+    integer on the engine's own CPU group (every rank counts the same steps:
+    the engine runs each step on all of them): once every rank holds its move
+    (or has none to wait for), all make it at that step, so no step reads a
+    mix of copies across ranks. `group()` gives the engine's GroupCoordinator
+    (or None), asked at the first step, after the engine set its groups up.
+    """
+
+    def __init__(self, tables: Tables, group: Callable[[], Any]) -> None:
+        self._tables = tables
+        self._group = group
+        self._agree: Callable[[bool], bool] | None = None
+        self._steps = 0
+
+    def step(self) -> bool:
+        """Called where a step starts; True when the tables moved at this step."""
+        self._steps += 1
+        if self._steps == 1:
+            self._agree = agreement(self._group())
+        if self._agree is None:
+            return self._tables.advance()
+        if self._steps % VOTE_EVERY:
+            return False
+        tables = self._tables
+        ready = tables.pending or tables.mode == "shared" or not tables.live
+        return self._agree(ready) and tables.advance()
+
+
+def agreement(group: Any) -> Callable[[bool], bool] | None:
+    """Whether every rank of an engine's GroupCoordinator says yes (None: a rank alone)."""
+    if group is None or group.world_size == 1:
+        return None
+    import torch.distributed as dist
+
+    def agree(ready: bool) -> bool:
+        vote = torch.tensor([int(ready)], dtype=torch.int32)
+        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group.cpu_group)
+        return bool(vote.item())
+
+    return agree
+
+
+def moved(log: logging.Logger, engine: str, tables: Tables) -> None:
+    """The one line that says an engine's tables moved at this step."""
+    log.info(
+        "engramd's tables of %s moved to the %s copy at this step (set %s, same addresses)",
+        engine,
+        "daemon's" if tables.mode == "shared" else tables.mode,
+        tables.set_id,
     )
 
 

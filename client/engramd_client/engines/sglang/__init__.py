@@ -34,7 +34,7 @@ from typing import Any
 from engramd_client.engines.common import UnknownEngine, say_once, when_imported
 from engramd_client.engines.sglang import deepseek, qwen4exp, weights
 from engramd_client.engines.sglang.guard import SGLANG, check_seams, sglang_version
-from engramd_client.engines.sglang.process import log
+from engramd_client.engines.sglang.process import SCHEDULER_MODULE, install_step, log
 
 _registered = False
 
@@ -48,6 +48,7 @@ def register() -> None:
     if not SGLANG.may_patch(sglang_version, log):
         return
     when_imported(qwen4exp.QWEN4_EXP, qwen4exp.install)
+    when_imported(SCHEDULER_MODULE, install_step)
     from sglang.srt.environ import envs
 
     if not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():

@@ -162,3 +162,13 @@ def check_ple_seams(qwen4_exp: ModuleType, vocab: ModuleType) -> None:
         and {"shard_indices", "num_embeddings_per_partition"} <= _names(base.__init__),
         "VocabParallelEmbedding's vocab split",
     )
+
+
+def check_step_seams(scheduler: ModuleType) -> None:
+    """Where SGLang starts a step on every TP rank: its Scheduler's run_batch (generation,
+    embedding, idle and split-prefill batches alike)."""
+    owner: Any = getattr(scheduler, "Scheduler", None)
+    SGLANG.expect(owner is not None, "scheduler module")
+    SGLANG.expect(
+        params(owner.run_batch) == ["self", "batch", "pp_proxy_tensors"], "Scheduler.run_batch"
+    )

@@ -10,20 +10,28 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from engramd_client.engines.common import (
     CallThrough,
     Pattern,
+    StepGate,
+    UnknownEngine,
     decide,
     local_folder,
+    moved,
     probe,
+    replaced,
+    say_once,
     serving,
     settle,
     share_mode,
 )
-from engramd_client.engines.sglang.guard import SGLANG
+from engramd_client.engines.sglang.guard import SGLANG, check_step_seams
 from engramd_client.tables import Tables
+from engramd_shared.checkpoint import is_store_url
+from engramd_shared.errors import EngramdError
 from engramd_shared.families import Family
 
 #: Under SGLang's logger, so the plugin's lines appear in SGLang's log, formatted alike.
@@ -51,14 +59,19 @@ class Process:
     iterators: dict[str, Callable[..., Any]] = field(default_factory=dict)
     #: SGLang's functions the plugin replaced on import (not through HookRegistry), to call.
     calls: CallThrough = field(default_factory=CallThrough)
+    #: Where the held tables move at a step boundary (live tables); None until held.
+    gate: StepGate | None = None
 
-    def decide(self, family: Family, engine_tables: Pattern, own: str, group: Any = None) -> bool:
+    def decide(
+        self, family: Family, engine_tables: Pattern, own: str, group: Any = None, live: bool = True
+    ) -> bool:
         """Whether engramd serves this process's `family` tables: once, the same on `group`.
 
         `engine_tables`: the checkpoint names SGLang loads as the family's
         tables; `own`: the tables SGLang allocates instead (for the warning);
         `group`: SGLang's GroupCoordinator whose ranks must agree (None: this
-        process alone).
+        process alone); `live`: the tables can be live (engramd's private copy serves
+        while the daemon is down, common.settle).
         """
         if self.serve is not None:
             return self.serve
@@ -76,7 +89,8 @@ class Process:
             leader=group is None or group.rank_in_group == 0,
             broadcast=None if group is None else lambda r: group.broadcast_object(r, src=0),
         )
-        self.serve = settle(refusal, share_mode(), family.tables, engine_path(own), log)
+        live = live and refusal is not None and _local_files()
+        self.serve = settle(refusal, share_mode(), family.tables, engine_path(own), log, live)
         if self.serve:
             self.folder = checkpoint_folder()
         return self.serve
@@ -85,11 +99,57 @@ class Process:
         """Keep `tables` for the process's life; SGLang's iterators skip every tensor they hold."""
         self.tables = tables
         self.served = tables.checkpoint_names
+        self.gate = StepGate(tables, _tp_group)
         serving(log, "SGLang", what, tables)
         return tables
 
+    def step(self) -> bool:
+        """Where SGLang starts a step on this rank: the held tables move if a move is due."""
+        if self.gate is None or not self.gate.step():
+            return False
+        assert self.tables is not None
+        moved(log, "SGLang", self.tables)
+        return True
+
 
 PROCESS = Process()
+
+
+def _local_files() -> bool:
+    """Whether the model's checkpoint is a folder here (engramd's private copy can be read)."""
+    try:
+        return not is_store_url(checkpoint_folder())
+    except EngramdError:
+        return False
+
+
+def _tp_group() -> Any:
+    """SGLang's TP group: its ranks' schedulers run every batch together."""
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    return parallel.tp_group if parallel.tp_size > 1 else None
+
+
+#: Where SGLang's ranks start a step (Scheduler.run_batch).
+SCHEDULER_MODULE = "sglang.srt.managers.scheduler"
+
+
+def install_step(scheduler: ModuleType) -> None:
+    """Call PROCESS.step() where SGLang's Scheduler runs a batch (before its own code)."""
+    if replaced(scheduler.Scheduler.run_batch):
+        return
+    try:
+        check_step_seams(scheduler)
+    except UnknownEngine as e:
+        say_once(log, logging.WARNING, "step", "%s; live tables will not move", e)
+        return
+    PROCESS.calls.replace(scheduler.Scheduler, "run_batch", _run_batch)
+
+
+def _run_batch(self: Any, batch: Any, pp_proxy_tensors: Any = None) -> Any:
+    PROCESS.step()
+    return PROCESS.calls.call(_run_batch, self, batch, pp_proxy_tensors)
 
 
 def checkpoint_folder() -> str:

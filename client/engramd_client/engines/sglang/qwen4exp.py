@@ -183,7 +183,7 @@ def _allocate(
             "/".join(SERVED_BACKENDS),
         )
         return own()
-    if not _decide(building, dtype):
+    if not _decide(building, dtype, backend):
         return own()
     tables = PROCESS.tables or _attach(dtype, backend)
     name = _table_of(building.prefix, tables)
@@ -240,8 +240,11 @@ def _trimmer(table: torch.Tensor) -> Any:
     return trimmer
 
 
-def _decide(building: _Building, dtype: torch.dtype) -> bool:
-    """Whether engramd serves: the TP group's one answer, then whether SGLang's layout fits."""
+def _decide(building: _Building, dtype: torch.dtype, backend: str) -> bool:
+    """Whether engramd serves: the TP group's one answer, then whether SGLang's layout fits.
+
+    The file backend's table is never live: where the daemon is down, SGLang's own runs.
+    """
     if PROCESS.serve is not None:
         return PROCESS.serve
     from sglang.srt.runtime_context import get_parallel
@@ -250,7 +253,7 @@ def _decide(building: _Building, dtype: torch.dtype) -> bool:
     # Every rank builds its first PLE layer at the same point; the leader's answer reaches
     # all of them. The TP group holds the attention-TP groups too.
     group = parallel.tp_group if parallel.tp_size > 1 else None
-    if not PROCESS.decide(PLE, PLE_TABLES, OWN_TABLES, group):
+    if not PROCESS.decide(PLE, PLE_TABLES, OWN_TABLES, group, live=backend == "pinned"):
         return False
     # The same checkpoint and config on every rank: the same answer without a collective.
     reason = _misfit(PROCESS.folder, building.config, dtype)

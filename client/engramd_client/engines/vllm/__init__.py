@@ -25,7 +25,7 @@ from __future__ import annotations
 from engramd_client.engines.common import when_imported
 from engramd_client.engines.vllm import deepseek, qwen4exp
 from engramd_client.engines.vllm.guard import VLLM, vllm_version
-from engramd_client.engines.vllm.process import log
+from engramd_client.engines.vllm.process import WORKER_MODULE, install_step, log
 
 _registered = False
 
@@ -40,3 +40,4 @@ def register() -> None:
         return
     when_imported(deepseek.ENGRAM_MODULE, deepseek.install)
     when_imported(qwen4exp.PLE_MODULE, qwen4exp.install)
+    when_imported(WORKER_MODULE, install_step)

@@ -7,6 +7,7 @@ then patches nothing of that family and vLLM runs its own path.
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 from engramd_client.engines.common import SERVED_LOAD_FORMATS, Engine, params
 
@@ -143,3 +144,13 @@ def check_ple_lookup_seams(ngram_embedding: ModuleType) -> None:
         and "swizzle" in params(nvfp4.dequantize_to_dtype),
         "nvfp4_emulation_utils.dequantize_to_dtype",
     )
+
+
+def check_step_seams(gpu_worker: ModuleType) -> None:
+    """Where vLLM starts a step on every rank: its Worker's execute_model (a step with work or
+    none) and execute_dummy_batch (an idle data-parallel rank's step)."""
+    worker: Any = getattr(gpu_worker, "Worker", None)
+    VLLM.expect(worker is not None, "GPU worker module")
+    model_step = params(worker.execute_model)
+    VLLM.expect(model_step == ["self", "scheduler_output"], "Worker.execute_model")
+    VLLM.expect(params(worker.execute_dummy_batch) == ["self"], "Worker.execute_dummy_batch")

@@ -19,6 +19,7 @@ import importlib
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -27,8 +28,11 @@ from engramd_client.engines.common import (
     CallThrough,
     Pattern,
     Refusal,
+    StepGate,
+    UnknownEngine,
     decide,
     local_folder,
+    moved,
     probe,
     replaced,
     say_once,
@@ -36,8 +40,10 @@ from engramd_client.engines.common import (
     settle,
     share_mode,
 )
-from engramd_client.engines.vllm.guard import VLLM, check_loader_seams
+from engramd_client.engines.vllm.guard import VLLM, check_loader_seams, check_step_seams
 from engramd_client.tables import Tables
+from engramd_shared.checkpoint import is_store_url
+from engramd_shared.errors import EngramdError
 from engramd_shared.families import Family
 
 #: Under vLLM's logger, so the plugin's lines appear in vLLM's log, formatted alike.
@@ -71,6 +77,8 @@ class Process:
     calls: CallThrough = field(default_factory=CallThrough)
     #: vLLM's own pattern of n-gram table names (`_ENGRAM_WEIGHT_RE`).
     pattern: Pattern | None = None
+    #: Where the held tables move at a step boundary (live tables); None until held.
+    gate: StepGate | None = None
 
     def install_loader(self) -> bool:
         """Hook vLLM's weight loading once; False (one warning) where its seams differ."""
@@ -124,7 +132,14 @@ class Process:
         path = engine_path(family)
         if refusal is not None and instead is not None and not share_mode():
             path = instead(config)
-        self.serve = settle(refusal, share_mode(), family.tables, path, log)
+        # Rows read from the checkpoint's own files (ENGRAMD_DISK_OFFLOAD) allocate no table;
+        # engramd's private live copy would: it serves only where vLLM's own path would run.
+        live = (
+            refusal is not None
+            and path == engine_path(family)
+            and _local_files(lambda: checkpoint_folder(config))
+        )
+        self.serve = settle(refusal, share_mode(), family.tables, path, log, live)
         if self.serve:
             self.folder = checkpoint_folder(config)
         return self.serve
@@ -133,11 +148,62 @@ class Process:
         """Keep `tables` for the process's life; vLLM's loader skips every tensor they hold."""
         self.tables = tables
         self.served = tables.checkpoint_names
+        self.gate = StepGate(tables, _world_group)
         serving(log, "vLLM", what, tables)
         return tables
 
+    def step(self) -> bool:
+        """Where vLLM starts a step on this rank: the held tables move if a move is due."""
+        if self.gate is None or not self.gate.step():
+            return False
+        assert self.tables is not None
+        moved(log, "vLLM", self.tables)
+        return True
+
 
 PROCESS = Process()
+
+
+def _local_files(folder: Callable[[], str]) -> bool:
+    """Whether the model's checkpoint is a folder here (engramd's private copy can be read)."""
+    try:
+        return not is_store_url(folder())
+    except EngramdError:
+        return False
+
+
+def _world_group() -> Any:
+    """vLLM's group of every rank of this engine (TP and PP): they all run each step."""
+    from vllm.distributed import get_world_group
+
+    return get_world_group()
+
+
+#: Where vLLM's ranks start a step (Worker.execute_model and execute_dummy_batch).
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+
+
+def install_step(gpu_worker: ModuleType) -> None:
+    """Call PROCESS.step() where vLLM's Worker starts a step (before its own code)."""
+    if replaced(gpu_worker.Worker.execute_model):
+        return
+    try:
+        check_step_seams(gpu_worker)
+    except UnknownEngine as e:
+        say_once(log, logging.WARNING, "step", "%s; live tables will not move", e)
+        return
+    PROCESS.calls.replace(gpu_worker.Worker, "execute_model", _execute_model)
+    PROCESS.calls.replace(gpu_worker.Worker, "execute_dummy_batch", _execute_dummy_batch)
+
+
+def _execute_model(self: Any, scheduler_output: Any) -> Any:
+    PROCESS.step()
+    return PROCESS.calls.call(_execute_model, self, scheduler_output)
+
+
+def _execute_dummy_batch(self: Any) -> None:
+    PROCESS.step()
+    PROCESS.calls.call(_execute_dummy_batch, self)
 
 
 def engine_path(family: Family) -> str:
