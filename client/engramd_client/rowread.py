@@ -33,8 +33,8 @@ figures are in docs/engines.md and docs/performance.md):
   id falls in the rank's rows (a rank that holds the whole table, or ids
   `aminmax` finds inside its range) no mask is built: `index_select`'s own
   bounds check sends a step with an id outside the table to the masked way.
-  Before it, `mincore` of a few of the step's pages (SAMPLE_PAGES, about a
-  microsecond each) routes a step whose pages are not resident to the cold
+  Before it, `mincore` of one of the step's pages (SAMPLE_PAGES, a few
+  microseconds) routes a step whose pages are not resident to the cold
   way before it faults them in one at a time; a step the sample missed is
   caught by its major faults (getrusage) and the next steps read cold;
 - cold: the step's rows are coalesced into runs of neighbouring pages,
@@ -73,8 +73,10 @@ RUN_GAP_PAGES = 4
 DEFAULT_THREADS = 16
 #: A cold gather gives each thread at least this many rows.
 _MIN_ROWS_PER_THREAD = 64
-#: Pages of a step a warm gather checks with mincore first: one not resident reads it cold.
-SAMPLE_PAGES = 4
+#: Pages of a step a warm gather checks with mincore first: one not resident reads it cold
+#: (each costs a warm step about 3 us: a cold page cache misses them all, a partly cold one
+#: is caught after the step by its major faults).
+SAMPLE_PAGES = 1
 
 _MADV_RANDOM = 1
 _MADV_WILLNEED = 3
@@ -220,7 +222,10 @@ class RowReader:
         n = flat.numel()
         if out is None:
             out = torch.empty(n, self.rows.row_bytes, dtype=torch.uint8)
-        target = out.view(torch.uint8).reshape(out.shape[0] if out.dim() else 0, -1)
+        if out.dtype == torch.uint8 and out.dim() == 2:
+            target = out
+        else:
+            target = out.view(torch.uint8).reshape(out.shape[0] if out.dim() else 0, -1)
         if target.shape != (n, self.rows.row_bytes) or out.device.type != "cpu":
             raise ValueError(
                 f"out must be a CPU tensor of {n} rows of {self.rows.row_bytes} bytes, not "
@@ -228,7 +233,8 @@ class RowReader:
             )
         if n == 0:
             return out
-        flat = flat.long()
+        if flat.dtype != torch.long:
+            flat = flat.long()
         if not self.cold and self._sample_missing(flat):
             self.cold = True
         if self.cold:
