@@ -26,24 +26,30 @@ stays exact, one owner per row). `ids` is any integer CPU tensor, flattened.
 available and `pin`), so a step allocates nothing.
 
 How it reads, chosen by measuring each way (tools/rowread_choices.py; the
-figures are in docs/engines.md):
+figures are in docs/engines.md and docs/performance.md):
 
 - warm (the rows' pages in the page cache): one `index_select` over a
-  tensor viewing the mapping, the gather a resident table takes: no hint, no
-  thread, no system call;
-- cold: a step whose gather took major page faults (getrusage) makes the
-  next steps read cold until one finds all its pages resident: the step's
-  rows are coalesced into runs of neighbouring pages, `mincore` finds the
-  runs not resident, `madvise(MADV_WILLNEED)` starts their reads at once
-  (many reads in flight, one request per run, exactly the step's pages),
-  and the gather is split over `threads` threads, each waiting on its own
-  faults (one pool of threads in the process, shared by every reader).
+  tensor viewing the mapping, the gather a resident table takes. When every
+  id falls in the rank's rows (a rank that holds the whole table, or ids
+  `aminmax` finds inside its range) no mask is built: `index_select`'s own
+  bounds check sends a step with an id outside the table to the masked way.
+  Before it, `mincore` of one of the step's pages (SAMPLE_PAGES, a few
+  microseconds) routes a step whose pages are not resident to the cold
+  way before it faults them in one at a time; a step the sample missed is
+  caught by its major faults (getrusage) and the next steps read cold;
+- cold: the step's rows are coalesced into runs of neighbouring pages,
+  `mincore` finds the runs not resident, `madvise(MADV_WILLNEED)` starts
+  their reads at once (many reads in flight, one request per run, exactly
+  the step's pages), and the gather is split over `threads` threads, each
+  waiting on its own faults (one pool of threads in the process, shared by
+  every reader). Steps read cold until one finds all its pages resident.
   Every mapping is `MADV_RANDOM`: a fault reads its own page, not
   a readahead window of rows no step asked for.
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -60,12 +66,17 @@ from engramd_shared.errors import CheckpointError
 from engramd_shared.headers import DTYPES, TensorEntry
 
 PAGE = mmap.PAGESIZE
+_PAGE_MASK = ~(PAGE - 1)
 #: Pages between two of a step's rows read as one run (fewer, larger reads).
 RUN_GAP_PAGES = 4
 #: Threads a cold gather is split over: reads in flight, not cores.
 DEFAULT_THREADS = 16
 #: A cold gather gives each thread at least this many rows.
 _MIN_ROWS_PER_THREAD = 64
+#: Pages of a step a warm gather checks with mincore first: one not resident reads it cold
+#: (each costs a warm step about 3 us: a cold page cache misses them all, a partly cold one
+#: is caught after the step by its major faults).
+SAMPLE_PAGES = 1
 
 _MADV_RANDOM = 1
 _MADV_WILLNEED = 3
@@ -177,6 +188,13 @@ class RowReader:
         # Held rows: this range, cut to what the pieces hold (the rest reads as zeros).
         self._lo = max(start, rows.first)
         self._hi = min(stop, rows.end)
+        #: Whether the rank holds every row of the pieces: any id index_select accepts.
+        self._holds_all = self._lo == rows.first and self._hi == rows.end
+        #: Whether the last warm step's ids all fell in the held rows (worth an aminmax).
+        self._last_all_held = True
+        self._firsts = [p.first for p in rows.pieces]
+        self._bases = [p.rows.data_ptr() for p in rows.pieces]
+        self._vector = (ctypes.c_ubyte * 1)()
 
     def staging(self, n: int) -> torch.Tensor:
         """A buffer of `n` rows, reused by later calls (pinned with `pin` and CUDA)."""
@@ -204,7 +222,10 @@ class RowReader:
         n = flat.numel()
         if out is None:
             out = torch.empty(n, self.rows.row_bytes, dtype=torch.uint8)
-        target = out.view(torch.uint8).reshape(out.shape[0] if out.dim() else 0, -1)
+        if out.dtype == torch.uint8 and out.dim() == 2:
+            target = out
+        else:
+            target = out.view(torch.uint8).reshape(out.shape[0] if out.dim() else 0, -1)
         if target.shape != (n, self.rows.row_bytes) or out.device.type != "cpu":
             raise ValueError(
                 f"out must be a CPU tensor of {n} rows of {self.rows.row_bytes} bytes, not "
@@ -212,15 +233,19 @@ class RowReader:
             )
         if n == 0:
             return out
-        flat = flat.long()
-        held = (flat >= self._lo) & (flat < self._hi)
-        faults = _major_faults()
+        if flat.dtype != torch.long:
+            flat = flat.long()
+        if not self.cold and self._sample_missing(flat):
+            self.cold = True
         if self.cold:
+            held = self._held(flat)
             self.cold = self._hint(flat[held]) > 0
             self._gather(flat, held, target, self.threads)
-        else:
-            self._gather(flat, held, target, 1)
-            self.cold = _major_faults() > faults
+            return out
+        faults = _major_faults()
+        if not self._gather_all_held(flat, target):
+            self._last_all_held = self._gather(flat, self._held(flat), target, 1)
+        self.cold = _major_faults() > faults
         return out
 
     def fault_in(self, ids: torch.Tensor) -> int:
@@ -240,16 +265,65 @@ class RowReader:
         """Drop the staging buffer (the mappings go with `rows`)."""
         self._staging = None
 
+    def _held(self, flat: torch.Tensor) -> torch.Tensor:
+        return (flat >= self._lo) & (flat < self._hi)
+
+    def _gather_all_held(self, flat: torch.Tensor, out: torch.Tensor) -> bool:
+        """The warm step with no mask, on this thread, where every id is a held row of one
+        piece; False (nothing promised of `out`) where one is not."""
+        if len(self.rows.pieces) != 1:
+            return False
+        piece = self.rows.pieces[0]
+        local = flat - piece.first if piece.first else flat
+        if self._holds_all:
+            # index_select checks every id against the piece's rows as it reads them.
+            try:
+                torch.index_select(piece.rows, 0, local, out=out)
+            except IndexError:
+                return False
+            return True
+        if not self._last_all_held:
+            return False
+        least, most = (int(x) for x in torch.aminmax(flat))
+        if least < self._lo or most >= self._hi:
+            return False
+        torch.index_select(piece.rows, 0, local, out=out)
+        return True
+
+    def _sample_missing(self, flat: torch.Tensor) -> bool:
+        """Whether one of SAMPLE_PAGES of the step's held rows, spread over the step, lies
+        on a page mincore finds not resident."""
+        vector, row_bytes, firsts, bases = (
+            self._vector,
+            self.rows.row_bytes,
+            self._firsts,
+            self._bases,
+        )
+        one = len(bases) == 1
+        for row in flat[:: -(-flat.numel() // SAMPLE_PAGES)].tolist():
+            if not self._lo <= row < self._hi:
+                continue
+            k = 0 if one else bisect.bisect_right(firsts, row) - 1
+            address = bases[k] + (row - firsts[k]) * row_bytes
+            if _libc.mincore(address & _PAGE_MASK, 1, vector) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed on a table's mapping")
+            if not vector[0] & 1:
+                return True
+        return False
+
     def _gather(
         self, flat: torch.Tensor, held: torch.Tensor, out: torch.Tensor, threads: int
-    ) -> None:
+    ) -> bool:
+        """The held ids' rows into `out`, zeros for the rest; whether every id was held."""
         pieces = self.rows.pieces
+        all_held = bool(held.all())
         if len(pieces) == 1:
             local = torch.where(held, flat - pieces[0].first, 0)
             self._index_select(pieces[0].rows, local, out, threads)
-            if not bool(held.all()):
-                out.masked_fill_(~held.unsqueeze(1), 0)
-            return
+            if not all_held:
+                # A product with the mask, not masked_fill: a broadcast fill is 15x slower.
+                out.mul_(held.unsqueeze(1))
+            return all_held
         # Several files: each piece's rows where they go, the rest zero.
         out.zero_()
         firsts = torch.tensor([p.first for p in pieces[1:]], dtype=torch.long)
@@ -262,6 +336,7 @@ class RowReader:
             rows = torch.empty(where.numel(), self.rows.row_bytes, dtype=torch.uint8)
             self._index_select(piece.rows, flat[where] - piece.first, rows, threads)
             out.index_copy_(0, where, rows)
+        return all_held
 
     def _index_select(
         self, rows: torch.Tensor, local: torch.Tensor, out: torch.Tensor, threads: int

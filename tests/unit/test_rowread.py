@@ -40,19 +40,20 @@ def _maps_of(address: int) -> str:
     return ""
 
 
-def _evict(path: Path, rows: HostRows) -> None:
-    """The file's pages out of the page cache: written back, dropped from this process's page
+def _evict(paths: Path | set[Path], rows: HostRows) -> None:
+    """The files' pages out of the page cache: written back, dropped from this process's page
     tables (MADV_DONTNEED), then from the cache."""
     for piece in rows.pieces:
         start = piece.rows.data_ptr() // 4096 * 4096
         end = piece.rows.data_ptr() + piece.rows.numel()
         assert _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4) == 0
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    for path in {paths} if isinstance(paths, Path) else paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def test_a_ranks_rows_and_zeros_for_the_others(tmp_path: Path) -> None:
@@ -124,17 +125,64 @@ def test_a_cold_step_reads_the_pages_it_missed_and_every_row_is_right(tmp_path: 
     reader = RowReader(rows, 0, 40000, threads=8)
     ids = torch.randint(0, 40000, (4000,))
     _evict(path, rows)
-    # A first step takes the faults itself and marks the reader cold.
+    # A warm reader's first cold step is found cold before it gathers (its sampled pages are
+    # not resident): it hints the pages it misses and reads on threads.
+    assert not reader.cold
     assert torch.equal(reader.gather(ids), table[ids])
-    assert reader.cold
+    assert reader.pages_missed > 0 and reader.cold
+    missed = reader.pages_missed
     _evict(path, rows)
     # A cold step hints the missing runs, reads on threads, and stays cold while it missed.
     assert torch.equal(reader.gather(ids), table[ids])
-    assert reader.pages_missed > 0 and reader.cold
+    assert reader.pages_missed > missed and reader.cold
     # Now every page of these ids is resident: the next cold step finds none missing.
     assert torch.equal(reader.gather(ids), table[ids])
     assert not reader.cold
+    # And a warm step stays warm.
+    assert torch.equal(reader.gather(ids), table[ids])
+    assert not reader.cold
     reader.close()
+
+
+def test_a_cold_step_of_a_checkpoint_table_is_found_in_any_shard(tmp_path: Path) -> None:
+    spec = PleSpec(layers=(0,), rows=4000, dim=256, parts=4, fmt="F8_E4M3", files=2)
+    synthesize_ple(tmp_path / "ckpt", spec)
+    plan = plan_tables(tmp_path / "ckpt", "*ple_embedding*")
+    [entry] = [e for e in plan.tensors if e.name.endswith(".weight")]
+    rows = HostRows.of_entry(entry)
+    assert len(rows.pieces) == spec.parts
+    reader = RowReader(rows, 0, 4000, threads=4)
+    # Ids only in the last shard: the sample finds that shard's pages, not the first's.
+    ids = torch.randint(3000, 4000, (400,))
+    _evict({Path(p.file) for p in entry.parts}, rows)
+    assert torch.equal(reader.gather(ids), expected_ple_rows(spec, 0, "weight", ids))
+    assert reader.pages_missed > 0
+    reader.close()
+
+
+def test_every_way_of_the_warm_step_gives_the_rows_and_exact_zeros(tmp_path: Path) -> None:
+    path = tmp_path / "t.bin"
+    table = _table(path, 3000)
+    rows = HostRows.of_file(path, 0, 3000, ROW_BYTES)
+    inside = torch.randint(0, 3000, (600,))
+    # A rank holding the whole table: ids inside, then ids past its end and negative ones
+    # (index_select refuses them, the masked way zeros them), then inside again.
+    whole = RowReader(rows, 0, 5000)
+    for ids in (inside, torch.cat([inside, torch.tensor([-1, 3000, 4999, -7])]), inside):
+        assert torch.equal(whole.gather(ids), _expected(table, ids, 0, 5000))
+        assert not whole.cold
+    # A rank of part of the rows: ids all its own (no mask), then others' (zeros), then
+    # its own again.
+    part = RowReader(rows, 1000, 2000)
+    own = torch.randint(1000, 2000, (600,))
+    for ids in (own, inside, own, inside):
+        out = torch.full((ids.numel(), ROW_BYTES), 0xAB, dtype=torch.uint8)
+        assert torch.equal(part.gather(ids, out=out), _expected(table, ids, 1000, 2000))
+    # A lease's tensor whose row 0 is table row 1000, all ids its own.
+    lease = RowReader(
+        HostRows.of_tensor(rows.pieces[0].rows[1000:2000], first_row=1000), 1000, 2000
+    )
+    assert torch.equal(lease.gather(own), table[own])
 
 
 def test_fault_in_brings_the_rows_pages_in(tmp_path: Path) -> None:
