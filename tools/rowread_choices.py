@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from engramd.testing.pagecache import evict_file
 from engramd_client.rowread import HostRows, RowReader, _advise
 
 _MADV_DONTNEED = 4
@@ -42,12 +43,7 @@ def _evict(path: Path, rows: HostRows) -> None:
     # The file's pages leave the page cache only once no page table maps them.
     for piece in rows.pieces:
         _advise(piece.rows, _MADV_DONTNEED)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    evict_file(path)
 
 
 #: The ways a step could read: threads the gather is split over, readahead hints or not.

@@ -13,12 +13,18 @@ def evict(folder: Path, pattern: str = "*") -> None:
     whose name matches `pattern`: pages no process maps leave the cache."""
     for path in sorted(folder.rglob(pattern)):
         if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+            evict_file(path)
+
+
+def evict_file(path: Path) -> None:
+    """Write back, then drop from the page cache, the file at `path`: pages no process maps
+    leave the cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
 
 
 def cached(folder: Path, pattern: str = "*") -> int:

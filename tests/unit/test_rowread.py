@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from engramd.testing.pagecache import evict_file
 from engramd.testing.synth import PleSpec, expected_ple_rows, synthesize_ple
 from engramd_client.rowread import HostRows, RowReader
 from engramd_shared.checkpoint import plan_tables
@@ -48,12 +48,7 @@ def _evict(paths: Path | set[Path], rows: HostRows) -> None:
         end = piece.rows.data_ptr() + piece.rows.numel()
         assert _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 4) == 0
     for path in {paths} if isinstance(paths, Path) else paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        evict_file(path)
 
 
 def test_a_ranks_rows_and_zeros_for_the_others(tmp_path: Path) -> None:
