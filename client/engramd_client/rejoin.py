@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 
 from engramd_client.tables import Move, Tables
@@ -32,11 +33,16 @@ REFUSED_MAX_S = 30.0
 def start_rejoin(tables: Tables, config: ClientConfig, attempt: Callable[[], Move]) -> None:
     """Look for the daemon in a thread until `attempt` gives a move `tables` accept.
 
-    `tables.close()` stops the thread.
+    `tables.close()` stops the thread, and so do tables dropped unclosed: the thread holds
+    them weakly, so tables nobody keeps are collected (their addresses unmapped) as private
+    tables always were, not kept alive by their own search for the daemon.
     """
     stop = threading.Event()
     thread = threading.Thread(
-        target=_run, args=(tables, config, attempt, stop), name="engramd-rejoin", daemon=True
+        target=_run,
+        args=(weakref.ref(tables), config, attempt, stop),
+        name="engramd-rejoin",
+        daemon=True,
     )
 
     def stop_rejoin() -> None:
@@ -49,11 +55,16 @@ def start_rejoin(tables: Tables, config: ClientConfig, attempt: Callable[[], Mov
 
 
 def _run(
-    tables: Tables, config: ClientConfig, attempt: Callable[[], Move], stop: threading.Event
+    held: weakref.ref[Tables],
+    config: ClientConfig,
+    attempt: Callable[[], Move],
+    stop: threading.Event,
 ) -> None:
     delay = config.reconnect_min_s
     told = ""
     while not stop.wait(delay):
+        if held() is None:
+            return
         try:
             probe_socket(config.socket, config.connect_timeout_s)
             move = attempt()
@@ -73,7 +84,8 @@ def _run(
                 log.warning("engramd: moving to the daemon's copy failed: %s", e, exc_info=True)
             delay = min(max(delay, config.rejoin_max_s) * 2, REFUSED_MAX_S)
             continue
-        if stop.is_set():
+        tables = held()
+        if stop.is_set() or tables is None:
             move.discard()
             return
         why = tables.offer(move)

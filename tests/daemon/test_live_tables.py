@@ -5,6 +5,7 @@ killed during a move leaves it on one whole copy."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -55,6 +56,10 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
     caplog.set_level(logging.INFO, logger="engramd_client")
     socket = sock_dir / "d.sock"
     rows = {name: (1_000, 39_000) for name in attach(checkpoint, share=False)}
+    # This process ran other tests first: what they left is not this worker's.
+    gc.collect()
+    mapped_before = set(memfd_mappings(os.getpid()))
+    open_before = set(_private_files(os.getpid()))
     tables = attach(checkpoint, socket=str(socket), rows=rows)
     try:
         assert (tables.mode, tables.live) == ("private", True)
@@ -62,7 +67,7 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
         heard: list[str] = []
         tables.until_shared(lambda: heard.append("shared"))
         tables.when_moved(lambda: heard.append("moved"))
-        assert len(memfd_mappings(os.getpid())) == len(tables)
+        assert len(set(memfd_mappings(os.getpid())) - mapped_before) == len(tables)
         assert not tables.advance()  # nothing pending: nothing moves
         d = daemons("--checkpoint", str(checkpoint))
         ready = time.monotonic()
@@ -75,9 +80,13 @@ def test_a_worker_started_without_its_daemon_moves_to_its_copy(
         with attach(checkpoint, share=False, rows=rows) as reference:
             assert all(_rows_of(tables, reference).values())
         # The private copies are gone: no memfd mapped, none held open.
-        assert memfd_mappings(os.getpid()) == []
+        assert set(memfd_mappings(os.getpid())) - mapped_before == set()
         # Closed off the step, in a thread of the tables' own.
-        wait_until(lambda: not _private_files(os.getpid()), 10, "the private copies freed")
+        wait_until(
+            lambda: not set(_private_files(os.getpid())) - open_before,
+            10,
+            "the private copies freed",
+        )
         # The lease shows this worker, and the pages are the daemon's.
         (leased,) = d.status().sets
         assert [lease.pid for lease in leased.leases] == [os.getpid()]
@@ -112,6 +121,29 @@ def test_private_live_tables_closed_before_a_move_end_their_hooks(
     (rejoin,) = [t for t in set(threading.enumerate()) - others if t.name == "engramd-rejoin"]
     tables.close()
     assert heard == ["shared"]
+    assert not rejoin.is_alive()
+
+
+def test_private_live_tables_dropped_unclosed_are_freed_and_stop_looking(
+    checkpoint: Path, sock_dir: Path
+) -> None:
+    """Tables nobody keeps are collected as private tables always were: their addresses
+    unmapped and their search for the daemon ended, not kept alive by that search."""
+    import threading
+
+    others = set(threading.enumerate())
+    gc.collect()
+    mapped_before = set(memfd_mappings(os.getpid()))
+    tables = attach(checkpoint, socket=str(sock_dir / "d.sock"))
+    assert tables.live
+    (rejoin,) = [t for t in set(threading.enumerate()) - others if t.name == "engramd-rejoin"]
+    ours = set(memfd_mappings(os.getpid())) - mapped_before
+    assert len(ours) == len(tables)
+    del tables
+    gc.collect()
+    assert not ours & set(memfd_mappings(os.getpid()))
+    # The thread wakes at least every rejoin_max_s, finds the tables gone and ends.
+    rejoin.join(timeout=10)
     assert not rejoin.is_alive()
 
 

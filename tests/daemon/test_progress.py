@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from engramd.cli.status_view import fetch, render
@@ -25,8 +26,9 @@ from engramd.testing.synth import SynthSpec, synthesize
 from engramd.units import gib
 from engramd_client import plan_tables
 
-#: CPU the daemon may use during the load: 1 ms of every 100 ms (the least the kernel takes).
-QUOTA_US, PERIOD_US = 1_000, 100_000
+#: CPU the daemon may use during the load: 3 ms of every 100 ms (at 1 ms its RPCs starve
+#: behind the load's threads and status cannot get through).
+QUOTA_US, PERIOD_US = 3_000, 100_000
 
 
 @contextlib.contextmanager
@@ -62,6 +64,10 @@ def cpu_cgroup() -> Iterator[Path]:
     try:
         yield made
     finally:
+        # Whatever is left in it (a daemon a failed test did not stop) goes on at full speed.
+        for pid in (made / "cgroup.procs").read_text().split():
+            with contextlib.suppress(OSError):
+                (made.parent / "cgroup.procs").write_text(pid)
         deadline = time.monotonic() + 30
         while subprocess.run(["rmdir", str(made)], capture_output=True).returncode != 0:
             if time.monotonic() > deadline:
@@ -83,7 +89,13 @@ def _status_while_loading(socket: Path) -> str:
     """
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        reply = fetch(str(socket), admin_socket_for(str(socket)), timeout=30)
+        try:
+            reply = fetch(str(socket), admin_socket_for(str(socket)), timeout=30)
+        except grpc.RpcError as e:
+            # Starved of CPU, the daemon may not finish a connection's handshake in time.
+            if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                raise
+            continue
         if any(s.state == "loading" and s.bytes_loaded for s in reply.sets):
             return render(reply)
         time.sleep(0.05)
@@ -113,6 +125,9 @@ def test_a_slow_load_logs_its_progress_and_status_shows_rate_and_time_left(
                 load.kill()
                 load.wait()
         assert load.returncode == 0, out
+        # Out of the quota before it stops: a daemon at 1% of a CPU may take longer to shut
+        # down than the stop waits, and the cgroup must be empty to go.
+        (cgroup.parent / "cgroup.procs").write_text(str(d.pid))
         d.stop()
     # The SOURCE column of the loading set: the source, its rate and the time left.
     assert re.search(r"files [\d.]+ GB/s, \d+ s left", shown), shown
