@@ -129,9 +129,10 @@ class LoadProgress:
             self._done += n
             if source:
                 self.by_source[source] = self.by_source.get(source, 0) + n
-            due = self._due(now)
-        if due:
-            log.info("%s", self.line(now))
+            # Told under the lock: a thread that decided on its line and was then descheduled
+            # must not log it after a later one.
+            if self._due(now):
+                log.info("%s", self.line(now))
         if self.cancel.is_set():
             raise LoadCancelled("the daemon is stopping")
 
