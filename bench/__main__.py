@@ -153,7 +153,7 @@ def main() -> int:
         figures += load_throughput(checkpoint(args.workdir, args.load_gib), args.reps)
     if "cold" in only:
         print("cold load against the device: fio direct, a buffered read, engramd's load")
-        figures += cold_loads(checkpoint(args.workdir, args.cold_gib), max(3, args.reps))
+        figures += cold_loads(checkpoint(args.workdir, args.cold_gib), max(5, args.reps))
         figures += reservation(args.cold_gib, args.reps)
     if "gather" in only:
         print("gather throughput and the first gather after attach")

@@ -14,9 +14,15 @@ Each turn drops the page cache before each side and runs, in this order:
   wheel engramd ships), into a tmpfs file's shared mapping as engramd
   reads, all posted at once and polled 1 ms apart: an asynchronous I/O
   engine in place of the loader's threads;
-- engramd: the daemon's loader (`load_set`) into its default backing with
-  its default reads, timed as the daemon times `load_seconds`, with its
-  CPU seconds (user + system of every thread of the process) per GiB.
+- engramd in-process: the daemon's loader (`load_set`) into its default
+  backing with its default reads, timed as the daemon times `load_seconds`,
+  with its CPU seconds (user + system of every thread of the process) per GiB;
+- engramd serve: what an operator meets, a fresh `engramd serve --checkpoint`
+  on a new shm folder, timed from its start to health's SERVING (the
+  configured set loaded), with its own `load_seconds` and its CPU seconds
+  from exec to ready; as root it mounts its huge-page tmpfs, and again with
+  --no-huge-tmpfs (the systemd unit's user, who may not mount: /dev/shm's
+  own pages).
 
 Beside it, the reservation of one file (`reservation`): a memfd's pages
 allocated by posix_fallocate (one thread: it holds the inode's lock) against
@@ -25,11 +31,12 @@ hugetlb files and, from POPULATE_CORES cores, shmem ones); and the same with
 the pages zeroed too, as the copy's first touch zeroes what fallocate left
 (on every core, as the copy threads would).
 
-Memory is recycled before the load, untimed, as in bench/load.py (this VM
-backs memory it has not touched for a while slowly; a node's daemon meets
-memory the kernel holds). The device's figure of a turn is the faster of
-direct and buffered (the target's); the parallel read is engramd's own
-reads without the set, beside it. Each ratio is one turn's, their median
+Memory is recycled before the in-process load, untimed, as in bench/load.py
+(this VM backs memory it has not touched for a while slowly); the fresh
+daemon gets none: it meets memory as a node's daemon at boot does. The
+device's figure of a turn is the faster of direct and buffered (the
+target's); the parallel read is engramd's own reads without the set,
+beside it. Each ratio is one turn's, their median
 the figure.
 """
 
@@ -42,6 +49,7 @@ import mmap
 import os
 import resource
 import shutil
+import statistics
 import subprocess
 import threading
 import time
@@ -56,7 +64,17 @@ from engramd.sets.loader import LoadProgress, load_set, reads_for
 from engramd.sources.nixlxfer import nixl_build
 from engramd_client import plan_tables
 
-from .common import Figure, GiB, MiB, compare, drop_caches, sequential_read, shm_folder
+from .common import (
+    Figure,
+    GiB,
+    MiB,
+    compare,
+    cpu_seconds,
+    daemon,
+    drop_caches,
+    sequential_read,
+    shm_folder,
+)
 from .load import recycle
 
 #: The direct reader's request size and requests in flight.
@@ -249,6 +267,30 @@ def _engramd(ckpt: Path) -> tuple[float, float]:
     return plan.nbytes / seconds / 1e9, cpu / (plan.nbytes / GiB)
 
 
+def _serve(ckpt: Path, huge: bool) -> tuple[float, float, float, float]:
+    """A fresh `engramd serve --checkpoint ckpt` over a new shm folder, caches dropped: (GB/s
+    exec to ready, GB/s of its `load_seconds`, seconds exec to socket, CPU seconds per GiB
+    from its socket's appearance to ready)."""
+    nbytes = plan_tables(ckpt).nbytes
+    with shm_folder() as shm:
+        drop_caches()
+        start = time.perf_counter()
+        with daemon(
+            shm, "--checkpoint", str(ckpt), *([] if huge else ["--no-huge-tmpfs"]), wait="no"
+        ) as d:
+            while not d.socket.exists():
+                if d.proc is not None and d.proc.poll() is not None:
+                    raise RuntimeError(f"engramd exited:\n{d.log}")
+                time.sleep(0.002)
+            bound, cpu = time.perf_counter() - start, cpu_seconds(d.pid)
+            d.wait(serving=True)
+            seconds, cpu = time.perf_counter() - start, cpu_seconds(d.pid) - cpu
+            [ts] = d.status().sets
+            if huge and ts.page_size != 2 * MiB:
+                raise RuntimeError(f"the daemon's set is on pages of {ts.page_size} bytes")
+    return nbytes / seconds / 1e9, nbytes / ts.load_seconds / 1e9, bound, cpu / (nbytes / GiB)
+
+
 def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
     """engramd's cold load against the device's fastest read of the same files."""
     if os.geteuid() != 0:
@@ -264,6 +306,11 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         f"({reads.device or 'no device'})"
     )
     direct, buffered, parallel, uring, ours, cpus = [], [], [], [], [], []
+    # A fresh daemon, with its huge-page mount and without: start to ready, load_seconds, CPU.
+    serve: dict[bool, tuple[list[float], list[float], list[float], list[float]]] = {
+        True: ([], [], [], []),
+        False: ([], [], [], []),
+    }
     print(
         f"  turn  {direct_name:>26}  buffered 16 MiB  buffered, {threads} threads"
         f"  NIXL POSIX  engramd ({threads} threads)  CPU  ratio  ratio to {threads} readers"
@@ -280,6 +327,9 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         rate, cpu = _engramd(ckpt)
         ours.append(rate)
         cpus.append(cpu)
+        for huge, figures in serve.items():
+            for figure, value in zip(figures, _serve(ckpt, huge), strict=True):
+                figure.append(value)
         device = max(direct[-1], buffered[-1])
         print(
             f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
@@ -288,6 +338,14 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
             f"  {rate / device:.2f}x  {rate / parallel[-1]:.2f}x",
             flush=True,
         )
+        for huge, (ready, loaded, bound, serve_cpu) in serve.items():
+            print(
+                f"        engramd serve{'' if huge else ' --no-huge-tmpfs'}: start to ready "
+                f"{ready[-1]:.2f} GB/s ({ready[-1] / device:.2f}x), its load_seconds "
+                f"{loaded[-1]:.2f} GB/s ({loaded[-1] / device:.2f}x), socket after "
+                f"{bound[-1]:.2f} s, {serve_cpu[-1]:.2f} CPU-s/GiB from then",
+                flush=True,
+            )
     best = [max(d, b) for d, b in zip(direct, buffered, strict=True)]
     size = f"{sum(f.stat().st_size for f in files) / GiB:.1f} GiB"
     return [
@@ -301,6 +359,37 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
             at_least=0.95,
             paired=True,
             note=f"the faster of {direct_name} and a buffered 16 MiB read, each turn",
+        ),
+        *(
+            compare(
+                f"cold start ({size}): engramd serve{flag}'s load_seconds vs the device",
+                "GB/s",
+                loaded,
+                best,
+                higher_is_better=True,
+                target=">= 0.95x",
+                at_least=0.95,
+                paired=True,
+                note="a fresh daemon on a new shm folder; exec to SERVING: "
+                f"{statistics.median(ready):.2f} GB/s, its socket after "
+                f"{statistics.median(bound):.2f} s",
+            )
+            for flag, (ready, loaded, bound, _) in (
+                ("", serve[True]),
+                (" --no-huge-tmpfs", serve[False]),
+            )
+        ),
+        compare(
+            f"cold start ({size}): engramd serve's CPU per GiB vs the in-process load's",
+            "s/GiB",
+            serve[True][3],
+            cpus,
+            higher_is_better=False,
+            target="within 1.5x",
+            at_least=1 / 1.5,
+            paired=True,
+            note="from its socket's appearance to ready, every thread of the daemon; "
+            "with its huge-page mount",
         ),
         compare(
             f"cold load ({size}): engramd vs {threads} buffered readers",
