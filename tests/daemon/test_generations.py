@@ -20,8 +20,7 @@ from conftest import Worker
 from engramd.testing.synth import SynthSpec, seeds_held, synthesize
 from engramd_client import attach
 from engramd_shared.pb import engramd_pb2 as pb
-from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
-from helpers import wait_until
+from helpers import load_set, wait_until
 
 #: The session checkpoint's shape (conftest.checkpoint): a new revision keeps it.
 ROWS = 40_000
@@ -33,17 +32,6 @@ def revised(tmp_path: Path, checkpoint: Path) -> Path:
     folder = tmp_path / "revised"
     shutil.copytree(checkpoint, folder)
     return folder
-
-
-def _load(d: Any, folder: Path, replaces: str = "") -> pb.SetInfo:
-    """`engramd load` on the admin socket: the set once ready."""
-    with grpc.insecure_channel(f"unix:{d.socket.with_name('admin.sock')}") as channel:
-        events = list(
-            pb_grpc.AdminServiceStub(channel).Load(
-                pb.LoadRequest(checkpoint=str(folder), replaces=replaces), timeout=120
-            )
-        )
-    return events[-1].ready
 
 
 def _sets(d: Any) -> dict[str, pb.SetInfo]:
@@ -64,7 +52,7 @@ def test_a_new_revision_in_place_reaches_a_running_worker_at_one_step(
         before = {name: tables[name].data_ptr() for name in tables}
         assert seeds_held(tables) == {0}
         synthesize(revised, SynthSpec(rows=ROWS, seed=1))
-        ready = _load(d, revised)
+        ready = load_set(d, revised)
         assert ready.generation == 2 and ready.set_id != first
         held = _sets(d)
         assert held[first].replaced_by == ready.set_id
@@ -103,7 +91,7 @@ def test_a_revision_of_other_shapes_is_refused_with_the_restart_it_needs(
         first = tables.set_id
         synthesize(revised, SynthSpec(rows=ROWS + 512, seed=1))
         with pytest.raises(grpc.RpcError) as info:
-            _load(d, revised)
+            load_set(d, revised)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         said = str(info.value.details())
         assert f"cannot replace set {first}" in said and "a restart is needed" in said, said
@@ -129,12 +117,12 @@ def test_another_folder_replaces_a_set_when_named_and_a_killed_worker_leaves_one
     workers += [mover, killed]
     assert mover.hello["live"] and killed.hello["live"]
     with pytest.raises(grpc.RpcError) as info:
-        _load(d, other, replaces="0" * 20)
+        load_set(d, other, replaces="0" * 20)
     assert "no published set 00000000000000000000 to replace" in str(info.value.details())
     # Another folder, unnamed: a set of its own beside the first, which nothing replaces.
-    alone = _load(d, other)
+    alone = load_set(d, other)
     assert alone.generation == 1 and not _sets(d)[first].replaced_by
-    ready = _load(d, other, replaces=first)
+    ready = load_set(d, other, replaces=first)
     assert ready.generation == 2 and _sets(d)[first].replaced_by == ready.set_id
     wait_until(lambda: killed.ask("pending")["pending"], 30, "the killed worker's move in hand")
     killed.kill()
@@ -156,7 +144,7 @@ def test_a_daemon_killed_during_a_move_leaves_the_worker_on_one_whole_generation
     tables = attach(revised, socket=str(d.socket), share=True)
     try:
         synthesize(revised, SynthSpec(rows=ROWS, seed=1))
-        ready = _load(d, revised)
+        ready = load_set(d, revised)
         wait_until(lambda: tables.pending, 30, "the move in hand")
         d.stop(signal.SIGKILL)
         assert seeds_held(tables) == {0}

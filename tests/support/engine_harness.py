@@ -221,13 +221,17 @@ def private_copy_files() -> int:
 def move_when_told(
     rank: int, folder: Path, step: Callable[[], bool], tables: Any, max_steps: int = 1000
 ) -> dict[str, Any]:
-    """A rank whose live tables were built while the daemon was down: it says so (the file
-    `built-RANK` in `folder`), waits for the test's `go` (the daemon is ready), then starts a
-    step every 2 ms (`step`: the plugin's hook where the engine starts one) until its tables
-    are the daemon's copy, at most `max_steps` (the same count on every rank: a group's
-    ranks vote on the move together). What it saw, and how long the move took."""
+    """A rank whose live tables were built while the daemon was down (or on the daemon's
+    copy, before the operator loads its next generation): it says so (the file `built-RANK`
+    in `folder`), waits for the test's `go` (the daemon is ready, or the generation loaded),
+    then starts a step every 2 ms (`step`: the plugin's hook where the engine starts one)
+    until its tables are the daemon's copy (of another set than they were on), at most
+    `max_steps` (the same count on every rank: a group's ranks vote on the move together).
+    What it saw, and how long the move took."""
+    first = (tables.mode, tables.set_id)
     seen: dict[str, Any] = {
         "mode_before": tables.mode,
+        "set_before": tables.set_id,
         "live": tables.live,
         "private_copies_before": private_copies(),
     }
@@ -240,10 +244,12 @@ def move_when_told(
     while steps < max_steps:
         steps += 1
         step()
-        if tables.mode == "shared":
+        if tables.mode == "shared" and (tables.mode, tables.set_id) != first:
             break
         time.sleep(0.002)
-    seen.update(mode=tables.mode, seconds=time.monotonic() - began, steps=steps)
+    seen.update(
+        mode=tables.mode, set_id=tables.set_id, seconds=time.monotonic() - began, steps=steps
+    )
     # Their descriptors close off the step, in a thread of the tables' own.
     waited = time.monotonic()
     while private_copy_files() and time.monotonic() - waited < 10:

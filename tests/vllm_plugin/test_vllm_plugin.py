@@ -17,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from engine_harness import ranks_in_thread, readahead, result
-from vllm_plugin.vllm_harness import Model, Stored, run_ranks
+from vllm_plugin.vllm_harness import Model, Stored, revision, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
+from helpers import load_set, wait_until
 
 
 def _table_bytes(model: Model) -> int:
@@ -202,6 +203,62 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
         log = _output(done[rank])
         assert log.count("Falling back to private tables") == 1, log[-3000:]
         assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+
+
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks on the daemon's copy; the operator loads the tables' next revision
+    (another folder, --replaces): both ranks move to it at the same step (vLLM's
+    Worker.execute_dummy_batch, the plugin's hook first), the layers' tables at the same
+    addresses, the new revision's rows, the daemon's read-only pages; the old generation
+    is dropped once both moved."""
+    (first,) = [s.set_id for s in served.status().sets]
+    new = revision(model, tmp_path / "revision")
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    live = tmp_path / "live"
+    live.mkdir()
+    extra = ("--live", str(live), "--reference", str(new))
+    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
+        ready = load_set(served, new, replaces=first)
+        assert ready.generation == 2
+        (live / "go").touch()
+    for rank, out in enumerate(result(r) for r in done):
+        moved = out["live"]
+        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
+        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
+        assert moved["same_addresses"], moved
+        for layer_id in model.spec.engram_layers:
+            info = out["layers"][str(layer_id)]
+            assert info["same_bytes"] == [True, True], info
+            assert str(served.shm_dir) in info["weight_map"], info["weight_map"]
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+        log = _output(done[rank])
+        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+    # Both ranks' processes ended: the old generation has no lease left.
+    wait_until(
+        lambda: [s.set_id for s in served.status().sets] == [ready.set_id],
+        30,
+        "the old generation dropped",
+    )
+
+
+def test_vllms_weight_updates_of_a_served_table_are_refused(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """vLLM's Worker.reload_weights and update_weights of a served table are refused with
+    the way to load a new revision, before anything is written; an update of other weights
+    reaches vLLM's own code."""
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    (out,) = [result(r) for r in run_ranks(model, 1, env, tmp_path, ("--updates",))]
+    said = out["updates"]
+    for call in ("reload_weights", "update_weights served", "update_weights unnamed"):
+        assert said[call].startswith("ServedTableUpdate: vLLM's"), said
+        assert "nothing was written" in said[call] and "`engramd load" in said[call], said
+    assert "layers.1.engram.embed" in said["update_weights served"], said
+    assert said["update_weights other"].startswith("RuntimeError: Weight transfer not"), said
+    for info in out["layers"].values():
+        assert info["served"] and info["same_bytes"] == [True, True], info
 
 
 def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(

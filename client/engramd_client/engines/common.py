@@ -515,3 +515,34 @@ def attach_rows(
         labels=labels,
         pad_rows=pad_rows,
     )
+
+
+class ServedTableUpdate(EngramdError):
+    """An engine's weight update would write a table engramd serves: refused, nothing written."""
+
+
+def refuse_update(
+    engine: str, call: str, names: Iterable[str] | None, served: frozenset[str]
+) -> str | None:
+    """Why an engine's weight update `call` of `names` (None: it may write any weight) is
+    refused where this process serves `served` (checkpoint names); None where it writes
+    none of them.
+
+    The served tables' pages are the daemon's read-only copy, which every engine on
+    the node maps: an engine's own update could only fault on them, or, skipping them,
+    leave the tables as they were while reporting success.
+    """
+    if not served:
+        return None
+    hit = sorted(served) if names is None else sorted(served.intersection(names))
+    if not hit:
+        return None
+    what = f"{', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''}"
+    how = "may write every weight in place, " if names is None else "would write "
+    return (
+        f"{engine}'s {call} {how}{what} among them, which engramd serves from the daemon's "
+        "read-only copy that every engine on this node maps: nothing was written. Load the "
+        "tables' new revision with `engramd load <checkpoint folder>` (the same tensors and "
+        "shapes; `--replaces <set id>` for another folder than the set's): every running "
+        "engine moves to it at a step boundary. Update the other weights without these tables"
+    )
