@@ -19,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from engine_harness import InBucket, ranks_in_thread, readahead, result
-from sglang_plugin.sglang_harness import Model, run_ranks
+from sglang_plugin.sglang_harness import Model, make_model, run_ranks
+
+from helpers import load_set, wait_until
 
 WARNING = "engramd does not serve the Engram tables here"
 
@@ -153,6 +155,64 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
             assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
         log = _output(done[rank])
         assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
+
+
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks on the daemon's copy; the operator loads the tables' next revision
+    (another folder, --replaces): both move to it at the same step (a vote on SGLang's TP
+    group), the pointers SGLang's kernels take unchanged, the new revision's rows, the
+    daemon's read-only pages; the old generation is dropped once both moved."""
+    (first,) = [s.set_id for s in served.status().sets]
+    new = make_model(tmp_path / "revision", seed=1).folder
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    live = tmp_path / "live"
+    live.mkdir()
+    extra = ("--live", str(live), "--reference", str(new))
+    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
+        ready = load_set(served, new, replaces=first)
+        assert ready.generation == 2
+        (live / "go").touch()
+    for rank, out in enumerate(result(r) for r in done):
+        moved = out["live"]
+        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
+        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
+        assert moved["same_addresses"], moved
+        for info in out["layers"].values():
+            assert info["served"] and info["same_bytes"] == [True, True], info
+            assert info["pointers_are_tensors"], info
+            assert str(served.shm_dir) in info["weight_map"], info["weight_map"]
+            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+        log = _output(done[rank])
+        assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
+    wait_until(
+        lambda: [s.set_id for s in served.status().sets] == [ready.set_id],
+        30,
+        "the old generation dropped",
+    )
+
+
+def test_sglangs_weight_updates_of_a_served_table_are_refused(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """SGLang's update_weights_from_disk, _ipc, _tensor and _distributed on a rank serving
+    its tables answer (False, why) as SGLang's own refusals do, naming `engramd load`,
+    nothing written; an update of other weights reaches SGLang's own code."""
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    (out,) = [result(r) for r in run_ranks(model, 1, env, tmp_path, ("--updates",))]
+    said = out["updates"]
+    for call in (
+        "update_weights_from_disk",
+        "update_weights_from_ipc",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+    ):
+        assert said[call].startswith("(False, \"SGLang's " + call), said
+        assert "nothing was written" in said[call] and "`engramd load" in said[call], said
+    assert "SGLang's" not in said["other"], said
+    for info in out["layers"].values():
+        assert info["served"] and info["same_bytes"] == [True, True], info
 
 
 def test_strict_with_daemon_down_fails_start_up(model: Model, tmp_path: Path) -> None:
