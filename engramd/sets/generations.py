@@ -27,25 +27,28 @@ log = logging.getLogger("engramd")
 
 def replaced_by_load(sets: SetRegistry, plan: TablePlan, replaces: str) -> list[TableSet]:
     """The copies the operator's load of `plan` replaces: those of set `replaces`, or
-    (without it) the current published sets loaded before from the same checkpoint and
-    selection under another id (its files changed). Refuses other shapes (check_shapes)."""
+    (without it) the current sets the operator loaded (or a restart adopted) from the same
+    checkpoint and selection under another id (its files changed). Refuses other shapes
+    (check_shapes).
+
+    A restarted daemon does not remember which set replaced which; the operator's load
+    of the new revision again tells the leases still on the old one."""
     if replaces:
         if replaces == plan.set_id:
             raise InvalidRequest(
                 f"{plan.where} is set {replaces} itself: a set cannot replace itself; "
                 "load the new revision's folder"
             )
-        old = [ts for ts in sets.copies(replaces) if ts.published]
+        old = sets.copies(replaces)
         if not old:
             raise UnknownSet(
-                f"engramd holds no published set {replaces} to replace (`engramd status` "
-                "lists the sets)"
+                f"engramd holds no set {replaces} to replace (`engramd status` lists the sets)"
             )
     else:
         old = [
             ts
             for ts in sets.all()
-            if ts.published
+            if (ts.published or ts.adopted)
             and ts.checkpoint == plan.where
             and ts.selection == plan.selection
             and ts.set_id != plan.set_id

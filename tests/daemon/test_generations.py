@@ -118,7 +118,7 @@ def test_another_folder_replaces_a_set_when_named_and_a_killed_worker_leaves_one
     assert mover.hello["live"] and killed.hello["live"]
     with pytest.raises(grpc.RpcError) as info:
         load_set(d, other, replaces="0" * 20)
-    assert "no published set 00000000000000000000 to replace" in str(info.value.details())
+    assert "no set 00000000000000000000 to replace" in str(info.value.details())
     # Another folder, unnamed: a set of its own beside the first, which nothing replaces.
     alone = load_set(d, other)
     assert alone.generation == 1 and not _sets(d)[first].replaced_by
@@ -135,14 +135,21 @@ def test_another_folder_replaces_a_set_when_named_and_a_killed_worker_leaves_one
     assert mover.exit() == 0
 
 
-def test_a_daemon_killed_during_a_move_leaves_the_worker_on_one_whole_generation(
-    revised: Path, daemons: Any
+def test_a_daemon_killed_during_a_move_leaves_every_worker_on_one_whole_generation(
+    revised: Path, daemons: Any, workers: list[Worker]
 ) -> None:
     """The move in hand holds its descriptors: the daemon killed before the step, the step
-    still maps the new generation whole, and a restarted daemon gives the lease back."""
+    still maps the new generation whole, and a restarted daemon gives the lease back. A
+    worker stopped through the load and the kill steps on the old generation whole until
+    the operator's load of the new revision again (the restarted daemon adopted both)
+    moves it; the old generation then goes."""
     d = daemons("--checkpoint", str(revised))
     tables = attach(revised, socket=str(d.socket), share=True)
+    first = tables.set_id
+    stopped = Worker(revised, d.socket, share="on")
+    workers.append(stopped)
     try:
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
         synthesize(revised, SynthSpec(rows=ROWS, seed=1))
         ready = load_set(d, revised)
         wait_until(lambda: tables.pending, 30, "the move in hand")
@@ -151,11 +158,18 @@ def test_a_daemon_killed_during_a_move_leaves_the_worker_on_one_whole_generation
         assert tables.advance()
         assert seeds_held(tables) == {1} and tables.set_id == ready.set_id
         again = daemons("--checkpoint", str(revised))
+        os.kill(stopped.proc.pid, signal.SIGCONT)
         wait_until(
             lambda: any(s.leases for s in again.status().sets if s.set_id == ready.set_id),
             30,
             "the lease re-established on the new generation",
         )
         assert seeds_held(tables) == {1}
+        assert load_set(again, revised).set_id == ready.set_id
+        moved = stopped.ask(f"follow {ready.set_id} 60")
+        assert moved["set_id"] == ready.set_id and moved["mixed"] == 0, moved
+        assert moved["seeds"] == ["1"], moved
+        wait_until(lambda: first not in _sets(again), 30, "the old generation dropped")
+        assert stopped.exit() == 0
     finally:
         tables.close()
