@@ -20,7 +20,7 @@ from conftest import Worker
 from engramd.testing.synth import SynthSpec, seeds_held, synthesize
 from engramd_client import attach
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import load_set, wait_until
+from helpers import engramd, load_set, wait_until
 
 #: The session checkpoint's shape (conftest.checkpoint): a new revision keeps it.
 ROWS = 40_000
@@ -122,7 +122,11 @@ def test_another_folder_replaces_a_set_when_named_and_a_killed_worker_leaves_one
     # Another folder, unnamed: a set of its own beside the first, which nothing replaces.
     alone = load_set(d, other)
     assert alone.generation == 1 and not _sets(d)[first].replaced_by
-    ready = load_set(d, other, replaces=first)
+    loaded = engramd("load", str(other), "--replaces", first, "--socket", str(d.socket))
+    assert loaded.returncode == 0, loaded.stderr
+    assert f"set {alone.set_id} ready" in loaded.stdout, loaded.stdout
+    assert "generation 2: running engines move to it at their next step" in loaded.stdout
+    ready = _sets(d)[alone.set_id]
     assert ready.generation == 2 and _sets(d)[first].replaced_by == ready.set_id
     wait_until(lambda: killed.ask("pending")["pending"], 30, "the killed worker's move in hand")
     killed.kill()
