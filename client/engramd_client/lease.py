@@ -234,11 +234,7 @@ class Lease:
                 return  # a re-established lease hears it again
             self._next = (news.next_set_id, news.next_generation)
             callback = self._on_next
-        log.info(
-            "engramd lease for set %s: %s; the tables move at a step boundary once it is mapped",
-            set_id,
-            news.reason,
-        )
+        log.info("engramd lease for set %s: %s", set_id, news.reason)
         if callback is not None:
             callback(news.next_set_id, news.next_generation)
 

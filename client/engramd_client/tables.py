@@ -248,6 +248,12 @@ class Tables(Mapping[str, torch.Tensor]):
             self._lease.on_next_generation(self._next_generation)
 
     def _next_generation(self, set_id: str, generation: int) -> None:
+        log.info(
+            "engramd: these tables move to generation %d (set %s) at a step boundary once it "
+            "is mapped",
+            generation,
+            set_id,
+        )
         threading.Thread(
             target=_ready_generation,
             args=(weakref.ref(self), set_id, generation),
