@@ -58,6 +58,18 @@ class Move:
             self.lease.close()
 
 
+def _told(held: weakref.ref[Tables]) -> Callable[[str, int], None]:
+    """What a lease calls with a set's next generation: the tables' own, held weakly (the
+    lease's thread would otherwise keep tables nobody holds, and their addresses, alive)."""
+
+    def told(set_id: str, generation: int) -> None:
+        tables = held()
+        if tables is not None:
+            tables._next_generation(set_id, generation)
+
+    return told
+
+
 def _ready_generation(held: weakref.ref[Tables], set_id: str, generation: int) -> None:
     """Attach a set's next generation and offer its move; on failure the tables stay whole
     on the generation they map (the daemon keeps it while they lease it)."""
@@ -245,7 +257,7 @@ class Tables(Mapping[str, torch.Tensor]):
         nothing, in a thread of its own; the next `advance()` makes the move."""
         self._prepare = prepare
         if self._lease is not None:
-            self._lease.on_next_generation(self._next_generation)
+            self._lease.on_next_generation(_told(weakref.ref(self)))
 
     def _next_generation(self, set_id: str, generation: int) -> None:
         log.info(
@@ -335,7 +347,7 @@ class Tables(Mapping[str, torch.Tensor]):
         self._lease = move.lease
         self.mode, self.set_id, self.reason = move.mode, move.set_id, None
         if self._prepare is not None and self._lease is not None:
-            self._lease.on_next_generation(self._next_generation)
+            self._lease.on_next_generation(_told(weakref.ref(self)))
         if move.mode == "shared":
             callbacks, self._until_shared = self._until_shared, []
             for callback in reversed(callbacks):
