@@ -229,9 +229,8 @@ class Lease:
             callback(*told)
 
     def _replaced(self, set_id: str, news: pb.Stale) -> None:
+        # A re-established lease hears it again: the tables know whether they are moving.
         with self._lock:
-            if self._next == (news.next_set_id, news.next_generation):
-                return  # a re-established lease hears it again
             self._next = (news.next_set_id, news.next_generation)
             callback = self._on_next
         log.info("engramd lease for set %s: %s", set_id, news.reason)

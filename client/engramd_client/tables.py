@@ -82,6 +82,9 @@ def _ready_generation(held: weakref.ref[Tables], set_id: str, generation: int) -
     try:
         move = prepare(set_id)
     except Exception as e:
+        tables = held()
+        if tables is not None:
+            tables._preparing = ""  # told again (the daemon back), it tries again
         log.warning(
             "engramd: cannot map generation %d of these tables (set %s): %s; they stay on set %s",
             generation,
@@ -95,6 +98,7 @@ def _ready_generation(held: weakref.ref[Tables], set_id: str, generation: int) -
         move.discard()
         return
     why = tables.offer(move)
+    tables._preparing = ""
     if why is not None:
         log.warning(
             "engramd: generation %d (set %s) cannot be mapped at these tables' addresses (%s); "
@@ -157,8 +161,10 @@ class Tables(Mapping[str, torch.Tensor]):
         # Set by the rejoin thread (or a generation's), taken by advance() in the engine's
         # step thread.
         self._pending: Move | None = None
-        # Readies the move to a set's next generation (follow_generations), or None.
+        # Readies the move to a set's next generation (follow_generations), or None; the
+        # set id it readies a move to now ("" when none).
         self._prepare: Callable[[str], Move] | None = None
+        self._preparing = ""
         self._pending_lock = threading.Lock()
         self._until_shared: list[Callable[[], None]] = []
         self._on_move: list[Callable[[], None]] = []
@@ -260,6 +266,11 @@ class Tables(Mapping[str, torch.Tensor]):
             self._lease.on_next_generation(_told(weakref.ref(self)))
 
     def _next_generation(self, set_id: str, generation: int) -> None:
+        with self._pending_lock:
+            heading = self._pending.set_id if self._pending is not None else self.set_id
+            if set_id in (heading, self._preparing):
+                return  # told again (a re-established lease): already on its way
+            self._preparing = set_id
         log.info(
             "engramd: these tables move to generation %d (set %s) at a step boundary once it "
             "is mapped",

@@ -435,12 +435,12 @@ class SetStore:
                     retiring[id(ts)] = ts
                     more = True
         for ts in retiring.values():
-            log.info("set %s: its last lease moved to set %s; dropping it", ts.copy, ts.replaced_by)
             self._spawn(self._retire(ts))
 
     async def _retire(self, ts: TableSet) -> None:
         # Once: a second call before this task ran finds it gone (_drop removes it first).
         if self.sets.holds(ts):
+            log.info("set %s: its last lease moved to set %s; dropping it", ts.copy, ts.replaced_by)
             await self._drop([ts])
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:

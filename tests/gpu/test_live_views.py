@@ -22,6 +22,22 @@ from engramd_client import attach
 pytestmark = [*GPU_ONLY, needs_read_only_route]
 
 
+def _captured_gather(
+    view: torch.Tensor,
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A CUDA graph of a gather of 4096 random rows of `view`, captured and replayed once:
+    (the graph, its ids, its output)."""
+    ids = torch.randint(0, view.shape[0], (4096,), device="cuda:0")
+    out = torch.empty((4096, view.shape[1]), dtype=torch.uint8, device="cuda:0")
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph):
+        torch.index_select(view, 0, ids, out=out)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, ids, out
+
+
 def test_a_fallen_back_worker_moves_under_its_cuda_views_and_graphs(
     checkpoint: Path, sock_dir: Path, daemons: Any
 ) -> None:
@@ -35,14 +51,7 @@ def test_a_fallen_back_worker_moves_under_its_cuda_views_and_graphs(
         name = next(n for n in tables if n.endswith(".weight"))
         view = tables.cuda(name).view(torch.uint8)
         pointer = view.data_ptr()
-        ids = torch.randint(0, view.shape[0], (4096,), device="cuda:0")
-        out = torch.empty((4096, view.shape[1]), dtype=torch.uint8, device="cuda:0")
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            torch.index_select(view, 0, ids, out=out)
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, ids, out = _captured_gather(view)
         expected = tables[name].view(torch.uint8).index_select(0, ids.cpu())
         assert torch.equal(out.cpu(), expected)
         d = daemons("--checkpoint", str(checkpoint))
@@ -81,14 +90,7 @@ def test_a_new_generation_moves_under_cuda_views_and_graphs(
         name = next(n for n in tables if n.endswith(".weight"))
         view = tables.cuda(name).view(torch.uint8)
         pointer = view.data_ptr()
-        ids = torch.randint(0, view.shape[0], (4096,), device="cuda:0")
-        out = torch.empty((4096, view.shape[1]), dtype=torch.uint8, device="cuda:0")
-        stream = torch.cuda.Stream()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph):
-            torch.index_select(view, 0, ids, out=out)
-        graph.replay()
-        torch.cuda.synchronize()
+        graph, ids, out = _captured_gather(view)
         before = out.cpu()
         rows = tables[name].shape[0]
         synthesize(revised, SynthSpec(rows=rows, seed=1))

@@ -18,10 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import InBucket, ranks_in_thread, readahead, result
+from engine_harness import (
+    InBucket,
+    across_a_generation,
+    on_the_daemons_pages,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
 from sglang_plugin.sglang_harness import Model, make_model, run_ranks
-
-from helpers import load_set, wait_until
 
 WARNING = "engramd does not serve the Engram tables here"
 
@@ -164,33 +170,17 @@ def test_a_new_generation_reaches_both_ranks_at_one_step(
     (another folder, --replaces): both move to it at the same step (a vote on SGLang's TP
     group), the pointers SGLang's kernels take unchanged, the new revision's rows, the
     daemon's read-only pages; the old generation is dropped once both moved."""
-    (first,) = [s.set_id for s in served.status().sets]
     new = make_model(tmp_path / "revision", seed=1).folder
     env = {"ENGRAMD_SOCKET": str(served.socket)}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live), "--reference", str(new))
-    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
-        ready = load_set(served, new, replaces=first)
-        assert ready.generation == 2
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
-        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
-        assert moved["same_addresses"], moved
+    ready, outs = across_a_generation(
+        served, new, lambda extra: run_ranks(model, 2, env, tmp_path, extra), tmp_path, "SGLang"
+    )
+    for out in outs:
         for info in out["layers"].values():
             assert info["served"] and info["same_bytes"] == [True, True], info
             assert info["pointers_are_tensors"], info
-            assert str(served.shm_dir) in info["weight_map"], info["weight_map"]
-            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
-        log = _output(done[rank])
-        assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
-    wait_until(
-        lambda: [s.set_id for s in served.status().sets] == [ready.set_id],
-        30,
-        "the old generation dropped",
-    )
+            on_the_daemons_pages(info, served.shm_dir)
+    one_generation_left(served, ready.set_id)
 
 
 def test_sglangs_weight_updates_of_a_served_table_are_refused(

@@ -280,3 +280,52 @@ def ranks_in_thread(
         yield done
     finally:
         thread.join()
+
+
+def on_the_daemons_pages(info: dict[str, Any], shm_dir: Path) -> None:
+    """A rank's layer (its result's `weight_map`) maps the daemon's read-only pages."""
+    assert str(shm_dir) in info["weight_map"], info["weight_map"]
+    assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+
+
+def one_generation_left(d: Any, set_id: str) -> None:
+    """Wait until daemon `d` holds set `set_id` alone: the generation before it dropped."""
+    deadline = time.monotonic() + 30
+    while [s.set_id for s in d.status().sets] != [set_id]:
+        assert time.monotonic() < deadline, "the old generation was not dropped within 30 s"
+        time.sleep(0.05)
+
+
+def across_a_generation(
+    served: Any,
+    new: Path,
+    run: Callable[[tuple[str, ...]], list[subprocess.CompletedProcess[str]]],
+    tmp: Path,
+    engine: str,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Two ranks on daemon `served`'s copy (`run(extra)` runs them with `--live` and
+    `--reference NEW`); once both are built, the tables' next revision in folder `new`
+    loaded as the set's next generation (--replaces), then the ranks step until they moved.
+    The new set and each rank's result, each checked to have moved from the first set to
+    the new one at the same addresses, with one line of the plugin for `engine`'s move."""
+    from helpers import load_set
+
+    (first,) = [s.set_id for s in served.status().sets]
+    live = tmp / "live"
+    live.mkdir()
+    extra = ("--live", str(live), "--reference", str(new))
+    with ranks_in_thread(lambda: run(extra), live, 2) as done:
+        ready = load_set(served, new, replaces=first)
+        assert ready.generation == 2
+        (live / "go").touch()
+    outs = []
+    for process in done:
+        out = result(process)
+        moved = out["live"]
+        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
+        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
+        assert moved["same_addresses"], moved
+        said = process.stdout + process.stderr
+        assert said.count(f"engramd's tables of {engine} moved to the daemon's copy") == 1, said
+        outs.append(out)
+    return ready, outs

@@ -16,11 +16,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import ranks_in_thread, readahead, result
+from engine_harness import (
+    across_a_generation,
+    on_the_daemons_pages,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
 from vllm_plugin.vllm_harness import Model, Stored, revision, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
-from helpers import load_set, wait_until
 
 
 def _table_bytes(model: Model) -> int:
@@ -213,34 +219,18 @@ def test_a_new_generation_reaches_both_ranks_at_one_step(
     Worker.execute_dummy_batch, the plugin's hook first), the layers' tables at the same
     addresses, the new revision's rows, the daemon's read-only pages; the old generation
     is dropped once both moved."""
-    (first,) = [s.set_id for s in served.status().sets]
     new = revision(model, tmp_path / "revision")
     env = {"ENGRAMD_SOCKET": str(served.socket)}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live), "--reference", str(new))
-    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
-        ready = load_set(served, new, replaces=first)
-        assert ready.generation == 2
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
-        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
-        assert moved["same_addresses"], moved
+    ready, outs = across_a_generation(
+        served, new, lambda extra: run_ranks(model, 2, env, tmp_path, extra), tmp_path, "vLLM"
+    )
+    for out in outs:
         for layer_id in model.spec.engram_layers:
             info = out["layers"][str(layer_id)]
             assert info["same_bytes"] == [True, True], info
-            assert str(served.shm_dir) in info["weight_map"], info["weight_map"]
-            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
-        log = _output(done[rank])
-        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+            on_the_daemons_pages(info, served.shm_dir)
     # Both ranks' processes ended: the old generation has no lease left.
-    wait_until(
-        lambda: [s.set_id for s in served.status().sets] == [ready.set_id],
-        30,
-        "the old generation dropped",
-    )
+    one_generation_left(served, ready.set_id)
 
 
 def test_vllms_weight_updates_of_a_served_table_are_refused(
