@@ -15,6 +15,7 @@ import logging
 import os
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -86,6 +87,9 @@ class Lease:
         #: told it that copy failed verification.
         self.stale = False
         self._told_failed = False
+        # The set's next generation as the daemon named it, and who wants to hear it.
+        self._next: tuple[str, int] | None = None
+        self._on_next: Callable[[str, int], None] | None = None
         self._call: Any = self._stub.Attach(request)  # a grpc.Call that is also the event iterator
         self._thread = threading.Thread(target=self._run, name="engramd-lease", daemon=True)
         self._thread.start()
@@ -162,6 +166,8 @@ class Lease:
                         self._adopt(event.attached)
                         delay = self._config.reconnect_min_s
                         last_error = ""
+                    elif kind == "stale" and event.stale.next_set_id:
+                        self._replaced(request.set_id, event.stale)
                     elif kind == "stale":
                         self._failed_verification(request.set_id, event.stale)
                     elif kind == "draining":
@@ -212,6 +218,24 @@ class Lease:
             )
         if attachment.fd_channel.secret:
             self._show_self(attachment)
+
+    def on_next_generation(self, callback: Callable[[str, int], None]) -> None:
+        """Call `callback(set_id, generation)` (in the lease's thread) when the daemon names
+        the set's next generation, the operator's new revision of it; at once if it did."""
+        with self._lock:
+            self._on_next = callback
+            told = self._next
+        if told is not None:
+            callback(*told)
+
+    def _replaced(self, set_id: str, news: pb.Stale) -> None:
+        # A re-established lease hears it again: the tables know whether they are moving.
+        with self._lock:
+            self._next = (news.next_set_id, news.next_generation)
+            callback = self._on_next
+        log.info("engramd lease for set %s: %s", set_id, news.reason)
+        if callback is not None:
+            callback(news.next_set_id, news.next_generation)
 
     def _failed_verification(self, set_id: str, news: pb.Stale) -> None:
         # The daemon found changed bytes in the copy this worker maps: one warning

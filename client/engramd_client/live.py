@@ -76,6 +76,8 @@ class Backing:
     writable: bool = False
     #: What it is, for the log lines: "private", "shared".
     kind: str = "shared"
+    #: Fill the page tables when mapped (MAP_POPULATE): attach(populate=True).
+    populate: bool = False
     _closed: bool = field(default=False, repr=False)
 
     def close(self) -> None:
@@ -151,7 +153,7 @@ class LiveAddress:
         end = 0
         for piece in backing.pieces:
             at = self.start + piece.at
-            flags = mmap.MAP_SHARED | _MAP_FIXED
+            flags = mmap.MAP_SHARED | _MAP_FIXED | (mmap.MAP_POPULATE if backing.populate else 0)
             mapped = _libc.mmap(at, piece.length, prot, flags, piece.fd, piece.file_offset)
             if mapped != at:
                 raise OSError(ctypes.get_errno(), f"cannot map {piece.length} bytes at {at:#x}")

@@ -23,8 +23,8 @@ from engramd_client.cumem import import_set
 from engramd_client.fdchannel import FdChannelUnreachable, collect
 from engramd_client.handles import KINDS, MAPPERS, ON_FD_CHANNEL, HandleMapper, channel_path
 from engramd_client.lease import Lease, report_fallback, share_error
-from engramd_client.live import LiveAddress, file_backing
-from engramd_client.mapping import Region, RowRanges, check_row_names, map_fd
+from engramd_client.live import Backing, LiveAddress, delta_for, file_backing
+from engramd_client.mapping import Region, RowRanges, check_row_names, map_fd, torch_dtype
 from engramd_client.rejoin import start_rejoin
 from engramd_client.tables import Move, Tables
 from engramd_shared.channel import daemon_uid, open_channel, probe_socket
@@ -251,35 +251,67 @@ def _live_fallback(
             config,
             lambda: _shared_move(config, plan, rows, labels, regions, route, pad_rows),
         )
+        _follow(tables, config, rows, labels, route, pad_rows)
     return tables
+
+
+def _follow(
+    tables: Tables,
+    config: ClientConfig,
+    rows: RowRanges | None,
+    labels: Mapping[str, str],
+    route: int,
+    pad_rows: bool,
+) -> None:
+    """Live tables move to each next generation of their set the daemon names."""
+    regions = tables.live_regions()
+    tables.follow_generations(
+        lambda set_id: _shared_move(config, set_id, rows, labels, regions, route, pad_rows)
+    )
 
 
 def _shared_move(
     config: ClientConfig,
-    plan: TablePlan,
+    target: TablePlan | str,
     rows: RowRanges | None,
     labels: Mapping[str, str],
     regions: Mapping[str, LiveAddress],
     route: int,
     pad_rows: bool,
 ) -> Move:
-    """The daemon's copy of `plan`'s rows as backings of the live `regions`, descriptors in
-    hand and its lease held: a move that no longer needs the daemon to happen."""
+    """The daemon's copy of `target`'s rows (a plan of the worker's files, or the id of
+    a set's next generation) as backings of the live `regions`, descriptors in hand and
+    its lease held: a move that no longer needs the daemon to happen."""
     # Host memory only: a cuMem import is another range of addresses.
     handles = tuple(h for h in config.handles if h not in CUDA_HANDLE_KINDS)
-    lease = Lease(config, _request(plan, labels, handles, _device_name(config.device), route))
+    lease = Lease(config, _request(target, labels, handles, _device_name(config.device), route))
     backings = {}
     try:
-        attachment = lease.wait_attached(plan.checkpoint.name)
-        _check_sources(plan, attachment)
+        plan = target if isinstance(target, TablePlan) else None
+        attachment = lease.wait_attached(plan.checkpoint.name if plan else str(target))
+        if plan is not None:
+            _check_sources(plan, attachment)
         owner = daemon_uid(config.socket, config.connect_timeout_s)
         writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
         if writable and attachment.gpu_route != route:
             raise NoGpuRoute(_no_gpu_route(parse_device(config.device), attachment))
-        for name, (fd, region) in _open(attachment, rows, config, owner, pad_rows).items():
-            if name in regions:
+        opened = _open(attachment, rows, config, owner, pad_rows)
+        try:
+            for name in list(opened):
+                fd, region = opened.pop(name)
+                if name not in regions:
+                    os.close(fd)
+                    continue
+                if region.length + region.pad != regions[name].nbytes:
+                    os.close(fd)
+                    raise DaemonError(
+                        f"engramd's set {attachment.set_id} holds {name} in "
+                        f"{region.length + region.pad} bytes, these tables in "
+                        f"{regions[name].nbytes}: not the same tables"
+                    )
                 backings[name] = file_backing(fd, region, regions[name], writable)
-            else:
+        finally:
+            for fd, _ in opened.values():
                 os.close(fd)
     except BaseException:
         for backing in backings.values():
@@ -517,19 +549,25 @@ def _attach_as(
         writable = route == pb.GPU_ROUTE_REGISTER_WRITABLE
         if writable and attachment.gpu_route != route:
             raise NoGpuRoute(_no_gpu_route(index, attachment))
-        tensors = _map(attachment, rows, populate, config, owner, writable, pad_rows)
+        opened = _open(attachment, rows, config, owner, pad_rows)
+        live = _live(opened, populate, writable)
+        tensors = {} if live else _map(opened, populate, writable)
     except BaseException:
         lease.close()
         raise
     tables = Tables(
-        tensors,
+        live.tensors if live else tensors,
         mode="shared",
         set_id=attachment.set_id,
         lease=lease,
         parts=plan.checkpoint_names if plan else _parts_of(attachment),
+        live=live.addresses if live else None,
+        backings=live.backings if live else None,
     )
     # A daemon that records no route (engramd 0.2) left the worker's own choice standing.
     tables.gpu_route = ROUTES.get(attachment.gpu_route) or ROUTES.get(route, "")
+    if tables.live:
+        _follow(tables, config, rows, labels, route, pad_rows)
     return tables
 
 
@@ -609,16 +647,60 @@ def _check_sources(plan: TablePlan, attachment: pb.Attachment) -> None:
 _SOURCE_FIELDS = ("path", "dev", "ino", "size", "mtime_ns", "ctime_ns")
 
 
+@dataclass
+class _LiveTensors:
+    """A set's tensors at live addresses (engramd_client.live), each with its backing."""
+
+    tensors: dict[str, torch.Tensor]
+    addresses: dict[str, LiveAddress]
+    backings: dict[str, Backing]
+
+    def close(self) -> None:
+        """Let go of the backings' descriptors (tables that will not be)."""
+        for backing in self.backings.values():
+            backing.close()
+
+
+def _live(
+    opened: dict[str, tuple[int, Region]], populate: bool, writable: bool
+) -> _LiveTensors | None:
+    """The opened tensors mapped at live addresses, whose backing a later generation can
+    replace in place; None where a backing's pages cannot fall on a live range's (larger
+    pages than it aligns to): the caller maps them as they are (`opened` is left open)."""
+    made = _LiveTensors({}, {}, {})
+    try:
+        for name, (fd, region) in opened.items():
+            dtype = torch_dtype(region.dtype)
+            if region.length + region.pad == 0:
+                made.tensors[name] = torch.empty(region.shape, dtype=dtype)
+                continue
+            address = LiveAddress(region.length + region.pad, delta_for(region.offset))
+            backing = file_backing(os.dup(fd), region, address, writable)
+            backing.populate = populate
+            made.backings[name] = backing
+            misfit = address.misfit(backing)
+            if misfit is not None:
+                log.debug("%s is mapped where it is, not at a live address: %s", name, misfit)
+                made.close()
+                return None
+            address.apply(backing)
+            made.addresses[name] = address
+            made.tensors[name] = address.tensor(dtype, region.shape)
+    except BaseException:
+        made.close()
+        for fd, _ in opened.values():
+            os.close(fd)
+        raise
+    for fd, _ in opened.values():
+        os.close(fd)
+    opened.clear()
+    return made
+
+
 def _map(
-    attachment: pb.Attachment,
-    rows: RowRanges | None,
-    populate: bool,
-    config: ClientConfig,
-    owner: int,
-    writable: bool,
-    pad_rows: bool,
+    opened: dict[str, tuple[int, Region]], populate: bool, writable: bool
 ) -> dict[str, torch.Tensor]:
-    opened = _open(attachment, rows, config, owner, pad_rows)
+    """The opened tensors mapped where the kernel puts them (closes their descriptors)."""
     tensors = {}
     try:
         for name in list(opened):

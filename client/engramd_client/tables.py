@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from types import TracebackType
@@ -57,6 +58,58 @@ class Move:
             self.lease.close()
 
 
+def _told(held: weakref.ref[Tables]) -> Callable[[str, int], None]:
+    """What a lease calls with a set's next generation: the tables' own, held weakly (the
+    lease's thread would otherwise keep tables nobody holds, and their addresses, alive)."""
+
+    def told(set_id: str, generation: int) -> None:
+        tables = held()
+        if tables is not None:
+            tables._next_generation(set_id, generation)
+
+    return told
+
+
+def _ready_generation(held: weakref.ref[Tables], set_id: str, generation: int) -> None:
+    """Attach a set's next generation and offer its move; on failure the tables stay whole
+    on the generation they map (the daemon keeps it while they lease it)."""
+    tables = held()
+    prepare = tables._prepare if tables is not None else None
+    if tables is None or prepare is None:
+        return
+    was = tables.set_id
+    del tables  # a long attach keeps no tables alive
+    try:
+        move = prepare(set_id)
+    except Exception as e:
+        tables = held()
+        if tables is not None:
+            tables._preparing = ""  # told again (the daemon back), it tries again
+        log.warning(
+            "engramd: cannot map generation %d of these tables (set %s): %s; they stay on set %s",
+            generation,
+            set_id,
+            e,
+            was,
+        )
+        return
+    tables = held()
+    if tables is None:
+        move.discard()
+        return
+    why = tables.offer(move)
+    tables._preparing = ""
+    if why is not None:
+        log.warning(
+            "engramd: generation %d (set %s) cannot be mapped at these tables' addresses (%s); "
+            "they stay on set %s until the engine restarts",
+            generation,
+            set_id,
+            why,
+            was,
+        )
+
+
 def _close_all(backings: list[Backing]) -> None:
     """Close backings: their pages go once no mapping holds them (a private copy's at once)."""
     for backing in backings:
@@ -80,6 +133,8 @@ class Tables(Mapping[str, torch.Tensor]):
         reason: str | None = None,
         lease: Lease | None = None,
         parts: Mapping[str, tuple[str, ...]] | None = None,
+        live: dict[str, LiveAddress] | None = None,
+        backings: dict[str, Backing] | None = None,
     ) -> None:
         self._tensors = tensors
         self._lease = lease
@@ -100,11 +155,16 @@ class Tables(Mapping[str, torch.Tensor]):
         #: How the device reads the tables (engramd_client.cuda.ROUTES), "" without one.
         self.gpu_route = ""
         # Live tensors: their fixed addresses and what backs each now.
-        self._live: dict[str, LiveAddress] = {}
-        self._backings: dict[str, Backing] = {}
+        self._live: dict[str, LiveAddress] = dict(live or {})
+        self._backings: dict[str, Backing] = dict(backings or {})
         self._registrations: dict[str, Registration] = {}
-        # Set by the rejoin thread, taken by advance() in the engine's step thread.
+        # Set by the rejoin thread (or a generation's), taken by advance() in the engine's
+        # step thread.
         self._pending: Move | None = None
+        # Readies the move to a set's next generation (follow_generations), or None; the
+        # set id it readies a move to now ("" when none).
+        self._prepare: Callable[[str], Move] | None = None
+        self._preparing = ""
         self._pending_lock = threading.Lock()
         self._until_shared: list[Callable[[], None]] = []
         self._on_move: list[Callable[[], None]] = []
@@ -163,15 +223,15 @@ class Tables(Mapping[str, torch.Tensor]):
             for backing in backings.values():
                 backing.close()
             raise
-        tables = cls(
+        return cls(
             tensors,
             mode="private",
             set_id=plan.set_id,
             reason=reason,
             parts=plan.checkpoint_names,
+            live=live,
+            backings=backings,
         )
-        tables._live, tables._backings = live, backings
-        return tables
 
     @property
     def live(self) -> bool:
@@ -186,6 +246,43 @@ class Tables(Mapping[str, torch.Tensor]):
     def pending(self) -> bool:
         """A move waits for the next `advance()`."""
         return self._pending is not None
+
+    @property
+    def heading(self) -> str:
+        """The set these tables are on once the next `advance()` ran: a pending move's,
+        else their own ("" for private tables with nothing pending). The ranks of an engine
+        move together once every rank heads for the same set (engines.common.StepGate)."""
+        move = self._pending
+        if move is not None:
+            return move.set_id
+        return self.set_id if self.mode == "shared" else ""
+
+    def follow_generations(self, prepare: Callable[[str], Move]) -> None:
+        """Move to each next generation of the set the daemon names (the operator loaded a
+        new revision: engramd.sets.generations): `prepare(set_id)` attaches it and maps
+        nothing, in a thread of its own; the next `advance()` makes the move."""
+        self._prepare = prepare
+        if self._lease is not None:
+            self._lease.on_next_generation(_told(weakref.ref(self)))
+
+    def _next_generation(self, set_id: str, generation: int) -> None:
+        with self._pending_lock:
+            heading = self._pending.set_id if self._pending is not None else self.set_id
+            if set_id in (heading, self._preparing):
+                return  # told again (a re-established lease): already on its way
+            self._preparing = set_id
+        log.info(
+            "engramd: these tables move to generation %d (set %s) at a step boundary once it "
+            "is mapped",
+            generation,
+            set_id,
+        )
+        threading.Thread(
+            target=_ready_generation,
+            args=(weakref.ref(self), set_id, generation),
+            name="engramd-generation",
+            daemon=True,
+        ).start()
 
     def offer(self, move: Move) -> str | None:
         """Make `move` the one the next `advance()` makes; why not (it is discarded), or None.
@@ -260,6 +357,8 @@ class Tables(Mapping[str, torch.Tensor]):
             self._lease.close()
         self._lease = move.lease
         self.mode, self.set_id, self.reason = move.mode, move.set_id, None
+        if self._prepare is not None and self._lease is not None:
+            self._lease.on_next_generation(_told(weakref.ref(self)))
         if move.mode == "shared":
             callbacks, self._until_shared = self._until_shared, []
             for callback in reversed(callbacks):
@@ -415,6 +514,7 @@ class Tables(Mapping[str, torch.Tensor]):
             live, self._live = self._live, {}
         if move is not None:
             move.discard()
+        self._prepare = None
         callbacks = self._until_shared + self._when_closed
         self._until_shared, self._when_closed, self._on_move = [], [], []
         self._views, self.device = {}, None

@@ -52,7 +52,13 @@ def load_intent(request: pb.LoadRequest) -> LoadIntent:
     """The operator's load; InvalidRequest without a checkpoint."""
     if not request.checkpoint:
         raise InvalidRequest("checkpoint is empty; name a checkpoint folder")
-    return LoadIntent(checkpoint=request.checkpoint, tensors=request.tensors)
+    if request.replaces and not is_set_id(request.replaces):
+        raise InvalidRequest(
+            f"replaces must be a set id (as `engramd status` shows it), not {request.replaces!r}"
+        )
+    return LoadIntent(
+        checkpoint=request.checkpoint, tensors=request.tensors, replaces=request.replaces
+    )
 
 
 def handle_kinds(accept: Iterable[int]) -> tuple[HandleKind, ...]:

@@ -22,7 +22,7 @@ from engramd.errors import abort
 from engramd.sets.intents import Granted
 from engramd.sets.keeper import SetKeeper
 from engramd.sets.leases import ON_FD_CHANNEL, Lease
-from engramd.sets.tableset import TableSet
+from engramd.sets.tableset import SetState, TableSet
 from engramd.units import gib
 from engramd_shared.checkpoint import is_set_id
 from engramd_shared.errors import CAUSES, InvalidRequest
@@ -65,12 +65,14 @@ class TableService(pb_grpc.TableServiceServicer):
         try:
             yield pb.AttachEvent(attached=self._attachment(ts, lease, kind, granted.reveal_sources))
             if await _told_stale(lease):
-                yield pb.AttachEvent(stale=pb.Stale(reason=str(ts.error), tensors=ts.changed))
+                yield pb.AttachEvent(stale=_stale(ts))
                 await lease.ended.wait()
             if lease.draining:
                 yield pb.AttachEvent(draining=pb.Draining())
         finally:
             self._sets.leases.end(lease)
+            # The last lease of a replaced generation: its copy goes.
+            self._sets.store.retire_replaced()
 
     def _attachment(
         self, ts: TableSet, lease: Lease, kind: HandleKind, sources: bool
@@ -133,6 +135,21 @@ class TableService(pb_grpc.TableServiceServicer):
             self._sets.fallbacks.scan(),
             self._sets.configured_ids(),
         )
+
+
+def _stale(ts: TableSet) -> pb.Stale:
+    """What a lease of `ts` is told: its copy failed verification, or a later generation
+    replaced it (the worker moves there at a step boundary)."""
+    if ts.state is SetState.FAILED_VERIFICATION or not ts.replaced_by:
+        return pb.Stale(reason=str(ts.error), tensors=ts.changed)
+    return pb.Stale(
+        reason=(
+            f"set {ts.set_id} (generation {ts.generation}) is replaced by set {ts.replaced_by} "
+            f"(generation {ts.generation + 1}), which the operator loaded"
+        ),
+        next_set_id=ts.replaced_by,
+        next_generation=ts.generation + 1,
+    )
 
 
 async def _told_stale(lease: Lease) -> bool:

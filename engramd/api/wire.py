@@ -199,6 +199,8 @@ def set_info(ts: TableSet, now: float | None = None) -> pb.SetInfo:
         changed_tensors=ts.changed,
         resident_bytes=cached_bytes(ts),
         page_cache_warming=ts.warming,
+        generation=ts.generation,
+        replaced_by=ts.replaced_by,
     )
 
 

@@ -158,6 +158,15 @@ def load(
         ),
     ],
     tensors: str = DEFAULT_TENSORS,
+    replaces: Annotated[
+        str,
+        typer.Option(
+            help="The id of a published set this checkpoint's set replaces as its next "
+            "generation (same tensors and shapes): running engines move to it at a step "
+            "boundary. Needed only for another folder than that set's: a load of the same "
+            "folder whose files changed replaces it without it."
+        ),
+    ] = "",
     config: ConfigFile = None,
     socket: Socket = DEFAULT_SOCKET,
     admin_socket: AdminSocket = "",
@@ -180,6 +189,7 @@ def load(
                 if is_store_url(checkpoint)
                 else str(Path(checkpoint).resolve()),
                 tensors=tensors,
+                replaces=replaces,
             )
         ):
             if task is None:
@@ -194,6 +204,11 @@ def load(
                 progress.update(task, completed=s.bytes, total=s.bytes)
                 progress.stop()
                 typer.echo(f"set {s.set_id} ready: {gib(s.bytes)}, {s.tensors} tensors")
+                if s.generation > 1:
+                    typer.echo(
+                        f"generation {s.generation}: running engines move to it at their next "
+                        "step; `engramd status` shows which are on which generation"
+                    )
     except grpc.RpcError as e:
         progress.stop()
         typer.echo(f"load failed: {e.details()}", err=True)

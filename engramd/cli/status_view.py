@@ -281,10 +281,10 @@ def _leases(reply: pb.StatusReply) -> Table:
         for lease in s.leases:
             labels = _other_labels(lease.labels)
             marks = ("" if lease.pid_verified else "unverified pid  ") + (
-                _stale(s) if lease.stale else ""
+                _stale(s) if lease.stale else _moving(s)
             )
             table.add_row(
-                s.set_id,
+                _generation(s),
                 lease.lease_id,
                 str(lease.pid),
                 str(lease.uid) if lease.HasField("uid") else "?",
@@ -346,6 +346,16 @@ def _unconfigured(reply: pb.StatusReply) -> list[Text]:
         for s in reply.sets
         if s.unconfigured and s.set_id
     ]
+
+
+def _generation(s: pb.SetInfo) -> str:
+    """A set's id, with its generation once a load replaced one (engramd load)."""
+    return f"{s.set_id} gen {s.generation}" if s.generation > 1 or s.replaced_by else s.set_id
+
+
+def _moving(s: pb.SetInfo) -> str:
+    """Where a lease of a replaced generation is moving."""
+    return f"MOVING to gen {s.generation + 1} ({s.replaced_by})" if s.replaced_by else ""
 
 
 def _stale(s: pb.SetInfo) -> str:

@@ -61,6 +61,9 @@ class LoadIntent:
 
     checkpoint: str
     tensors: str = ""
+    #: The published set this load replaces as its next generation ("": the set loaded
+    #: from the same checkpoint before, if any).
+    replaces: str = ""
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from engramd.backings.handles import HandleKind
 from engramd.config import DaemonConfig
 from engramd.host.blocking import BlockingPool
 from engramd.sets.fallbacks import FallbackBook
+from engramd.sets.generations import replaced_by_load, succeed
 from engramd.sets.intents import (
     AttachIntent,
     GpuRoute,
@@ -241,6 +242,8 @@ class SetKeeper:
         under its id, publish it: progress, then the set. A copy that failed verification is
         dropped and loaded again."""
         plan = await self._operator_plan(intent.checkpoint, intent.tensors or self._config.tensors)
+        # Another revision's shapes are refused before a byte is loaded.
+        replaced = replaced_by_load(self.store.sets, plan, intent.replaces)
         await self.store.replace_failed(plan.set_id)
         copies = await self.store.ensure_everywhere(plan)
         for ts in copies:
@@ -250,6 +253,10 @@ class SetKeeper:
             # copy): it is published for all only for bytes proven equal.
             await self._prove_held(plan, ts)
         self._publish(plan, copies)
+        replaced = [ts for ts in replaced if not ts.replaced_by and self.store.sets.holds(ts)]
+        if replaced:
+            succeed(replaced, copies)
+            self.store.retire_replaced()
         yield Loaded(copies[0])
 
     def _publish(self, plan: TablePlan, copies: list[TableSet]) -> None:
@@ -642,6 +649,7 @@ class SetKeeper:
         self.leases.sweep_dead()
         self.fallbacks.scan()
         await self.store.drop_abandoned(self._config.worker_set_grace)
+        self.store.retire_replaced()
 
     async def close(self, drop: bool, grace: float) -> None:
         """Stop loads in progress, unlock every set, and unlink them if `drop` (SetStore.close)."""

@@ -220,6 +220,9 @@ class LeaseBook:
             # A worker re-attaching to the copy it maps: it gets its lease back, and the news.
             lease.stale = True
             lease.told_stale.set()
+        elif ts.replaced_by:
+            # A later generation replaced the set: the worker hears where to move at once.
+            lease.told_stale.set()
         ts.leases[lease.lease_id] = lease
         ts.last_used = time.monotonic()
         return lease

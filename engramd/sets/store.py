@@ -414,6 +414,35 @@ class SetStore:
         if failed:
             await self._drop(failed)
 
+    def retire_replaced(self) -> None:
+        """Drop each copy a later generation replaced once its last lease is gone: its
+        memory goes back (engramd.sets.generations). A copy an older generation's leases
+        are still to move to stays until they have (they move on from it at once)."""
+        held = self.sets.all()
+        retiring: dict[int, TableSet] = {}
+        more = True
+        while more:
+            more = False
+            awaited = {o.replaced_by for o in held if id(o) not in retiring}
+            for ts in held:
+                if (
+                    id(ts) not in retiring
+                    and ts.replaced_by
+                    and not ts.leases
+                    and ts.state is SetState.READY
+                    and ts.set_id not in awaited
+                ):
+                    retiring[id(ts)] = ts
+                    more = True
+        for ts in retiring.values():
+            self._spawn(self._retire(ts))
+
+    async def _retire(self, ts: TableSet) -> None:
+        # Once: a second call before this task ran finds it gone (_drop removes it first).
+        if self.sets.holds(ts):
+            log.info("set %s: its last lease moved to set %s; dropping it", ts.copy, ts.replaced_by)
+            await self._drop([ts])
+
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

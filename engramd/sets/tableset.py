@@ -97,6 +97,12 @@ class TableSet:
     #: they came from (--worker-share-per-uid; root's and the daemon's own files are the
     #: operator's, charged to no one). None: the operator's set, or one adopted at start.
     charges: dict[int, int] | None = None
+    #: Its generation (engramd.sets.generations): 1 for a set's first load, one more for
+    #: each load that replaced the one before.
+    generation: int = 1
+    #: The set id of the generation that replaced this one ("" while it is current): its
+    #: leases are told to move there, and it is dropped once the last one has.
+    replaced_by: str = ""
     #: Set once the load ends, ready or failed.
     done: asyncio.Event = field(default_factory=asyncio.Event)
 

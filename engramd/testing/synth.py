@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,6 +88,24 @@ class _Tensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype][0]
+
+
+def seeds_held(tables: Mapping[str, torch.Tensor], rows: int = 64) -> set[int | None]:
+    """The seed (0 or 1) of the synthetic checkpoint whose rows each Engram table holds, by
+    sampled rows; None for neither (a mix of generations shows as two seeds)."""
+    found: set[int | None] = set()
+    for name, tensor in tables.items():
+        layer, kind = int(name.split(".")[1]), name.rsplit(".", 1)[1]
+        table = tensor.view(torch.uint8)
+        picked = torch.randint(0, table.shape[0], (rows,))
+        got = table.index_select(0, picked)
+        matching = [
+            seed
+            for seed in (0, 1)
+            if torch.equal(got, expected_rows(seed, layer, kind, picked, table.shape[1]))
+        ]
+        found.add(matching[0] if matching else None)
+    return found
 
 
 def _table(spec: SynthSpec, layer: int, table: str) -> _Tensor:

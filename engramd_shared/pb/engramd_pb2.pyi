@@ -95,12 +95,16 @@ class Draining(_message.Message):
     def __init__(self) -> None: ...
 
 class Stale(_message.Message):
-    __slots__ = ("reason", "tensors")
+    __slots__ = ("reason", "tensors", "next_set_id", "next_generation")
     REASON_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SET_ID_FIELD_NUMBER: _ClassVar[int]
+    NEXT_GENERATION_FIELD_NUMBER: _ClassVar[int]
     reason: str
     tensors: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reason: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ...) -> None: ...
+    next_set_id: str
+    next_generation: int
+    def __init__(self, reason: _Optional[str] = ..., tensors: _Optional[_Iterable[str]] = ..., next_set_id: _Optional[str] = ..., next_generation: _Optional[int] = ...) -> None: ...
 
 class Attachment(_message.Message):
     __slots__ = ("set_id", "fingerprint", "nonce", "lease_id", "tensors", "sources", "fd_channel", "gpu_route")
@@ -350,7 +354,7 @@ class BackingInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., where: _Optional[str] = ..., total_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., free_bytes: _Optional[int] = ..., page_size: _Optional[int] = ..., survives_restart: _Optional[bool] = ..., stands_in_for: _Optional[str] = ..., reason: _Optional[str] = ..., small_pages_reason: _Optional[str] = ..., small_pages_fix: _Optional[str] = ...) -> None: ...
 
 class SetInfo(_message.Message):
-    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source", "published", "page_cache_warming", "unconfigured")
+    __slots__ = ("set_id", "checkpoint", "fingerprint", "bytes", "backing", "state", "bytes_loaded", "adopted", "locked", "error", "leases", "tensors", "load_seconds", "lease_count", "page_size", "bytes_per_node", "numa_node", "huge_page_bytes", "family", "source", "changed_tensors", "resident_bytes", "bytes_by_source", "published", "page_cache_warming", "unconfigured", "generation", "replaced_by")
     class BytesPerNodeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -391,6 +395,8 @@ class SetInfo(_message.Message):
     PUBLISHED_FIELD_NUMBER: _ClassVar[int]
     PAGE_CACHE_WARMING_FIELD_NUMBER: _ClassVar[int]
     UNCONFIGURED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REPLACED_BY_FIELD_NUMBER: _ClassVar[int]
     set_id: str
     checkpoint: str
     fingerprint: str
@@ -417,7 +423,9 @@ class SetInfo(_message.Message):
     published: bool
     page_cache_warming: str
     unconfigured: bool
-    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., published: _Optional[bool] = ..., page_cache_warming: _Optional[str] = ..., unconfigured: _Optional[bool] = ...) -> None: ...
+    generation: int
+    replaced_by: str
+    def __init__(self, set_id: _Optional[str] = ..., checkpoint: _Optional[str] = ..., fingerprint: _Optional[str] = ..., bytes: _Optional[int] = ..., backing: _Optional[str] = ..., state: _Optional[str] = ..., bytes_loaded: _Optional[int] = ..., adopted: _Optional[bool] = ..., locked: _Optional[bool] = ..., error: _Optional[str] = ..., leases: _Optional[_Iterable[_Union[LeaseInfo, _Mapping]]] = ..., tensors: _Optional[int] = ..., load_seconds: _Optional[float] = ..., lease_count: _Optional[int] = ..., page_size: _Optional[int] = ..., bytes_per_node: _Optional[_Mapping[int, int]] = ..., numa_node: _Optional[int] = ..., huge_page_bytes: _Optional[int] = ..., family: _Optional[str] = ..., source: _Optional[str] = ..., changed_tensors: _Optional[_Iterable[str]] = ..., resident_bytes: _Optional[int] = ..., bytes_by_source: _Optional[_Mapping[str, int]] = ..., published: _Optional[bool] = ..., page_cache_warming: _Optional[str] = ..., unconfigured: _Optional[bool] = ..., generation: _Optional[int] = ..., replaced_by: _Optional[str] = ...) -> None: ...
 
 class LeaseInfo(_message.Message):
     __slots__ = ("lease_id", "pid", "labels", "attached_s", "stale", "pid_verified", "kind", "device", "gpu_route", "uid")
@@ -467,12 +475,14 @@ class FallbackAck(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadRequest(_message.Message):
-    __slots__ = ("checkpoint", "tensors")
+    __slots__ = ("checkpoint", "tensors", "replaces")
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    REPLACES_FIELD_NUMBER: _ClassVar[int]
     checkpoint: str
     tensors: str
-    def __init__(self, checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ...) -> None: ...
+    replaces: str
+    def __init__(self, checkpoint: _Optional[str] = ..., tensors: _Optional[str] = ..., replaces: _Optional[str] = ...) -> None: ...
 
 class LoadEvent(_message.Message):
     __slots__ = ("progress", "ready")

@@ -204,3 +204,21 @@ def test_daemons_killed_at_any_point_of_a_move_leave_whole_copies(
     # The private copies' descriptors went with them (off the step, in a thread).
     wait_until(lambda: not _private_files(w.proc.pid), 10, "the private copies freed")
     assert w.exit() == 0
+
+
+def test_shared_live_tables_dropped_unclosed_are_unmapped(checkpoint: Path, daemons: Any) -> None:
+    """Tables attached shared are live (their lease told to follow the set's generations),
+    and tables nobody keeps are still collected: the lease's thread does not keep them."""
+    d = daemons("--checkpoint", str(checkpoint))
+
+    def mapped() -> int:
+        return Path("/proc/self/maps").read_text().count(str(d.shm_dir))
+
+    gc.collect()
+    before = mapped()
+    tables = attach(checkpoint, socket=str(d.socket), share=True)
+    assert (tables.mode, tables.live) == ("shared", True)
+    assert mapped() > before
+    del tables
+    gc.collect()
+    assert mapped() == before

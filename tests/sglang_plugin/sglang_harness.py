@@ -70,15 +70,16 @@ class Model:
         return sum(r * (HEAD_DIM + HEAD_DIM // FP8_BLOCK) for r in self.rows)
 
 
-def make_model(folder: Path) -> Model:
-    """fp8 weights and e8m0 scales of random bytes, with the Engram layers' other weights."""
+def make_model(folder: Path, seed: int = 0) -> Model:
+    """fp8 weights and e8m0 scales of random bytes, with the Engram layers' other weights
+    (`seed`: another revision's bytes, the same names and shapes)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     rows = table_rows()
     weight_map: dict[str, str] = {}
     for index, (layer, n) in enumerate(zip(LAYER_IDS, rows, strict=True)):
-        g = torch.Generator().manual_seed(layer)
+        g = torch.Generator().manual_seed(layer + 1000 * seed)
         byte = torch.uint8
         tensors = {
             f"layers.{layer}.engram.embed.weight": torch.randint(

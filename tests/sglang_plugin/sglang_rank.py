@@ -155,6 +155,34 @@ def lookups(net: nn.Module, layer_ids: tuple[int, ...]) -> dict[int, torch.Tenso
     return found
 
 
+def weight_updates() -> dict[str, str]:
+    """SGLang's ModelRunner weight updates on this rank (its WeightUpdater): what each
+    answered, or raised."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+
+    from engramd_client.engines.sglang.process import PROCESS
+
+    served = sorted(PROCESS.served)[0]
+    updater = WeightUpdater.__new__(WeightUpdater)
+    rows = torch.zeros(1, 8, dtype=torch.uint8)
+    calls = {
+        "update_weights_from_disk": lambda: updater.update_weights_from_disk("/x", "auto"),
+        "update_weights_from_ipc": lambda: updater.update_weights_from_ipc(None),
+        "update_weights_from_tensor": lambda: updater.update_weights_from_tensor([(served, rows)]),
+        "update_weights_from_distributed": lambda: updater.load_weights_from_distributed(
+            [(served, rows)]
+        ),
+        "other": lambda: updater.load_weights_from_distributed([("lm_head.weight", rows)]),
+    }
+    said = {}
+    for what, call in calls.items():
+        try:
+            said[what] = repr(call())
+        except Exception as e:
+            said[what] = f"{type(e).__name__}: {e}"
+    return said
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -173,6 +201,9 @@ def main() -> None:
     parser.add_argument("--lookup", default="", help="on a GPU: save SGLang's lookups here")
     parser.add_argument(
         "--reference", default="", help="the checkpoint's files, where CHECKPOINT is a URL"
+    )
+    parser.add_argument(
+        "--updates", action="store_true", help="after loading, call SGLang's weight updates"
     )
     args = parser.parse_args()
 
@@ -293,6 +324,8 @@ def main() -> None:
         group.barrier()
     if args.lookup:
         torch.save(lookups(net, layout.layer_ids), args.lookup)
+    if args.updates:
+        out["updates"] = weight_updates()
     if args.live:
         from engramd_client.engines.sglang.process import PROCESS
 

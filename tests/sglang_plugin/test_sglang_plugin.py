@@ -18,8 +18,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import InBucket, ranks_in_thread, readahead, result
-from sglang_plugin.sglang_harness import Model, run_ranks
+from engine_harness import (
+    InBucket,
+    across_a_generation,
+    on_the_daemons_pages,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
+from sglang_plugin.sglang_harness import Model, make_model, run_ranks
 
 WARNING = "engramd does not serve the Engram tables here"
 
@@ -153,6 +161,48 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
             assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
         log = _output(done[rank])
         assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
+
+
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks on the daemon's copy; the operator loads the tables' next revision
+    (another folder, --replaces): both move to it at the same step (a vote on SGLang's TP
+    group), the pointers SGLang's kernels take unchanged, the new revision's rows, the
+    daemon's read-only pages; the old generation is dropped once both moved."""
+    new = make_model(tmp_path / "revision", seed=1).folder
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    ready, outs = across_a_generation(
+        served, new, lambda extra: run_ranks(model, 2, env, tmp_path, extra), tmp_path, "SGLang"
+    )
+    for out in outs:
+        for info in out["layers"].values():
+            assert info["served"] and info["same_bytes"] == [True, True], info
+            assert info["pointers_are_tensors"], info
+            on_the_daemons_pages(info, served.shm_dir)
+    one_generation_left(served, ready.set_id)
+
+
+def test_sglangs_weight_updates_of_a_served_table_are_refused(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """SGLang's update_weights_from_disk, _ipc, _tensor and _distributed on a rank serving
+    its tables answer (False, why) as SGLang's own refusals do, naming `engramd load`,
+    nothing written; an update of other weights reaches SGLang's own code."""
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    (out,) = [result(r) for r in run_ranks(model, 1, env, tmp_path, ("--updates",))]
+    said = out["updates"]
+    for call in (
+        "update_weights_from_disk",
+        "update_weights_from_ipc",
+        "update_weights_from_tensor",
+        "update_weights_from_distributed",
+    ):
+        assert said[call].startswith("(False, \"SGLang's " + call), said
+        assert "nothing was written" in said[call] and "`engramd load" in said[call], said
+    assert "SGLang's" not in said["other"], said
+    for info in out["layers"].values():
+        assert info["served"] and info["same_bytes"] == [True, True], info
 
 
 def test_strict_with_daemon_down_fails_start_up(model: Model, tmp_path: Path) -> None:

@@ -221,13 +221,17 @@ def private_copy_files() -> int:
 def move_when_told(
     rank: int, folder: Path, step: Callable[[], bool], tables: Any, max_steps: int = 1000
 ) -> dict[str, Any]:
-    """A rank whose live tables were built while the daemon was down: it says so (the file
-    `built-RANK` in `folder`), waits for the test's `go` (the daemon is ready), then starts a
-    step every 2 ms (`step`: the plugin's hook where the engine starts one) until its tables
-    are the daemon's copy, at most `max_steps` (the same count on every rank: a group's
-    ranks vote on the move together). What it saw, and how long the move took."""
+    """A rank whose live tables were built while the daemon was down (or on the daemon's
+    copy, before the operator loads its next generation): it says so (the file `built-RANK`
+    in `folder`), waits for the test's `go` (the daemon is ready, or the generation loaded),
+    then starts a step every 2 ms (`step`: the plugin's hook where the engine starts one)
+    until its tables are the daemon's copy (of another set than they were on), at most
+    `max_steps` (the same count on every rank: a group's ranks vote on the move together).
+    What it saw, and how long the move took."""
+    first = (tables.mode, tables.set_id)
     seen: dict[str, Any] = {
         "mode_before": tables.mode,
+        "set_before": tables.set_id,
         "live": tables.live,
         "private_copies_before": private_copies(),
     }
@@ -240,10 +244,12 @@ def move_when_told(
     while steps < max_steps:
         steps += 1
         step()
-        if tables.mode == "shared":
+        if tables.mode == "shared" and (tables.mode, tables.set_id) != first:
             break
         time.sleep(0.002)
-    seen.update(mode=tables.mode, seconds=time.monotonic() - began, steps=steps)
+    seen.update(
+        mode=tables.mode, set_id=tables.set_id, seconds=time.monotonic() - began, steps=steps
+    )
     # Their descriptors close off the step, in a thread of the tables' own.
     waited = time.monotonic()
     while private_copy_files() and time.monotonic() - waited < 10:
@@ -274,3 +280,52 @@ def ranks_in_thread(
         yield done
     finally:
         thread.join()
+
+
+def on_the_daemons_pages(info: dict[str, Any], shm_dir: Path) -> None:
+    """A rank's layer (its result's `weight_map`) maps the daemon's read-only pages."""
+    assert str(shm_dir) in info["weight_map"], info["weight_map"]
+    assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
+
+
+def one_generation_left(d: Any, set_id: str) -> None:
+    """Wait until daemon `d` holds set `set_id` alone: the generation before it dropped."""
+    deadline = time.monotonic() + 30
+    while [s.set_id for s in d.status().sets] != [set_id]:
+        assert time.monotonic() < deadline, "the old generation was not dropped within 30 s"
+        time.sleep(0.05)
+
+
+def across_a_generation(
+    served: Any,
+    new: Path,
+    run: Callable[[tuple[str, ...]], list[subprocess.CompletedProcess[str]]],
+    tmp: Path,
+    engine: str,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Two ranks on daemon `served`'s copy (`run(extra)` runs them with `--live` and
+    `--reference NEW`); once both are built, the tables' next revision in folder `new`
+    loaded as the set's next generation (--replaces), then the ranks step until they moved.
+    The new set and each rank's result, each checked to have moved from the first set to
+    the new one at the same addresses, with one line of the plugin for `engine`'s move."""
+    from helpers import load_set
+
+    (first,) = [s.set_id for s in served.status().sets]
+    live = tmp / "live"
+    live.mkdir()
+    extra = ("--live", str(live), "--reference", str(new))
+    with ranks_in_thread(lambda: run(extra), live, 2) as done:
+        ready = load_set(served, new, replaces=first)
+        assert ready.generation == 2
+        (live / "go").touch()
+    outs = []
+    for process in done:
+        out = result(process)
+        moved = out["live"]
+        assert (moved["mode_before"], moved["set_before"]) == ("shared", first), moved
+        assert (moved["mode"], moved["set_id"]) == ("shared", ready.set_id), moved
+        assert moved["same_addresses"], moved
+        said = process.stdout + process.stderr
+        assert said.count(f"engramd's tables of {engine} moved to the daemon's copy") == 1, said
+        outs.append(out)
+    return ready, outs

@@ -255,3 +255,15 @@ def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(interval)
     return time.monotonic() - start
+
+
+def load_set(d: Any, folder: Path, replaces: str = "") -> pb.SetInfo:
+    """`engramd load` of `folder` on daemon `d`'s admin socket (`replaces`: the set id its
+    set replaces as the next generation): the set once ready."""
+    with grpc.insecure_channel(f"unix:{d.socket.with_name('admin.sock')}") as channel:
+        events = list(
+            pb_grpc.AdminServiceStub(channel).Load(
+                pb.LoadRequest(checkpoint=str(folder), replaces=replaces), timeout=120
+            )
+        )
+    return events[-1].ready

@@ -12,7 +12,10 @@ Commands (one per line, each answered by one JSON line):
   step          Tables.advance() once: the mode, whether a move waits, each tensor's address
   until_shared S  advance() every 2 ms until the tables are shared, at most S seconds: the
                 mode and how long it took
-  pending       whether a move waits for the next step (nothing moves)
+  pending       whether a move waits for the next step (nothing moves), the set id
+  follow ID S   advance() every 2 ms until the tables are on set ID, at most S seconds,
+                sampling every table's rows at each step: the steps whose tables held
+                rows of more than one synthetic seed (a mix of generations), the set id
   rows          every row of every tensor against the checkpoint's, read privately
   exit          close the tables and exit 0
 """
@@ -30,6 +33,7 @@ import psutil
 import torch
 
 from engramd.testing.child import say
+from engramd.testing.synth import seeds_held
 from engramd_client import EngramdError, Tables, attach
 
 
@@ -150,7 +154,24 @@ def main() -> int:
                 }
             )
         elif command == "pending":
-            say({"pending": tables.pending, "mode": tables.mode})
+            say({"pending": tables.pending, "mode": tables.mode, "set_id": tables.set_id})
+        elif command == "follow":
+            target, _, bound = arg.partition(" ")
+            began, steps, mixed = time.monotonic(), 0, 0
+            while tables.set_id != target and time.monotonic() - began < float(bound):
+                tables.advance()
+                steps += 1
+                mixed += len(seeds_held(tables)) != 1
+                time.sleep(0.002)
+            say(
+                {
+                    "set_id": tables.set_id,
+                    "steps": steps,
+                    "mixed": mixed,
+                    "seeds": sorted(map(str, seeds_held(tables))),
+                    "pointers": pointers(tables),
+                }
+            )
         elif command == "until_shared":
             began = time.monotonic()
             while tables.mode != "shared" and time.monotonic() - began < float(arg):

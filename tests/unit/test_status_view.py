@@ -62,3 +62,20 @@ def test_status_names_each_sources_share() -> None:
         {"files": 10, "s3://models/v4": 50, "10.0.0.1:7077": 40}
     )
     assert "s3://models/v4 90%, files 10%" in shown({"files": 10, "s3://models/v4": 90})
+
+
+def test_status_shows_which_leases_are_on_which_generation() -> None:
+    def lease(info: pb.SetInfo, pid: int) -> None:
+        info.leases.append(pb.LeaseInfo(lease_id=f"l{pid}", pid=pid, pid_verified=True))
+
+    old = pb.SetInfo(set_id="ab" * 10, state="ready", generation=1, replaced_by="cd" * 10)
+    new = pb.SetInfo(set_id="cd" * 10, state="ready", generation=2)
+    lease(old, 7)
+    lease(new, 8)
+    lines = render(pb.StatusReply(sets=[old, new]), width=400).splitlines()
+    (moving,) = [line for line in lines if " l7 " in line]
+    (moved,) = [line for line in lines if " l8 " in line]
+    assert "ab" * 10 + " gen 1" in moving and "MOVING to gen 2 (" + "cd" * 10 + ")" in moving
+    assert "cd" * 10 + " gen 2" in moved and "MOVING" not in moved
+    doc = as_dict(pb.StatusReply(shm=pb.ShmInfo(), sets=[old, new]))
+    assert [(s["generation"], s["replaced_by"]) for s in doc["sets"]] == [(1, "cd" * 10), (2, "")]

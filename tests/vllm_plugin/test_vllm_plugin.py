@@ -16,8 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engine_harness import ranks_in_thread, readahead, result
-from vllm_plugin.vllm_harness import Model, Stored, run_ranks
+from engine_harness import (
+    across_a_generation,
+    on_the_daemons_pages,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
+from vllm_plugin.vllm_harness import Model, Stored, revision, run_ranks
 
 from engramd_client.sharding import ceil_head_rows
 
@@ -202,6 +209,46 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
         log = _output(done[rank])
         assert log.count("Falling back to private tables") == 1, log[-3000:]
         assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+
+
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks on the daemon's copy; the operator loads the tables' next revision
+    (another folder, --replaces): both ranks move to it at the same step (vLLM's
+    Worker.execute_dummy_batch, the plugin's hook first), the layers' tables at the same
+    addresses, the new revision's rows, the daemon's read-only pages; the old generation
+    is dropped once both moved."""
+    new = revision(model, tmp_path / "revision")
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    ready, outs = across_a_generation(
+        served, new, lambda extra: run_ranks(model, 2, env, tmp_path, extra), tmp_path, "vLLM"
+    )
+    for out in outs:
+        for layer_id in model.spec.engram_layers:
+            info = out["layers"][str(layer_id)]
+            assert info["same_bytes"] == [True, True], info
+            on_the_daemons_pages(info, served.shm_dir)
+    # Both ranks' processes ended: the old generation has no lease left.
+    one_generation_left(served, ready.set_id)
+
+
+def test_vllms_weight_updates_of_a_served_table_are_refused(
+    model: Model, served: Any, tmp_path: Path
+) -> None:
+    """vLLM's Worker.reload_weights and update_weights of a served table are refused with
+    the way to load a new revision, before anything is written; an update of other weights
+    reaches vLLM's own code."""
+    env = {"ENGRAMD_SOCKET": str(served.socket)}
+    (out,) = [result(r) for r in run_ranks(model, 1, env, tmp_path, ("--updates",))]
+    said = out["updates"]
+    for call in ("reload_weights", "update_weights served", "update_weights unnamed"):
+        assert said[call].startswith("ServedTableUpdate: vLLM's"), said
+        assert "nothing was written" in said[call] and "`engramd load" in said[call], said
+    assert "layers.1.engram.embed" in said["update_weights served"], said
+    assert said["update_weights other"].startswith("RuntimeError: Weight transfer not"), said
+    for info in out["layers"].values():
+        assert info["served"] and info["same_bytes"] == [True, True], info
 
 
 def test_an_s3_model_streamed_by_runai_maps_the_daemons_copy(

@@ -9,8 +9,10 @@ CUDA dependencies, CPU torch); the main suite does not collect this folder.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import pickle
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -124,6 +126,15 @@ def make_model(folder: Path) -> Model:
     pickled = folder.parent / "vllm_config.pkl"
     pickled.write_bytes(pickle.dumps(vllm_config))
     return Model(folder, pickled, spec, heads)
+
+
+def revision(model: Model, folder: Path) -> Path:
+    """A copy of the model's checkpoint in `folder` whose Engram tables hold other rows
+    (synthetic seed 1), the same names and shapes: the tables' next revision."""
+    shutil.copytree(model.folder, folder)
+    synthesize(folder, dataclasses.replace(model.spec, seed=1))
+    _extra_tensors(folder, model.spec)
+    return folder
 
 
 @pytest.fixture(scope="session")

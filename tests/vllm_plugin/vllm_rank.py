@@ -149,6 +149,28 @@ def idle_step() -> Any:
     return lambda: worker.execute_dummy_batch()
 
 
+def weight_updates(served: list[str]) -> dict[str, str]:
+    """vLLM's Worker weight updates on a rank serving `served`: what each raised."""
+    import vllm.v1.worker.gpu_worker as gpu_worker
+
+    worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
+    worker.weight_transfer_engine = None
+    calls = {
+        "reload_weights": lambda: worker.reload_weights(),
+        "update_weights served": lambda: worker.update_weights({"names": served[:1]}),
+        "update_weights unnamed": lambda: worker.update_weights({"handles": []}),
+        "update_weights other": lambda: worker.update_weights({"names": ["lm_head.weight"]}),
+    }
+    said = {}
+    for what, call in calls.items():
+        try:
+            call()
+            said[what] = "returned"
+        except Exception as e:
+            said[what] = f"{type(e).__name__}: {e}"
+    return said
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("rank", type=int)
@@ -167,6 +189,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--live", default="", help="after loading, step until the tables move (move_when_told)"
+    )
+    parser.add_argument(
+        "--updates", action="store_true", help="after loading, call vLLM's weight updates"
     )
     args = parser.parse_args()
 
@@ -300,6 +325,10 @@ def main() -> None:
                 moved: Any = net.get_submodule(info["name"])
                 info["weight_map"] = mapping_of(moved.weight.data_ptr())
                 info["scale_map"] = mapping_of(moved.weight_scale_inv.data_ptr())
+        if args.updates:
+            from engramd_client.engines.vllm.process import PROCESS
+
+            out["updates"] = weight_updates(sorted(PROCESS.served))
         if args.lookup:
             torch.save(lookups(net, engram.ParallelEngramEmbedding), args.lookup)
         from safetensors import safe_open

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -404,18 +405,20 @@ class StepGate:
     """Where an engine starts a step: its live tables move there, every rank at the same step.
 
     A rank alone (or a worker without a group) moves at its next step. The
-    ranks of a group vote every VOTE_EVERY steps, a MIN all-reduce of one
-    integer on the engine's own CPU group (every rank counts the same steps:
-    the engine runs each step on all of them): once every rank holds its move
-    (or has none to wait for), all make it at that step, so no step reads a
-    mix of copies across ranks. `group()` gives the engine's GroupCoordinator
-    (or None), asked at the first step, after the engine set its groups up.
+    ranks of a group vote every VOTE_EVERY steps, one MIN all-reduce of two
+    integers on the engine's own CPU group (every rank counts the same steps:
+    the engine runs each step on all of them): each rank names the set it
+    would be on after a move (Tables.heading: its pending move's, else its
+    own), and once every rank names the same one, those holding a move make
+    it at that step, so no step reads a mix of copies or generations across
+    ranks. `group()` gives the engine's GroupCoordinator (or None), asked at
+    the first step, after the engine set its groups up.
     """
 
     def __init__(self, tables: Tables, group: Callable[[], Any]) -> None:
         self._tables = tables
         self._group = group
-        self._agree: Callable[[bool], bool] | None = None
+        self._agree: Callable[[str], bool] | None = None
         self._steps = 0
 
     def step(self) -> bool:
@@ -428,20 +431,22 @@ class StepGate:
         if self._steps % VOTE_EVERY:
             return False
         tables = self._tables
-        ready = tables.pending or tables.mode == "shared" or not tables.live
-        return self._agree(ready) and tables.advance()
+        return self._agree(tables.heading) and tables.advance()
 
 
-def agreement(group: Any) -> Callable[[bool], bool] | None:
-    """Whether every rank of an engine's GroupCoordinator says yes (None: a rank alone)."""
+def agreement(group: Any) -> Callable[[str], bool] | None:
+    """Whether every rank of an engine's GroupCoordinator names the same set id (None: a
+    rank alone)."""
     if group is None or group.world_size == 1:
         return None
     import torch.distributed as dist
 
-    def agree(ready: bool) -> bool:
-        vote = torch.tensor([int(ready)], dtype=torch.int32)
+    def agree(set_id: str) -> bool:
+        # A 62-bit digest of the id and its negation: one MIN gives the least and the most.
+        key = int.from_bytes(hashlib.blake2b(set_id.encode(), digest_size=8).digest()) >> 2
+        vote = torch.tensor([key, -key], dtype=torch.int64)
         dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=group.cpu_group)
-        return bool(vote.item())
+        return int(vote[0]) == -int(vote[1])
 
     return agree
 
@@ -509,4 +514,35 @@ def attach_rows(
         device=device or "",
         labels=labels,
         pad_rows=pad_rows,
+    )
+
+
+class ServedTableUpdate(EngramdError):
+    """An engine's weight update would write a table engramd serves: refused, nothing written."""
+
+
+def refuse_update(
+    engine: str, call: str, names: Iterable[str] | None, served: frozenset[str]
+) -> str | None:
+    """Why an engine's weight update `call` of `names` (None: it may write any weight) is
+    refused where this process serves `served` (checkpoint names); None where it writes
+    none of them.
+
+    The served tables' pages are the daemon's read-only copy, which every engine on
+    the node maps: an engine's own update could only fault on them, or, skipping them,
+    leave the tables as they were while reporting success.
+    """
+    if not served:
+        return None
+    hit = sorted(served) if names is None else sorted(served.intersection(names))
+    if not hit:
+        return None
+    what = f"{', '.join(hit[:3])}{f' and {len(hit) - 3} more' if len(hit) > 3 else ''}"
+    how = "may write every weight in place, " if names is None else "would write "
+    return (
+        f"{engine}'s {call} {how}{what} among them, which engramd serves from the daemon's "
+        "read-only copy that every engine on this node maps: nothing was written. Load the "
+        "tables' new revision with `engramd load <checkpoint folder>` (the same tensors and "
+        "shapes; `--replaces <set id>` for another folder than the set's): every running "
+        "engine moves to it at a step boundary. Update the other weights without these tables"
     )

@@ -34,7 +34,13 @@ from typing import Any
 from engramd_client.engines.common import UnknownEngine, say_once, when_imported
 from engramd_client.engines.sglang import deepseek, qwen4exp, weights
 from engramd_client.engines.sglang.guard import SGLANG, check_seams, sglang_version
-from engramd_client.engines.sglang.process import SCHEDULER_MODULE, install_step, log
+from engramd_client.engines.sglang.process import (
+    SCHEDULER_MODULE,
+    UPDATER_MODULE,
+    install_step,
+    install_updates,
+    log,
+)
 
 _registered = False
 
@@ -49,6 +55,7 @@ def register() -> None:
         return
     when_imported(qwen4exp.QWEN4_EXP, qwen4exp.install)
     when_imported(SCHEDULER_MODULE, install_step)
+    when_imported(UPDATER_MODULE, install_updates)
     from sglang.srt.environ import envs
 
     if not envs.SGLANG_ENABLE_DSV41_ENGRAM_HOST_TABLE.get():

@@ -22,6 +22,7 @@ from engramd_client.engines.common import (
     local_folder,
     moved,
     probe,
+    refuse_update,
     replaced,
     say_once,
     serving,
@@ -166,4 +167,62 @@ def engine_path(own: str) -> str:
     return (
         f"SGLang allocates its own {own}; start engramd on the node and mount its socket "
         "folder, or set ENGRAMD_SHARE=off to silence this"
+    )
+
+
+#: Where SGLang's ModelRunner updates its weights in place (its update_weights_* calls).
+UPDATER_MODULE = "sglang.srt.model_executor.model_runner_components.weight_updater"
+
+
+def install_updates(updater: ModuleType) -> None:
+    """Refuse SGLang's weight updates that would write a served table (common.refuse_update),
+    the way SGLang refuses its own: (False, why), nothing loaded.
+
+    update_weights_from_disk and update_weights_from_ipc load whatever their files or
+    handles hold (names unknown before they load); load_weights_from_distributed (the
+    end of update_weights_from_distributed) and update_weights_from_tensor name theirs.
+    """
+    owner = updater.WeightUpdater
+    for name, guard in (
+        ("update_weights_from_disk", _from_disk),
+        ("update_weights_from_ipc", _from_ipc),
+        ("load_weights_from_distributed", _from_distributed),
+        ("update_weights_from_tensor", _from_tensor),
+    ):
+        own = getattr(owner, name, None)
+        if own is not None and not replaced(own):
+            PROCESS.calls.replace(owner, name, guard)
+
+
+def _refused(call: str, names: Any) -> tuple[bool, str] | None:
+    why = refuse_update("SGLang", call, names, PROCESS.served)
+    if why is None:
+        return None
+    log.warning("%s", why)
+    return False, why
+
+
+def _from_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _refused("update_weights_from_disk", None) or PROCESS.calls.call(
+        _from_disk, self, *args, **kwargs
+    )
+
+
+def _from_ipc(self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _refused("update_weights_from_ipc", None) or PROCESS.calls.call(
+        _from_ipc, self, *args, **kwargs
+    )
+
+
+def _from_distributed(self: Any, named_tensors: list[tuple[str, Any]]) -> Any:
+    names = [name for name, _ in named_tensors]
+    return _refused("update_weights_from_distributed", names) or PROCESS.calls.call(
+        _from_distributed, self, named_tensors
+    )
+
+
+def _from_tensor(self: Any, named_tensors: list[tuple[str, Any]], *args: Any, **kw: Any) -> Any:
+    names = [name for name, _ in named_tensors]
+    return _refused("update_weights_from_tensor", names) or PROCESS.calls.call(
+        _from_tensor, self, named_tensors, *args, **kw
     )

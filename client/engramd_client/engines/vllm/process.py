@@ -28,12 +28,14 @@ from engramd_client.engines.common import (
     CallThrough,
     Pattern,
     Refusal,
+    ServedTableUpdate,
     StepGate,
     UnknownEngine,
     decide,
     local_folder,
     moved,
     probe,
+    refuse_update,
     replaced,
     say_once,
     serving,
@@ -184,7 +186,9 @@ WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 
 
 def install_step(gpu_worker: ModuleType) -> None:
-    """Call PROCESS.step() where vLLM's Worker starts a step (before its own code)."""
+    """Call PROCESS.step() where vLLM's Worker starts a step (before its own code); guard
+    its weight updates (install_updates)."""
+    install_updates(gpu_worker)
     if replaced(gpu_worker.Worker.execute_model):
         return
     try:
@@ -194,6 +198,47 @@ def install_step(gpu_worker: ModuleType) -> None:
         return
     PROCESS.calls.replace(gpu_worker.Worker, "execute_model", _execute_model)
     PROCESS.calls.replace(gpu_worker.Worker, "execute_dummy_batch", _execute_dummy_batch)
+
+
+def install_updates(gpu_worker: ModuleType) -> None:
+    """Refuse vLLM's weight updates that would write a served table (common.refuse_update).
+
+    Worker.reload_weights puts every layer on the meta device and copies the reloaded
+    weights back into the old storage (model_loader/reload/layerwise.py), a served
+    table's read-only pages among them; Worker.update_weights hands each weight transfer
+    engine the names it loads (ipc, nccl: model.load_weights; m2n: straight into the
+    parameters' storage).
+    """
+    for name, guard in (("reload_weights", _reload_weights), ("update_weights", _update_weights)):
+        own = getattr(gpu_worker.Worker, name, None)
+        if own is not None and not replaced(own):
+            PROCESS.calls.replace(gpu_worker.Worker, name, guard)
+
+
+def _reload_weights(self: Any, *args: Any, **kwargs: Any) -> None:
+    why = refuse_update("vLLM", "reload_weights", None, PROCESS.served)
+    if why is not None:
+        raise ServedTableUpdate(why)
+    PROCESS.calls.call(_reload_weights, self, *args, **kwargs)
+
+
+def _update_weights(self: Any, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+    why = refuse_update("vLLM", "update_weights", update_names(update_info), PROCESS.served)
+    if why is not None:
+        raise ServedTableUpdate(why)
+    PROCESS.calls.call(_update_weights, self, update_info)
+
+
+def update_names(update_info: Any) -> set[str] | None:
+    """The weight names of an update_weights request (one rank's dict, or every rank's);
+    None where one carries none (a transfer engine whose names are unknown here)."""
+    infos = update_info if isinstance(update_info, list) else [update_info]
+    names: set[str] = set()
+    for info in infos:
+        if not isinstance(info, dict) or not isinstance(info.get("names"), list):
+            return None
+        names.update(str(n) for n in info["names"])
+    return names
 
 
 def _execute_model(self: Any, scheduler_output: Any) -> Any:
