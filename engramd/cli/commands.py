@@ -300,7 +300,7 @@ def manifest(
     pieces, on every core) and attests them with the fleet's key; upload the
     file under the bucket's prefix with the name printed.
     """
-    from engramd.sources.trust import FleetKey, attest_checkpoint, manifest_key, read_token
+    from engramd.fleet.trust import FleetKey, attest_checkpoint, manifest_key, read_token
     from engramd_shared.checkpoint import plan_tables
     from engramd_shared.errors import CheckpointError
 

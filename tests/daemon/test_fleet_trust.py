@@ -36,13 +36,13 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT
-from engramd.sources.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
+from engramd.fleet.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
 from engramd.strong import OLDER, PIECE_BYTES, pieces
-from engramd.testing.fleet_lab import S3, Net
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry
 from engramd_shared.layout import Manifest, sets_root
 from engramd_shared.pb import peer_pb2
+from fleet_lab import S3, Net
 from helpers import engramd
 
 pytestmark = fleet.pytestmark

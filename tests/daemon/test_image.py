@@ -1,7 +1,7 @@
 """The daemon's image (deploy/docker/Dockerfile) built and run as deploy/docker/compose.yaml
-runs it: the daemon in one container (its image without torch), an engine's worker in another (its user, `group_add`,
-the socket volume, each in a pid namespace of its own) attaching shared, the healthcheck
-answering.
+runs it: the daemon in one container (its image without torch), an engine's worker in
+another (its user, `group_add`, the socket volume, each in a pid namespace of its own)
+attaching shared, the healthcheck answering.
 
 No registry is needed: the base is made here with debootstrap from the mirror apt uses,
 with the host's CA certificates and pip configuration (pip in the build reaches the
@@ -256,7 +256,17 @@ def test_the_image_serves_a_worker_in_another_container_as_compose_runs_them(
 
     # The daemon's image has no torch (nor the worker's side of engramd with it).
     no_torch = subprocess.run(
-        [*PODMAN, "run", "--rm", "--entrypoint", "python3", image, "-c", "import torch"],
+        [
+            *PODMAN,
+            "run",
+            "--rm",
+            *_ulimits(),
+            "--entrypoint",
+            "python3",
+            image,
+            "-c",
+            "import torch",
+        ],
         capture_output=True,
         text=True,
     )

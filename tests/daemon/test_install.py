@@ -27,9 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from setuptools import find_packages
-
-from conftest import mounted_tmpfs
 from fleet_nodes import (
     Net,
     checkpoint_digests,
@@ -39,6 +36,9 @@ from fleet_nodes import (
     serving,
     set_digests,
 )
+from setuptools import find_packages
+
+from conftest import mounted_tmpfs
 from harness.daemon_process import DaemonProcess
 from helpers import reference_digests
 
@@ -149,8 +149,8 @@ def test_the_daemon_installs_and_imports_without_torch(venv: Path, tmp_path: Pat
         path = site.joinpath(*m.split("."))
         package = path / "__init__.py"
         found["files"][m] = str(package if package.exists() else path.with_suffix(".py"))
-    missing = [m for m, f in found["files"].items() if not Path(f).is_file()]
-    assert not missing, f"modules missing from the venv: {missing}"
+    absent = [m for m, f in found["files"].items() if not Path(f).is_file()]
+    assert not absent, f"modules missing from the venv: {absent}"
     assert set(found["files"]) == set(modules)
     outside = {m: f for m, f in found["files"].items() if not Path(f).is_relative_to(venv)}
     assert not outside, f"modules found outside the venv: {outside}"
@@ -218,8 +218,8 @@ def test_nixl_without_its_torch_gives_a_fill_from_a_peer(
 ) -> None:
     python = venv / "bin" / "python"
     # requirements-nixl.txt with --no-deps, as docs/deploy.md gives it for a fleet node.
-    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps"]
-    run(*pip, "-r", ROOT / "requirements-nixl.txt", cwd=tmp_path)
+    pip: list[str | Path] = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    run(*pip, "--no-deps", "-r", ROOT / "requirements-nixl.txt", cwd=tmp_path)
     assert outcome(python, "-c", "import torch", cwd=tmp_path).returncode != 0
     a, b = nodes("a", python=str(python)), nodes("b", python=str(python))
     serving(a, checkpoint, net, token_file)

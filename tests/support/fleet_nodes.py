@@ -27,11 +27,11 @@ import pytest
 from conftest import SUPPORT, Daemon, wait_until
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import UCX_TCP, Net, netns_missing, veth_pair
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import sets_root
 from engramd_shared.pb import engramd_pb2 as pb
+from fleet_lab import UCX_TCP, Net, netns_missing, veth_pair
 
 TOKEN = "fleet-token-0123456789abcdef"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engramd.sources.filling import bits, indices
+from engramd.fleet.filling import bits, indices
 
 
 def test_a_bitmap_names_its_pieces_and_empty_names_all() -> None:

@@ -1,4 +1,4 @@
-"""The fleet's keys, proofs and attestations (engramd/sources/trust.py), and the token file's
+"""The fleet's keys, proofs and attestations (engramd/fleet/trust.py), and the token file's
 checks; the manifest's attestation and strong digests; what a receiver compares."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engramd.sources.base import SourceFailed
-from engramd.sources.trust import (
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.trust import (
     OBJECT_HEADER_BYTES,
     AttestedManifest,
     AttestedTensor,

@@ -26,9 +26,9 @@ from typing import Protocol
 
 import grpc
 
-from engramd.sources.base import SourceFailed
-from engramd.sources.filling import bits, indices
-from engramd.sources.trust import FleetKey, nonce, proven
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.filling import bits, indices
+from engramd.fleet.trust import FleetKey, nonce, proven
 from engramd.strong import set_pieces, split_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
@@ -39,7 +39,7 @@ log = logging.getLogger("engramd")
 #: Seconds a peer has to connect and prove the token, and then to offer the set.
 OFFER_TIMEOUT_S = 10.0
 #: Bytes a second the serving node digests its copy at, at least, before its first offer of
-#: that copy (BLAKE3 on all its cores, api/peer.py): the offer may take that much longer.
+#: that copy (BLAKE3 on all its cores, fleet/peerservice.py): the offer may take that much longer.
 OFFER_DIGEST_RATE = 1 << 30
 
 

@@ -43,14 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from engramd.sources.s3api import (
+from engramd.fleet.s3api import (
     COPIES,
     ObjectReader,
     StoreAccess,
     StoreError,
-    StoreUnreadable,
     parse_cost,
 )
+from engramd.sets.seams import StoreUnreadable
 from engramd_shared.checkpoint import (
     INDEX_FILE,
     TablePlan,

@@ -40,16 +40,16 @@ from typing import Any
 import grpc
 
 from engramd.api.sockets import REQUEST_TIMEOUT_S, tcp_server
+from engramd.backings.regions import Region, close_all
 from engramd.errors import abort
+from engramd.fleet.base import WINDOW_BYTES, SourceFailed
+from engramd.fleet.filling import Filling, FillingSets
+from engramd.fleet.netdev import interface_of
+from engramd.fleet.nixlxfer import Agent, TransferFailed, nixl_build, spare
+from engramd.fleet.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd.host.blocking import BlockingPool
 from engramd.sets.store import SetStore
 from engramd.sets.tableset import TableSet
-from engramd.sources.base import WINDOW_BYTES, SourceFailed
-from engramd.sources.filling import Filling, FillingSets
-from engramd.sources.netdev import interface_of
-from engramd.sources.nixlxfer import Agent, TransferFailed, nixl_build, spare
-from engramd.sources.regions import Region, close_all
-from engramd.sources.trust import NONCE_BYTES, FleetKey, nonce, proven
 from engramd.strong import Digests, digest_views, set_pieces
 from engramd.units import gib
 from engramd_shared.errors import InvalidRequest, NotAllowed, UnknownSet

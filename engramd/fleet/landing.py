@@ -30,8 +30,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engramd.sources.nixlxfer import Agent
-from engramd.sources.regions import Region
+from engramd.backings.regions import Region
+from engramd.fleet.nixlxfer import Agent
 from engramd.strong import (
     PIECE_BYTES,
     STRONG,

@@ -50,15 +50,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 
-from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check_set
-from engramd.sources.filling import Filling, FillingSets
-from engramd.sources.landing import Landing
-from engramd.sources.nixlxfer import Agent, TransferFailed
-from engramd.sources.objstore import ObjectStoreSource, object_ranges
-from engramd.sources.peerstream import PeerStream
-from engramd.sources.regions import Region
-from engramd.sources.swarm import Schedule, Tier
-from engramd.sources.trust import Filled, FleetKey, check_received
+from engramd.backings.regions import Region
+from engramd.fleet.base import SourceFailed, read_piece, spot_check_set
+from engramd.fleet.filling import Filling, FillingSets
+from engramd.fleet.landing import Landing
+from engramd.fleet.nixlxfer import Agent, TransferFailed
+from engramd.fleet.objstore import ObjectStoreSource, object_ranges
+from engramd.fleet.peerstream import PeerStream
+from engramd.fleet.swarm import Schedule, Tier
+from engramd.fleet.trust import FleetKey, check_received
+from engramd.sets.seams import Filled, FillProgress
 from engramd.strong import set_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.pb import peer_pb2
@@ -143,7 +144,7 @@ class SwarmFill:
         self,
         plan: TablePlan,
         regions: list[Region],
-        progress: Progress,
+        progress: FillProgress,
         key: FleetKey,
         min_rate: int,
         filling: FillingSets,

@@ -40,9 +40,9 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from engramd.sources.base import SourceFailed
+from engramd.fleet.base import SourceFailed
+from engramd.sets.seams import Attestable
 from engramd.strong import digest_files, is_strong
 from engramd_shared.checkpoint import TablePlan
 
@@ -62,21 +62,6 @@ OBJECT_MAX_BYTES = 16 << 20
 TOKEN_MIN_CHARS = 16
 
 _SALT = b"engramd fleet token v1"
-
-
-class _Tensor(Protocol):
-    """What an attestation covers of a tensor (layout.ManifestTensor, AttestedTensor)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def checksum(self) -> str: ...
 
 
 def _framed(*parts: bytes | str) -> bytes:
@@ -111,7 +96,11 @@ class FleetKey:
         return self._mac(b"client proof", set_id, mine, theirs)
 
     def attest(
-        self, set_id: str, fingerprint: str, tensors: Sequence[_Tensor], strong: Sequence[str]
+        self,
+        set_id: str,
+        fingerprint: str,
+        tensors: Sequence[Attestable],
+        strong: Sequence[str],
     ) -> str:
         """The attestation ("hmac-sha256:<hex>") of a set's tensors with their checksums and
         `strong`, each tensor's strong digest in order."""
@@ -129,7 +118,7 @@ class FleetKey:
         attestation: str,
         set_id: str,
         fingerprint: str,
-        tensors: Sequence[_Tensor],
+        tensors: Sequence[Attestable],
         strong: Sequence[str],
     ) -> bool:
         """Whether `attestation` is this fleet's of exactly these tensors, checksums and strong
@@ -149,17 +138,6 @@ def nonce() -> bytes:
 def proven(proof: bytes, expected: bytes) -> bool:
     """A proof compared in constant time."""
     return hmac.compare_digest(proof, expected)
-
-
-@dataclass(frozen=True)
-class Filled:
-    """What a source gives the loader: each tensor's checksum and strong digest of the bytes
-    it wrote, and the attestation they were checked against (all kept in the published
-    manifest)."""
-
-    digests: list[str]
-    strong: list[str]
-    attestation: str
 
 
 def check_received(
