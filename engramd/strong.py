@@ -6,7 +6,7 @@ with its public secret, a second preimage of a piece is arithmetic (one
 word of a 1 KiB block set at will, three of the same lane fixed up). So
 every comparison that decides whose bytes a set holds uses this digest: a
 held set proven against other files than its own (sets/proof.py), what a
-fill publishes, and what the fleet's attestation covers (sources/trust.py). A tensor is cut into
+fill publishes, and what the fleet's attestation covers (fleet/trust.py). A tensor is cut into
 pieces of PIECE_BYTES (16 MiB, a fill's window; the last piece shorter, an
 empty tensor none); its digest is "blake3-pieces:" and the hex BLAKE3 of
 its pieces' 32-byte digests back to back. So a piece can be checked on its

@@ -30,7 +30,7 @@ from conftest import SUPPORT, wait_until
 from engramd.api.metrics import CONNECTIONS_PER_ADDRESS
 from engramd.api.sockets import REQUEST_TIMEOUT_S
 from engramd.fleet.base import WINDOW_BYTES
-from engramd.fleet.peerservice import SERVE_SLOTS
+from engramd.fleet.grants import SERVE_SLOTS
 from engramd.strong import set_pieces
 from engramd.testing.child import JsonLinesChild
 from engramd.testing.pagecache import cached

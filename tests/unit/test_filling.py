@@ -1,4 +1,4 @@
-"""The pieces a filling node holds, as the peer protocol carries them (sources/filling.py)."""
+"""The pieces a filling node holds, as the peer protocol carries them (fleet/filling.py)."""
 
 from __future__ import annotations
 
