@@ -34,7 +34,7 @@ manifest.json::
      "attestation": "hmac-sha256:<hex>",     only in a set filled from a peer or an
                                              object store: the origin's attestation
                                              of the digests (engramd/fleet/trust.py)
-     "strong_digests": ["sha256-pieces:<hex>", ...]}
+     "strong_digests": ["blake3-pieces:<hex>", ...]}
                                              beside it: each tensor's strong digest
                                              the origin attested, in order
                                              (engramd/strong.py)

@@ -401,7 +401,8 @@ class SwarmFill:
         if self._first is None:
             self._first = stream
         elif stream.strong != self._first.strong:
-            # Another load's digests (an older engramd's kind): not comparable piece by piece.
+            # Other strong digests under the same set id: one of the two peers lies, and
+            # their pieces cannot be compared with one another.
             stream.close()
             raise SourceFailed("it offers the set under other strong digests than the first peer")
         self._streams[stream.address] = stream
@@ -415,7 +416,7 @@ class SwarmFill:
     def _loop(self, addresses: list[str]) -> None:
         assert self._agent is not None and self._landing is not None
         assert self._first is not None
-        self._landing.expect(self._first.strong, self._first.pieces)
+        self._landing.expect(self._first.pieces)
         if self._store_agent is not None:
             self._sources[self._store_name()] = _Store(self, self._store_name())
             self._schedule.add(self._store_name(), Tier.STORE, STORE_DEPTH)

@@ -51,9 +51,7 @@ NONCE_BYTES = 32
 #: How an attestation is written: the MAC's name, then its hex digest.
 ATTESTATION = "hmac-sha256"
 #: The object store's attested manifest: its first bytes (a fixed-size read), the JSON after.
-#: v1 attested XXH3 checksums only.
 OBJECT_MAGIC = b"engramd-manifest-v2 "
-_OLDER_MAGIC = b"engramd-manifest-v1 "
 #: The header: the magic, the JSON's length in 11 digits, a newline.
 OBJECT_HEADER_BYTES = len(OBJECT_MAGIC) + 12
 #: Most bytes of a manifest object's JSON (a manifest is ~200 bytes a tensor).
@@ -211,11 +209,6 @@ class AttestedManifest:
     @staticmethod
     def body_length(header: bytes) -> int:
         """The JSON's length from the object's first OBJECT_HEADER_BYTES; ValueError if none."""
-        if header.startswith(_OLDER_MAGIC):
-            raise ValueError(
-                "it is an attested manifest of an older engramd (v1: checksums only); make it "
-                "again with `engramd manifest` and upload it"
-            )
         digits = header[len(OBJECT_MAGIC) : -1]
         if (
             len(header) != OBJECT_HEADER_BYTES
