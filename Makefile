@@ -17,9 +17,6 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml requirements-nixl.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || { test -z "$(TORCH)" || $(PIP) "$(TORCH)"; }
-	@# The distribution was named engramd before engramd-node (that name on PyPI is another
-	@# project's): a venv holding it would carry the command and the plugins twice.
-	$(PY) -m pip uninstall -y -q engramd 2>/dev/null || true
 	rm -rf engramd.egg-info
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps -r requirements-nixl.txt

@@ -58,10 +58,10 @@ from typing import Any
 
 from engramd.backings import TmpfsBacking
 from engramd.config import DaemonConfig
+from engramd.fleet.nixlxfer import nixl_build
 from engramd.host.blocking import cores
 from engramd.host.reserve import reserve_files
 from engramd.sets.loader import LoadProgress, load_set, reads_for
-from engramd.sources.nixlxfer import nixl_build
 from engramd_client import plan_tables
 
 from .common import (

@@ -34,10 +34,16 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engramd.sources.landing import MOVE_CHUNK
+from engramd.fleet.landing import MOVE_CHUNK
 from engramd.strong import PIECE_BYTES, piece_hasher
 from engramd.testing.daemon_process import DaemonProcess
-from engramd.testing.fleet_lab import (
+from engramd_shared.checkpoint import plan_tables
+
+# The fleet's network fixtures live with the tests (tests/support), as the engine benches'
+# harnesses do.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+
+from fleet_lab import (
     UCX_TCP,
     Net,
     netns_missing,
@@ -45,7 +51,6 @@ from engramd.testing.fleet_lab import (
     s3rver_missing,
     veth_pair,
 )
-from engramd_shared.checkpoint import plan_tables
 
 from .common import Figure, compare, drop_caches, drop_page_cache, sequential_read, shm_folder
 

@@ -1,5 +1,5 @@
-"""A fleet's fill time against its size, by simulation (engramd/testing/fleetsim.py, driven by
-the daemon's schedule, engramd/sources/swarm.py).
+"""A fleet's fill time against its size, by simulation (tests/support/fleetsim.py, driven by
+the daemon's schedule, engramd/fleet/swarm.py).
 
     python -m bench.fleetsim [--nodes 10,100,1000,10000] [--gbit 100,400]
 
@@ -19,7 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engramd.testing.fleetsim import Fleet, simulate
+# The fleet's network fixtures live with the tests (tests/support), as the engine benches'
+# harnesses do.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+
+from fleetsim import Fleet, simulate
 
 from .common import pyplot, save_plot
 

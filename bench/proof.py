@@ -8,7 +8,7 @@ section "proof").
   (which a forged copy passes). One thread, as one proof runs.
 - planning: a header of zero-size tensors parsed as a store's is
   (engramd_shared.headers.header_of), its traced peak against what the planning charged it
-  (sets/objectplan.py: COPIES x bytes + VALUE_BYTES x values), and its CPU seconds per
+  (fleet/objectplan.py: COPIES x bytes + VALUE_BYTES x values), and its CPU seconds per
   100,000 entries.
 """
 
@@ -24,7 +24,7 @@ import tracemalloc
 from pathlib import Path
 
 from engramd.checksum import CHECKSUM
-from engramd.sources.s3api import COPIES, parse_cost
+from engramd.fleet.s3api import COPIES, parse_cost
 from engramd.strong import STRONG, digest_fd_as
 from engramd_shared.fileid import SourceFile
 from engramd_shared.headers import header_of

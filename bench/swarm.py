@@ -1,7 +1,7 @@
 """A cold fleet filling at once from one warm node, against one cold node alone on the same links
 (bench section "swarm").
 
-Six namespaces on a bridge (engramd.testing.fleet_lab.bridged), each link limited to
+Six namespaces on a bridge (fleet_lab.bridged), each link limited to
 200 Mbit/s both ways with tc, so the links and not this host's 2 cores are the limit (at
 400 Mbit/s the fleet's turn kept the 2 cores 70-100% busy):
 node 0 is warm (it loaded the set from its files and serves it); in each turn a fresh
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 import threading
 import time
@@ -24,8 +25,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from engramd.testing.fleet_lab import Lan, bridged, netns_missing
 from engramd_shared.checkpoint import plan_tables
+
+# The fleet's network fixtures live with the tests (tests/support), as the engine benches'
+# harnesses do.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "support"))
+
+from fleet_lab import Lan, bridged, netns_missing
 
 from .attach import attach_once
 from .common import Figure, compare, percentile

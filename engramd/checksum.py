@@ -11,10 +11,6 @@ core's XXH3 (~12 GB/s here). Any reader that goes in order (verify, a
 worker's proof, a GPU copy read back) gets the same value from `Digest`,
 whatever sizes it reads in.
 
-Sets loaded before this scheme carry "xxh3-64:<hex>", one XXH3-64 of the
-whole tensor; `Digest.like` digests the way a manifest's checksum names, so
-they are still verified and adopted.
-
 XXH3 (~12 GB/s a core here) replaced zlib's CRC32 (4 GB/s), which took a
 fifth of a load's CPU.
 """
@@ -28,20 +24,12 @@ import xxhash
 
 #: The checksum this engramd writes ("xxh3-64-pieces:<16 hex digits>").
 CHECKSUM = "xxh3-64-pieces"
-#: The checksum of sets loaded before pieces: one XXH3-64 of the whole tensor.
-WHOLE = "xxh3-64"
 # Small enough to stay in a core's L2 cache between the read and the
 # checksum, large enough that per-call overhead vanishes (~5 us per 2 MiB).
 # Also the checksum's piece: changing it changes every checksum.
 BUFFER_BYTES = 2 << 20
 
 Bytes = bytes | bytearray | memoryview
-
-
-def kind_of(checksum: str) -> str:
-    """The kind of digest a checksum names ("xxh3-64-pieces", "xxh3-64", or what else it
-    says before its colon)."""
-    return checksum.partition(":")[0]
 
 
 def piece_digest(piece: Bytes) -> bytes:
@@ -57,23 +45,13 @@ def combined(piece_digests: Sequence[bytes]) -> str:
 class Digest:
     """A tensor's checksum from its bytes fed in order, in pieces of any size."""
 
-    def __init__(self, kind: str = CHECKSUM) -> None:
-        self._whole = kind == WHOLE
+    def __init__(self) -> None:
         self._piece = xxhash.xxh3_64()
         self._filled = 0
         self._digests: list[bytes] = []
 
-    @classmethod
-    def like(cls, checksum: str) -> Digest:
-        """A digest of the kind `checksum` names (anything unknown: this engramd's own, so
-        it cannot match)."""
-        return cls(kind_of(checksum))
-
     def update(self, data: Bytes) -> None:
         """Feed the tensor's next bytes."""
-        if self._whole:
-            self._piece.update(data)
-            return
         view = memoryview(data).cast("B")
         while view:
             take = min(len(view), BUFFER_BYTES - self._filled)
@@ -85,8 +63,6 @@ class Digest:
 
     def label(self) -> str:
         """The checksum as the manifest writes it, of every byte fed so far."""
-        if self._whole:
-            return f"{WHOLE}:{self._piece.hexdigest()}"
         last = [self._piece.digest()] if self._filled else []
         return combined(self._digests + last)
 
@@ -111,10 +87,9 @@ def chunks(fd: int, offset: int, nbytes: int) -> Iterator[memoryview]:
         done += n
 
 
-def digest_fd(fd: int, offset: int, nbytes: int, like: str = CHECKSUM) -> str:
-    """The checksum, of the kind `like` names, of `nbytes` of `fd` from `offset` ("short"
-    if the file is shorter)."""
-    digest = Digest.like(like)
+def digest_fd(fd: int, offset: int, nbytes: int) -> str:
+    """The checksum of `nbytes` of `fd` from `offset` ("short" if the file is shorter)."""
+    digest = Digest()
     try:
         for chunk in chunks(fd, offset, nbytes):
             digest.update(chunk)

@@ -34,15 +34,11 @@ from engramd.api.sockets import check_socket_paths, group_id, raise_fd_limit
 from engramd.backings import backings_for
 from engramd.config import DaemonConfig, admin_socket_for
 from engramd.errors import NotInSocketGroup
+from engramd.fleet.node import Fleet
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
 from engramd.sets.keeper import SetKeeper
 from engramd.sets.tableset import SetState
-from engramd.sources.chain import SourceChain
-from engramd.sources.filling import FillingSets
-from engramd.sources.objstore import ObjectStoreSource
-from engramd.sources.peer import PeerSource
-from engramd.sources.trust import FleetKey, read_token
 from engramd.units import gib
 from engramd_shared.checkpoint import is_store_url
 
@@ -62,18 +58,19 @@ class Daemon:
         self.config = config
         gid = _socket_group(config)
         self.notifier = Notifier()
-        # Filled from peers by the loads, served to peers by the peer port as they fill.
-        filling = FillingSets()
+        # Peers and object stores, only where a fleet flag asks for them.
+        fleet = Fleet(config) if Fleet.wanted(config) else None
         #: The node's sets: every verb that plans, loads, proves, publishes, leases or drops.
         self.sets = SetKeeper(
             config,
             backings_for(config, gid, FdStore(self.notifier)),
-            _sources(config, filling),
+            fleet.remote if fleet is not None else None,
             gid,
         )
         #: The sets' store: readiness (`store.ready`), the sets and their leases.
         self.store = self.sets.store
-        self.listeners = Listeners(config, self.sets, gid, filling)
+        peers = fleet.listener(self.store) if fleet is not None else None
+        self.listeners = Listeners(config, self.sets, gid, [] if peers is None else [peers])
         self._tasks: list[asyncio.Task[None]] = []
 
     async def startup(self) -> None:
@@ -231,25 +228,6 @@ def _socket_group(config: DaemonConfig) -> int | None:
                 "an existing group, or pass --socket-group '' to keep the daemon's own"
             ) from None
     return group_id(config.socket_group)
-
-
-def _sources(config: DaemonConfig, filling: FillingSets) -> SourceChain | None:
-    """Where loads' bytes come from before the files: the peers, then the object store."""
-    if not config.peers and not config.object_store and not config.peer_token_file:
-        return None
-    # The object store's attested manifests are checked with the fleet's key too.
-    key = (
-        FleetKey(read_token(config.peer_token_file))
-        if config.peers or config.peer_token_file
-        else None
-    )
-    store = ObjectStoreSource(config.object_store, key) if config.object_store else None
-    peers = (
-        PeerSource(config.peers, key, config.peer_min_rate, filling, config.peer_listen)
-        if key and config.peers
-        else None
-    )
-    return SourceChain(peers, store, key)
 
 
 async def serve(config: DaemonConfig) -> None:

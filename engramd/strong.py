@@ -6,7 +6,7 @@ with its public secret, a second preimage of a piece is arithmetic (one
 word of a 1 KiB block set at will, three of the same lane fixed up). So
 every comparison that decides whose bytes a set holds uses this digest: a
 held set proven against other files than its own (sets/proof.py), what a
-fill publishes, and what the fleet's attestation covers (sources/trust.py). A tensor is cut into
+fill publishes, and what the fleet's attestation covers (fleet/trust.py). A tensor is cut into
 pieces of PIECE_BYTES (16 MiB, a fill's window; the last piece shorter, an
 empty tensor none); its digest is "blake3-pieces:" and the hex BLAKE3 of
 its pieces' 32-byte digests back to back. So a piece can be checked on its
@@ -17,22 +17,18 @@ window as it lands, on any core, in any order (landing.py).
 BLAKE3, not SHA-256: a receiver digests every byte it is sent, beside the
 transfer, on the same cores. One core hashes 16 MiB pieces at 2.9 GiB/s
 with BLAKE3 (AVX2) against 1.5 GiB/s with SHA-256 and SHA-NI (this host's
-EPYC), so a fill's digest costs half the CPU. Digests of the older kind
-("sha256-pieces:", which an engramd before this one attested, and kept in
-the sets it filled) are still checked, each in its own kind: a fleet mid-
-upgrade keeps filling from its older nodes and its older manifests.
+EPYC), so a fill's digest costs half the CPU.
 
-Both hashes release the GIL while they hash, so the pieces are hashed on a
+BLAKE3 releases the GIL while it hashes, so the pieces are hashed on a
 pool of threads, one per core (os.cpu_count()).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,34 +36,28 @@ from typing import Protocol
 
 from blake3 import blake3
 
-from engramd.checksum import CHECKSUM, Digest, chunks
+from engramd.checksum import Digest, chunks
 from engramd_shared.fileid import open_regular
 
 #: The strong digest this engramd makes, its name in manifests and offers
 #: ("blake3-pieces:<64 hex digits>").
 STRONG = "blake3-pieces"
-#: The strong digest of engramd before BLAKE3: SHA-256 of the pieces and over them.
-OLDER = "sha256-pieces"
 #: The bytes of a piece (the last of a tensor may be shorter): small enough that a window of
 #: a fill is one piece and a ring of them stays small, large enough that hashing it is all of
 #: its cost.
 PIECE_BYTES = 16 << 20
 
-_STRONG = re.compile(rf"^({STRONG}|{OLDER}):[0-9a-f]{{64}}$")
+_STRONG = re.compile(rf"^{STRONG}:[0-9a-f]{{64}}$")
 
 
 class Hasher(Protocol):
-    """A hash given its bytes in order, as BLAKE3's and hashlib's objects are."""
+    """A hash given its bytes in order, as BLAKE3's objects are."""
 
     def update(self, data: memoryview | bytes, /) -> object:
         """Hash `data` after the bytes given before."""
 
     def digest(self) -> bytes:
         """The digest of every byte given."""
-
-
-# blake3() hashes on one thread: the pools hash several pieces at once already.
-_HASHERS: dict[str, Callable[[], Hasher]] = {STRONG: blake3, OLDER: hashlib.sha256}
 
 
 def threads() -> int:
@@ -86,22 +76,23 @@ def set_pieces(sizes: Sequence[int]) -> list[tuple[int, int, int]]:
     return [(i, at, n) for i, nbytes in enumerate(sizes) for at, n in pieces(nbytes)]
 
 
-def piece_hasher(kind: str = STRONG) -> Hasher:
-    """A hash of `kind` (STRONG or OLDER) to give a piece's bytes in parts, in order: its
-    digest() is piece_digest's of the whole piece."""
-    return _HASHERS[kind]()
+def piece_hasher() -> Hasher:
+    """A hash to give a piece's bytes in parts, in order: its digest() is piece_digest's of
+    the whole piece."""
+    # blake3() hashes on one thread: the pools hash several pieces at once already.
+    return blake3()
 
 
-def piece_digest(piece: memoryview | bytes, kind: str = STRONG) -> bytes:
-    """The 32-byte digest of one piece, of `kind` (STRONG or OLDER)."""
-    hasher = piece_hasher(kind)
+def piece_digest(piece: memoryview | bytes) -> bytes:
+    """The 32-byte digest of one piece."""
+    hasher = piece_hasher()
     hasher.update(piece)
     return hasher.digest()
 
 
-def tensor_digest(piece_digests: Sequence[bytes], kind: str = STRONG) -> str:
-    """The tensor's strong digest of `kind` from its pieces' digests of that kind, in order."""
-    return f"{kind}:{piece_digest(b''.join(piece_digests), kind).hex()}"
+def tensor_digest(piece_digests: Sequence[bytes]) -> str:
+    """The tensor's strong digest from its pieces' digests, in order."""
+    return f"{STRONG}:{piece_digest(b''.join(piece_digests)).hex()}"
 
 
 def split_pieces(joined: bytes, nbytes: int, strong: str) -> list[bytes]:
@@ -111,28 +102,22 @@ def split_pieces(joined: bytes, nbytes: int, strong: str) -> list[bytes]:
     if len(joined) != 32 * count:
         raise ValueError(f"{len(joined) // 32} piece digests for a tensor of {count} pieces")
     split = [joined[k : k + 32] for k in range(0, len(joined), 32)]
-    if tensor_digest(split, kind_of(strong)) != strong:
+    if tensor_digest(split) != strong:
         raise ValueError("its piece digests do not hash to its strong digest")
     return split
 
 
 def is_strong(text: str) -> bool:
-    """Whether `text` is a strong digest as tensor_digest writes it, of either kind."""
+    """Whether `text` is a strong digest as tensor_digest writes it."""
     return _STRONG.match(text) is not None
-
-
-def kind_of(digest: str) -> str:
-    """The kind of the strong digest `digest` (is_strong must hold)."""
-    return digest.partition(":")[0]
 
 
 class StrongDigest:
     """A tensor's strong digest from its bytes fed in order, in parts of any size: what
     tensor_digest gives of its pieces' digests."""
 
-    def __init__(self, kind: str = STRONG) -> None:
-        self._kind = kind
-        self._piece = piece_hasher(kind)
+    def __init__(self) -> None:
+        self._piece = piece_hasher()
         self._filled = 0
         self._digests: list[bytes] = []
 
@@ -146,20 +131,18 @@ class StrongDigest:
             view = view[take:]
             if self._filled == PIECE_BYTES:
                 self._digests.append(self._piece.digest())
-                self._piece = piece_hasher(self._kind)
+                self._piece = piece_hasher()
                 self._filled = 0
 
     def label(self) -> str:
         """The strong digest, as tensor_digest writes it, of every byte fed so far."""
         last = [self._piece.digest()] if self._filled else []
-        return tensor_digest(self._digests + last, self._kind)
+        return tensor_digest(self._digests + last)
 
 
 def digester(like: str) -> Digest | StrongDigest:
-    """A digest of the kind `like` names: a strong digest's (STRONG, OLDER), or else a
-    checksum's (Digest.like)."""
-    kind = kind_of(like)
-    return StrongDigest(kind) if kind in _HASHERS else Digest.like(like)
+    """A digest of the kind `like` names: a strong digest (STRONG), or else a checksum."""
+    return StrongDigest() if like.partition(":")[0] == STRONG else Digest()
 
 
 def digest_fd_as(fd: int, offset: int, nbytes: int, like: str) -> str:
@@ -183,32 +166,22 @@ class Digests:
     pieces: list[list[bytes]]
 
 
-def _checksum(view: memoryview, like: str) -> str:
-    digest = Digest.like(like)
+def _checksum(view: memoryview) -> str:
+    digest = Digest()
     digest.update(view)
     return digest.label()
 
 
-def digest_views(
-    views: Sequence[memoryview],
-    like: Sequence[str] | None = None,
-    strong_like: Sequence[str] | None = None,
-) -> Digests:
+def digest_views(views: Sequence[memoryview]) -> Digests:
     """Each tensor's checksum and strong digest from its bytes in memory, its pieces hashed
-    on threads; each checksum of the kind its place in `like` names (a manifest's checksums;
-    None: this engramd's), each strong digest of the kind its place in `strong_like` names
-    (the attested ones of a filled set; None: STRONG)."""
-    kinds = like if like is not None else [CHECKSUM] * len(views)
-    strong_kinds = [kind_of(d) for d in strong_like] if strong_like else [STRONG] * len(views)
+    on threads."""
     with ThreadPoolExecutor(threads(), "engramd-digest") as pool:
-        sums = [pool.submit(_checksum, v, k) for v, k in zip(views, kinds, strict=True)]
+        sums = [pool.submit(_checksum, v) for v in views]
         hashed = [
-            [pool.submit(piece_digest, v[at : at + n], kind) for at, n in pieces(len(v))]
-            for v, kind in zip(views, strong_kinds, strict=True)
+            [pool.submit(piece_digest, v[at : at + n]) for at, n in pieces(len(v))] for v in views
         ]
         found = [[f.result() for f in fs] for fs in hashed]
-        strong = [tensor_digest(ds, kind) for ds, kind in zip(found, strong_kinds, strict=True)]
-        return Digests([f.result() for f in sums], strong, found)
+        return Digests([f.result() for f in sums], [tensor_digest(ds) for ds in found], found)
 
 
 def digest_files(spans: Sequence[tuple[Path, int, int]]) -> tuple[str, str]:

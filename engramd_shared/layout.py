@@ -33,8 +33,8 @@ manifest.json::
      "node": N,                              only in a copy kept for node N
      "attestation": "hmac-sha256:<hex>",     only in a set filled from a peer or an
                                              object store: the origin's attestation
-                                             of the digests (engramd/sources/trust.py)
-     "strong_digests": ["sha256-pieces:<hex>", ...]}
+                                             of the digests (engramd/fleet/trust.py)
+     "strong_digests": ["blake3-pieces:<hex>", ...]}
                                              beside it: each tensor's strong digest
                                              the origin attested, in order
                                              (engramd/strong.py)

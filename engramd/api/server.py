@@ -6,7 +6,7 @@ All on the one event loop:
   admin_socket  AdminService + Health (gRPC), 0600 (the daemon's owner)
   health_port   Health Check only, TCP, when asked for (Kubernetes probes)
   metrics_port  Prometheus text over HTTP (metrics.py), when asked for
-  peer_listen   PeerService (gRPC over TCP, peer.py): published sets to the fleet, when asked for
+  others        what the lifecycle adds: the fleet's peer service (engramd/fleet), when asked for
 
 The TCP ports have the worker socket's defences and caps of their own
 (sockets.tcp_server; the metrics port's in metrics.py).
@@ -21,7 +21,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -29,7 +30,6 @@ from grpc_health.v1.health import aio as health_aio
 
 from engramd.api.admin import AdminService
 from engramd.api.fdchannel import FdChannel
-from engramd.api.peer import PeerServer
 from engramd.api.service import TableService
 from engramd.api.sockets import (
     REQUEST_TIMEOUT_S,
@@ -44,8 +44,6 @@ from engramd.api.sockets import (
 from engramd.config import DaemonConfig
 from engramd.errors import DecodeGuard
 from engramd.sets.keeper import SetKeeper
-from engramd.sources.filling import FillingSets
-from engramd.sources.trust import FleetKey, read_token
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 
 if TYPE_CHECKING:
@@ -56,14 +54,28 @@ log = logging.getLogger("engramd")
 SERVICE_NAME = "engramd.v1.TableService"
 
 
+class Listener(Protocol):
+    """A server the lifecycle adds beside the daemon's own (the fleet's peer service)."""
+
+    async def start(self) -> None:
+        """Bind and serve; ValueError naming the flag where it cannot."""
+
+    async def stop(self, grace: float) -> None:
+        """Stop; calls in flight get `grace` seconds."""
+
+
 class Listeners:
     """Every listener of one daemon, serving `sets`; bound by start(), closed by stop()."""
 
     def __init__(
-        self, config: DaemonConfig, sets: SetKeeper, gid: int | None, filling: FillingSets
+        self,
+        config: DaemonConfig,
+        sets: SetKeeper,
+        gid: int | None,
+        others: Sequence[Listener] = (),
     ) -> None:
         """Build the servers; nothing is bound yet. `gid`: the socket group's (None: none);
-        `filling`: the sets being filled from peers, whose verified pieces peers are served."""
+        `others`: servers started after the daemon's own and stopped with them."""
         self._config = config
         self._gid = gid
         self._store = sets.store
@@ -91,16 +103,7 @@ class Listeners:
         if config.health_port:
             self.probes = tcp_server(config.idle_timeout)
             health_pb2_grpc.add_HealthServicer_to_server(HealthCheckOnly(self.health), self.probes)
-        self.peers: PeerServer | None = None
-        if config.peer_listen:
-            self.peers = PeerServer(
-                sets.store,
-                filling,
-                config.peer_listen,
-                FleetKey(read_token(config.peer_token_file)),
-                config.peer_rate,
-                config.idle_timeout,
-            )
+        self._others = list(others)
         self._metrics: MetricsServer | None = None
 
     def sockets(self) -> tuple[str, str, str]:
@@ -131,8 +134,8 @@ class Listeners:
             self.probes.add_insecure_port(address)
             await self.probes.start()
             log.info("health checks on %s", address)
-        if self.peers is not None:
-            await self.peers.start()
+        for other in self._others:
+            await other.start()
         if config.metrics_port:
             # Imported only when asked for: prometheus_client and its HTTP server
             # are a tenth of the daemon's imports, paid on every restart.
@@ -162,7 +165,7 @@ class Listeners:
 
     async def stop(self, grace: float) -> None:
         """Stop every listener; calls in flight get `grace` seconds. The sockets stay (unlink)."""
-        servers = [s for s in (self.grpc, self.admin, self.probes, self.peers) if s is not None]
+        servers = [s for s in (self.grpc, self.admin, self.probes, *self._others) if s is not None]
         await asyncio.gather(self.fd_channel.stop(), *(s.stop(grace) for s in servers))
         if self._metrics is not None:
             await self._metrics.stop()

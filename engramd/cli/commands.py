@@ -54,6 +54,20 @@ def _unanswered(socket: str, e: grpc.RpcError) -> typer.Exit:
     return typer.Exit(1)
 
 
+def _worker_side(command: str) -> None:
+    """Exit 1 naming what to install when `command`, which builds torch tensors as a worker
+    does, runs where only the daemon is installed (engramd-node brings no torch)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        typer.echo(
+            f"engramd {command} needs torch, which the daemon alone does not install: "
+            "pip install 'engramd-node[client]' (torch's CPU build is enough)",
+            err=True,
+        )
+        raise typer.Exit(1)
+
+
 @app.command()
 def status(
     config: ConfigFile = None,
@@ -301,7 +315,7 @@ def manifest(
     pieces, on every core) and attests them with the fleet's key; upload the
     file under the bucket's prefix with the name printed.
     """
-    from engramd.sources.trust import FleetKey, attest_checkpoint, manifest_key, read_token
+    from engramd.fleet.trust import FleetKey, attest_checkpoint, manifest_key, read_token
     from engramd_shared.checkpoint import plan_tables
     from engramd_shared.errors import CheckpointError
 
@@ -349,7 +363,8 @@ def synth(
     seed: int = 0,
 ) -> None:
     """Write a synthetic checkpoint with safetensors whose every table byte can be recomputed:
-    Engram tables, or Qwen4Exp's PLE n-gram tables (--family ple)."""
+    Engram tables, or Qwen4Exp's PLE n-gram tables (--family ple). Needs torch ([client])."""
+    _worker_side("synth")
     from engramd.testing.synth import (
         NVFP4_BLOCK,
         PLE_FORMATS,
@@ -402,7 +417,9 @@ def demo(
     tokens: Annotated[int, typer.Option(help="Tokens per step.")] = 4096,
     workdir: Annotated[Path | None, typer.Option(help="Where to write the checkpoint.")] = None,
 ) -> None:
-    """Show the point in one command: N replicas share one copy; one private for comparison."""
+    """Show the point in one command: N replicas share one copy; one private for comparison.
+    Its replicas are workers: needs torch ([client])."""
+    _worker_side("demo")
     from engramd.demo.run import run_demo
 
     setup_logging("warning")

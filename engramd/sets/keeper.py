@@ -43,14 +43,12 @@ from engramd.sets.intents import (
 )
 from engramd.sets.leases import LeaseBook, Stats, check_served
 from engramd.sets.loader import LoadProgress
-from engramd.sets.objectplan import plan_objects
 from engramd.sets.plans import PlanCache
 from engramd.sets.policy import LoadPolicy, checkpoint_open_to_group, open_to_group, resolve
 from engramd.sets.proof import Prover
+from engramd.sets.seams import Attestor, Remote, StoreUnreadable
 from engramd.sets.store import SetStore, reload_fix
 from engramd.sets.tableset import SetState, TableSet
-from engramd.sources.chain import SourceChain
-from engramd.sources.s3api import StoreUnreadable
 from engramd_shared.beneath import OutsideRoot, Root
 from engramd_shared.checkpoint import DEFAULT_TENSORS, TablePlan, is_store_url, set_id_of
 from engramd_shared.errors import (
@@ -87,17 +85,21 @@ class SetKeeper:
         self,
         config: DaemonConfig,
         backings: list[Backing],
-        sources: SourceChain | None = None,
+        remote: Remote | None = None,
         group: int | None = None,
     ) -> None:
-        """Keep sets in `backings`; loads fill from `sources` first (None: the files).
+        """Keep sets in `backings`; loads fill from `remote` first (None: the files), which
+        also plans checkpoints named by URL and checks filled sets' attestations.
 
         `group` is the worker socket's group: what its members may all read
         is what an error or a status on that socket may name.
         """
         self._config = config
         self._group = group
-        self._sources = sources
+        self._remote = remote
+        #: The fleet's key where the daemon has one: what filled sets' attestations are
+        #: checked with.
+        self._attestor: Attestor | None = remote.attestor if remote is not None else None
         self.store = SetStore(
             backings,
             config.load_threads,
@@ -109,7 +111,8 @@ class SetKeeper:
             placement=config.numa,
             leases_per_uid=config.leases_per_uid,
             worker_share_per_uid=config.worker_share_per_uid,
-            fill=sources,
+            fill=remote.fill if remote is not None else None,
+            plan_elsewhere=remote.planner.plan if remote is not None else None,
             warm_page_cache=config.warm_page_cache,
         )
         self._policy = LoadPolicy(config)
@@ -213,8 +216,7 @@ class SetKeeper:
             and ts.manifest is not None
             and ts.manifest.attestation
             and self._config.tensors in (DEFAULT_TENSORS, ts.selection)
-            and self._sources is not None
-            and self._sources.key is not None
+            and self._attestor is not None
             and not self._unattested(ts)
         ]
         newest = max(held, key=lambda ts: ts.manifest.created if ts.manifest else 0.0, default=None)
@@ -283,18 +285,18 @@ class SetKeeper:
         prefix, planned from its objects."""
         if not is_store_url(checkpoint):
             return await self.readers.run(self.plans.plan, _operator_path(checkpoint), selection)
-        sources = self._sources
-        if sources is None or sources.key is None:
+        remote = self._remote
+        if remote is None or self._attestor is None:
             raise CheckpointError(
                 f"{checkpoint} has no files on this node: its set is filled from the peers and "
                 "that store and trusted by the fleet's attested manifest; start engramd with "
                 "--peer-token-file (the fleet's token)"
             )
-        plan = await self.readers.run(plan_objects, checkpoint, selection)
+        plan = await self.readers.run(remote.planner.plan, checkpoint, selection)
         if not self.store.sets.copies(plan.set_id):
             # Its sizes are whatever the bucket's headers say: nothing is reserved (nor
             # evicted for it) before the fleet's key vouches for them.
-            await self.readers.run(sources.vouch, plan)
+            await self.readers.run(remote.planner.vouch, plan)
         return plan
 
     async def _prove_held(
@@ -354,7 +356,7 @@ class SetKeeper:
     def _unattested(self, ts: TableSet) -> list[str]:
         """Why a filled copy's manifest is not the one its origin attested (none: it is, or
         this daemon has no fleet key to tell)."""
-        key = self._sources.key if self._sources is not None else None
+        key = self._attestor
         m = ts.manifest
         if key is None or m is None or m.attestation is None:
             return []

@@ -57,12 +57,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from engramd.backings import Backing, StagedSet
+from engramd.backings.regions import Region
 from engramd.checksum import BUFFER_BYTES, combined, piece_digest
 from engramd.host.blockdev import DeviceQueue, queue_of
 from engramd.host.blocking import cores, map_on_threads
 from engramd.host.numa import applied
-from engramd.sources.regions import Region
-from engramd.sources.trust import Filled
+from engramd.sets.seams import Filled
 from engramd.units import gib
 from engramd.values import Placement
 from engramd_shared.beneath import Opened

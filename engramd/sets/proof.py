@@ -35,7 +35,7 @@ from pathlib import Path
 from engramd.checksum import chunks
 from engramd.host.libc import HUGETLBFS_MAGIC, RAMFS_MAGIC, TMPFS_MAGIC, filesystem_type
 from engramd.sets.loader import LoadProgress
-from engramd.strong import STRONG, digester, kind_of
+from engramd.strong import STRONG, digester
 from engramd_shared.beneath import Opened
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError, FingerprintMismatch
@@ -88,13 +88,12 @@ class Prover:
             t for t in plan.tensors if not all(str(p.file) in trusted for p in t.spans)
         )
         sources = {s.path: s for s in plan.sources}
-        kinds = strong_kinds(manifest)
         with self._lock:
             kept = {
                 t.name
                 for t in unproven
                 if all(sources[str(p.file)] in stamped for p in t.spans)
-                and kind_of(self._digests.get(_key(sources, t), "")) == kinds.get(t.name)
+                and _key(sources, t) in self._digests
             }
         return Proof(
             plan=plan,
@@ -120,8 +119,7 @@ class Prover:
             expected = held.get(entry.name, f"{STRONG}:")
             with self._lock:
                 digest = self._digests.get(key)
-            # A kept digest of another kind (a filled set's older one) is no answer.
-            if digest is None or kind_of(digest) != kind_of(expected):
+            if digest is None:
                 digest = _digest(sources, entry, proof.plan.held, expected)
                 if all(f in proof.stamped for f in files):
                     self._keep(key, digest)
@@ -149,15 +147,6 @@ class Prover:
             self._digests.move_to_end(key)
             while len(self._digests) > self._kept:
                 self._digests.popitem(last=False)
-
-
-def strong_kinds(manifest: Manifest) -> dict[str, str]:
-    """The kind of strong digest each tensor of a held set is proven with, by name: that of
-    the digest its fill landed and kept, else this engramd's (taken from its pages)."""
-    kept = manifest.strong_digests
-    if kept is None or len(kept) != len(manifest.tensors):
-        kept = (STRONG,) * len(manifest.tensors)
-    return {t.name: kind_of(d) for t, d in zip(manifest.tensors, kept, strict=True)}
 
 
 def _key(sources: dict[str, SourceFile], entry: TensorEntry) -> _DigestKey:

@@ -36,7 +36,6 @@ from engramd.host.pinning import FIX_MEMLOCK, PinnedFiles
 from engramd.sets.admission import Admission
 from engramd.sets.leases import LeaseBook
 from engramd.sets.loader import DEFAULT_PLACEMENT, Fill, LoadCancelled, LoadProgress, load_set
-from engramd.sets.objectplan import plan_objects
 from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.sets.warming import PageCacheWarmer
@@ -76,6 +75,7 @@ class SetStore:
         worker_share_per_uid: float = 0.0,
         fill: Fill | None = None,
         warm_page_cache: bool = True,
+        plan_elsewhere: Callable[[str, str], TablePlan] | None = None,
     ) -> None:
         #: Where the sets' bytes may live, in order of preference.
         self.backings = backings
@@ -83,8 +83,10 @@ class SetStore:
         self._mlock = mlock
         self._adopt_grace_s = adopt_grace_s
         self._placement = placement
-        # Where a load's bytes may come from before the files (engramd/sources).
+        # Where a load's bytes may come from before the files (the fleet's, sets/seams.py),
+        # and what plans a checkpoint named by URL again (a copy for another node).
         self._fill = fill
+        self._plan_elsewhere = plan_elsewhere
         #: The sets by (set id, backing, node): one checkpoint's copies in two backings, or
         #: on two nodes, are two sets.
         self.sets = SetRegistry(backings, placement)
@@ -327,8 +329,17 @@ class SetStore:
         from, read again on `readers` (a checkpoint may sit on a mount that hangs).
         """
         assert held.manifest is not None
-        plan = plan_objects if is_store_url(held.checkpoint) else plan_tables
-        source = await readers.run(plan, held.checkpoint, held.manifest.selection)
+        selection = held.manifest.selection
+        if not is_store_url(held.checkpoint):
+            source = await readers.run(plan_tables, held.checkpoint, selection)
+        elif self._plan_elsewhere is not None:
+            source = await readers.run(self._plan_elsewhere, held.checkpoint, selection)
+        else:
+            raise LoadFailed(
+                f"set {held.set_id} came from {held.checkpoint}, which only the fleet can "
+                f"plan, so no copy for NUMA node {node} can be made; start engramd with "
+                "--peer-token-file (the fleet's token)"
+            )
         if source.set_id != held.set_id:
             raise LoadFailed(
                 f"{held.checkpoint} changed since set {held.set_id} was loaded from it, so no "

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from engramd.cli.status_view import render
-from engramd.testing.fleet_lab import free_port
 from engramd.testing.pagecache import cached, evict
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.pb import engramd_pb2 as pb
+from fleet_lab import free_port
 from helpers import memory_cgroup_folder, wait_until
 
 

@@ -42,21 +42,21 @@ from fleet_nodes import (
 
 from conftest import Daemon, Worker, huge_pages, mounted_hugetlbfs, wait_until
 from engramd.cli.status_view import render
-from engramd.sources.peer import addresses
-from engramd.sources.swarmfill import RESTARTS, STALL_S
+from engramd.fleet.peer import addresses
+from engramd.fleet.swarmfill import RESTARTS, STALL_S
 from engramd.strong import pieces
-from engramd.testing.fleet_lab import (
+from engramd.testing.synth import PleSpec, synthesize_ple
+from engramd.units import gib
+from engramd_shared.checkpoint import plan_tables
+from engramd_shared.layout import sets_root
+from engramd_shared.pb import engramd_pb2 as pb
+from fleet_lab import (
     S3,
     Net,
     free_port,
     s3rver,
     s3rver_missing,
 )
-from engramd.testing.synth import PleSpec, synthesize_ple
-from engramd.units import gib
-from engramd_shared.checkpoint import plan_tables
-from engramd_shared.layout import sets_root
-from engramd_shared.pb import engramd_pb2 as pb
 from helpers import attach_error, reference_digests
 
 MiB = 1 << 20

@@ -41,12 +41,12 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT, Daemon, wait_until
-from engramd.sources.trust import FleetKey
+from engramd.fleet.trust import FleetKey
 from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import UCX_TCP, Net
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import sets_root
+from fleet_lab import UCX_TCP, Net
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")
 

@@ -28,15 +28,15 @@ from fleet_nodes import TOKEN, nixl_missing, ready_set, receiving, serving
 
 from conftest import SUPPORT, wait_until
 from engramd.api.metrics import CONNECTIONS_PER_ADDRESS
-from engramd.api.peer import SERVE_SLOTS
 from engramd.api.sockets import REQUEST_TIMEOUT_S
-from engramd.sources.base import WINDOW_BYTES
+from engramd.fleet.base import WINDOW_BYTES
+from engramd.fleet.grants import SERVE_SLOTS
 from engramd.strong import set_pieces
 from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import Net, free_port
 from engramd.testing.pagecache import cached
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
+from fleet_lab import Net, free_port
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")
 

@@ -14,12 +14,12 @@ import pytest
 from fleet_nodes import checkpoint_digests, lying_store, ready_set, set_digests
 
 from conftest import Worker, wait_until
-from engramd.sets.objectplan import plan_objects
-from engramd.testing.fleet_lab import S3, Net, free_port
+from engramd.fleet.objectplan import plan_objects
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_client import attach, describe
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.errors import CheckpointError
+from fleet_lab import S3, Net, free_port
 from helpers import engramd, reference_digests
 
 pytestmark = fleet.pytestmark

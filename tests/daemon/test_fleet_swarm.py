@@ -32,10 +32,10 @@ from fleet_nodes import (
 
 from conftest import Worker, wait_until
 from engramd.cli.status_view import render
-from engramd.testing.fleet_lab import Lan, Net, bridged, netns_missing
 from engramd.testing.pagecache import cached
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.layout import sets_root
+from fleet_lab import Lan, Net, bridged, netns_missing
 from helpers import reference_digests
 
 pytestmark = pytest.mark.skipif(bool(nixl_missing()), reason=nixl_missing() or "-")

@@ -13,12 +13,10 @@ receiver runs in namespace B.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +34,13 @@ from fleet_nodes import (
 )
 
 from conftest import SUPPORT
-from engramd.sources.trust import AttestedManifest, FleetKey, attest_checkpoint, manifest_key
-from engramd.strong import OLDER, PIECE_BYTES, pieces
-from engramd.testing.fleet_lab import S3, Net
+from engramd.fleet.trust import FleetKey, attest_checkpoint
+from engramd.strong import PIECE_BYTES, STRONG
 from engramd_shared.checkpoint import plan_tables
-from engramd_shared.headers import SAMPLE_BYTES, SAMPLES, TensorEntry
+from engramd_shared.headers import SAMPLE_BYTES, SAMPLES
 from engramd_shared.layout import Manifest, sets_root
 from engramd_shared.pb import peer_pb2
+from fleet_lab import S3, Net
 from helpers import engramd
 
 pytestmark = fleet.pytestmark
@@ -249,7 +247,7 @@ def test_a_filled_set_keeps_the_origin_attestation_for_the_next_hop(
     # restarted adopts the set with its manifest as found on tmpfs).
     path = sets_root(b.shm_dir) / sb.set_id / "manifest.json"
     genuine = json.loads(path.read_text())
-    other = "sha256-pieces:" + "0" * 64
+    other = f"{STRONG}:" + "0" * 64
     for change in (
         {
             "attestation": key.attest(
@@ -417,46 +415,6 @@ def test_a_filled_object_store_set_carries_the_attestation(
     assert FleetKey(TOKEN).attested(
         m.attestation, m.set_id, m.fingerprint, m.tensors, m.strong_digests
     )
-    checked = engramd("verify", s.set_id, "--socket", str(d.socket))
-    assert checked.returncode == 0, checked.stderr
-
-
-def _sha256_pieces(spans: tuple[TensorEntry, ...]) -> str:
-    """A tensor's strong digest as an engramd before BLAKE3 made it, written out."""
-    data = b""
-    for span in spans:
-        with open(span.file, "rb") as f:
-            f.seek(span.offset)
-            data += f.read(span.nbytes)
-    joined = b"".join(hashlib.sha256(data[at : at + n]).digest() for at, n in pieces(len(data)))
-    return f"{OLDER}:{hashlib.sha256(joined).hexdigest()}"
-
-
-def test_a_manifest_an_older_engramd_attested_fills_checked_with_sha256(
-    s3: S3, nodes: Any, checkpoint: Path, token_file: Path
-) -> None:
-    """The bucket's manifest carries SHA-256 strong digests, attested as an engramd before
-    BLAKE3 did: the fill checks each piece with SHA-256, publishes, and keeps those digests
-    and that attestation (a fleet mid-upgrade keeps its manifests)."""
-    key = FleetKey(TOKEN)
-    plan = plan_tables(checkpoint)
-    made = attest_checkpoint(plan, key)
-    older = tuple(
-        replace(t, strong=_sha256_pieces(p.spans))
-        for t, p in zip(made.tensors, plan.tensors, strict=True)
-    )
-    strong = [t.strong for t in older]
-    assert strong != [t.strong for t in made.tensors]
-    attestation = key.attest(plan.set_id, plan.fingerprint, older, strong)
-    s3.upload(checkpoint, "m")
-    s3.put(
-        manifest_key("m", plan.set_id),
-        AttestedManifest(plan.set_id, plan.fingerprint, older, attestation).to_bytes(),
-    )
-    node, d, s = _filled_from_bucket(s3, nodes, checkpoint, token_file)
-    m = manifest_of(node.shm_dir, s.set_id)
-    assert (m.attestation, m.strong_digests) == (attestation, tuple(strong))
-    assert set_digests(node.shm_dir, s.set_id) == checkpoint_digests(checkpoint)
     checked = engramd("verify", s.set_id, "--socket", str(d.socket))
     assert checked.returncode == 0, checked.stderr
 

@@ -1,13 +1,14 @@
 """The daemon's image (deploy/docker/Dockerfile) built and run as deploy/docker/compose.yaml
-runs it: the daemon in one container, an engine's worker in another (its user, `group_add`,
-the socket volume, each in a pid namespace of its own) attaching shared, the healthcheck
-answering.
+runs it: the daemon in one container (its image without torch), an engine's worker in
+another (its user, `group_add`, the socket volume, each in a pid namespace of its own)
+attaching shared, the healthcheck answering.
 
 No registry is needed: the base is made here with debootstrap from the mirror apt uses,
 with the host's CA certificates and pip configuration (pip in the build reaches the
 index the way the host does), imported with podman and kept (with its rootfs under
 .tools/image/) for the next run, as the built image's layers are (earlier builds' are
-pruned); torch comes from the wheel `pip download` finds for this machine. Containers and
+pruned); the worker's image (the Dockerfile's `client` target) takes torch from the
+wheel `pip download` finds for this machine. Containers and
 volumes are removed after. runc runs them: crun refuses hybrid cgroups. The ulimits are
 given together, within the host's hard limits: podman's defaults (and compose's
 `memlock: -1`) exceed what an unprivileged container host allows.
@@ -41,6 +42,8 @@ COMPOSE = ROOT / "deploy" / "docker" / "compose.yaml"
 TOOLS = ROOT / ".tools" / "image"
 BASE = "localhost/engramd-base:bookworm"
 IMAGE = "localhost/engramd:test-image"
+#: The worker's image: the client library and torch.
+CLIENT = f"{IMAGE}-client"
 TORCH = "torch==2.13.0"
 #: What the base holds: the runtime stage's python3 with venv, and pip for the wheel stage.
 DEBOOTSTRAP = [
@@ -129,7 +132,8 @@ def _index() -> str:
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The daemon image, built from the Dockerfile on the local base."""
+    """The daemon image, built from the Dockerfile on the local base (and the worker's
+    image, CLIENT, beside it)."""
     TOOLS.mkdir(parents=True, exist_ok=True)
     _base()
     wheel = _torch_wheel()
@@ -152,6 +156,7 @@ def image() -> str:
     ]
     # The wheel stage tagged too, so that both stay the next build's cache.
     _run(*build, "--target", "wheel", "--tag", f"{IMAGE}-wheel", str(ROOT), timeout=900)
+    _run(*build, "--target", "client", "--tag", CLIENT, str(ROOT), timeout=900)
     _run(*build, "--tag", IMAGE, str(ROOT), timeout=900)
     # Earlier builds' stages, untagged by now.
     _run("podman", "image", "prune", "--force", "--filter", f"until={started}")
@@ -249,8 +254,26 @@ def test_the_image_serves_a_worker_in_another_container_as_compose_runs_them(
     [s] = status["sets"]
     assert s["state"] == "ready" and s["backing"] == "memfd", status
 
+    # The daemon's image has no torch (nor the worker's side of engramd with it).
+    no_torch = subprocess.run(
+        [
+            *PODMAN,
+            "run",
+            "--rm",
+            *_ulimits(),
+            "--entrypoint",
+            "python3",
+            image,
+            "-c",
+            "import torch",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert no_torch.returncode != 0 and "No module named 'torch'" in no_torch.stderr, no_torch
+
     # The engine, as compose runs it: its user, group_add, environment and volumes; the
-    # worker's script in place of vLLM (the image carries the client library).
+    # worker's script in place of vLLM, in the worker's image (the client library, torch).
     user = engine["user"]
     worker = subprocess.run(
         [
@@ -270,7 +293,7 @@ def test_the_image_serves_a_worker_in_another_container_as_compose_runs_them(
             f"{SUPPORT}:/support:ro",
             "--entrypoint",
             "python3",
-            image,
+            CLIENT,
             "/support/worker.py",
             configured,
             "--socket",
@@ -291,5 +314,6 @@ def test_the_image_serves_a_worker_in_another_container_as_compose_runs_them(
     assert hello["digests"] == reference_digests(ckpt)
     assert "fd channel: refused" not in logs
 
-    size = int(_run("podman", "image", "inspect", "--format", "{{.Size}}", image))
-    print(f"{image}: {size / 1e9:.2f} GB")
+    for built in (image, CLIENT):
+        size = int(_run("podman", "image", "inspect", "--format", "{{.Size}}", built))
+        print(f"{built}: {size / 1e9:.2f} GB")

@@ -21,8 +21,8 @@ from fleet_nodes import nixl_missing, ready_set, receiving, serving
 
 from conftest import Daemon, Worker, as_user, mounted_tmpfs, wait_until
 from engramd.config import flags
-from engramd.testing.fleet_lab import UCX_TCP, Net, free_port
 from engramd_client import plan_tables
+from fleet_lab import UCX_TCP, Net, free_port
 from helpers import engramd
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,10 +17,10 @@ import daemon.test_fleet as fleet
 from fleet_nodes import lying_store, ready_set
 
 from conftest import wait_until
-from engramd.testing.fleet_lab import S3, Net
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import INDEX_FILE, plan_tables
 from engramd_shared.layout import LOCK_NAME, sets_root
+from fleet_lab import S3, Net
 from helpers import engramd
 
 pytestmark = fleet.pytestmark

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engramd.testing.fleet_lab import s3rver, s3rver_missing
 from engramd.testing.pagecache import evict
+from fleet_lab import s3rver, s3rver_missing
 
 #: The daemon of the object-store tests: the project's own venv (`make setup`), which has
 #: NIXL (the fill's transfer processes); an engine's test venv has the engine and no NIXL,

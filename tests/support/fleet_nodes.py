@@ -27,11 +27,11 @@ import pytest
 from conftest import SUPPORT, Daemon, wait_until
 from engramd.host.hugeroot import remove_shm_folder, unmount_below
 from engramd.testing.child import JsonLinesChild
-from engramd.testing.fleet_lab import UCX_TCP, Net, netns_missing, veth_pair
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.layout import sets_root
 from engramd_shared.pb import engramd_pb2 as pb
+from fleet_lab import UCX_TCP, Net, netns_missing, veth_pair
 
 TOKEN = "fleet-token-0123456789abcdef"
 
@@ -64,7 +64,9 @@ def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 class Node:
     """One daemon with a socket folder and shm folder of its own, perhaps in a namespace."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, python: str = sys.executable) -> None:
+        #: The interpreter the daemon runs on (another venv's, for the install test).
+        self.python = python
         self.sock_dir = Path(tempfile.mkdtemp(prefix=f"ed{name}", dir="/tmp"))
         self.shm_dir = Path(tempfile.mkdtemp(prefix=f"engramd-fleet-{name}-", dir="/dev/shm"))
         self.daemon: Daemon | None = None
@@ -78,9 +80,7 @@ class Node:
         self, args: list[str], netns: str = "", env: dict[str, str] | None = None, wait: str = "up"
     ) -> Daemon:
         self._started = (args, netns, env)
-        python = [sys.executable]
-        if netns:
-            python = [*Net.run_in(netns), sys.executable]
+        python = [*Net.run_in(netns), self.python] if netns else [self.python]
         self.daemon = Daemon(
             self.sock_dir / "d.sock",
             self.shm_dir,
@@ -102,11 +102,12 @@ class Node:
 
 @pytest.fixture
 def nodes() -> Iterator[Any]:
-    """Make nodes: `nodes("a")`; each one's daemon is killed and its folders removed after."""
+    """Make nodes: `nodes("a")` (`python=` another interpreter); each one's daemon is killed
+    and its folders removed after."""
     made: list[Node] = []
 
-    def make(name: str) -> Node:
-        made.append(Node(name))
+    def make(name: str, python: str = sys.executable) -> Node:
+        made.append(Node(name, python))
         return made[-1]
 
     yield make

@@ -51,7 +51,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from engramd.sources.netdev import interface_of, local_address
+from engramd.fleet.netdev import interface_of, local_address
 
 #: Bytes of the registered buffer: what one read or write moves at most.
 BUFFER_BYTES = 1 << 20

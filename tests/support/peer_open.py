@@ -2,7 +2,7 @@
 tests/daemon/test_fleet_exposure.py who is a fleet member.
 
 The one place the tests speak the Fill handshake from the receiver's side, the
-way engramd/sources/peer.py's PeerSource does: a change to the handshake
+way engramd/fleet/peer.py's PeerSource does: a change to the handshake
 changes `open_fill` and nothing else.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from engramd.sources.trust import FleetKey, nonce
+from engramd.fleet.trust import FleetKey, nonce
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import grpc
 
-from engramd.sources.trust import FleetKey, nonce, proven
+from engramd.fleet.trust import FleetKey, nonce, proven
 from engramd_shared.pb import peer_pb2, peer_pb2_grpc
 
 

@@ -1,6 +1,6 @@
 """The manifest's checksum (engramd.checksum): XXH3-64 of each 2 MiB piece of a tensor, and
 XXH3-64 over the pieces' digests; the same from pieces digested apart as from bytes fed in
-order in any sizes, and the whole-tensor XXH3-64 of earlier sets still computed."""
+order in any sizes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,9 @@ import os
 from pathlib import Path
 
 import pytest
-import xxhash
 from checksums import PIECE, checksum_by_hand
 
-from engramd.checksum import BUFFER_BYTES, WHOLE, Digest, combined, digest_fd, piece_digest
+from engramd.checksum import BUFFER_BYTES, Digest, combined, digest_fd, piece_digest
 
 SIZES = [0, 1, PIECE - 1, PIECE, PIECE + 1, 3 * PIECE + 5]
 
@@ -21,8 +20,8 @@ def data() -> bytes:
     return os.urandom(3 * PIECE + 5)
 
 
-def fed(data: bytes, step: int, kind: str = "xxh3-64-pieces") -> str:
-    digest = Digest(kind)
+def fed(data: bytes, step: int) -> str:
+    digest = Digest()
     for at in range(0, len(data), step):
         digest.update(memoryview(data)[at : at + step])
     return digest.label()
@@ -65,24 +64,12 @@ def test_a_changed_byte_or_swapped_pieces_change_it(data: bytes) -> None:
     assert fed(swapped, PIECE) != base
 
 
-def test_the_earlier_kind_is_one_xxh3_of_the_whole_tensor(data: bytes) -> None:
-    whole = f"{WHOLE}:{xxhash.xxh3_64_hexdigest(data)}"
-    assert fed(data, 1 << 20, WHOLE) == whole
-    assert Digest.like(whole).label() == f"{WHOLE}:{xxhash.xxh3_64_hexdigest(b'')}"
-    # Anything else is digested this engramd's way (so a strange label can only mismatch).
-    for other in ("xxh3-64-pieces:0", "crc32:0", "short"):
-        assert Digest.like(other).label() == checksum_by_hand(b"")
-
-
-def test_a_file_is_digested_by_the_kind_asked_and_a_short_one_is_named(
-    tmp_path: Path, data: bytes
-) -> None:
+def test_a_file_is_digested_and_a_short_one_is_named(tmp_path: Path, data: bytes) -> None:
     f = tmp_path / "t"
     f.write_bytes(b"header" + data)
     fd = os.open(f, os.O_RDONLY)
     try:
         assert digest_fd(fd, 6, len(data)) == checksum_by_hand(data)
-        assert digest_fd(fd, 6, len(data), "xxh3-64:ab") == fed(data, PIECE, WHOLE)
         assert digest_fd(fd, 6, len(data) + 1) == "short"
     finally:
         os.close(fd)

@@ -1,10 +1,10 @@
-"""The pieces a filling node holds, as the peer protocol carries them (sources/filling.py)."""
+"""The pieces a filling node holds, as the peer protocol carries them (fleet/filling.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from engramd.sources.filling import bits, indices
+from engramd.fleet.filling import bits, indices
 
 
 def test_a_bitmap_names_its_pieces_and_empty_names_all() -> None:

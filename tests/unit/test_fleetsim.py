@@ -1,4 +1,4 @@
-"""The fleet simulation (engramd/testing/fleetsim.py) at small sizes: one node alone fills near
+"""The fleet simulation (tests/support/fleetsim.py) at small sizes: one node alone fills near
 its link's time, a fleet within twice that with the warm node serving little, and without
 peers' pieces the files serve only what no one else holds."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engramd.testing.fleetsim import Fleet, simulate
+from fleetsim import Fleet, simulate
 
 GIB = 1 << 30
 LINK = 100e9 / 8

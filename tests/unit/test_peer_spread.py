@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from engramd.sources.filling import FillingSets
-from engramd.sources.peer import PeerSource, spread
-from engramd.sources.trust import FleetKey
+from engramd.fleet.filling import FillingSets
+from engramd.fleet.peer import PeerSource, spread
+from engramd.fleet.trust import FleetKey
 
 PEERS = [f"10.0.0.{i}:7077" for i in range(1, 5)]
 RECEIVERS = [f"node-{i:03d}" for i in range(400)]

@@ -20,7 +20,7 @@ from engramd.checksum import CHECKSUM
 from engramd.host.hugeroot import remove_shm_folder
 from engramd.sets.loader import LoadProgress
 from engramd.sets.proof import Prover, stamps_writes
-from engramd.strong import OLDER, STRONG, digest_fd_as
+from engramd.strong import STRONG, digest_fd_as
 from engramd_shared.checkpoint import TablePlan, plan_tables
 from engramd_shared.errors import CheckpointError, FingerprintMismatch
 from engramd_shared.headers import TensorEntry
@@ -133,25 +133,6 @@ def test_a_changed_byte_in_a_copy_is_found(ours: Path, tmp_path: Path) -> None:
     with pytest.raises(FingerprintMismatch, match="does not hold the bytes") as info:
         proven(Prover(), changed, manifest)
     assert repr(victim.name) in str(info.value) and manifest.set_id not in str(info.value)
-
-
-def test_a_set_filled_with_older_strong_digests_is_proven_by_their_kind(
-    ours: Path, tmp_path: Path
-) -> None:
-    """A set an earlier engramd filled (SHA-256 pieces kept beside its attestation) proves a
-    copy of its files in that kind, and still finds a changed byte; a digest kept for the
-    other kind is no proof."""
-    plan = plan_tables(ours)
-    older, blake = loaded_from(plan, OLDER), loaded_from(plan, STRONG)
-    assert all(d.startswith(f"{OLDER}:") for d in older.strong_digests or ())
-    copy = plan_tables(shutil.copytree(ours, tmp_path / "copy"))
-    prover = Prover()
-    assert proven(prover, copy, blake) == copy.nbytes
-    assert proven(prover, copy, older) == copy.nbytes
-    victim = copy.tensors[-1]
-    flip_byte(victim, at=victim.nbytes - 1)
-    with pytest.raises(FingerprintMismatch, match="does not hold the bytes"):
-        proven(Prover(), plan_tables(copy.checkpoint), older)
 
 
 def test_a_copy_forged_to_keep_every_xxh3_checksum_is_found(ours: Path, tmp_path: Path) -> None:

@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
-from engramd.sets.objectplan import plan_objects
-from engramd.sources.s3api import ObjectReader, StoreAccess, StoreError, StoreUnreadable, sign
+from engramd.fleet.objectplan import plan_objects
+from engramd.fleet.s3api import ObjectReader, StoreAccess, StoreError, sign
+from engramd.sets.seams import StoreUnreadable
 from engramd_shared.checkpoint import TablePlan
 
 #: The example keys of AWS's Signature Version 4 documentation (Amazon S3, "Examples of

@@ -1,10 +1,9 @@
 """A tensor's strong digest (engramd/strong.py): BLAKE3 of each 16 MiB piece, BLAKE3
 over the pieces' digests; from memory on threads and from files in one pass with the
-manifest's checksum; the older kind (SHA-256) still made and recognised for checks."""
+manifest's checksum."""
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import os
 from pathlib import Path
@@ -14,13 +13,10 @@ from blake3 import blake3
 from checksums import checksum_by_hand
 
 from engramd.strong import (
-    OLDER,
     PIECE_BYTES,
-    STRONG,
     digest_files,
     digest_views,
     is_strong,
-    kind_of,
     piece_digest,
     piece_hasher,
     pieces,
@@ -116,29 +112,13 @@ def test_a_file_shorter_than_its_span_is_named(tmp_path: Path) -> None:
         digest_files([(short, 50, 60)])
 
 
-def test_the_older_kind_is_sha256_of_the_same_pieces(tensor: bytes) -> None:
-    """An engramd before BLAKE3 attested SHA-256 digests of the same pieces: they are made
-    by kind, recognised, and never equal the BLAKE3 digest of the same bytes."""
-    cuts = [(0, P), (P, 2 * P), (2 * P, len(tensor))]
-    older = tensor_digest([piece_digest(tensor[a:b], OLDER) for a, b in cuts], OLDER)
-    joined = b"".join(hashlib.sha256(tensor[a:b]).digest() for a, b in cuts)
-    assert older == "sha256-pieces:" + hashlib.sha256(joined).hexdigest()
-    newer = digest_views([memoryview(tensor)]).strong[0]
-    assert is_strong(older) and is_strong(newer) and older != newer
-    assert (kind_of(older), kind_of(newer)) == (OLDER, STRONG)
-    for wrong in ("sha512-pieces:" + "0" * 64, STRONG + ":" + "0" * 63, newer.upper(), older + "0"):
-        assert not is_strong(wrong)
-
-
-@pytest.mark.parametrize("kind", [STRONG, OLDER])
-def test_a_piece_given_in_parts_has_the_digest_of_the_whole(tensor: bytes, kind: str) -> None:
+def test_a_piece_given_in_parts_has_the_digest_of_the_whole(tensor: bytes) -> None:
     """A fill digests each window a MiB at a time as it writes it (landing.MOVE_CHUNK): the
-    parts, of any sizes, give the digest of the whole piece, of either kind."""
+    parts, of any sizes, give the digest of the whole piece."""
     piece = memoryview(tensor)[:P]
     for cuts in ([], [1 << 20, 2 << 20], [1, P - 1], list(range(3 << 20, P, 5 << 20))):
-        hasher = piece_hasher(kind)
+        hasher = piece_hasher()
         for a, b in itertools.pairwise([0, *cuts, P]):
             hasher.update(piece[a:b])
-        assert hasher.digest() == piece_digest(piece, kind)
-    assert piece_digest(piece, OLDER) == hashlib.sha256(piece).digest()
-    assert piece_digest(piece, STRONG) == blake3(piece).digest()
+        assert hasher.digest() == piece_digest(piece)
+    assert piece_digest(piece) == blake3(piece).digest()

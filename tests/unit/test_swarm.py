@@ -1,4 +1,4 @@
-"""A fill's schedule across the fleet (engramd/sources/swarm.py): probes, shares that follow
+"""A fill's schedule across the fleet (engramd/fleet/swarm.py): probes, shares that follow
 rates, rarest pieces first, files last, busy sources resting, liars dropped, the end game,
 and receivers spread over equal peers."""
 
@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from engramd.sources.swarm import BUSY_RETRY_S, MAX_FAILURES, MAX_REST_S, Schedule, Tier
+from engramd.fleet.swarm import BUSY_RETRY_S, MAX_FAILURES, MAX_REST_S, Schedule, Tier
 
 MIB = 1 << 20
 

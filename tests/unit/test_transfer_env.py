@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from engramd.sources import nixlxfer
-from engramd.sources.nixlxfer import TCP_SEGMENTS, start_env, transfer_env
+from engramd.fleet import nixlxfer
+from engramd.fleet.nixlxfer import TCP_SEGMENTS, start_env, transfer_env
 
 
 def test_a_peer_fill_gets_the_device_and_the_tcp_segments(monkeypatch: pytest.MonkeyPatch) -> None:

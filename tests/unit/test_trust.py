@@ -1,4 +1,4 @@
-"""The fleet's keys, proofs and attestations (engramd/sources/trust.py), and the token file's
+"""The fleet's keys, proofs and attestations (engramd/fleet/trust.py), and the token file's
 checks; the manifest's attestation and strong digests; what a receiver compares."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engramd.sources.base import SourceFailed
-from engramd.sources.trust import (
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.trust import (
     OBJECT_HEADER_BYTES,
     AttestedManifest,
     AttestedTensor,
@@ -137,14 +137,11 @@ def test_an_attested_manifest_object_round_trips(tmp_path: Path) -> None:
         b"x" * OBJECT_HEADER_BYTES,
         data[: OBJECT_HEADER_BYTES - 1],
         b"engramd-manifest-v2 0",
+        # Another magic, whatever its format: one header is read.
+        b"engramd-manifest-v1 " + data[len(b"engramd-manifest-v1 ") : OBJECT_HEADER_BYTES],
     ):
         with pytest.raises(ValueError):
             AttestedManifest.body_length(bad)
-    older = b"engramd-manifest-v1 " + data[len(b"engramd-manifest-v1 ") : OBJECT_HEADER_BYTES]
-    with pytest.raises(
-        ValueError, match=r"an older engramd .* make it again with `engramd manifest`"
-    ):
-        AttestedManifest.body_length(older)
 
 
 def test_the_manifest_keeps_an_attestation_and_reads_older_ones() -> None:

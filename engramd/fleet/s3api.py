@@ -38,8 +38,6 @@ from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote, urlparse
 
-from engramd_shared.errors import CheckpointError
-
 #: The default region where none is configured (the AWS tools' too).
 DEFAULT_REGION = "us-east-1"
 #: Seconds one request may take, from its connection to its body's last byte.
@@ -90,11 +88,6 @@ class Charges(Protocol):
 
 class StoreError(Exception):
     """A request to the object store failed; the message names the object and the reply."""
-
-
-class StoreUnreadable(CheckpointError):
-    """The store did not give the objects of a checkpoint planned from it: unreachable,
-    refused, too slow, or no S3 in its answers (not a checkpoint that is malformed)."""
 
 
 @dataclass(frozen=True)

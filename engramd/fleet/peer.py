@@ -21,13 +21,14 @@ import threading
 
 import xxhash
 
-from engramd.sources.base import Progress, SourceFailed
-from engramd.sources.filling import FillingSets
-from engramd.sources.objstore import ObjectStoreSource
-from engramd.sources.peerstream import PeerStream
-from engramd.sources.regions import Region
-from engramd.sources.swarmfill import MAX_PEERS, SwarmFill
-from engramd.sources.trust import Filled, FleetKey
+from engramd.backings.regions import Region
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.filling import FillingSets
+from engramd.fleet.objstore import ObjectStoreSource
+from engramd.fleet.peerstream import PeerStream
+from engramd.fleet.swarmfill import MAX_PEERS, SwarmFill
+from engramd.fleet.trust import FleetKey
+from engramd.sets.seams import Filled, FillProgress
 from engramd_shared.checkpoint import TablePlan
 
 log = logging.getLogger("engramd")
@@ -140,7 +141,7 @@ class PeerSource:
         self,
         plan: TablePlan,
         regions: list[Region],
-        progress: Progress,
+        progress: FillProgress,
         store: ObjectStoreSource | None = None,
     ) -> Filled:
         """Read the set of `plan` from the peers into `regions`; the digests and the

@@ -1,5 +1,5 @@
 """A fleet filling one set, by discrete events, each node's fill decided by the daemon's own
-schedule (engramd/sources/swarm.py).
+schedule (engramd/fleet/swarm.py).
 
 The model, kept simple and stated so its figures can be judged:
 
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import xxhash
 
-from engramd.sources.swarm import Schedule, Tier
+from engramd.fleet.swarm import Schedule, Tier
 
 WARM = "warm"
 STORE = "store"

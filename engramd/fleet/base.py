@@ -1,13 +1,11 @@
-"""What every source shares: its failure, the load's progress it reports, the checks it runs."""
+"""What every source shares: its failure and the checks it runs."""
 
 from __future__ import annotations
 
 import os
 import secrets
-import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.fileid import open_regular
@@ -24,22 +22,6 @@ SPOT_BYTES = 4096
 
 class SourceFailed(Exception):
     """A source could not give the set; the message says why, in one line. The next one runs."""
-
-
-class Progress(Protocol):
-    """The load's progress (sets.loader.LoadProgress) as a source drives it."""
-
-    cancel: threading.Event
-
-    #: Where the bytes come from, as status shows it.
-    source: str
-
-    def add(self, n: int, source: str = "") -> None:
-        """Count `n` more bytes (from `source`, one of several); raises when the load is
-        cancelled."""
-
-    def restart(self, source: str) -> None:
-        """Count again from nothing: the bytes now come from `source`."""
 
 
 def windows(nbytes: int) -> list[tuple[int, int]]:

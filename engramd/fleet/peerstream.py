@@ -21,14 +21,15 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 
-from engramd.sources.base import SourceFailed
-from engramd.sources.filling import bits, indices
-from engramd.sources.trust import FleetKey, nonce, proven
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.filling import bits, indices
+from engramd.fleet.trust import FleetKey, nonce, proven
 from engramd.strong import set_pieces, split_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.layout import Manifest, ManifestError
@@ -39,7 +40,7 @@ log = logging.getLogger("engramd")
 #: Seconds a peer has to connect and prove the token, and then to offer the set.
 OFFER_TIMEOUT_S = 10.0
 #: Bytes a second the serving node digests its copy at, at least, before its first offer of
-#: that copy (BLAKE3 on all its cores, api/peer.py): the offer may take that much longer.
+#: that copy (BLAKE3 on all its cores, fleet/peerservice.py): the offer may take that much longer.
 OFFER_DIGEST_RATE = 1 << 30
 
 
@@ -147,22 +148,22 @@ class PeerStream:
         """The read of granted piece `piece` ended: the peer's serving slot is free."""
         self._requests.put(peer_pb2.FillRequest(done=piece))
 
-    def listen(self, events: queue.SimpleQueue[tuple[object, ...]]) -> None:
-        """From now on put ("reply", self, FillReply) on `events` for each reply, and
-        ("ended", self, why) once the stream ends; on a thread of its own."""
+    def listen(self, put: Callable[[Replied | StreamEnded], None]) -> None:
+        """From now on `put` a Replied for each reply, and a StreamEnded once the stream
+        ends; on a thread of its own."""
         threading.Thread(
-            target=self._listen, args=(events,), name="engramd-peer-stream", daemon=True
+            target=self._listen, args=(put,), name="engramd-peer-stream", daemon=True
         ).start()
 
-    def _listen(self, events: queue.SimpleQueue[tuple[object, ...]]) -> None:
+    def _listen(self, put: Callable[[Replied | StreamEnded], None]) -> None:
         assert self._replies is not None
         try:
             for reply in self._replies:
-                events.put(("reply", self, reply))
+                put(Replied(self, reply))
             why = "the peer's stream ended mid-fill"
         except grpc.RpcError as e:
             why = f"the peer's stream broke mid-fill ({rpc_reason(e, 'cancelled')})"
-        events.put(("ended", self, why))
+        put(StreamEnded(self, why))
 
     def close(self) -> None:
         """End the stream."""
@@ -170,6 +171,22 @@ class PeerStream:
         if self._replies is not None:
             self._replies.cancel()
         self._channel.close()
+
+
+@dataclass(frozen=True)
+class Replied:
+    """A peer's stream answered (a grant, a piece not held, what it holds now)."""
+
+    stream: PeerStream
+    reply: peer_pb2.FillReply
+
+
+@dataclass(frozen=True)
+class StreamEnded:
+    """A peer's stream ended, and why."""
+
+    stream: PeerStream
+    why: str
 
 
 def check_offer(

@@ -5,7 +5,7 @@ A fill from peers (peer.py) registers its set here once its first piece
 landed with the attested digest, with what the origin offered (manifest,
 attestation, strong and piece digests, all checked against the fleet's key)
 and the staged memory; every piece it verifies after that is marked held. The
-peer port (api/peer.py) offers such a set as it offers a published one,
+peer port (fleet/peerservice.py) offers such a set as it offers a published one,
 grants only pieces marked held, and tells its receivers as the marks grow.
 What it serves is therefore only bytes that hash to the attested digests of a
 set an operator published somewhere in the fleet, read-only, never the

@@ -5,7 +5,7 @@ its own against the attested digests), from every source that holds some:
 peers, the object store, and last the node's own files. The schedule only
 decides; whatever moves the bytes asks it what to start and tells it what
 ended: the daemon's fills from peers (swarmfill.py) and the fleet
-simulation (engramd/testing/fleetsim.py), so what is simulated is what runs.
+simulation (tests/support/fleetsim.py), so what is simulated is what runs.
 
 The rules, chosen as BitTorrent's and Dragonfly's are, for a fleet where one
 warm node and a bucket face hundreds of cold ones:

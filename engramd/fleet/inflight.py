@@ -7,8 +7,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from engramd.sources.base import Progress, SourceFailed
-from engramd.sources.nixlxfer import Agent, TransferFailed
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.nixlxfer import Agent, TransferFailed
+from engramd.sets.seams import FillProgress
 
 
 class InOrder:
@@ -17,7 +18,7 @@ class InOrder:
     def __init__(
         self,
         agent: Agent,
-        progress: Progress,
+        progress: FillProgress,
         depth: int,
         what: str,
     ) -> None:

@@ -13,7 +13,7 @@ every tensor is read by ranges into the landing ring of the fill's transfer
 process (landing.py), moved into the staged set and digested there, and
 spot-checked against the node's file; its strong digest and checksum
 must be the attested ones. A checkpoint planned from the store itself
-(`--checkpoint s3://...`, sets/objectplan.py) has no node file to compare
+(`--checkpoint s3://...`, fleet/objectplan.py) has no node file to compare
 with: its objects are read unchecked and the attested digests alone decide.
 Endpoint and keys come the way the AWS tools take them (s3api.py).
 """
@@ -28,21 +28,21 @@ from collections.abc import Mapping
 from functools import partial
 from pathlib import Path
 
-from engramd.sources.base import Progress, SourceFailed, overlaps, spans, spot_check_set
-from engramd.sources.inflight import InOrder
-from engramd.sources.landing import Landing
-from engramd.sources.nixlxfer import Agent, TransferFailed
-from engramd.sources.regions import Region
-from engramd.sources.s3api import ObjectReader, StoreAccess, StoreError
-from engramd.sources.trust import (
+from engramd.backings.regions import Region
+from engramd.fleet.base import SourceFailed, overlaps, spans, spot_check_set
+from engramd.fleet.inflight import InOrder
+from engramd.fleet.landing import Landing
+from engramd.fleet.nixlxfer import Agent, TransferFailed
+from engramd.fleet.s3api import ObjectReader, StoreAccess, StoreError
+from engramd.fleet.trust import (
     OBJECT_HEADER_BYTES,
     OBJECT_MAX_BYTES,
     AttestedManifest,
-    Filled,
     FleetKey,
     check_received,
     manifest_key,
 )
+from engramd.sets.seams import Filled, FillProgress
 from engramd.strong import pieces
 from engramd_shared.checkpoint import TablePlan, checkpoint_files
 from engramd_shared.fileid import open_regular
@@ -104,13 +104,12 @@ class ObjectStoreSource:
         )
         return devices
 
-    def fill(self, plan: TablePlan, regions: list[Region], progress: Progress) -> Filled:
+    def fill(self, plan: TablePlan, regions: list[Region], progress: FillProgress) -> Filled:
         """Read the set of `plan` into `regions`; the digests and the attestation they matched.
         Raises SourceFailed."""
         with self._lock, self.agent() as agent:
             attested = self._attested(agent, plan, progress)
             with Landing(agent, regions, READS_IN_FLIGHT * WINDOWS_PER_READ) as landing:
-                landing.expect([t.strong for t in attested.tensors])
                 self._fill(agent, landing, plan, progress)
                 got = landing.digests()
         check_received(
@@ -123,7 +122,7 @@ class ObjectStoreSource:
         # Every byte has the attested strong digest: the attested checksums are theirs.
         return Filled([t.checksum for t in attested.tensors], got, attested.attestation)
 
-    def _attested(self, agent: Agent, plan: TablePlan, progress: Progress) -> AttestedManifest:
+    def _attested(self, agent: Agent, plan: TablePlan, progress: FillProgress) -> AttestedManifest:
         """The set's attested manifest from the bucket, once it proved to be this set's,
         attested by the fleet's key."""
         key = manifest_key(self._prefix, plan.set_id)
@@ -197,7 +196,9 @@ class ObjectStoreSource:
             )
         return attested
 
-    def _read_object(self, agent: Agent, where: str, at: int, n: int, progress: Progress) -> bytes:
+    def _read_object(
+        self, agent: Agent, where: str, at: int, n: int, progress: FillProgress
+    ) -> bytes:
         """Bytes `at`..`at + n` of the attested manifest's object."""
         try:
             return _read_ranges(agent, [(at, n, MANIFEST_DEVICE)], progress)
@@ -207,7 +208,9 @@ class ObjectStoreSource:
                 "`engramd manifest CHECKPOINT` and upload it there"
             ) from None
 
-    def _fill(self, agent: Agent, landing: Landing, plan: TablePlan, progress: Progress) -> None:
+    def _fill(
+        self, agent: Agent, landing: Landing, plan: TablePlan, progress: FillProgress
+    ) -> None:
         files = _names(plan)
         devices = self._register(agent, files)
         # A plan made from these objects has no file to compare them with.
@@ -239,7 +242,7 @@ class ObjectStoreSource:
         reads.finish()
 
     def _check_object(
-        self, agent: Agent, path: str, key: str, size: int, device: int, progress: Progress
+        self, agent: Agent, path: str, key: str, size: int, device: int, progress: FillProgress
     ) -> None:
         """The object's header and the fingerprint's samples, as the node's file has them."""
         fd = open_regular(Path(path))
@@ -286,7 +289,7 @@ def _move(landing: Landing, windows: list[tuple[int, int, int]]) -> None:
         landing.landed(slot, index, at)
 
 
-def _read_ranges(agent: Agent, ranges: list[tuple[int, int, int]], progress: Progress) -> bytes:
+def _read_ranges(agent: Agent, ranges: list[tuple[int, int, int]], progress: FillProgress) -> bytes:
     """The (offset, bytes, device) ranges of OBJ objects, back to back; raises TransferFailed.
 
     They land in memory both processes map, a file of its own: a late write of a

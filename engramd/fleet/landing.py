@@ -27,15 +27,13 @@ import errno
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engramd.sources.nixlxfer import Agent
-from engramd.sources.regions import Region
+from engramd.backings.regions import Region
+from engramd.fleet.nixlxfer import Agent
 from engramd.strong import (
     PIECE_BYTES,
-    STRONG,
-    kind_of,
     piece_hasher,
     pieces,
     tensor_digest,
@@ -88,7 +86,6 @@ class Landing:
         #: The staged set's tensors.
         self.regions = regions
         self._pieces = [[b""] * len(pieces(r.nbytes)) for r in regions]
-        self._kinds = [STRONG] * len(regions)
         self._expected: list[list[bytes]] | None = None
         self._rings = [_Ring(agent, in_flight)]
         self._moves: deque[Future[None]] = deque()
@@ -97,12 +94,10 @@ class Landing:
         self._mapped: dict[int, Region] = {}
         self._mapping = threading.Lock()
 
-    def expect(self, strong: Sequence[str], piece_digests: list[list[bytes]] | None = None) -> None:
-        """Digest each tensor in the kind of its attested strong digest in `strong` (a peer
-        of an older engramd attests SHA-256 ones); before the first window lands. With
-        `piece_digests` (each tensor's, checked against `strong`), each piece is compared
-        as it moves, and one that differs is not counted (`landed` says so)."""
-        self._kinds = [kind_of(d) for d in strong]
+    def expect(self, piece_digests: list[list[bytes]]) -> None:
+        """Compare each piece with its digest in `piece_digests` (each tensor's, checked
+        against its attested strong digest) as it moves; one that differs is not counted
+        (`landed` says so). Before the first window lands."""
         self._expected = piece_digests
 
     def add_ring(self, agent: Agent, in_flight: int) -> int:
@@ -204,7 +199,7 @@ class Landing:
         """`window` (at `address` in this process) to bytes `at`.. of tensor `index`, and
         the piece digest of what the set holds there afterwards."""
         written = self.regions[index].view()[at : at + len(window)]
-        hasher = piece_hasher(self._kinds[index])
+        hasher = piece_hasher()
         for start in range(0, len(window), MOVE_CHUNK):
             end = min(start + MOVE_CHUNK, len(window))
             self._write_part(index, at + start, window[start:end], address + start)
@@ -241,10 +236,7 @@ class Landing:
         for index, found in enumerate(self._pieces):
             if b"" in found:
                 raise ValueError(f"piece {found.index(b'')} of tensor {index} never landed")
-        return [
-            tensor_digest(found, kind)
-            for found, kind in zip(self._pieces, self._kinds, strict=True)
-        ]
+        return [tensor_digest(found) for found in self._pieces]
 
     def close(self) -> None:
         """Stop moving (windows not moved yet are dropped) and unmap the rings."""

@@ -21,13 +21,13 @@ from collections.abc import Callable
 from functools import partial
 
 from engramd.backings import StagedSet
-from engramd.sources.base import Progress, SourceFailed
-from engramd.sources.nixlxfer import spare
-from engramd.sources.objstore import ObjectStoreSource, StoreUnanswered
-from engramd.sources.peer import PeerSource
-from engramd.sources.regions import close_all, staged_regions
-from engramd.sources.s3api import StoreUnreadable
-from engramd.sources.trust import Filled, FleetKey
+from engramd.backings.regions import close_all, staged_regions
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.nixlxfer import spare
+from engramd.fleet.objstore import ObjectStoreSource, StoreUnanswered
+from engramd.fleet.peer import PeerSource
+from engramd.fleet.trust import FleetKey
+from engramd.sets.seams import Filled, FillProgress, StoreUnreadable
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError
 
@@ -95,7 +95,7 @@ class SourceChain:
             "objects (engramd manifest), or start a peer that holds the set (--peers)"
         )
 
-    def __call__(self, plan: TablePlan, staged: StagedSet, progress: Progress) -> Filled | None:
+    def __call__(self, plan: TablePlan, staged: StagedSet, progress: FillProgress) -> Filled | None:
         """Fill `staged` from the first source that can; None: load from the files."""
         store = self.store_for(plan)
         if self._peers is None and store is None:

@@ -13,7 +13,7 @@ daemon sees the fill fail and moves on. Late writes of a request NIXL has
 already reported failed (its OBJ backend does that) land in its own
 memory and end with the process.
 
-Started by nixlxfer (`python -m engramd.sources.xferproc FD NAME`) with a
+Started by nixlxfer (`python -m engramd.fleet.xferproc FD NAME`) with a
 scrubbed environment, ahead of the fill that takes it; FD is its end of a
 SOCK_SEQPACKET socketpair. Until a fill starts it, it has NIXL loaded and
 its agent made without backends: no listener, no thread, no memory of a
@@ -42,7 +42,7 @@ import sys
 import time
 from typing import Any
 
-from engramd.sources.regions import Region
+from engramd.backings.regions import Region
 
 #: Bytes of one request or reply; NIXL metadata of one agent is a few KiB.
 MESSAGE_BYTES = 1 << 20

@@ -34,8 +34,12 @@ added again) and the reads that were on the wire are asked again; the
 pieces verified are kept. After RESTARTS, no peer is asked for the rest of
 the fill: the object store and the files give what is still needed.
 
-Everything here runs on the loader's thread, but the streams' listeners and
-the landing's movers, which only put events on one queue.
+Each kind of source is an object with one interface (start a piece, a piece
+it sent wrong): a peer, the store, the files; the schedule names which. The
+loop hears of everything else as typed events on one queue (Replied,
+StreamEnded, Moved, FilesRead, FilesFailed, Answered). Everything here runs
+on the loader's thread, but the streams' listeners and the landing's movers,
+which only put events on that queue.
 """
 
 from __future__ import annotations
@@ -49,16 +53,18 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
-from engramd.sources.base import Progress, SourceFailed, read_piece, spot_check_set
-from engramd.sources.filling import Filling, FillingSets
-from engramd.sources.landing import Landing
-from engramd.sources.nixlxfer import Agent, TransferFailed
-from engramd.sources.objstore import ObjectStoreSource, object_ranges
-from engramd.sources.peerstream import PeerStream
-from engramd.sources.regions import Region
-from engramd.sources.swarm import Schedule, Tier
-from engramd.sources.trust import Filled, FleetKey, check_received
+from engramd.backings.regions import Region
+from engramd.fleet.base import SourceFailed, read_piece, spot_check_set
+from engramd.fleet.filling import Filling, FillingSets
+from engramd.fleet.landing import Landing
+from engramd.fleet.nixlxfer import Agent, TransferFailed
+from engramd.fleet.objstore import ObjectStoreSource, object_ranges
+from engramd.fleet.peerstream import PeerStream, Replied, StreamEnded
+from engramd.fleet.swarm import Schedule, Tier
+from engramd.fleet.trust import FleetKey, check_received
+from engramd.sets.seams import Filled, FillProgress
 from engramd.strong import set_pieces
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.pb import peer_pb2
@@ -94,6 +100,118 @@ STORE_DEPTH = 4
 #: Times a fill starts another receiving transfer process when its own ends: whoever reaches
 #: its UCX port can end it at will, and a 189 GiB fill should not start over for that.
 RESTARTS = 2
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A piece's bytes were written into the staged set and digested: `good` when the
+    digest is the attested one; `source` gave them, in `seconds`."""
+
+    piece: int
+    source: str
+    good: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class FilesRead:
+    """A piece read from the node's own files, asked for at `asked`."""
+
+    piece: int
+    data: bytearray
+    asked: float
+
+
+@dataclass(frozen=True)
+class FilesFailed:
+    """A piece could not be read from the node's own files."""
+
+    piece: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Answered:
+    """A peer asked again answered (its stream, or why not, is in the future asked with)."""
+
+    address: str
+
+
+#: What the fill's loop hears from the threads around it.
+Event = Replied | StreamEnded | Moved | FilesRead | FilesFailed | Answered
+
+
+class _Source(Protocol):
+    """One source of the fill's pieces as the loop drives it: a peer, the object store or
+    the node's own files, each named as the schedule and status name it."""
+
+    name: str
+    #: Whether it is a peer (status lists the peers apart from the rest).
+    peer: bool
+
+    def start(self, piece: int, now: float) -> None:
+        """Start getting `piece`; it arrives as an event, or fails through the schedule."""
+
+    def lied(self, piece: int, why: str) -> None:
+        """`piece` from it had another digest than the attested one (`why`, in words)."""
+
+
+class _Peer:
+    """A peer's stream as a source: pieces asked for, granted, then read over NIXL."""
+
+    peer = True
+
+    def __init__(self, fill: SwarmFill, stream: PeerStream) -> None:
+        self._fill = fill
+        self._stream = stream
+        self.name = stream.address
+
+    def start(self, piece: int, now: float) -> None:
+        self._fill._ask(self._stream, piece, now)
+
+    def lied(self, piece: int, why: str) -> None:
+        self._fill._liar(f"peer {self.name}", self.name, piece, why)
+
+
+class _Store:
+    """The object store as a source of single pieces, read by its own transfer process."""
+
+    peer = False
+
+    def __init__(self, fill: SwarmFill, name: str) -> None:
+        self._fill = fill
+        self.name = name
+
+    def start(self, piece: int, now: float) -> None:
+        self._fill._from_store(piece, now)
+
+    def lied(self, piece: int, why: str) -> None:
+        self._fill._liar(self.name, self.name, piece, why)
+
+
+class _Files:
+    """The node's own files as a source of the pieces no live peer holds."""
+
+    peer = False
+    name = FILES
+
+    def __init__(
+        self, fill: SwarmFill, plan: TablePlan, pieces: list[tuple[int, int, int]]
+    ) -> None:
+        self._fill = fill
+        self._plan = plan
+        self._pieces = pieces
+
+    def start(self, piece: int, now: float) -> None:
+        self._fill._from_files(piece, now)
+
+    def lied(self, piece: int, why: str) -> None:
+        index, at, _ = self._pieces[piece]
+        raise SourceFailed(
+            f"this node's checkpoint files give piece {piece} (tensor "
+            f"{self._plan.tensors[index].name!r}, bytes {at}..) another digest than the "
+            "fleet attested: they are not the checkpoint the fleet's set was loaded from"
+        )
 
 
 @dataclass
@@ -143,7 +261,7 @@ class SwarmFill:
         self,
         plan: TablePlan,
         regions: list[Region],
-        progress: Progress,
+        progress: FillProgress,
         key: FleetKey,
         min_rate: int,
         filling: FillingSets,
@@ -159,8 +277,10 @@ class SwarmFill:
         self._board = filling
         self._pieces = set_pieces([t.nbytes for t in plan.tensors])
         self._schedule = Schedule([n for _, _, n in self._pieces], receiver, WIDTH)
-        self._events: queue.SimpleQueue[tuple[object, ...]] = queue.SimpleQueue()
+        self._events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self._streams: dict[str, PeerStream] = {}
+        #: Every source the schedule may start a piece from, by its name there.
+        self._sources: dict[str, _Source] = {}
         #: Pieces asked of each peer, not yet granted: when each was asked.
         self._asked: dict[tuple[int, str], float] = {}
         self._reads: dict[int, _Read] = {}
@@ -266,7 +386,7 @@ class SwarmFill:
         spot_check_set(self._plan, [r.view() for r in self._regions])
         self._report()
         # What gave the bytes, as status names it: the peers that did, the store, the files.
-        others = [n for n in (self._store_name(), FILES) if n in self._delivered]
+        others = [n for n, f in self._sources.items() if not f.peer and n in self._delivered]
         peers = sorted(set(self._delivered) - set(others))
         named = [f"peer {peers[0]}" if len(peers) == 1 else f"peers {', '.join(peers)}"]
         if self._delivered:
@@ -281,21 +401,24 @@ class SwarmFill:
         if self._first is None:
             self._first = stream
         elif stream.strong != self._first.strong:
-            # Another load's digests (an older engramd's kind): not comparable piece by piece.
+            # Other strong digests under the same set id: one of the two peers lies, and
+            # their pieces cannot be compared with one another.
             stream.close()
             raise SourceFailed("it offers the set under other strong digests than the first peer")
         self._streams[stream.address] = stream
+        self._sources[stream.address] = _Peer(self, stream)
         self._schedule.add(stream.address, Tier.PEER, DEPTH, stream.held)
         self._changed = now
-        stream.listen(self._events)
+        stream.listen(self._events.put)
 
     # -- the loop -----------------------------------------------------------------------
 
     def _loop(self, addresses: list[str]) -> None:
         assert self._agent is not None and self._landing is not None
         assert self._first is not None
-        self._landing.expect(self._first.strong, self._first.pieces)
+        self._landing.expect(self._first.pieces)
         if self._store_agent is not None:
+            self._sources[self._store_name()] = _Store(self, self._store_name())
             self._schedule.add(self._store_name(), Tier.STORE, STORE_DEPTH)
         judged = 0.0
         while not self._schedule.done:
@@ -315,15 +438,7 @@ class SwarmFill:
         self._add_remotes()
         self._ask_again(addresses, now)
         for piece, name in self._schedule.start(now):
-            if name == FILES:
-                self._from_files(piece, now)
-                continue
-            if name == self._store_name():
-                self._from_store(piece, now)
-                continue
-            self._first_ask.setdefault(name, now)
-            self._asked[(piece, name)] = now
-            self._streams[name].ask(piece)
+            self._sources[name].start(piece, now)
         try:
             reading = self._reads or self._store_reads
             event = self._events.get(timeout=POLL_S if reading else REASK_S / 5)
@@ -342,6 +457,12 @@ class SwarmFill:
             judged = time.monotonic()
             self._judge(judged)
         return judged
+
+    def _ask(self, stream: PeerStream, piece: int, now: float) -> None:
+        """Ask `stream`'s peer for `piece`: its grant comes as an event."""
+        self._first_ask.setdefault(stream.address, now)
+        self._asked[(piece, stream.address)] = now
+        stream.ask(piece)
 
     def _add_remotes(self) -> None:
         """Give the receiving transfer process the NIXL metadata of each peer that joined
@@ -414,48 +535,39 @@ class SwarmFill:
         ended = self._agent.ended()
         return f"the receiving transfer process {ended}" if ended else str(failed)
 
-    def _handle(self, event: tuple[object, ...], now: float) -> None:
-        kind = event[0]
-        if kind == "reply":
-            _, stream, reply = event
-            assert isinstance(stream, PeerStream) and isinstance(reply, peer_pb2.FillReply)
-            if self._streams.get(stream.address) is stream:
-                self._reply(stream, reply, now)
-        elif kind == "ended":
-            _, stream, why = event
-            assert isinstance(stream, PeerStream)
-            if self._streams.get(stream.address) is stream:
-                log.warning(
-                    "set %s: peer %s: %s; the others give its pieces",
-                    self._plan.set_id,
-                    stream.address,
-                    why,
+    def _handle(self, event: Event, now: float) -> None:
+        match event:
+            case Replied(stream, reply):
+                if self._streams.get(stream.address) is stream:
+                    self._reply(stream, reply, now)
+            case StreamEnded(stream, why):
+                if self._streams.get(stream.address) is stream:
+                    log.warning(
+                        "set %s: peer %s: %s; the others give its pieces",
+                        self._plan.set_id,
+                        stream.address,
+                        why,
+                    )
+                    self._lose(stream.address, why, again=True)
+            case Moved(piece, source, good, seconds):
+                self._moved(piece, source, good, seconds)
+            case FilesRead(piece, data, asked):
+                self._put(piece, data, asked)
+            case FilesFailed(piece, why):
+                raise SourceFailed(
+                    f"piece {piece} cannot be read from the checkpoint's files ({why})"
                 )
-                self._lose(stream.address, str(why), again=True)
-        elif kind == "moved":
-            _, piece, name, good, seconds = event
-            assert isinstance(piece, int) and isinstance(name, str)
-            self._moved(piece, name, bool(good), float(str(seconds)))
-        elif kind == "read":
-            _, piece, data, asked = event
-            assert isinstance(piece, int) and isinstance(data, bytearray)
-            self._put(piece, data, float(str(asked)))
-        elif kind == "files-failed":
-            _, piece, why = event
-            raise SourceFailed(f"piece {piece} cannot be read from the checkpoint's files ({why})")
-        elif kind == "asked":
-            _, address = event
-            assert isinstance(address, str)
-            future = self._asking.pop(address)
-            if self._no_peers:
-                _close_opened(future)
-                return
-            try:
-                self._join(future.result(), now)
-            except SourceFailed as e:
-                log.debug("set %s: peer %s: %s", self._plan.set_id, address, e)
-            else:
-                log.info("set %s: peer %s joined the fill", self._plan.set_id, address)
+            case Answered(address):
+                future = self._asking.pop(address)
+                if self._no_peers:
+                    _close_opened(future)
+                    return
+                try:
+                    self._join(future.result(), now)
+                except SourceFailed as e:
+                    log.debug("set %s: peer %s: %s", self._plan.set_id, address, e)
+                else:
+                    log.info("set %s: peer %s joined the fill", self._plan.set_id, address)
 
     def _reply(self, stream: PeerStream, reply: peer_pb2.FillReply, now: float) -> None:
         name = stream.address
@@ -614,9 +726,9 @@ class SwarmFill:
             try:
                 data = read_piece(entry, at, n)
             except (OSError, SourceFailed) as e:
-                self._events.put(("files-failed", piece, str(e)))
+                self._events.put(FilesFailed(piece, str(e)))
                 return
-            self._events.put(("read", piece, data, now))
+            self._events.put(FilesRead(piece, data, now))
 
         self._pool.submit(read)
 
@@ -630,35 +742,25 @@ class SwarmFill:
         seconds = time.monotonic() - asked
 
         def moved(good: bool) -> None:
-            self._events.put(("moved", piece, FILES, good, seconds))
+            self._events.put(Moved(piece, FILES, good, seconds))
 
         self._landing.put(index, at, data, moved)
 
     def _then(self, piece: int, name: str, seconds: float) -> Callable[[bool], None]:
         def moved(good: bool) -> None:
-            self._events.put(("moved", piece, name, good, seconds))
+            self._events.put(Moved(piece, name, good, seconds))
 
         return moved
 
     def _moved(self, piece: int, name: str, good: bool, seconds: float) -> None:
         self._moving.discard(piece)
-        if not good and name == FILES:
-            index, at, _ = self._pieces[piece]
-            raise SourceFailed(
-                f"this node's checkpoint files give piece {piece} (tensor "
-                f"{self._plan.tensors[index].name!r}, bytes {at}..) another digest than the "
-                "fleet attested: they are not the checkpoint the fleet's set was loaded from"
-            )
         if not good:
             index, at, _ = self._pieces[piece]
             why = (
                 f"it sent piece {piece} (tensor {self._plan.tensors[index].name!r}, bytes "
                 f"{at}..) with another digest than the attested one"
             )
-            what = name if name == self._store_name() else f"peer {name}"
-            log.warning("set %s: %s: %s; dropped", self._plan.set_id, what, why)
-            self._schedule.failed(piece, name, why, lied=True)
-            self._lose(name, why, again=False)
+            self._sources[name].lied(piece, why)
             return
         self._verified.add(piece)
         self._changed = time.monotonic()
@@ -666,6 +768,12 @@ class SwarmFill:
         self._delivered[name] = self._delivered.get(name, 0) + self._pieces[piece][2]
         self._offer().mark(piece)
         self._progress.add(self._pieces[piece][2], name)
+
+    def _liar(self, what: str, name: str, piece: int, why: str) -> None:
+        """Source `name` (`what`, as the log says it) sent `piece` wrong: dropped for good."""
+        log.warning("set %s: %s: %s; dropped", self._plan.set_id, what, why)
+        self._schedule.failed(piece, name, why, lied=True)
+        self._lose(name, why, again=False)
 
     def _offer(self) -> Filling:
         """This fill as offered to other peers, from its first verified piece on."""
@@ -721,11 +829,12 @@ class SwarmFill:
             + (f" after {STALL_S:.0f} s" if waiting else "")
             + (f" ({left})" if left else "")
         )
-        if FILES in self._schedule.sources:
+        if FILES in self._sources:
             raise SourceFailed(why)
         if self._plan.store:
             raise SourceFailed(f"{why}, and this node holds no file of the checkpoint")
         log.warning("set %s: %s; those pieces come from the files", self._plan.set_id, why)
+        self._sources[FILES] = _Files(self, self._plan, self._pieces)
         self._schedule.add(FILES, Tier.FILES, FILES_DEPTH)
 
     def _lose(self, name: str, why: str, again: bool) -> None:
@@ -765,7 +874,7 @@ class SwarmFill:
             future.add_done_callback(partial(self._answered, address))
 
     def _answered(self, address: str, _: Future[PeerStream]) -> None:
-        self._events.put(("asked", address))
+        self._events.put(Answered(address))
 
     def _report(self) -> None:
         """One line: what each peer gave."""

@@ -40,9 +40,9 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
-from engramd.sources.base import SourceFailed
+from engramd.fleet.base import SourceFailed
+from engramd.sets.seams import Attestable
 from engramd.strong import digest_files, is_strong
 from engramd_shared.checkpoint import TablePlan
 
@@ -51,9 +51,7 @@ NONCE_BYTES = 32
 #: How an attestation is written: the MAC's name, then its hex digest.
 ATTESTATION = "hmac-sha256"
 #: The object store's attested manifest: its first bytes (a fixed-size read), the JSON after.
-#: v1 attested XXH3 checksums only.
 OBJECT_MAGIC = b"engramd-manifest-v2 "
-_OLDER_MAGIC = b"engramd-manifest-v1 "
 #: The header: the magic, the JSON's length in 11 digits, a newline.
 OBJECT_HEADER_BYTES = len(OBJECT_MAGIC) + 12
 #: Most bytes of a manifest object's JSON (a manifest is ~200 bytes a tensor).
@@ -62,21 +60,6 @@ OBJECT_MAX_BYTES = 16 << 20
 TOKEN_MIN_CHARS = 16
 
 _SALT = b"engramd fleet token v1"
-
-
-class _Tensor(Protocol):
-    """What an attestation covers of a tensor (layout.ManifestTensor, AttestedTensor)."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def dtype(self) -> str: ...
-    @property
-    def shape(self) -> tuple[int, ...]: ...
-    @property
-    def nbytes(self) -> int: ...
-    @property
-    def checksum(self) -> str: ...
 
 
 def _framed(*parts: bytes | str) -> bytes:
@@ -111,7 +94,11 @@ class FleetKey:
         return self._mac(b"client proof", set_id, mine, theirs)
 
     def attest(
-        self, set_id: str, fingerprint: str, tensors: Sequence[_Tensor], strong: Sequence[str]
+        self,
+        set_id: str,
+        fingerprint: str,
+        tensors: Sequence[Attestable],
+        strong: Sequence[str],
     ) -> str:
         """The attestation ("hmac-sha256:<hex>") of a set's tensors with their checksums and
         `strong`, each tensor's strong digest in order."""
@@ -129,7 +116,7 @@ class FleetKey:
         attestation: str,
         set_id: str,
         fingerprint: str,
-        tensors: Sequence[_Tensor],
+        tensors: Sequence[Attestable],
         strong: Sequence[str],
     ) -> bool:
         """Whether `attestation` is this fleet's of exactly these tensors, checksums and strong
@@ -149,17 +136,6 @@ def nonce() -> bytes:
 def proven(proof: bytes, expected: bytes) -> bool:
     """A proof compared in constant time."""
     return hmac.compare_digest(proof, expected)
-
-
-@dataclass(frozen=True)
-class Filled:
-    """What a source gives the loader: each tensor's checksum and strong digest of the bytes
-    it wrote, and the attestation they were checked against (all kept in the published
-    manifest)."""
-
-    digests: list[str]
-    strong: list[str]
-    attestation: str
 
 
 def check_received(
@@ -233,11 +209,6 @@ class AttestedManifest:
     @staticmethod
     def body_length(header: bytes) -> int:
         """The JSON's length from the object's first OBJECT_HEADER_BYTES; ValueError if none."""
-        if header.startswith(_OLDER_MAGIC):
-            raise ValueError(
-                "it is an attested manifest of an older engramd (v1: checksums only); make it "
-                "again with `engramd manifest` and upload it"
-            )
         digits = header[len(OBJECT_MAGIC) : -1]
         if (
             len(header) != OBJECT_HEADER_BYTES

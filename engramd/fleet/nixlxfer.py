@@ -25,9 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engramd.sources.base import SourceFailed
-from engramd.sources.netdev import interface_of
-from engramd.sources.xferproc import MESSAGE_BYTES
+from engramd.fleet.base import SourceFailed
+from engramd.fleet.netdev import interface_of
+from engramd.fleet.xferproc import MESSAGE_BYTES
 
 log = logging.getLogger("engramd")
 
@@ -129,7 +129,7 @@ class _Process:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.popen = subprocess.Popen(
-                [sys.executable, "-m", "engramd.sources.xferproc", str(theirs.fileno()), self.name],
+                [sys.executable, "-m", "engramd.fleet.xferproc", str(theirs.fileno()), self.name],
                 pass_fds=[theirs.fileno()],
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -8,7 +8,7 @@ object its size, its header and the data samples of the fingerprint, each by
 a ranged read (s3api.py). The set id is the one a folder of the same files
 gets, so the peers that loaded the checkpoint from disk offer this node their
 copies. No byte of such a plan is checked against local files: the set's
-bytes are trusted by the fleet's attested manifest alone (sources/trust.py).
+bytes are trusted by the fleet's attested manifest alone (fleet/trust.py).
 
 What the bucket's writers, and whoever answers for the endpoint, can make a
 planning node spend is bounded:
@@ -43,14 +43,14 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
-from engramd.sources.s3api import (
+from engramd.fleet.s3api import (
     COPIES,
     ObjectReader,
     StoreAccess,
     StoreError,
-    StoreUnreadable,
     parse_cost,
 )
+from engramd.sets.seams import StoreUnreadable
 from engramd_shared.checkpoint import (
     INDEX_FILE,
     TablePlan,
