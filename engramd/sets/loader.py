@@ -34,8 +34,9 @@
    a short read (a clear error) instead of a SIGBUS. Measured by bench/
    (load, cold) against cp, the device and the loaders an operator would
    pick instead.
-Sources (engramd/sources): a `fill` given to `load_set` may write the
-   reserved memory from elsewhere (a peer, an object store) and return the
+Fills (a FillSource, sets/seams.py; the fleet's in engramd/fleet): a `fill`
+   given to `load_set` may write the reserved memory from elsewhere (a
+   peer, an object store) and return the
    tensors' digests (checksums and strong digests) with the attestation they
    were checked against (kept in the manifest); then nothing is copied from
    the files (when it returns None, the copy runs as above).
