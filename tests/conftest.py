@@ -193,6 +193,20 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
+def disk(tmp_path: Path) -> Path:
+    """A folder on the disk that holds the tests' temporary files (not a tmpfs): the disk
+    backing's (`--backing disk --disk-dir`)."""
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    fstype = subprocess.run(
+        ["stat", "-f", "-c", "%T", str(folder)], capture_output=True, text=True
+    ).stdout.strip()
+    if fstype in ("tmpfs", "ramfs"):
+        pytest.skip(f"{folder} is on {fstype}: the disk backing's tests need a disk")
+    return folder
+
+
+@pytest.fixture
 def daemons(sock_dir: Path, shm_dir: Path) -> Iterator[Any]:
     """Make daemons: `daemons(*serve_args, shm=folder, ...)`; every one is stopped afterwards."""
     started: list[Daemon] = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import stat
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,19 +23,6 @@ from helpers import memory_cgroup_folder, reference_digests, set_folders
 def tables(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """128 MiB of tables: the cgroup test's reader has less room than that."""
     return synthesize(tmp_path_factory.mktemp("disk-ckpt") / "engram", SynthSpec(rows=254_250))
-
-
-@pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    """A folder on the disk that holds the tests' temporary files (not a tmpfs)."""
-    folder = tmp_path / "tables"
-    folder.mkdir()
-    fstype = subprocess.run(
-        ["stat", "-f", "-c", "%T", str(folder)], capture_output=True, text=True
-    ).stdout.strip()
-    if fstype in ("tmpfs", "ramfs"):
-        pytest.skip(f"{folder} is on {fstype}: the disk backing's tests need a disk")
-    return folder
 
 
 def _serve(daemons: Any, disk: Path, checkpoint: Path, *args: str) -> Any:

@@ -27,19 +27,6 @@ def tables(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return synthesize(tmp_path_factory.mktemp("warm-ckpt") / "engram", SynthSpec(rows=254_250))
 
 
-@pytest.fixture
-def disk(tmp_path: Path) -> Path:
-    """A folder on the disk that holds the tests' temporary files (not a tmpfs)."""
-    folder = tmp_path / "tables"
-    folder.mkdir()
-    fstype = subprocess.run(
-        ["stat", "-f", "-c", "%T", str(folder)], capture_output=True, text=True
-    ).stdout.strip()
-    if fstype in ("tmpfs", "ramfs"):
-        pytest.skip(f"{folder} is on {fstype}: the disk backing's tests need a disk")
-    return folder
-
-
 def _adopted_cold(daemons: Any, disk: Path, tables: Path) -> tuple[int, int]:
     """Load the set on the disk backing, stop the daemon, drop the set's pages from the
     page cache; returns the set's size and the length of the daemons' log so far."""

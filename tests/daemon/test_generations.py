@@ -19,8 +19,9 @@ import torch
 from conftest import Worker
 from engramd.testing.synth import SynthSpec, seeds_held, synthesize
 from engramd_client import attach
+from engramd_shared.layout import sets_root
 from engramd_shared.pb import engramd_pb2 as pb
-from helpers import engramd, load_set, wait_until
+from helpers import engramd, load_set, set_folders, wait_until
 
 #: The session checkpoint's shape (conftest.checkpoint): a new revision keeps it.
 ROWS = 40_000
@@ -38,13 +39,19 @@ def _sets(d: Any) -> dict[str, pb.SetInfo]:
     return {s.set_id: s for s in d.status().sets}
 
 
+@pytest.mark.parametrize("backing", ["tmpfs", "disk"])
 def test_a_new_revision_in_place_reaches_a_running_worker_at_one_step(
-    revised: Path, daemons: Any
+    revised: Path, daemons: Any, request: pytest.FixtureRequest, backing: str
 ) -> None:
     """Files rewritten in place and loaded again: the worker's tables move to generation 2
     at one advance(), same addresses, every row the new revision's, no step a mix; the old
-    copy is dropped once the lease moved; status shows the generations."""
-    d = daemons("--checkpoint", str(revised))
+    copy is dropped once the lease moved (its files gone, on the disk backing from the
+    disk folder); status shows the generations."""
+    # Only the disk case asks for the disk folder (its fixture skips on a tmpfs).
+    disk: Path | None = request.getfixturevalue("disk") if backing == "disk" else None
+    on = ("--backing", "disk", "--disk-dir", str(disk)) if disk else ()
+    d = daemons("--checkpoint", str(revised), *on)
+    held_in = disk or d.shm_dir
     tables = attach(revised, socket=str(d.socket), share=True)
     try:
         assert (tables.mode, tables.live) == ("shared", True)
@@ -75,8 +82,9 @@ def test_a_new_revision_in_place_reaches_a_running_worker_at_one_step(
         wait_until(lambda: first not in _sets(d), 30, "the old generation dropped")
         (current,) = d.status().sets
         assert current.generation == 2 and not current.replaced_by
+        assert current.backing == backing
         assert [lease.pid for lease in current.leases] == [os.getpid()]
-        assert not (d.shm_dir / "engramd" / first).exists()
+        assert set_folders(held_in) == [sets_root(held_in) / ready.set_id]
     finally:
         tables.close()
     assert "Traceback" not in d.log

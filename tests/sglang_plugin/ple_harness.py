@@ -122,17 +122,20 @@ class Model:
         return -(-self.rows[index] // SPLIT_NGRAM_PARTS)
 
 
-def full_table(layer_index: int, rows: int, width: int, dtype: str) -> torch.Tensor:
-    """A PLE layer's whole table: random bytes (fp8: any finite value; bf16: small values)."""
-    g = torch.Generator().manual_seed(100 + layer_index)
+def full_table(layer_index: int, rows: int, width: int, dtype: str, seed: int = 0) -> torch.Tensor:
+    """A PLE layer's whole table: random bytes (fp8: any finite value; bf16: small values);
+    another `seed`, other bytes."""
+    g = torch.Generator().manual_seed(1000 * seed + 100 + layer_index)
     if dtype == "bf16":
         return torch.randn(rows, width, generator=g).to(torch.bfloat16)
     return (torch.rand(rows, width, generator=g) * 8 - 4).to(torch.float8_e4m3fn)
 
 
-def make_model(folder: Path, dtype: str) -> Model:
+def make_model(folder: Path, dtype: str, seed: int = 0) -> Model:
     """The PLE tables in row shards over three files, each file ending inside a table, and
-    each PLE layer's other weights (value_proj, fp8's scale), which SGLang's loader reads."""
+    each PLE layer's other weights (value_proj, fp8's scale), which SGLang's loader reads.
+    Another `seed`: the tables' next revision (other rows, the same names and shapes; the
+    other weights the same)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
@@ -141,7 +144,7 @@ def make_model(folder: Path, dtype: str) -> Model:
     tensors: dict[str, torch.Tensor] = {}
     for index, layer_id in enumerate(PLE_LAYER_IDS):
         layer = layer_id - 1
-        table = full_table(index, rows[index], model.width, dtype)
+        table = full_table(index, rows[index], model.width, dtype, seed)
         size = model.shard_size(index)
         for shard in range(SPLIT_NGRAM_PARTS):
             tensors[shard_name(layer, shard)] = table[shard * size : (shard + 1) * size].clone()

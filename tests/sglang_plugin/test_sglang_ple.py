@@ -18,13 +18,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_harness import in_bucket, ranks_in_thread, readahead, result
+from engine_harness import (
+    across_a_generation,
+    in_bucket,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
 from sglang_plugin.ple_harness import (
     DTYPES,
     FP8_SCALE,
     PLE_LAYER_IDS,
     SPLIT_NGRAM_PARTS,
     Model,
+    make_model,
     run_ple_ranks,
     run_servers,
 )
@@ -210,6 +218,34 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
             assert str(d.shm_dir) in info["map"], info["map"]
         log = _output(done[rank])
         assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
+
+
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    ple_model: Model, ple_served: Any, tmp_path: Path
+) -> None:
+    """Two TP ranks on the daemon's copy of the PLE tables; the operator loads their next
+    revision (another folder, --replaces): both move to it at the same step (a vote on
+    SGLang's TP group), the table SGLang's kernels read at the same address, the new
+    revision's rows with padding zero, the daemon's read-only pages; the old generation is
+    dropped once both moved."""
+    new = make_model(tmp_path / "revision", ple_model.dtype, seed=1).folder
+    env = {"ENGRAMD_SOCKET": str(ple_served.socket)}
+    ready, outs = across_a_generation(
+        ple_served,
+        new,
+        lambda extra: run_ple_ranks(ple_model, 2, env, tmp_path, extra),
+        tmp_path,
+        "SGLang",
+    )
+    for out in outs:
+        assert list(out["layers"]) == LAYERS
+        for info in out["layers"].values():
+            # Checked against the revision's files (--reference): its rows, not the first's.
+            assert info["same_bytes"] and info["padding_zero"], info
+            assert info["map"].split()[1] == "r--s", info["map"]
+            assert str(ple_served.shm_dir) in info["map"], info["map"]
+    # Both ranks' processes ended: the old generation has no lease left.
+    one_generation_left(ple_served, ready.set_id)
 
 
 def test_strict_with_daemon_down_fails_start_up(ple_model: Model, tmp_path: Path) -> None:

@@ -302,9 +302,11 @@ def across_a_generation(
     run: Callable[[tuple[str, ...]], list[subprocess.CompletedProcess[str]]],
     tmp: Path,
     engine: str,
+    reference: bool = True,
 ) -> tuple[Any, list[dict[str, Any]]]:
-    """Two ranks on daemon `served`'s copy (`run(extra)` runs them with `--live` and
-    `--reference NEW`); once both are built, the tables' next revision in folder `new`
+    """Two ranks on daemon `served`'s copy (`run(extra)` runs them with `--live`, and
+    `--reference NEW` where `reference`: ranks that check their rows against the new
+    revision's files themselves); once both are built, the tables' next revision in folder `new`
     loaded as the set's next generation (--replaces), then the ranks step until they moved.
     The new set and each rank's result, each checked to have moved from the first set to
     the new one at the same addresses, with one line of the plugin for `engine`'s move."""
@@ -313,7 +315,7 @@ def across_a_generation(
     (first,) = [s.set_id for s in served.status().sets]
     live = tmp / "live"
     live.mkdir()
-    extra = ("--live", str(live), "--reference", str(new))
+    extra = ("--live", str(live)) + (("--reference", str(new)) if reference else ())
     with ranks_in_thread(lambda: run(extra), live, 2) as done:
         ready = load_set(served, new, replaces=first)
         assert ready.generation == 2

@@ -9,6 +9,7 @@ not fall on the ranks' vocab ranges.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import subprocess
 from pathlib import Path
@@ -16,8 +17,20 @@ from typing import Any
 
 import pytest
 import torch
-from engine_harness import ranks_in_thread, readahead, result
-from vllm_plugin.vllm_harness import PLE_DTYPES, PleModel, bucket_config, run_ple_ranks
+from engine_harness import (
+    across_a_generation,
+    one_generation_left,
+    ranks_in_thread,
+    readahead,
+    result,
+)
+from vllm_plugin.vllm_harness import (
+    PLE_DTYPES,
+    PleModel,
+    bucket_config,
+    ple_revision,
+    run_ple_ranks,
+)
 
 from engramd.testing.synth import expected_ple_rows
 
@@ -26,11 +39,15 @@ def _layer(module: str) -> int:
     return int(module.split(".")[2])
 
 
-def _expected_sha(model: PleModel, layer: int, part: str, start: int, rows: int) -> str:
-    """sha256 of a rank's table: the checkpoint's rows from `start`, padding rows zero."""
-    held = max(0, min(start + rows, model.spec.rows_of(layer)) - start)
-    data = expected_ple_rows(model.spec, layer, part, torch.arange(start, start + held))
-    width = model.spec.widths()[part][1]
+def _expected_sha(
+    model: PleModel, layer: int, part: str, start: int, rows: int, seed: int = 0
+) -> str:
+    """sha256 of a rank's table: the checkpoint's rows from `start` (`seed`: of the revision
+    synthesized with that seed), padding rows zero."""
+    spec = dataclasses.replace(model.spec, seed=seed)
+    held = max(0, min(start + rows, spec.rows_of(layer)) - start)
+    data = expected_ple_rows(spec, layer, part, torch.arange(start, start + held))
+    width = spec.widths()[part][1]
     padded = torch.cat([data, torch.zeros(rows - held, width, dtype=torch.uint8)])
     return hashlib.sha256(padded.numpy().tobytes()).hexdigest()
 
@@ -188,6 +205,47 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
             )
         log = _output(done[rank])
         assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+
+
+@pytest.mark.parametrize("fmt", ["BF16", "NVFP4"])
+def test_a_new_generation_reaches_both_ranks_at_one_step(
+    ple_models: dict[str, PleModel], daemons: Any, tmp_path: Path, fmt: str
+) -> None:
+    """Two ETP ranks on the daemon's copy of the PLE tables (NVFP4: its block scales a second
+    table); the operator loads their next revision (another folder, --replaces): both ranks
+    move every table to it at the same step (vLLM's Worker.execute_dummy_batch, the plugin's
+    hook first), at the same addresses (the UVA view is the table), the new revision's rows
+    with padding zero, the daemon's read-only pages; the old generation is dropped once both
+    moved."""
+    model = ple_models[fmt]
+    d = daemons("--checkpoint", str(model.folder))
+    new = ple_revision(model, tmp_path / "revision")
+    env = {"ENGRAMD_SOCKET": str(d.socket)}
+    ready, outs = across_a_generation(
+        d,
+        new,
+        lambda extra: run_ple_ranks(model, 2, env, tmp_path, extra),
+        tmp_path,
+        "vLLM",
+        reference=False,
+    )
+    parts = list(model.spec.widths())
+    for out in outs:
+        assert len(out["layers"]) == len(model.spec.layers)
+        for module, info in out["layers"].items():
+            assert info["served"] == parts and info["uva_is_table"], info
+            for part in parts:
+                assert info["maps"][part].split()[1] == "r--s", info["maps"]
+                assert str(d.shm_dir) in info["maps"][part], info["maps"]
+                assert info["sha256"][part] == _expected_sha(
+                    model, _layer(module), part, info["start"], info["rows"], seed=1
+                ), (module, part)
+                # The revision's rows differ from the first generation's.
+                assert info["sha256"][part] != _expected_sha(
+                    model, _layer(module), part, info["start"], info["rows"]
+                ), (module, part)
+    # Both ranks' processes ended: the old generation has no lease left.
+    one_generation_left(d, ready.set_id)
 
 
 def test_share_off_stands_aside(

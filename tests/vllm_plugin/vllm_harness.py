@@ -298,6 +298,14 @@ def make_ple_model(folder: Path, fmt: str, vocab_base: int | None = None) -> Ple
     return PleModel(folder, pickled, spec)
 
 
+def ple_revision(model: PleModel, folder: Path) -> Path:
+    """The model's PLE tables with other rows (synthetic seed 1), the same names and shapes,
+    in `folder` beside the model's config.json: the tables' next revision."""
+    synthesize_ple(folder, dataclasses.replace(model.spec, seed=1))
+    shutil.copyfile(model.folder / "config.json", folder / "config.json")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def ple_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, PleModel]]:
     """A Qwen4Exp checkpoint per PLE format (bf16, fp8, NVFP4), on a disk that counts reads."""
