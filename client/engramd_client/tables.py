@@ -307,20 +307,23 @@ class Tables(Mapping[str, torch.Tensor]):
             old.discard()
         return None
 
-    def advance(self) -> bool:
+    def advance(self, to: str | None = None) -> bool:
         """Move the tables to what is pending (the step boundary); nearly free when nothing is.
 
         Call it where no step reads the tables (the engines' plugins call it
         where the engine starts a step, on every rank at the same step). The
         tensors keep their addresses; what backed them before is freed. True
-        when the tables moved.
+        when the tables moved. `to`: move only to that set (the one an engine's
+        ranks agreed on, `heading` before their vote); a move that became
+        pending since stays pending for the next vote.
         """
         if self._pending is None:
             return False
         with self._pending_lock:
-            move, self._pending = self._pending, None
-        if move is None:
-            return False
+            move = self._pending
+            if move is None or (to is not None and move.set_id != to):
+                return False
+            self._pending = None
         self._move(move)
         return True
 

@@ -222,3 +222,24 @@ def test_shared_live_tables_dropped_unclosed_are_unmapped(checkpoint: Path, daem
     del tables
     gc.collect()
     assert mapped() == before
+
+
+def test_a_move_that_arrives_after_the_ranks_voted_waits_for_the_next_vote(
+    checkpoint: Path, sock_dir: Path, daemons: Any
+) -> None:
+    """An engine's ranks vote on the set they head for, then advance to it (StepGate): a move
+    that became pending on one rank between its vote and its advance stays pending, or that
+    rank alone would move at this step."""
+    tables = attach(checkpoint, socket=str(sock_dir / "d.sock"))
+    try:
+        voted = tables.heading  # private, nothing pending: ""
+        assert (tables.mode, voted) == ("private", "")
+        d = daemons("--checkpoint", str(checkpoint))
+        (ready,) = d.status().sets
+        wait_until(lambda: tables.pending, 10, "the move to the daemon's copy pending")
+        assert not tables.advance(to=voted)
+        assert (tables.mode, tables.pending, tables.heading) == ("private", True, ready.set_id)
+        assert tables.advance(to=tables.heading)
+        assert (tables.mode, tables.set_id, tables.pending) == ("shared", ready.set_id, False)
+    finally:
+        tables.close()

@@ -430,8 +430,10 @@ class StepGate:
             return self._tables.advance()
         if self._steps % VOTE_EVERY:
             return False
-        tables = self._tables
-        return self._agree(tables.heading) and tables.advance()
+        # The set voted on is the one moved to: a move that arrives on one rank between the
+        # vote and the advance waits for the next vote, or that rank alone would move.
+        heading = self._tables.heading
+        return self._agree(heading) and self._tables.advance(to=heading)
 
 
 def agreement(group: Any) -> Callable[[str], bool] | None:
