@@ -91,10 +91,14 @@ def serve(
 ) -> None:
     """Run the daemon: load the tables into shared memory once, serve handles to workers."""
     import asyncio
+    import faulthandler
 
     from engramd.lifecycle import serve as run
 
     setup_logging(log_level, log_json)
+    # A fault in a native library (gRPC's core, a transfer library) kills the daemon without a
+    # Python traceback; every thread's stack in its log is what an operator can report.
+    faulthandler.enable()
     try:
         asyncio.run(run(DaemonConfig(**settings)))
     except (RuntimeError, ValueError, OSError) as e:

@@ -80,6 +80,10 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """One receiver's fill of one set: each side proves it holds the token, this one
         first; then the offer, then a grant for each piece asked for."""
+        # Read once while the call is alive: gRPC's core frees the peer's address with the
+        # transport, and context.peer() on a call the receiver cancelled reads freed memory
+        # (a daemon killed by SIGSEGV in the fleet test; grpc/grpc#29927, never merged).
+        receiver = context.peer()
         opening = Opening(self._exports)
         try:
             requests = aiter(request_iterator)
@@ -104,21 +108,17 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 return
             if second is None:
                 # A receiver whose key our proof failed sends nothing more (the tokens differ).
-                log.warning(
-                    "peer %s left before proving it holds the fleet's token", context.peer()
-                )
+                log.warning("peer %s left before proving it holds the fleet's token", receiver)
                 return
             try:
                 if not proven(second.proof, self._key.client_proof(set_id, theirs, mine)):
-                    log.warning("peer %s: wrong token; refused", context.peer())
+                    log.warning("peer %s: wrong token; refused", receiver)
                     raise NotAllowed("wrong peer token: give both daemons the fleet's token file")
                 served = await self._offers.served(set_id)
-                export = await self._pool.run(
-                    opening.make, served, receiver_address(context.peer())
-                )
+                export = await self._pool.run(opening.make, served, receiver_address(receiver))
             except TransferFailed as e:
                 # This node's side, not the receiver's: said so, with where the fix is.
-                log.warning("peer %s: %s", context.peer(), e)
+                log.warning("peer %s: %s", receiver, e)
                 await context.abort(
                     grpc.StatusCode.UNAVAILABLE,
                     f"the serving peer's own transfer process failed ({e}); the fix is on "
@@ -128,13 +128,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             except Exception as e:
                 await abort(context, e)
                 return
-            log.info("peer %s: filling set %s", context.peer(), served.name)
+            log.info("peer %s: filling set %s", receiver, served.name)
             yield peer_pb2.FillReply(
                 offer=export.offer(served.manifest_json, served.offered, served.held())
             )
             started, granted = time.monotonic(), 0
             try:
-                async for reply in self._grants(served, export, requests, context):
+                async for reply in self._grants(served, export, requests, context, receiver):
                     step = reply.WhichOneof("step")
                     if step == "piece":
                         granted += served.pieces[reply.piece]
@@ -142,7 +142,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                         granted += reply.granted
                     yield reply
             finally:
-                _log_served(context.peer(), served, granted, time.monotonic() - started)
+                _log_served(receiver, served, granted, time.monotonic() - started)
         finally:
             # Not awaited: a stream the receiver cancelled may be cancelled again here.
             opening.end()
@@ -153,10 +153,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         export: Export,
         requests: AsyncIterator[peer_pb2.FillRequest],
         context: grpc.aio.ServicerContext[Any, Any],
+        receiver: str,
     ) -> AsyncIterator[peer_pb2.FillReply]:
         """A grant for each piece (or window) asked for, and news of the pieces held."""
         with self._slots.stream() as outstanding:
-            async for reply in self._answers(served, export, requests, context, outstanding):
+            async for reply in self._answers(
+                served, export, requests, context, receiver, outstanding
+            ):
                 yield reply
 
     async def _answers(
@@ -165,6 +168,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         export: Export,
         requests: AsyncIterator[peer_pb2.FillRequest],
         context: grpc.aio.ServicerContext[Any, Any],
+        receiver: str,
         outstanding: dict[int, float],
     ) -> AsyncIterator[peer_pb2.FillReply]:
         # What this stream may still be granted: the set's bytes twice over (a receiver asks
@@ -183,12 +187,13 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
                 if not 0 < n <= min(WINDOW_BYTES, windows):
                     await self._refuse(
                         context,
+                        receiver,
                         served,
                         f"a window of {n} bytes: windows are 1 to {WINDOW_BYTES} bytes, and "
                         f"this fill has {windows} bytes of set {served.name} left to grant",
                     )
                 windows -= n
-                await self._grant(n, export, served, context)
+                await self._grant(n, export, served, context, receiver)
                 yield peer_pb2.FillReply(granted=n)
                 continue
             if (news := served.news()) is not None:
@@ -204,6 +209,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             if not 0 <= p < len(served.pieces) or served.pieces[p] > left:
                 await self._refuse(
                     context,
+                    receiver,
                     served,
                     f"piece {p}: set {served.name} has pieces 0 to {len(served.pieces) - 1}, "
                     f"and this fill has {left} bytes left to grant",
@@ -223,14 +229,14 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             # The slot is held while the grant waits for the rate cap, and from the grant on.
             loop = asyncio.get_running_loop()
             outstanding[p] = loop.time()
-            await self._grant(served.pieces[p], export, served, context)
+            await self._grant(served.pieces[p], export, served, context, receiver)
             outstanding[p] = loop.time()
             yield peer_pb2.FillReply(piece=p)
 
     async def _refuse(
-        self, context: grpc.aio.ServicerContext[Any, Any], served: Served, why: str
+        self, context: grpc.aio.ServicerContext[Any, Any], receiver: str, served: Served, why: str
     ) -> None:
-        log.warning("peer %s: %s; ended", context.peer(), why)
+        log.warning("peer %s: %s; ended", receiver, why)
         await abort(context, InvalidRequest(why))
 
     async def _grant(
@@ -239,6 +245,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
         export: Export,
         served: Served,
         context: grpc.aio.ServicerContext[Any, Any],
+        receiver: str,
     ) -> None:
         """Wait for `n` bytes of the rate cap; end the stream if its transfer process died."""
         await self._cap.take(n)
@@ -247,7 +254,7 @@ class PeerService(peer_pb2_grpc.PeerServiceServicer):
             # A peer wrote into the read-only copy, or read outside it.
             log.warning(
                 "peer %s: the transfer process serving set %s %s; fill ended",
-                context.peer(),
+                receiver,
                 served.name,
                 ended,
             )

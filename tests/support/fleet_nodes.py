@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from conftest import SUPPORT, Daemon, wait_until
@@ -133,7 +134,14 @@ def ready_set(d: Daemon, timeout: float = 120) -> pb.SetInfo:
     found: list[pb.SetInfo] = []
 
     def done() -> bool:
-        sets = d.status().sets
+        try:
+            sets = d.status().sets
+        except grpc.RpcError:
+            # A daemon that died answers nothing: its exit and its log say why.
+            assert d.proc is not None
+            if d.proc.poll() is not None:
+                raise AssertionError(f"engramd exited with {d.proc.returncode}:\n{d.log}") from None
+            raise
         assert all(s.state != "failed" for s in sets), [s.error for s in sets]
         found[:] = [s for s in sets if s.state == "ready"]
         return bool(found)
