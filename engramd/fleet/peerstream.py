@@ -71,6 +71,8 @@ class PeerStream:
         self.pieces: list[list[bytes]] = []
         #: The peer's NIXL agent, once the fill loaded its metadata.
         self.remote = ""
+        #: A receiving transfer process that ended had loaded its metadata (`remote` was set).
+        self.loaded_before = False
 
     def _sent(self) -> Iterator[peer_pb2.FillRequest]:
         while (r := self._requests.get()) is not None:

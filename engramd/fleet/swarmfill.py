@@ -31,7 +31,9 @@ compared with the attested digests like any piece).
 Whoever reaches the receiving transfer process's UCX port can end it. When
 it ends, another takes its place (a new landing ring, the peers' metadata
 added again) and the reads that were on the wire are asked again; the
-pieces verified are kept. After RESTARTS, no peer is asked for the rest of
+pieces verified are kept. A peer whose serving process ended with it (UCX
+ends a process whose endpoint failed mid-read) refuses that metadata, and
+is asked again for a new stream. After RESTARTS, no peer is asked for the rest of
 the fill: the object store and the files give what is still needed.
 
 Each kind of source is an object with one interface (start a piece, a piece
@@ -466,7 +468,8 @@ class SwarmFill:
 
     def _add_remotes(self) -> None:
         """Give the receiving transfer process the NIXL metadata of each peer that joined
-        since, before it is asked for a piece; a peer whose metadata is refused is left."""
+        since, before it is asked for a piece. A peer whose metadata is refused is left; one
+        whose metadata an ended process had loaded is asked again, for a new stream."""
         assert self._agent is not None
         for name, stream in list(self._streams.items()):
             if stream.remote:
@@ -476,8 +479,18 @@ class SwarmFill:
             except TransferFailed as e:
                 if self._agent.ended():
                     raise
-                log.warning("set %s: peer %s: %s; left", self._plan.set_id, name, e)
-                self._lose(name, str(e), again=False)
+                # UCX ends a process whose endpoint fails mid-request ("Fatal: unexpected
+                # error: Endpoint timeout"): the peer's serving process may have ended with
+                # ours, and its next stream gets a new one (fleet/exports.py).
+                again = stream.loaded_before
+                log.warning(
+                    "set %s: peer %s: %s; %s",
+                    self._plan.set_id,
+                    name,
+                    e,
+                    "asked again" if again else "left",
+                )
+                self._lose(name, str(e), again=again)
 
     def _restart(self, why: str) -> None:
         """The receiving transfer process ended (`why`): its reads are asked again of the same
@@ -526,6 +539,7 @@ class SwarmFill:
                 continue
             # The next turn of the loop gives the new process the peers' metadata.
             for stream in self._streams.values():
+                stream.loaded_before = stream.loaded_before or bool(stream.remote)
                 stream.remote = ""
             return
 
