@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from engine_harness import (
     across_a_generation,
+    from_private_to_the_daemon,
     in_bucket,
     one_generation_left,
-    ranks_in_thread,
     readahead,
     result,
 )
@@ -200,24 +200,17 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
     issue's 2 s: same addresses, the checkpoint's rows, padding zero, the daemon's pages, the
     private copies gone."""
     env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live))
-    with ranks_in_thread(
-        lambda: run_ple_ranks(ple_model, 2, env, tmp_path, extra), live, 2
-    ) as done:
-        d = daemons("--checkpoint", str(ple_model.folder))
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
-        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
-        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+    d, outs = from_private_to_the_daemon(
+        daemons,
+        ple_model.folder,
+        lambda extra: run_ple_ranks(ple_model, 2, env, tmp_path, extra),
+        tmp_path,
+        "SGLang",
+    )
+    for out in outs:
         for info in out["layers"].values():
             assert info["same_bytes"] and info["padding_zero"], info
             assert str(d.shm_dir) in info["map"], info["map"]
-        log = _output(done[rank])
-        assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
 
 
 def test_a_new_generation_reaches_both_ranks_at_one_step(

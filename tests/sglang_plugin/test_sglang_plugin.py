@@ -21,9 +21,9 @@ from typing import Any
 from engine_harness import (
     InBucket,
     across_a_generation,
+    from_private_to_the_daemon,
     on_the_daemons_pages,
     one_generation_left,
-    ranks_in_thread,
     readahead,
     result,
 )
@@ -142,25 +142,18 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
     within the issue's 2 s: the pointers SGLang's kernels take unchanged, the checkpoint's
     rows, the daemon's read-only pages, the private copies gone."""
     env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live))
-    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
-        d = daemons("--checkpoint", str(model.folder))
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
-        assert moved["private_copies_before"] > 0, moved
-        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
-        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+    d, outs = from_private_to_the_daemon(
+        daemons,
+        model.folder,
+        lambda extra: run_ranks(model, 2, env, tmp_path, extra),
+        tmp_path,
+        "SGLang",
+    )
+    for out in outs:
         for info in out["layers"].values():
             assert info["served"] and info["same_bytes"] == [True, True], info
             assert info["pointers_are_tensors"], info
-            assert str(d.shm_dir) in info["weight_map"], info["weight_map"]
-            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
-        log = _output(done[rank])
-        assert log.count("engramd's tables of SGLang moved to the daemon's copy") == 1, log[-3000:]
+            on_the_daemons_pages(info, d.shm_dir)
 
 
 def test_a_new_generation_reaches_both_ranks_at_one_step(

@@ -282,6 +282,39 @@ def ranks_in_thread(
         thread.join()
 
 
+def from_private_to_the_daemon(
+    daemons: Any,
+    checkpoint: Path,
+    run: Callable[[tuple[str, ...]], list[subprocess.CompletedProcess[str]]],
+    tmp: Path,
+    engine: str,
+) -> tuple[Any, list[dict[str, Any]]]:
+    """Two ranks built while the daemon is down (`run(extra)` runs them with `--live`), then
+    the daemon started on `checkpoint` (`daemons(...)` starts one). The daemon and each rank's
+    result, each checked to have fallen back to its private live copy with one warning and to
+    have moved to the daemon's copy within the issue's 2 s at the same addresses, its private
+    copies gone, with one line of the plugin for `engine`'s move."""
+    live = tmp / "live"
+    live.mkdir()
+    with ranks_in_thread(lambda: run(("--live", str(live))), live, 2) as done:
+        d = daemons("--checkpoint", str(checkpoint))
+        (live / "go").touch()
+    outs = []
+    for process in done:
+        out = result(process)
+        moved = out["live"]
+        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
+        assert moved["private_copies_before"] > 0, moved
+        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
+        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+        said = process.stdout + process.stderr
+        assert said.count("Falling back to private tables") == 1, said[-3000:]
+        moves = said.count(f"engramd's tables of {engine} moved to the daemon's copy")
+        assert moves == 1, said[-3000:]
+        outs.append(out)
+    return d, outs
+
+
 def on_the_daemons_pages(info: dict[str, Any], shm_dir: Path) -> None:
     """A rank's layer (its result's `weight_map`) maps the daemon's read-only pages."""
     assert str(shm_dir) in info["weight_map"], info["weight_map"]

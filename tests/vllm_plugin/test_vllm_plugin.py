@@ -18,9 +18,9 @@ from typing import Any
 
 from engine_harness import (
     across_a_generation,
+    from_private_to_the_daemon,
     on_the_daemons_pages,
     one_generation_left,
-    ranks_in_thread,
     readahead,
     result,
 )
@@ -186,29 +186,21 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
     tables at the same addresses, the checkpoint's rows, the daemon's read-only pages, the
     private copies gone."""
     env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live))
-    with ranks_in_thread(lambda: run_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
-        d = daemons("--checkpoint", str(model.folder))
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
-        assert moved["private_copies_before"] == 2 * len(model.spec.engram_layers)
-        assert moved["mode"] == "shared", moved
-        assert moved["seconds"] < 2.0, moved
-        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+    d, outs = from_private_to_the_daemon(
+        daemons,
+        model.folder,
+        lambda extra: run_ranks(model, 2, env, tmp_path, extra),
+        tmp_path,
+        "vLLM",
+    )
+    for rank, out in enumerate(outs):
+        # Both tables of each layer were private.
+        assert out["live"]["private_copies_before"] == 2 * len(model.spec.engram_layers)
         for index, layer_id in enumerate(model.spec.engram_layers):
             info = out["layers"][str(layer_id)]
             assert (info["start"], info["end"]) == ceil_head_rows(model.heads[index], rank, 2)
             assert info["served"] and info["same_bytes"] == [True, True], info
-            assert str(d.shm_dir) in info["weight_map"], info["weight_map"]
-            assert info["weight_map"].split()[1] == "r--s", info["weight_map"]
-        # One line each way: the fallback's warning, the move's.
-        log = _output(done[rank])
-        assert log.count("Falling back to private tables") == 1, log[-3000:]
-        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
+            on_the_daemons_pages(info, d.shm_dir)
 
 
 def test_a_new_generation_reaches_both_ranks_at_one_step(

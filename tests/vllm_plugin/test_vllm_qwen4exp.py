@@ -19,8 +19,8 @@ import pytest
 import torch
 from engine_harness import (
     across_a_generation,
+    from_private_to_the_daemon,
     one_generation_left,
-    ranks_in_thread,
     readahead,
     result,
 )
@@ -185,26 +185,20 @@ def test_ranks_built_while_the_daemon_is_down_move_to_its_copy(
     daemon's read-only pages, the private copies gone."""
     model = ple_models["BF16"]
     env = {"ENGRAMD_SOCKET": str(sock_dir / "d.sock")}
-    live = tmp_path / "live"
-    live.mkdir()
-    extra = ("--live", str(live))
-    with ranks_in_thread(lambda: run_ple_ranks(model, 2, env, tmp_path, extra), live, 2) as done:
-        d = daemons("--checkpoint", str(model.folder))
-        (live / "go").touch()
-    for rank, out in enumerate(result(r) for r in done):
-        moved = out["live"]
-        assert (moved["mode_before"], moved["live"]) == ("private", True), moved
-        assert moved["private_copies_before"] > 0, moved
-        assert moved["mode"] == "shared" and moved["seconds"] < 2.0, moved
-        assert moved["same_addresses"] and moved["private_copies_after"] == 0, moved
+    d, outs = from_private_to_the_daemon(
+        daemons,
+        model.folder,
+        lambda extra: run_ple_ranks(model, 2, env, tmp_path, extra),
+        tmp_path,
+        "vLLM",
+    )
+    for out in outs:
         for module, info in out["layers"].items():
             assert info["served"] == ["weight"] and info["uva_is_table"], info
             assert str(d.shm_dir) in info["maps"]["weight"], info["maps"]
             assert info["sha256"]["weight"] == _expected_sha(
                 model, _layer(module), "weight", info["start"], info["rows"]
             )
-        log = _output(done[rank])
-        assert log.count("engramd's tables of vLLM moved to the daemon's copy") == 1, log[-3000:]
 
 
 @pytest.mark.parametrize("fmt", ["BF16", "NVFP4"])
