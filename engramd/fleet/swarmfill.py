@@ -33,8 +33,8 @@ it ends, another takes its place (a new landing ring, the peers' metadata
 added again) and the reads that were on the wire are asked again; the
 pieces verified are kept. A peer whose serving process ended with it (UCX
 ends a process whose endpoint failed mid-read) refuses that metadata, and
-is asked again for a new stream. After RESTARTS, no peer is asked for the rest of
-the fill: the object store and the files give what is still needed.
+is asked again for a new stream. After RESTARTS, no peer is asked for the
+rest of the fill: the object store and the files give what is still needed.
 
 Each kind of source is an object with one interface (start a piece, a piece
 it sent wrong): a peer, the store, the files; the schedule names which. The
