@@ -183,46 +183,36 @@ def install_updates(updater: ModuleType) -> None:
     end of update_weights_from_distributed) and update_weights_from_tensor name theirs.
     """
     owner = updater.WeightUpdater
-    for name, guard in (
-        ("update_weights_from_disk", _from_disk),
-        ("update_weights_from_ipc", _from_ipc),
-        ("load_weights_from_distributed", _from_distributed),
-        ("update_weights_from_tensor", _from_tensor),
+    for name, call, names in (
+        ("update_weights_from_disk", "update_weights_from_disk", _unknown),
+        ("update_weights_from_ipc", "update_weights_from_ipc", _unknown),
+        ("load_weights_from_distributed", "update_weights_from_distributed", _named),
+        ("update_weights_from_tensor", "update_weights_from_tensor", _named),
     ):
         own = getattr(owner, name, None)
         if own is not None and not replaced(own):
-            PROCESS.calls.replace(owner, name, guard)
+            PROCESS.calls.replace(owner, name, _guard(call, names))
 
 
-def _refused(call: str, names: Any) -> tuple[bool, str] | None:
-    why = refuse_update("SGLang", call, names, PROCESS.served)
-    if why is None:
-        return None
-    log.warning("%s", why)
-    return False, why
+def _unknown(*args: Any, **kwargs: Any) -> None:
+    """An update whose weights' names are known only once it loads them."""
+    return None
 
 
-def _from_disk(self: Any, *args: Any, **kwargs: Any) -> Any:
-    return _refused("update_weights_from_disk", None) or PROCESS.calls.call(
-        _from_disk, self, *args, **kwargs
-    )
+def _named(named_tensors: list[tuple[str, Any]], *args: Any, **kwargs: Any) -> list[str]:
+    """The names of an update's (name, tensor) pairs."""
+    return [name for name, _ in named_tensors]
 
 
-def _from_ipc(self: Any, *args: Any, **kwargs: Any) -> Any:
-    return _refused("update_weights_from_ipc", None) or PROCESS.calls.call(
-        _from_ipc, self, *args, **kwargs
-    )
+def _guard(call: str, names: Callable[..., list[str] | None]) -> Callable[..., Any]:
+    """SGLang's `call` in its place: (False, why) where it would write a served table (its
+    weights' `names(*args, **kwargs)`), else SGLang's own."""
 
+    def guarded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        why = refuse_update("SGLang", call, names(*args, **kwargs), PROCESS.served)
+        if why is not None:
+            log.warning("%s", why)
+            return False, why
+        return PROCESS.calls.call(guarded, self, *args, **kwargs)
 
-def _from_distributed(self: Any, named_tensors: list[tuple[str, Any]]) -> Any:
-    names = [name for name, _ in named_tensors]
-    return _refused("update_weights_from_distributed", names) or PROCESS.calls.call(
-        _from_distributed, self, named_tensors
-    )
-
-
-def _from_tensor(self: Any, named_tensors: list[tuple[str, Any]], *args: Any, **kw: Any) -> Any:
-    names = [name for name, _ in named_tensors]
-    return _refused("update_weights_from_tensor", names) or PROCESS.calls.call(
-        _from_tensor, self, named_tensors, *args, **kw
-    )
+    return guarded
