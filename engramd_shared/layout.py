@@ -61,8 +61,10 @@ import os
 import re
 import stat
 import struct
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Protocol
 
 from engramd_shared.checkpoint import LAYOUT_VERSION, is_set_id
 from engramd_shared.fileid import SourceFile
@@ -78,8 +80,12 @@ LOCK_NAME = ".lock"
 PACKED_NAME = "tables"
 TRAILER = struct.Struct("<8sQ")
 TRAILER_MAGIC = b"engramd\x01"
-#: Alignment of tensors in a packed file (a page of the smallest size).
+#: Alignment of the places of tensors in a packed file (a page of the smallest size).
 PACKED_ALIGN = 4096
+#: In a set whose pages the loader maps, a tensor starts at its checkpoint offset modulo
+#: this (a page: every block device's logical block divides it), its lead, so that a
+#: direct read of the checkpoint lands in the set's own pages (engramd/sets/loader.py).
+DIRECT_ALIGN = 4096
 
 _NONCE = re.compile(r"^[0-9a-f]{32}$")
 _COPY = re.compile(r"^[0-9a-f]{20}(-node\d+)?$")
@@ -311,13 +317,40 @@ def read_manifest(folder: Path, owner: int) -> Manifest:
         return Manifest.from_json(f.read())
 
 
+class Placed(Protocol):
+    """A tensor's bytes somewhere: a checkpoint's (TensorEntry) or a set's (ManifestTensor)."""
+
+    @property
+    def offset(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def lead(offset: int) -> int:
+    """Bytes before a tensor at `offset` of its checkpoint (or of a set) in its place in a set."""
+    return offset % DIRECT_ALIGN
+
+
+def extents(tensors: Iterable[Placed]) -> list[int]:
+    """The bytes each tensor's place takes in a set: its lead, then its own bytes."""
+    return [lead(t.offset) + t.nbytes for t in tensors]
+
+
 def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """(offset of each tensor, end of the last) in a packed file: PACKED_ALIGN-aligned, in order."""
+    """(offset of each place, end of the last) in a packed file: PACKED_ALIGN-aligned, in order."""
     offsets, end = [], 0
     for n in sizes:
         offsets.append(end)
         end += -(-n // PACKED_ALIGN) * PACKED_ALIGN
     return offsets, end
+
+
+def packed_tensors(tensors: list[Placed]) -> tuple[list[int], int]:
+    """(offset of each tensor, end of the last place) in a packed file: each tensor at its
+    lead in its place."""
+    places, end = packed_offsets(extents(tensors))
+    return [at + lead(t.offset) for at, t in zip(places, tensors, strict=True)], end
 
 
 def trailer(manifest: bytes) -> bytes:

@@ -129,6 +129,11 @@ def mounted_tmpfs(size: str) -> contextlib.AbstractContextManager[Path]:
     return _mounted("tmpfs", f"size={size}")
 
 
+def mounted_ramfs() -> contextlib.AbstractContextManager[Path]:
+    """A ramfs (no size limit, no O_DIRECT), unmounted afterwards."""
+    return _mounted("ramfs", "mode=0755")
+
+
 def mounted_hugetlbfs(page_size: int) -> contextlib.AbstractContextManager[Path]:
     """A hugetlbfs of `page_size` pages, unmounted afterwards."""
     return _mounted("hugetlbfs", f"pagesize={page_size >> 10}K")

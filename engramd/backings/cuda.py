@@ -62,7 +62,7 @@ from engramd.units import gib
 from engramd_shared import cudadriver
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import DeviceError, ShmCapacityError, UnknownSet
-from engramd_shared.layout import Manifest, ManifestError, packed_offsets
+from engramd_shared.layout import Manifest, ManifestError, extents, packed_offsets
 
 log = logging.getLogger("engramd")
 
@@ -174,7 +174,7 @@ class CudaBackingBase(Backing):
     def _used(self) -> int:
         with self._lock:
             manifests = [c.manifest for c in self._copies.values() if c.manifest is not None]
-        return sum(self.footprint([t.nbytes for t in m.tensors]) for m in manifests)
+        return sum(self.footprint(extents(m.tensors)) for m in manifests)
 
     def stage(self, plan: TablePlan, node: int | None = None) -> StagedSet:
         """A mapped allocation of the set's whole size, exported; nothing hands it out yet."""

@@ -20,7 +20,7 @@ from engramd.units import gib
 from engramd_shared import cudadriver
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import DeviceError, LoadFailed, ShmCapacityError
-from engramd_shared.layout import Manifest, copy_name, packed_offsets
+from engramd_shared.layout import Manifest, copy_name, extents, packed_tensors
 
 if TYPE_CHECKING:
     from engramd.backings.cuda import CudaBackingBase
@@ -62,9 +62,8 @@ class StagedCopy(StagedSet):
     def __init__(self, backing: CudaBackingBase, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
-        sizes = [t.nbytes for t in plan.tensors]
-        self._offsets, _ = packed_offsets(sizes)
-        size = max(backing.footprint(sizes), backing.page_size)
+        self._offsets, _ = packed_tensors(list(plan.tensors))
+        size = max(backing.footprint(extents(plan.tensors)), backing.page_size)
         cu = cudadriver.make_current(backing.device)
         prop = cudadriver.allocation_prop(
             cu, backing.host_node(node), backing.device, backing.fabric

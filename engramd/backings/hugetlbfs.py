@@ -39,7 +39,9 @@ from engramd_shared.errors import ShmCapacityError
 from engramd_shared.layout import (
     PACKED_NAME,
     Manifest,
+    extents,
     packed_offsets,
+    packed_tensors,
     sets_root,
     trailer,
 )
@@ -108,7 +110,7 @@ class HugetlbfsBacking(TmpfsBacking):
         return Usage(self.shm_dir, total, used, free, self.page_size)
 
     def footprint(self, sizes: list[int]) -> int:
-        """One packed file: the tensors, the manifest's room, in whole huge pages."""
+        """One packed file: the tensors' places, the manifest's room, in whole huge pages."""
         _, end = packed_offsets(sizes)
         return self.reserved(end + manifest_room(len(sizes)))
 
@@ -139,8 +141,8 @@ class _StagedPacked(StagedSet):
         self._backing = backing
         self._plan = plan
         self._folder = backing.loading_folder(plan.set_id)
-        self._offsets, self._end = packed_offsets([t.nbytes for t in plan.tensors])
-        self._size = backing.footprint([t.nbytes for t in plan.tensors])
+        self._offsets, self._end = packed_tensors(list(plan.tensors))
+        self._size = backing.footprint(extents(plan.tensors))
         self._fd = -1
         self._writer: MappedWriter | None = None
         try:

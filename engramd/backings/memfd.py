@@ -39,7 +39,15 @@ from engramd.strong import digest_fd_as
 from engramd.units import gib
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import ShmCapacityError
-from engramd_shared.layout import Manifest, ManifestError, copy_name, packed_offsets
+from engramd_shared.layout import (
+    Manifest,
+    ManifestError,
+    copy_name,
+    extents,
+    lead,
+    packed_offsets,
+    packed_tensors,
+)
 
 log = logging.getLogger("engramd")
 
@@ -118,9 +126,7 @@ class MemfdBacking(Backing):
     def usage(self) -> Usage:
         """The daemon's memory bound, or the hugetlb pool; used: the sets held."""
         with self._lock:
-            used = sum(
-                self.footprint([t.nbytes for t in h.manifest.tensors]) for h in self._held.values()
-            )
+            used = sum(self.footprint(extents(h.manifest.tensors)) for h in self._held.values())
         if self.huge_page_size:
             p = pool(self.huge_page_size, self.node)
             return Usage(str(p.sysfs), p.total, used, p.free, self.page_size)
@@ -238,13 +244,16 @@ class _StagedMemfd(StagedSet):
     def __init__(self, backing: MemfdBacking, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
-        sizes = [t.nbytes for t in plan.tensors]
+        sizes = extents(plan.tensors)
         huge = backing.huge_page_size
         if huge:
-            self._offsets, _ = packed_offsets(sizes)
+            self._offsets, _ = packed_tensors(list(plan.tensors))
         else:
-            # Each tensor in pages of its own: a running sum of the pages before it.
-            self._offsets = list(itertools.accumulate(map(backing.reserved, sizes[:-1]), initial=0))
+            # Each tensor in pages of its own: a running sum of the pages before it, its lead.
+            places = itertools.accumulate(map(backing.reserved, sizes), initial=0)
+            self._offsets = [
+                at + lead(t.offset) for at, t in zip(places, plan.tensors, strict=False)
+            ]
         size = backing.footprint(sizes)
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge:
@@ -268,7 +277,7 @@ class _StagedMemfd(StagedSet):
             ) from None
 
     def placement(self, index: int) -> tuple[str, int]:
-        """Every tensor in the set's one memfd, at a page-aligned offset."""
+        """Every tensor in the set's one memfd, at its lead past a page boundary."""
         return TABLES, self._offsets[index]
 
     def memory(self, index: int) -> tuple[int, int]:

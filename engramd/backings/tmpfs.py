@@ -40,6 +40,7 @@ from engramd_shared.layout import (
     ManifestError,
     check_complete,
     is_copy_name,
+    lead,
     open_owned,
     read_manifest,
     set_dir,
@@ -417,6 +418,7 @@ class _StagedFolder(StagedSet):
         self._plan = plan
         self._folder = backing.loading_folder(plan.set_id)
         self._fds: list[int] = []
+        self._leads = [0 if backing.durable else lead(t.offset) for t in plan.tensors]
         try:
             backing.make_folder(self._folder)
             for i in range(len(plan.tensors)):
@@ -425,7 +427,10 @@ class _StagedFolder(StagedSet):
             # ~0.25 s a GiB of one core.
             try:
                 reserve_files(
-                    [(fd, t.nbytes) for fd, t in zip(self._fds, plan.tensors, strict=True)],
+                    [
+                        (fd, at + t.nbytes)
+                        for fd, at, t in zip(self._fds, self._leads, plan.tensors, strict=True)
+                    ],
                     mmap.PAGESIZE,
                     on_disk=backing.durable,
                 )
@@ -448,23 +453,25 @@ class _StagedFolder(StagedSet):
         )
 
     def placement(self, index: int) -> tuple[str, int]:
-        """Each tensor in a file of its own, at offset 0."""
-        return tensor_file_name(index), 0
+        """Each tensor in a file of its own, at its lead (on a disk at 0: its readers take
+        the file as the tensor)."""
+        return tensor_file_name(index), self._leads[index]
 
     def memory(self, index: int) -> tuple[int, int]:
-        """The tensor's own reserved file, from its start; none on a disk (durable)."""
+        """The tensor's own reserved file, at its lead; none on a disk (durable)."""
         if self._backing.durable:
             # A store through a mapping that the disk cannot take (an I/O error, a
             # copy-on-write file system out of space) is a SIGBUS in the daemon;
             # write(2) returns the error.
             raise NotImplementedError("a set on a disk is written with write(2), never mapped")
-        return self._fds[index], 0
+        return self._fds[index], self._leads[index]
 
     def write(self, index: int, data: memoryview, offset: int) -> None:
         """Positional writes into the reserved file."""
+        at = self._leads[index] + offset
         done = 0
         while done < len(data):
-            done += os.pwrite(self._fds[index], data[done:], offset + done)
+            done += os.pwrite(self._fds[index], data[done:], at + done)
 
     def publish(self, manifest: Manifest) -> None:
         """Write the manifest last, then rename the folder to the copy's name (on a durable

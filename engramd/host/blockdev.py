@@ -26,8 +26,6 @@ class DeviceQueue:
     name: str
     #: Bytes of the largest request the kernel sends it (max_sectors_kb).
     max_request: int
-    #: Bytes the kernel reads ahead of a sequential reader (read_ahead_kb).
-    readahead: int
     #: Requests it queues (nr_requests), its members' together for md and dm.
     depth: int
     #: Devices under it: 1 for a disk, the members for md RAID and device-mapper.
@@ -52,7 +50,6 @@ def queue_of(dev: int, root: Path = SYS_DEV_BLOCK) -> DeviceQueue | None:
     return DeviceQueue(
         name=own.name,
         max_request=own.max_request,
-        readahead=own.readahead,
         depth=sum(m.depth for m in members),
         members=len(members),
     )
@@ -71,10 +68,9 @@ def _queue(device: Path) -> DeviceQueue | None:
     queue = device / "queue"
     try:
         max_request = int((queue / "max_sectors_kb").read_text()) << 10
-        readahead = int((queue / "read_ahead_kb").read_text()) << 10
         # A bio-based device (md, some dm) may keep no request queue of its own.
         depth_file = queue / "nr_requests"
         depth = int(depth_file.read_text()) if depth_file.exists() else 0
     except (OSError, ValueError):
         return None
-    return DeviceQueue(device.name, max_request, readahead, depth, members=1)
+    return DeviceQueue(device.name, max_request, depth, members=1)

@@ -15,6 +15,7 @@ from engramd.sets.registry import SetRegistry
 from engramd.sets.tableset import COMPLETE, SetState, TableSet
 from engramd.units import gib
 from engramd_shared.errors import BudgetExceeded, QuotaExceeded, ShmCapacityError
+from engramd_shared.layout import extents
 
 
 class Admission:
@@ -59,7 +60,7 @@ class Admission:
                 )
 
     def needed(self, sizes: list[int]) -> int:
-        """The most any backing would take for tensors of these sizes."""
+        """The most any backing would take for tensors whose places take these bytes."""
         return max(b.footprint(sizes) for b in self._backings)
 
     def victims(self, needed: int, what: str) -> list[TableSet]:
@@ -116,4 +117,4 @@ class Admission:
         """What a set holds of its backing: whole pages (of its manifest once loaded)."""
         if ts.manifest is None:
             return ts.backing.reserved(ts.nbytes)
-        return ts.backing.footprint([t.nbytes for t in ts.manifest.tensors])
+        return ts.backing.footprint(extents(ts.manifest.tensors))

@@ -48,8 +48,11 @@ Fills (a FillSource, sets/seams.py; the fleet's in engramd/fleet): a `fill`
 from __future__ import annotations
 
 import bisect
+import ctypes
+import errno
 import itertools
 import logging
+import mmap
 import os
 import secrets
 import threading
@@ -63,6 +66,7 @@ from engramd.checksum import BUFFER_BYTES, combined, piece_digest
 from engramd.host.blockdev import DeviceQueue, queue_of
 from engramd.host.blocking import cores, map_on_threads
 from engramd.host.numa import applied
+from engramd.host.pagecache import resident_bytes
 from engramd.sets.seams import Filled
 from engramd.units import gib
 from engramd.values import Placement
@@ -71,7 +75,7 @@ from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError
 from engramd_shared.fileid import SourceFile, open_regular
 from engramd_shared.headers import TensorEntry
-from engramd_shared.layout import Manifest, ManifestTensor
+from engramd_shared.layout import DIRECT_ALIGN, Manifest, ManifestTensor, lead
 
 log = logging.getLogger("engramd")
 
@@ -222,13 +226,11 @@ def sized_reads(queue: DeviceQueue | None, asked: int) -> Reads:
     A read asks for the device's largest request (max_sectors_kb, in whole
     pieces, at most MAX_READ_BYTES), and enough reads are in flight to keep
     DRIVE_REQUESTS of its requests queued on each drive (md and dm members
-    counted), within its own queue. Each reader also has the kernel's
-    readahead in flight (twice read_ahead_kb: the loader reads
-    POSIX_FADV_SEQUENTIAL), so a reader keeps (read + readahead) /
-    max_request requests queued. Never fewer threads than cores, since each
-    also copies and digests; more only cost CPU (measured: 32 threads on 2
-    cores took 40% more CPU a GiB than 4, at the same rate). No device
-    (tmpfs, NFS): a piece a read, a thread a core.
+    counted), within its own queue. A cold load's reads are direct, so a
+    reader has no readahead in flight: it keeps read / max_request requests
+    queued. Never fewer threads than cores, since each also digests (and
+    copies, where it reads through the page cache). No device (tmpfs, NFS):
+    a piece a read, a thread a core.
     """
     if queue is None:
         return Reads(BUFFER_BYTES, copy_threads(asked))
@@ -237,7 +239,7 @@ def sized_reads(queue: DeviceQueue | None, asked: int) -> Reads:
     requests = DRIVE_REQUESTS * queue.members
     if queue.depth:
         requests = min(requests, queue.depth)
-    per_reader = max(1, (size + 2 * queue.readahead) // max(queue.max_request, 1))
+    per_reader = max(1, size // max(queue.max_request, 1))
     depth = -(-requests // per_reader)
     threads = asked or max(MIN_THREADS, min(MAX_THREADS, max(cores(), depth)))
     return Reads(size, threads, queue.name)
@@ -285,14 +287,24 @@ def load_set(
 
         def copy(piece: tuple[_TensorCopy, int]) -> None:
             if not hasattr(buffers, "buffer"):
-                buffers.buffer = memoryview(bytearray(reads.size))
-            progress.add(piece[0].copy(piece[1], buffers.buffer))
+                # Anonymous mappings: page-aligned, as direct reads want them.
+                buffers.buffer = memoryview(mmap.mmap(-1, reads.size + DIRECT_ALIGN))
+                buffers.edges = memoryview(mmap.mmap(-1, 2 * DIRECT_ALIGN))
+            progress.add(piece[0].copy(piece[1], buffers.buffer, buffers.edges))
 
         try:
             for i in order:
                 copies[i] = _TensorCopy(plan.tensors[i], sources, staged, i, plan.held, reads.size)
             pieces = [(copies[i], at) for i in order for at in copies[i].reads()]
             map_on_threads(copy, pieces, reads.threads, "load")
+            if order:
+                direct = sum(c.direct for c in copies.values())
+                log.info(
+                    "set %s: %s read direct into its pages, %s through the page cache",
+                    plan.set_id,
+                    gib(direct),
+                    gib(plan.nbytes - direct),
+                )
         except BaseException:
             for c in copies.values():
                 c.fail()
@@ -389,29 +401,38 @@ class _TensorCopy:
         self._lock = threading.Lock()
         self._digests: list[bytes | None] = [None] * -(-entry.nbytes // BUFFER_BYTES)
         self._failed = False
+        #: Bytes read direct (the rest went through the page cache).
+        self.direct = 0
 
     def reads(self) -> range:
         """Offsets of the tensor's reads, in order (each a whole number of pieces)."""
         return range(0, self._entry.nbytes, self._read_bytes)
 
-    def copy(self, at: int, buffer: memoryview) -> int:
+    def copy(self, at: int, buffer: memoryview, edges: memoryview) -> int:
         """Read the bytes at `at` (one read), digest and write each of their pieces; their
         size in bytes.
 
         Where the backing's memory is a file they are read straight into the set's
-        reserved pages and digested there; else through `buffer`, then written.
+        reserved pages and digested there; else through `buffer` (at the file's offset
+        within a page, for a direct read), then written. `edges`: two pages for the
+        partial pages at either end of a direct read.
         """
         entry = self._entry
         n = min(self._read_bytes, entry.nbytes - at)
-        data = self._view[at : at + n] if self._view is not None else buffer[:n]
         first = bisect.bisect_right(self._starts, at) - 1
+        if self._view is not None:
+            data = self._view[at : at + n]
+        else:
+            shift = lead(self._spans[first].position(at))
+            data = buffer[shift : shift + n]
         for span in itertools.takewhile(lambda s: s.start < at + n, self._spans[first:]):
             begin, end = max(at, span.start), min(at + n, span.start + span.entry.nbytes)
             with self._lock:
                 span.open()
-            span.read(data[begin - at : end - at], begin - span.start)
+            direct = span.read(data[begin - at : end - at], begin - span.start, edges)
             with self._lock:
                 span.count(end - begin)
+                self.direct += (end - begin) * direct
         for piece in range(0, n, BUFFER_BYTES):
             part = data[piece : piece + BUFFER_BYTES]
             self._digests[(at + piece) // BUFFER_BYTES] = piece_digest(part)
@@ -485,6 +506,12 @@ class _Span:
         #: Bytes of the span read so far.
         self.done = 0
         self.fd = -1
+        #: The same file opened O_DIRECT; -1 where its file system takes no direct reads.
+        self.direct = -1
+
+    def position(self, at: int) -> int:
+        """The file offset of the tensor's byte `at` (within this span)."""
+        return self.entry.offset + at - self.start
 
     def open(self) -> None:
         """Open the span's file, once (under the tensor's lock)."""
@@ -498,8 +525,69 @@ class _Span:
         self.fd = self.held.reopen() if self.held is not None else open_regular(entry.file)
         _check_identity(self.source, os.fstat(self.fd), "during the load")
         os.posix_fadvise(self.fd, entry.offset, entry.nbytes, os.POSIX_FADV_SEQUENTIAL)
+        try:
+            # The very file open (its magic link), never its name again.
+            self.direct = os.open(
+                f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
+            )
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # a file system without direct reads (tmpfs before 6.6)
+                raise
 
-    def read(self, data: memoryview, at: int) -> None:
+    def read(self, data: memoryview, at: int, edges: memoryview) -> bool:
+        """Fill `data` from the span's byte `at` on: directly where the bytes are not in the
+        page cache and `data` shares the file's offset within a page, else buffered; whether
+        directly.
+
+        A direct read is the device writing the set's pages: no page cache, no copy (the
+        loader's CPU went from the copy's 77-84% of it to ..., docs/performance.md). Where
+        the file is cached (written a moment ago, read before) a copy out of the page cache
+        is faster than the device.
+        """
+        start = self.entry.offset + at
+        if (
+            self.direct >= 0
+            and lead(_address(data)) == lead(start)
+            and resident_bytes(self.fd, start, len(data)) * 2 < len(data)
+            and self._read_direct(data, start, edges)
+        ):
+            return True
+        self._read_buffered(data, at)
+        return False
+
+    def _read_direct(self, data: memoryview, start: int, edges: memoryview) -> bool:
+        """Read `data`'s bytes at file offset `start` with O_DIRECT: whole pages straight
+        into `data`, the partial pages at either end into `edges` and copied from there;
+        False on a short read (the buffered read then tells why)."""
+        end = start + len(data)
+        first, last = start - lead(start), -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        head = min(last, -(-start // DIRECT_ALIGN) * DIRECT_ALIGN)  # the first whole page
+        tail = max(head, end - lead(end))  # the partial page at the end
+        parts = []
+        if head > first:
+            parts.append(edges[:DIRECT_ALIGN])
+        if tail > head:
+            parts.append(data[head - start : tail - start])
+        if last > tail:
+            parts.append(edges[DIRECT_ALIGN:])
+        try:
+            got = os.preadv(self.direct, parts, first)
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            # A logical block larger than DIRECT_ALIGN: this file is read buffered.
+            os.close(self.direct)
+            self.direct = -1
+            return False
+        if got < end - first:
+            return False
+        if head > first:
+            data[: min(head, end) - start] = edges[start - first : min(head, end) - first]
+        if last > tail:
+            data[tail - start :] = edges[DIRECT_ALIGN : DIRECT_ALIGN + end - tail]
+        return True
+
+    def _read_buffered(self, data: memoryview, at: int) -> None:
         """Fill `data` from the span's byte `at` on, and drop what it read from the page cache.
 
         The bytes now live in the set: dropped behind the reads, the node holds one copy
@@ -541,3 +629,11 @@ class _Span:
         finally:
             os.close(self.fd)
             self.fd = -1
+            if self.direct >= 0:
+                os.close(self.direct)
+                self.direct = -1
+
+
+def _address(data: memoryview) -> int:
+    """Where `data` starts in this process's memory (a writable buffer)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(data))

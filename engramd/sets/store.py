@@ -53,7 +53,7 @@ from engramd_shared.errors import (
     UnknownSet,
 )
 from engramd_shared.families import family_of_selection
-from engramd_shared.layout import Manifest, ManifestError, copy_name
+from engramd_shared.layout import Manifest, ManifestError, copy_name, extents
 
 log = logging.getLogger("engramd")
 
@@ -262,7 +262,7 @@ class SetStore:
         ts = self.sets.get(plan.set_id, node)
         if ts is not None and ts.state is not SetState.FAILED:
             return ts
-        sizes = [t.nbytes for t in plan.tensors]
+        sizes = extents(plan.tensors)
         needed = self._admission.needed(sizes)
         what = f"set {copy_name(plan.set_id, node)} ({plan.where})"
         if charges is not None:

@@ -17,7 +17,14 @@ from engramd.backings.memfd import SEALS
 from engramd.config import DaemonConfig
 from engramd_shared.checkpoint import plan_tables
 from engramd_shared.errors import ShmCapacityError
-from engramd_shared.layout import LOADING_MARK, ManifestError, sets_root
+from engramd_shared.layout import (
+    DIRECT_ALIGN,
+    LOADING_MARK,
+    ManifestError,
+    extents,
+    lead,
+    sets_root,
+)
 from engramd_shared.pb import engramd_pb2 as pb
 from helpers import set_folders
 
@@ -77,10 +84,13 @@ def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:
     plan = plan_tables(checkpoint)
     backing.stage(plan).discard()
     manifest = copy_in(backing, plan)
-    # Tensors share one memfd, each at a page-aligned offset.
+    # Tensors share one memfd, each in pages of its own at its offset in the checkpoint
+    # within a page (for direct reads).
     assert {t.file for t in manifest.tensors} == {"tables"}
-    assert all(t.offset % backing.page_size == 0 for t in manifest.tensors)
-    assert backing.usage().used == sum(backing.reserved(t.nbytes) for t in plan.tensors)
+    for placed, planned in zip(manifest.tensors, plan.tensors, strict=True):
+        assert lead(placed.offset) == planned.offset % DIRECT_ALIGN
+        assert (placed.offset - lead(placed.offset)) % backing.page_size == 0
+    assert backing.usage().used == sum(map(backing.reserved, extents(plan.tensors)))
     assert [backing.checksum(manifest, i) for i in range(len(plan.tensors))] == [
         t.checksum for t in manifest.tensors
     ]

@@ -17,12 +17,10 @@ MiB = 1 << 20
 
 
 def _device(root: Path, name: str, max_kb: int, depth: int | None) -> Path:
-    """A device folder as sysfs lays one out: queue/max_sectors_kb, read_ahead_kb (128),
-    nr_requests."""
+    """A device folder as sysfs lays one out: queue/max_sectors_kb, nr_requests."""
     folder = root / "devices" / name
     (folder / "queue").mkdir(parents=True)
     (folder / "queue" / "max_sectors_kb").write_text(f"{max_kb}\n")
-    (folder / "queue" / "read_ahead_kb").write_text("128\n")
     if depth is not None:
         (folder / "queue" / "nr_requests").write_text(f"{depth}\n")
     return folder
@@ -57,9 +55,7 @@ def test_a_partition_reads_its_disks_queue_and_an_array_its_members_depths(
     (disk / "nvme0n1p1").mkdir()
     (disk / "nvme0n1p1" / "partition").write_text("1\n")
     _link(tmp_path, os.makedev(259, 1), disk / "nvme0n1p1")
-    assert queue_of(os.makedev(259, 1), root=tmp_path) == DeviceQueue(
-        "nvme0n1", 128 << 10, 128 << 10, 1023, 1
-    )
+    assert queue_of(os.makedev(259, 1), root=tmp_path) == DeviceQueue("nvme0n1", 128 << 10, 1023, 1)
 
     # md0 over four drives (one through its partition): no queue depth of its own.
     md = _device(tmp_path, "md0", 512, None)
@@ -72,32 +68,29 @@ def test_a_partition_reads_its_disks_queue_and_an_array_its_members_depths(
             member = member / "p1"
         (md / "slaves" / f"m{i}").symlink_to(member)
     _link(tmp_path, os.makedev(9, 0), md)
-    assert queue_of(os.makedev(9, 0), root=tmp_path) == DeviceQueue(
-        "md0", 512 << 10, 128 << 10, 4 * 255, 4
-    )
+    assert queue_of(os.makedev(9, 0), root=tmp_path) == DeviceQueue("md0", 512 << 10, 4 * 255, 4)
 
 
 def test_reads_are_the_devices_largest_request_in_whole_pieces() -> None:
-    assert (
-        sized_reads(DeviceQueue("nvme0n1", 128 << 10, 128 << 10, 1023, 1), 0).size == BUFFER_BYTES
-    )
-    assert sized_reads(DeviceQueue("vda", 4 * MiB, 8 * MiB, 256, 1), 0).size == 4 * MiB
-    assert sized_reads(DeviceQueue("sdb", 3 * MiB, 128 << 10, 64, 1), 0).size == 4 * MiB
-    assert sized_reads(DeviceQueue("dm-0", 1 << 30, 128 << 10, 128, 1), 0).size == MAX_READ_BYTES
+    assert sized_reads(DeviceQueue("nvme0n1", 128 << 10, 1023, 1), 0).size == BUFFER_BYTES
+    assert sized_reads(DeviceQueue("vda", 4 * MiB, 256, 1), 0).size == 4 * MiB
+    assert sized_reads(DeviceQueue("sdb", 3 * MiB, 64, 1), 0).size == 4 * MiB
+    assert sized_reads(DeviceQueue("dm-0", 1 << 30, 128, 1), 0).size == MAX_READ_BYTES
     assert sized_reads(None, 0).size == BUFFER_BYTES
 
 
 def test_reads_in_flight_fill_the_devices_queue_within_the_bounds() -> None:
     floor = max(MIN_THREADS, min(MAX_THREADS, cores()))
-    # 128 KiB requests, 2 MiB reads and 256 KiB of readahead: a reader keeps 18 queued,
-    # so 32 are two readers.
-    assert sized_reads(DeviceQueue("nvme0n1", 128 << 10, 128 << 10, 1023, 1), 0).threads == floor
-    # 4 MiB requests as large as the reads, 16 MiB of readahead: 5 a reader, 7 readers.
-    assert sized_reads(DeviceQueue("vda", 4 * MiB, 8 * MiB, 256, 1), 0).threads == max(7, floor)
+    # 128 KiB requests and 2 MiB direct reads: a reader keeps 16 queued, so 32 are two.
+    assert sized_reads(DeviceQueue("nvme0n1", 128 << 10, 1023, 1), 0).threads == floor
+    # 4 MiB requests as large as the reads: 1 a reader, 32 readers.
+    assert sized_reads(DeviceQueue("vda", 4 * MiB, 256, 1), 0).threads == min(
+        MAX_THREADS, max(32, floor)
+    )
     # A shallow queue (a SATA disk's 8) keeps no more than its depth in flight.
-    assert sized_reads(DeviceQueue("sda", 2 * MiB, 128 << 10, 8, 1), 0).threads == max(8, floor)
+    assert sized_reads(DeviceQueue("sda", 2 * MiB, 8, 1), 0).threads == max(8, floor)
     # Four drives of 512 KiB requests: 128 requests, 4 a reader of 2 MiB, 32 readers.
-    md = DeviceQueue("md0", 512 << 10, 128 << 10, 4 * 255, 4)
+    md = DeviceQueue("md0", 512 << 10, 4 * 255, 4)
     assert sized_reads(md, 0).threads == min(MAX_THREADS, max(32, floor))
     # --load-threads wins over the device.
     assert sized_reads(md, 3).threads == 3 and sized_reads(None, 5).threads == 5
