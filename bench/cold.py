@@ -22,7 +22,12 @@ Each turn drops the page cache before each side and runs, in this order:
   configured set loaded), with its own `load_seconds` and its CPU seconds
   from exec to ready; as root it mounts its huge-page tmpfs, and again with
   --no-huge-tmpfs (the systemd unit's user, who may not mount: /dev/shm's
-  own pages).
+  own pages);
+- idle: the same start (with its huge-page mount) after the machine sat
+  IDLE_S seconds with the page cache dropped, beside the first touch of as
+  much memory after the same idle time (a file of the set's size on the
+  huge-page tmpfs, populated on every core): on a VM that hands free memory
+  back to its host, what the set's pages cost before a byte is read.
 
 Beside it, the reservation of one file (`reservation`): a memfd's pages
 allocated by posix_fallocate (one thread: it holds the inode's lock) against
@@ -33,7 +38,8 @@ the pages zeroed too, as the copy's first touch zeroes what fallocate left
 
 Memory is recycled before the in-process load, untimed, as in bench/load.py
 (this VM backs memory it has not touched for a while slowly); the fresh
-daemon gets none: it meets memory as a node's daemon at boot does. The
+daemon started at once gets the memory the steps before it freed a moment
+earlier, the one started after IDLE_S memory its VM handed back. The
 device's figure of a turn is the faster of direct and buffered (the
 target's); the parallel read is engramd's own reads without the set,
 beside it. Each ratio is one turn's, their median
@@ -63,6 +69,7 @@ from engramd.host.blocking import cores
 from engramd.host.reserve import reserve_files
 from engramd.sets.loader import LoadProgress, load_set, reads_for
 from engramd_client import plan_tables
+from engramd_shared.layout import sets_root
 
 from .common import (
     Figure,
@@ -79,6 +86,9 @@ from .load import recycle
 
 #: The direct reader's request size and requests in flight.
 BLOCK, DEPTH = 1 * MiB, 32
+#: Seconds a machine sits idle before the last start of a turn: a VM with free page
+#: reporting (virtio-balloon) hands free memory back to its host within about 2 s.
+IDLE_S = 10.0
 
 
 def _fio(files: list[Path]) -> float:
@@ -267,13 +277,14 @@ def _engramd(ckpt: Path) -> tuple[float, float]:
     return plan.nbytes / seconds / 1e9, cpu / (plan.nbytes / GiB)
 
 
-def _serve(ckpt: Path, huge: bool) -> tuple[float, float, float, float]:
-    """A fresh `engramd serve --checkpoint ckpt` over a new shm folder, caches dropped: (GB/s
-    exec to ready, GB/s of its `load_seconds`, seconds exec to socket, CPU seconds per GiB
-    from its socket's appearance to ready)."""
+def _serve(ckpt: Path, huge: bool, idle: float = 0.0) -> tuple[float, float, float, float]:
+    """A fresh `engramd serve --checkpoint ckpt` over a new shm folder, caches dropped and then
+    `idle` seconds: (GB/s exec to ready, GB/s of its `load_seconds`, seconds exec to socket,
+    CPU seconds per GiB from its socket's appearance to ready)."""
     nbytes = plan_tables(ckpt).nbytes
     with shm_folder() as shm:
         drop_caches()
+        time.sleep(idle)
         start = time.perf_counter()
         with daemon(
             shm, "--checkpoint", str(ckpt), *([] if huge else ["--no-huge-tmpfs"]), wait="no"
@@ -289,6 +300,29 @@ def _serve(ckpt: Path, huge: bool) -> tuple[float, float, float, float]:
             if huge and ts.page_size != 2 * MiB:
                 raise RuntimeError(f"the daemon's set is on pages of {ts.page_size} bytes")
     return nbytes / seconds / 1e9, nbytes / ts.load_seconds / 1e9, bound, cpu / (nbytes / GiB)
+
+
+def _first_touch(nbytes: int, idle: float) -> float:
+    """GB/s of populating `nbytes` of a file on the daemon's huge-page tmpfs on every core,
+    `idle` seconds after the page cache was dropped: what memory costs before any read."""
+    with shm_folder() as shm:
+        backing = TmpfsBacking(str(shm), None, huge_tmpfs=DaemonConfig().huge_tmpfs)
+        backing.claim()
+        try:
+            fd = os.open(sets_root(shm) / "touched", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                os.ftruncate(fd, nbytes)
+                drop_caches()
+                time.sleep(idle)
+                start = time.perf_counter()
+                reserve_files([(fd, nbytes)], mmap.PAGESIZE, populate=True)
+                seconds = time.perf_counter() - start
+            finally:
+                os.close(fd)
+                os.unlink(sets_root(shm) / "touched")
+        finally:
+            backing.release()
+    return nbytes / seconds / 1e9
 
 
 def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
@@ -311,6 +345,9 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         True: ([], [], [], []),
         False: ([], [], [], []),
     }
+    # The same after the machine sat idle, and what first touching memory costs then.
+    idled: tuple[list[float], list[float], list[float], list[float]] = ([], [], [], [])
+    touched: list[float] = []
     print(
         f"  turn  {direct_name:>26}  buffered 16 MiB  buffered, {threads} threads"
         f"  NIXL POSIX  engramd ({threads} threads)  CPU  ratio  ratio to {threads} readers"
@@ -330,6 +367,9 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
         for huge, figures in serve.items():
             for figure, value in zip(figures, _serve(ckpt, huge), strict=True):
                 figure.append(value)
+        for figure, value in zip(idled, _serve(ckpt, True, IDLE_S), strict=True):
+            figure.append(value)
+        touched.append(_first_touch(plan_tables(ckpt).nbytes, IDLE_S))
         device = max(direct[-1], buffered[-1])
         print(
             f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
@@ -346,6 +386,11 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
                 f"{bound[-1]:.2f} s, {serve_cpu[-1]:.2f} CPU-s/GiB from then",
                 flush=True,
             )
+        print(
+            f"        after {IDLE_S:g} s idle: engramd serve's load_seconds {idled[1][-1]:.2f} "
+            f"GB/s, {idled[3][-1]:.2f} CPU-s/GiB; memory's first touch {touched[-1]:.2f} GB/s",
+            flush=True,
+        )
     best = [max(d, b) for d, b in zip(direct, buffered, strict=True)]
     size = f"{sum(f.stat().st_size for f in files) / GiB:.1f} GiB"
     return [
@@ -378,6 +423,18 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
                 ("", serve[True]),
                 (" --no-huge-tmpfs", serve[False]),
             )
+        ),
+        compare(
+            f"cold start ({size}) after {IDLE_S:g} s idle: engramd serve's load_seconds vs "
+            "the first touch of as much memory",
+            "GB/s",
+            idled[1],
+            touched,
+            higher_is_better=True,
+            paired=True,
+            note=f"the page cache dropped, then {IDLE_S:g} s idle before each; the first "
+            "touch: a file of the set's size on the huge-page tmpfs populated on every core; "
+            f"the daemon's CPU {statistics.median(idled[3]):.2f} s/GiB",
         ),
         compare(
             f"cold start ({size}): engramd serve's CPU per GiB vs the in-process load's",

@@ -6,13 +6,16 @@
         <set_id>/                            a complete set; appears by rename
             manifest.json                    written last, 0640 (a disk's: 0440)
             0000.bin  0001.bin  ...          one file per tensor, 0640 (0440), the
-                                             tensor's bytes at offset 0, exactly
-                                             `nbytes` long (every page allocated)
+                                             tensor's bytes at its lead (its offset
+                                             in the checkpoint modulo DIRECT_ALIGN;
+                                             on a disk 0), lead + `nbytes` long
+                                             (every page allocated)
         <set_id>/                            a packed set (hugetlbfs: no write(),
-            tables                           huge pages): every tensor in one file
-                                             at 4 KiB-aligned offsets, the manifest
-                                             and its trailer at the end of the last
-                                             huge page (TRAILER), no manifest.json
+            tables                           huge pages): every tensor in one file,
+                                             each at its lead past a 4 KiB boundary,
+                                             the manifest and its trailer at the end
+                                             of the last huge page (TRAILER), no
+                                             manifest.json
         <set_id>-node<N>/                    a copy kept for NUMA node N
                                              (--numa per-node): same layout
         <set_id>.loading-<pid>-<hex>/        a load in progress: never attached
@@ -28,7 +31,7 @@ manifest.json::
      "sources": [{"path": "/real/path/model-00001.safetensors", "dev": ..., "ino": ...,
                   "size": ..., "mtime_ns": ..., "ctime_ns": ...}, ...],
      "tensors": [{"name": "layers.1.engram.embed.weight", "dtype": "F8_E4M3",
-                  "shape": [rows, 256], "file": "0000.bin", "offset": 0,
+                  "shape": [rows, 256], "file": "0000.bin", "offset": <lead>,
                   "nbytes": ..., "checksum": "xxh3-64-pieces:<16 hex>"}, ...],
      "node": N,                              only in a copy kept for node N
      "attestation": "hmac-sha256:<hex>",     only in a set filled from a peer or an
@@ -61,7 +64,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Protocol
@@ -321,20 +324,26 @@ class Placed(Protocol):
     """A tensor's bytes somewhere: a checkpoint's (TensorEntry) or a set's (ManifestTensor)."""
 
     @property
+    def dtype(self) -> str: ...
+
+    @property
     def offset(self) -> int: ...
 
     @property
     def nbytes(self) -> int: ...
 
 
-def lead(offset: int) -> int:
-    """Bytes before a tensor at `offset` of its checkpoint (or of a set) in its place in a set."""
-    return offset % DIRECT_ALIGN
+def lead(t: Placed) -> int:
+    """Bytes before a tensor in its place in a set: its offset (in its checkpoint, or in a
+    set) within a DIRECT_ALIGN page, unless that would leave its elements unaligned (a
+    checkpoint that puts a tensor off its element size: then 0, and it is read buffered)."""
+    within = t.offset % DIRECT_ALIGN
+    return within if within % DTYPES.get(t.dtype, (1, ""))[0] == 0 else 0
 
 
 def extents(tensors: Iterable[Placed]) -> list[int]:
     """The bytes each tensor's place takes in a set: its lead, then its own bytes."""
-    return [lead(t.offset) + t.nbytes for t in tensors]
+    return [lead(t) + t.nbytes for t in tensors]
 
 
 def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
@@ -346,11 +355,11 @@ def packed_offsets(sizes: list[int]) -> tuple[list[int], int]:
     return offsets, end
 
 
-def packed_tensors(tensors: list[Placed]) -> tuple[list[int], int]:
+def packed_tensors(tensors: Sequence[Placed]) -> tuple[list[int], int]:
     """(offset of each tensor, end of the last place) in a packed file: each tensor at its
     lead in its place."""
     places, end = packed_offsets(extents(tensors))
-    return [at + lead(t.offset) for at, t in zip(places, tensors, strict=True)], end
+    return [at + lead(t) for at, t in zip(places, tensors, strict=True)], end
 
 
 def trailer(manifest: bytes) -> bytes:

@@ -62,7 +62,7 @@ class StagedCopy(StagedSet):
     def __init__(self, backing: CudaBackingBase, plan: TablePlan, node: int | None) -> None:
         self._backing = backing
         self._plan = plan
-        self._offsets, _ = packed_tensors(list(plan.tensors))
+        self._offsets, _ = packed_tensors(plan.tensors)
         size = max(backing.footprint(extents(plan.tensors)), backing.page_size)
         cu = cudadriver.make_current(backing.device)
         prop = cudadriver.allocation_prop(

@@ -141,7 +141,7 @@ class _StagedPacked(StagedSet):
         self._backing = backing
         self._plan = plan
         self._folder = backing.loading_folder(plan.set_id)
-        self._offsets, self._end = packed_tensors(list(plan.tensors))
+        self._offsets, self._end = packed_tensors(plan.tensors)
         self._size = backing.footprint(extents(plan.tensors))
         self._fd = -1
         self._writer: MappedWriter | None = None

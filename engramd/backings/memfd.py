@@ -247,13 +247,11 @@ class _StagedMemfd(StagedSet):
         sizes = extents(plan.tensors)
         huge = backing.huge_page_size
         if huge:
-            self._offsets, _ = packed_tensors(list(plan.tensors))
+            self._offsets, _ = packed_tensors(plan.tensors)
         else:
             # Each tensor in pages of its own: a running sum of the pages before it, its lead.
             places = itertools.accumulate(map(backing.reserved, sizes), initial=0)
-            self._offsets = [
-                at + lead(t.offset) for at, t in zip(places, plan.tensors, strict=False)
-            ]
+            self._offsets = [at + lead(t) for at, t in zip(places, plan.tensors, strict=False)]
         size = backing.footprint(sizes)
         flags = os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING
         if huge:

@@ -418,7 +418,7 @@ class _StagedFolder(StagedSet):
         self._plan = plan
         self._folder = backing.loading_folder(plan.set_id)
         self._fds: list[int] = []
-        self._leads = [0 if backing.durable else lead(t.offset) for t in plan.tensors]
+        self._leads = [0 if backing.durable else lead(t) for t in plan.tensors]
         try:
             backing.make_folder(self._folder)
             for i in range(len(plan.tensors)):

@@ -20,16 +20,20 @@
    disk's, whose I/O errors a mapping would turn into a SIGBUS, it reads
    into a buffer of its own and writes that) and digests each piece there,
    just read: the manifest's checksum is built from the digests of the
-   pieces (engramd.checksum), so no thread waits for another's. The threads
-   of a tensor share its descriptor: they read it near-sequentially, so its
-   readahead holds. Neither NIXL's POSIX backend (io_uring, AIO) nor a
-   deeper queue of threads read faster here (bench/cold.py): buffered reads
-   are the page cache's copy either way.
-   The reads are buffered: a safetensors tensor starts anywhere in its file
-   (8 bytes of length, then a JSON header of any length), so its bytes and
-   the set's page-aligned pages in general share no alignment O_DIRECT
-   could use (and on the bench's disk O_DIRECT reads were the slower,
-   docs/performance.md).
+   pieces (engramd.checksum), so no thread waits for another's.
+   Bytes not in the page cache are read O_DIRECT: the device writes the
+   set's pages, with no page cache between and no copy (a fresh daemon's
+   cold load went from 0.99 to 0.30 CPU-s/GiB, docs/performance.md), and
+   the node never holds the tables twice. A safetensors tensor starts
+   anywhere in its file (8 bytes of length, a JSON header of any length),
+   so the set puts each tensor at its lead (layout.DIRECT_ALIGN): the same
+   offset within a page as in the checkpoint. A read's whole pages then go
+   straight into the set and the partial pages at its two ends through two
+   pages of the thread's own. Bytes already cached (a checkpoint just
+   written or read) are copied out of the page cache, faster than the
+   device, and dropped from it behind the reads; so are a table's later
+   row shards, whose offsets within a page differ from its first's, and
+   files on a file system without O_DIRECT.
    The checkpoint is not mapped, so a file truncated under the daemon gives
    a short read (a clear error) instead of a SIGBUS. Measured by bench/
    (load, cold) against cp, the device and the loaders an operator would
@@ -75,7 +79,7 @@ from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import CheckpointError
 from engramd_shared.fileid import SourceFile, open_regular
 from engramd_shared.headers import TensorEntry
-from engramd_shared.layout import DIRECT_ALIGN, Manifest, ManifestTensor, lead
+from engramd_shared.layout import DIRECT_ALIGN, Manifest, ManifestTensor
 
 log = logging.getLogger("engramd")
 
@@ -423,7 +427,7 @@ class _TensorCopy:
         if self._view is not None:
             data = self._view[at : at + n]
         else:
-            shift = lead(self._spans[first].position(at))
+            shift = _within(self._spans[first].position(at))
             data = buffer[shift : shift + n]
         for span in itertools.takewhile(lambda s: s.start < at + n, self._spans[first:]):
             begin, end = max(at, span.start), min(at + n, span.start + span.entry.nbytes)
@@ -539,15 +543,14 @@ class _Span:
         page cache and `data` shares the file's offset within a page, else buffered; whether
         directly.
 
-        A direct read is the device writing the set's pages: no page cache, no copy (the
-        loader's CPU went from the copy's 77-84% of it to ..., docs/performance.md). Where
+        A direct read is the device writing the set's pages: no page cache, no copy. Where
         the file is cached (written a moment ago, read before) a copy out of the page cache
         is faster than the device.
         """
         start = self.entry.offset + at
         if (
             self.direct >= 0
-            and lead(_address(data)) == lead(start)
+            and _within(_address(data)) == _within(start)
             and resident_bytes(self.fd, start, len(data)) * 2 < len(data)
             and self._read_direct(data, start, edges)
         ):
@@ -560,9 +563,9 @@ class _Span:
         into `data`, the partial pages at either end into `edges` and copied from there;
         False on a short read (the buffered read then tells why)."""
         end = start + len(data)
-        first, last = start - lead(start), -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
+        first, last = start - _within(start), -(-end // DIRECT_ALIGN) * DIRECT_ALIGN
         head = min(last, -(-start // DIRECT_ALIGN) * DIRECT_ALIGN)  # the first whole page
-        tail = max(head, end - lead(end))  # the partial page at the end
+        tail = max(head, end - _within(end))  # the partial page at the end
         parts = []
         if head > first:
             parts.append(edges[:DIRECT_ALIGN])
@@ -632,6 +635,11 @@ class _Span:
             if self.direct >= 0:
                 os.close(self.direct)
                 self.direct = -1
+
+
+def _within(at: int) -> int:
+    """`at` (a file offset, an address) within its DIRECT_ALIGN page."""
+    return at % DIRECT_ALIGN
 
 
 def _address(data: memoryview) -> int:

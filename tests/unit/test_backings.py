@@ -88,8 +88,8 @@ def test_memfd_backing_bookkeeping(checkpoint: Path) -> None:
     # within a page (for direct reads).
     assert {t.file for t in manifest.tensors} == {"tables"}
     for placed, planned in zip(manifest.tensors, plan.tensors, strict=True):
-        assert lead(placed.offset) == planned.offset % DIRECT_ALIGN
-        assert (placed.offset - lead(placed.offset)) % backing.page_size == 0
+        assert placed.offset % DIRECT_ALIGN == planned.offset % DIRECT_ALIGN == lead(planned)
+        assert (placed.offset - lead(planned)) % backing.page_size == 0
     assert backing.usage().used == sum(map(backing.reserved, extents(plan.tensors)))
     assert [backing.checksum(manifest, i) for i in range(len(plan.tensors))] == [
         t.checksum for t in manifest.tensors

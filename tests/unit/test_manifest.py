@@ -3,11 +3,20 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
 from backing_fill import sample_manifest
 
-from engramd_shared.layout import Manifest, ManifestError
+from engramd_shared.layout import (
+    DIRECT_ALIGN,
+    PACKED_ALIGN,
+    Manifest,
+    ManifestError,
+    extents,
+    lead,
+    packed_tensors,
+)
 
 
 def test_manifest_round_trip_and_refusals() -> None:
@@ -43,3 +52,18 @@ def test_manifest_round_trip_and_refusals() -> None:
     ):
         with pytest.raises(ManifestError):
             Manifest.from_json(json.dumps(broken))
+
+
+def test_a_tensor_keeps_its_offset_within_a_page_where_its_elements_stay_aligned() -> None:
+    @dataclass(frozen=True)
+    class At:
+        dtype: str
+        offset: int
+        nbytes: int
+
+    # Within its page as in its checkpoint; an F32 at an offset off its 4 bytes gets none.
+    tensors = [At("BF16", 3 * DIRECT_ALIGN + 8, 100), At("U8", 5, 1), At("F32", 4098, 8)]
+    assert [lead(t) for t in tensors] == [8, 5, 0]
+    assert extents(tensors) == [108, 6, 8]
+    # Packed: each in pages of its own, at its lead.
+    assert packed_tensors(tensors) == ([8, PACKED_ALIGN + 5, 2 * PACKED_ALIGN], 3 * PACKED_ALIGN)
