@@ -21,9 +21,10 @@ Backings:
 
 An address is chosen so that the daemon's pages can be mapped there later:
 the tensor starts at `delta` bytes past a RESERVE_ALIGN boundary, `delta`
-the tensor's first byte's offset in its file modulo that alignment (the
-daemon's files start every tensor on a page: engramd_shared.layout), so the
-file's pages, huge ones included, fall on their own boundaries. A backing
+the tensor's first byte's offset in its file modulo that alignment (a
+private copy takes the offset the daemon's file will have: the tensor's
+lead, engramd_shared.layout), so the file's pages, huge ones included, fall
+on their own boundaries. A backing
 whose pages cannot fall there (`misfit`) is refused before anything moves.
 """
 
@@ -69,9 +70,11 @@ class Backing:
 
     #: Shared pieces, in order of address.
     pieces: list[Piece]
-    #: Bytes of the worker's own from the end of the pieces on (a copied partial page);
-    #: zero pages after them to the range's end.
+    #: Bytes of the worker's own (a copied partial page) at `own_at` bytes into the range,
+    #: the end of the pieces (or, with none, the page the region starts in); zero pages
+    #: around them to the range's end.
     own: bytes = b""
+    own_at: int = 0
     #: Mapped PROT_READ | PROT_WRITE (a private copy, or a writable GPU route); else PROT_READ.
     writable: bool = False
     #: What it is, for the log lines: "private", "shared".
@@ -167,7 +170,7 @@ class LiveAddress:
             if _libc.mmap(at, rest, writable, flags, -1, 0) != at:
                 raise OSError(ctypes.get_errno(), f"cannot map {rest} bytes at {at:#x}")
             if backing.own:
-                ctypes.memmove(at, backing.own, len(backing.own))
+                ctypes.memmove(self.start + backing.own_at, backing.own, len(backing.own))
             if prot != writable and _libc.mprotect(at, rest, prot) != 0:
                 raise OSError(ctypes.get_errno(), f"cannot protect {rest} bytes at {at:#x}")
 
@@ -196,7 +199,7 @@ def file_backing(fd: int, region: Region, live: LiveAddress, writable: bool = Fa
         lead = region.offset % page
         at = live.delta - lead
         length = lead + region.length
-        own = b""
+        own, own_at = b"", 0
         if region.pad:
             shared = length // page * page
             tail = length - shared
@@ -204,11 +207,12 @@ def file_backing(fd: int, region: Region, live: LiveAddress, writable: bool = Fa
                 own = os.pread(fd, tail, region.offset - lead + shared)
                 if len(own) != tail:
                     raise OSError(f"{region.path} ended before its last rows")
+                own_at = at + shared
             length = shared
         else:
             length = -(-length // page) * page
         pieces = [Piece(at, length, fd, region.offset - lead, page)] if length else []
-        return Backing(pieces, own=own, writable=writable, kind="shared")
+        return Backing(pieces, own=own, own_at=own_at, writable=writable, kind="shared")
     except BaseException:
         os.close(fd)
         raise

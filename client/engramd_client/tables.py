@@ -23,6 +23,7 @@ from engramd_client.live import Backing, LiveAddress, delta_for, private_backing
 from engramd_client.mapping import Region, RowRanges, check_row_names, load_private, torch_dtype
 from engramd_shared.checkpoint import TablePlan
 from engramd_shared.errors import DeviceError, NoCpuView
+from engramd_shared.layout import lead
 
 if TYPE_CHECKING:
     from engramd_client.cuda import Registration
@@ -211,9 +212,11 @@ class Tables(Mapping[str, torch.Tensor]):
                 if region.length + region.pad == 0:
                     tensors[entry.name] = torch.empty(region.shape, dtype=dtype)
                     continue
-                # The daemon's files start each tensor on a page: its rows then fall where
-                # the tensor's own offset puts them.
-                address = LiveAddress(region.length + region.pad, delta_for(region.offset))
+                # The daemon's files put each tensor at its lead: its rows then fall, within
+                # their pages, where the daemon's copy has them.
+                address = LiveAddress(
+                    region.length + region.pad, delta_for(lead(entry) + region.offset)
+                )
                 backing = private_backing(entry, region, address)
                 backings[entry.name] = backing
                 address.apply(backing)

@@ -259,9 +259,10 @@ def test_failed_admin_calls_leave_a_log_line(
     assert engramd("drop", "0" * 20, "--socket", str(d.socket)).returncode == 1
     assert engramd("verify", "0" * 20, "--socket", str(d.socket)).returncode == 1
     # Changed bytes, as a writer with the daemon's rights could make them.
-    first = sorted(p for p in (sets_root(d.shm_dir) / held.set_id).iterdir() if p.suffix == ".bin")
-    with open(first[0], "r+b") as f:
-        f.write(b"\xff" * 64)
+    folder = sets_root(d.shm_dir) / held.set_id
+    [first, *_] = json.loads((folder / "manifest.json").read_text())["tensors"]
+    with open(folder / first["file"], "r+b") as f:
+        os.pwrite(f.fileno(), b"\xff" * 64, first["offset"])
     assert engramd("verify", held.set_id, "--socket", str(d.socket)).returncode == 1
     wait_until(lambda: "verify of set " + held.set_id in d.log, 10, "the verify's log line")
     log = d.log

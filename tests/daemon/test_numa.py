@@ -37,7 +37,7 @@ from engramd.host.numa import (
 from engramd.testing.synth import SynthSpec, synthesize
 from engramd.values import NumaError, Placement
 from engramd_client import plan_tables
-from engramd_shared.layout import sets_root
+from engramd_shared.layout import extents, sets_root
 from engramd_shared.pb import engramd_pb2 as pb
 from engramd_shared.pb import engramd_pb2_grpc as pb_grpc
 from engramd_shared.topology import local_node, nodes
@@ -146,7 +146,8 @@ def test_a_daemon_bound_to_a_node_reports_where_its_set_is(
     # numa_maps is read from the daemon's pinned mappings, which come after the set is served.
     wait_until(lambda: d.status().sets[0].locked, 30, "the set to be locked")
     [s] = d.status().sets
-    pages = sum(-(-t.nbytes // s.page_size) * s.page_size for t in plan_tables(checkpoint).tensors)
+    places = extents(plan_tables(checkpoint).tensors)
+    pages = sum(-(-n // s.page_size) * s.page_size for n in places)
     assert dict(s.bytes_per_node) == {0: pages}
     bad = Daemon(sock_dir / "b.sock", d.shm_dir, ["--numa", "node:7"], sock_dir / "b.log")
     with pytest.raises(RuntimeError, match="exited with"):

@@ -66,6 +66,21 @@ def test_padding_rows_are_zeros_and_the_last_partial_page_a_copy(files: list[Pat
     backing.close()
 
 
+def test_rows_within_one_partial_page_land_at_their_place(files: list[Path]) -> None:
+    # The held rows end before their page does, pages into the range: no shared page at
+    # all, only the copied one, which goes where the rows are, not at the range's start.
+    region = _region(files[0], 990, ROWS, pad=10)
+    assert region.offset % 4096 + region.length < 4096 <= delta_for(region.offset)
+    live = LiveAddress(region.length + region.pad, delta_for(region.offset))
+    backing = file_backing(os.open(files[0], os.O_RDONLY), region, live)
+    assert not backing.pieces and backing.own
+    live.apply(backing)
+    tensor = live.tensor(torch.uint8, (20, ROW))
+    assert tensor[:10].numpy().tobytes() == _rows(files[0], 990, ROWS)
+    assert not tensor[10:].any()
+    backing.close()
+
+
 def test_pages_off_their_boundary_are_refused_before_anything_moves(files: list[Path]) -> None:
     region = _region(files[0], 0, 10)
     live = LiveAddress(region.length, delta_for(region.offset))
