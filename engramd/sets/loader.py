@@ -16,9 +16,10 @@
    the device's queue full (at least one per core, 4 to 32, unless
    --load-threads says), so one large tensor is read on every thread. A
    thread reads straight into the set's reserved pages through a writable
-   mapping of them (where the backing's memory is no file, cuMem, or a
-   disk's, whose I/O errors a mapping would turn into a SIGBUS, it reads
-   into a buffer of its own and writes that) and digests each piece there,
+   mapping of them where they are huge pages (else into a buffer of its own
+   and writes that with write(2): 4 KiB pages, which a mapping would fault
+   and zero one by one; memory that is no file, cuMem; a disk's, whose I/O
+   errors a mapping would turn into a SIGBUS) and digests each piece there,
    just read: the manifest's checksum is built from the digests of the
    pieces (engramd.checksum), so no thread waits for another's.
    Bytes not in the page cache are read O_DIRECT: the device writes the
@@ -469,18 +470,24 @@ class _TensorCopy:
 
 
 def _mapped(staged: StagedSet, index: int, nbytes: int) -> Region | None:
-    """The index-th tensor's reserved pages mapped writable, or None where the backing
-    maps none (cuMem, a disk's) or the tensor is empty.
+    """The index-th tensor's reserved pages mapped writable where they are huge pages, or
+    None: 4 KiB pages, a backing that maps none (cuMem, a disk's), an empty tensor.
 
-    Reading the checkpoint into them saves a copy through a buffer and a write(2): on
-    huge pages 4.4-4.8 GB/s from the page cache against 0.8-2.0 (bench/load.py). The
-    pages are reserved already, so no store here can fault for want of memory.
+    On huge pages a read lands in the set's own pages: no copy through a buffer and a
+    write(2) (from the page cache 4.4-4.8 GB/s against 0.8-2.0, bench/load.py; cold, the
+    device writes them). On 4 KiB pages a mapping costs a fault a page, which zeroes it
+    for nothing, and the unmapping of every page at the end, where write(2) fills a
+    reserved page without zeroing it: a fresh daemon's cold load read 1.71 GB/s through
+    its buffers against 1.42 through a mapping (docs/performance.md). The pages are
+    reserved already, so no store here can fault for want of memory.
     """
     if nbytes == 0:
         return None
     try:
         fd, offset = staged.memory(index)
     except NotImplementedError:
+        return None
+    if os.fstat(fd).st_blksize <= mmap.PAGESIZE:
         return None
     # Not populated: the copy threads fault their own pieces in, on every thread.
     return Region(fd, offset, nbytes, writable=True, populate=False)

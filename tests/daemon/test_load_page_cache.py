@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors.torch import save_file
 
@@ -120,15 +121,20 @@ def _check_copy(shm: Path, plan: TablePlan) -> None:
         assert copied == expected, f"{planned.name}: the set's bytes differ from the checkpoint"
 
 
+@pytest.mark.parametrize("pages", ["huge", "4k"])
 def test_a_cold_checkpoint_is_read_direct_into_the_sets_pages(
-    tmp_path: Path, shm_dir: Path, daemons: Any
+    pages: str, tmp_path: Path, shm_dir: Path, daemons: Any
 ) -> None:
+    # Huge pages: straight into the set's mapped pages; 4 KiB ones: into the load's own
+    # buffers at the file's offset within a page, then written (loader.py, _mapped).
     folder = _tables(tmp_path / "tables")
     plan = plan_tables(folder)
     # Not aligned by chance: direct reads land at the checkpoint's own offsets within pages.
     assert len({t.offset % DIRECT_ALIGN for t in plan.tensors if t.nbytes} - {0}) >= 3
     _uncached(folder)
-    d = daemons("--checkpoint", str(folder))
+    d = daemons("--checkpoint", str(folder), *(["--no-huge-tmpfs"] if pages == "4k" else []))
+    [ts] = d.status().sets
+    assert (ts.page_size > PAGE) == (pages == "huge") or os.geteuid() != 0
     direct, cached = _read(d.log, plan)
     # Planning read the header and a few samples of the data (engramd_shared/headers.py): the
     # tables in those pages, cached by then, are copied from the page cache.
