@@ -24,7 +24,7 @@
    pieces (engramd.checksum), so no thread waits for another's.
    Bytes not in the page cache are read O_DIRECT: the device writes the
    set's pages, with no page cache between and no copy (a fresh daemon's
-   cold load went from 0.99 to 0.30 CPU-s/GiB, docs/performance.md), and
+   cold load went from 0.99 to 0.35 CPU-s/GiB, docs/performance.md), and
    the node never holds the tables twice. A safetensors tensor starts
    anywhere in its file (8 bytes of length, a JSON header of any length),
    so the set puts each tensor at its lead (layout.DIRECT_ALIGN): the same
@@ -519,6 +519,10 @@ class _Span:
         self.fd = -1
         #: The same file opened O_DIRECT; -1 where its file system takes no direct reads.
         self.direct = -1
+        #: Set once a direct read was refused (a logical block larger than DIRECT_ALIGN):
+        #: the rest is read buffered. The descriptor stays open until the span's last read,
+        #: as other threads may be reading through it.
+        self.refused = False
 
     def position(self, at: int) -> int:
         """The file offset of the tensor's byte `at` (within this span)."""
@@ -541,9 +545,10 @@ class _Span:
             self.direct = os.open(
                 f"/proc/self/fd/{self.fd}", os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC
             )
-        except OSError as e:
-            if e.errno != errno.EINVAL:  # a file system without direct reads (tmpfs before 6.6)
-                raise
+        except OSError:
+            # A file system without direct reads (EINVAL: ramfs, tmpfs before 6.6), or no
+            # /proc: the span is read buffered.
+            self.direct = -1
 
     def read(self, data: memoryview, at: int, edges: memoryview) -> bool:
         """Fill `data` from the span's byte `at` on: directly where the bytes are not in the
@@ -557,6 +562,7 @@ class _Span:
         start = self.entry.offset + at
         if (
             self.direct >= 0
+            and not self.refused
             and _within(_address(data)) == _within(start)
             and resident_bytes(self.fd, start, len(data)) * 2 < len(data)
             and self._read_direct(data, start, edges)
@@ -586,8 +592,7 @@ class _Span:
             if e.errno != errno.EINVAL:
                 raise
             # A logical block larger than DIRECT_ALIGN: this file is read buffered.
-            os.close(self.direct)
-            self.direct = -1
+            self.refused = True
             return False
         if got < end - first:
             return False
