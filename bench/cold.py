@@ -48,6 +48,7 @@ the figure.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
@@ -59,6 +60,7 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -260,20 +262,28 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+@contextlib.contextmanager
+def _default_backing() -> Iterator[TmpfsBacking]:
+    """The daemon's default backing over a new shm folder, claimed (as root it mounts its
+    huge-page tmpfs: untimed, the daemon does it once) and released afterwards."""
+    with shm_folder() as shm:
+        backing = TmpfsBacking(str(shm), None, huge_tmpfs=DaemonConfig().huge_tmpfs)
+        backing.claim()
+        try:
+            yield backing
+        finally:
+            backing.release()
+
+
 def _engramd(ckpt: Path) -> tuple[float, float]:
     """(GB/s, CPU seconds per GiB) of the daemon's loader reading `ckpt` cold."""
     plan = plan_tables(ckpt)
-    with shm_folder() as shm:
-        backing = TmpfsBacking(str(shm), None, huge_tmpfs=DaemonConfig().huge_tmpfs)
-        backing.claim()  # mounts the huge-page tmpfs: untimed, the daemon does it once
-        try:
-            recycle(plan.nbytes)
-            drop_caches()
-            cpu, start = _cpu(), time.perf_counter()
-            load_set(plan, backing, DaemonConfig().load_threads, LoadProgress(plan.nbytes))
-            seconds, cpu = time.perf_counter() - start, _cpu() - cpu
-        finally:
-            backing.release()
+    with _default_backing() as backing:
+        recycle(plan.nbytes)
+        drop_caches()
+        cpu, start = _cpu(), time.perf_counter()
+        load_set(plan, backing, DaemonConfig().load_threads, LoadProgress(plan.nbytes))
+        seconds, cpu = time.perf_counter() - start, _cpu() - cpu
     return plan.nbytes / seconds / 1e9, cpu / (plan.nbytes / GiB)
 
 
@@ -305,23 +315,19 @@ def _serve(ckpt: Path, huge: bool, idle: float = 0.0) -> tuple[float, float, flo
 def _first_touch(nbytes: int, idle: float) -> float:
     """GB/s of populating `nbytes` of a file on the daemon's huge-page tmpfs on every core,
     `idle` seconds after the page cache was dropped: what memory costs before any read."""
-    with shm_folder() as shm:
-        backing = TmpfsBacking(str(shm), None, huge_tmpfs=DaemonConfig().huge_tmpfs)
-        backing.claim()
+    with _default_backing() as backing:
+        path = sets_root(backing.shm_dir) / "touched"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            fd = os.open(sets_root(shm) / "touched", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-            try:
-                os.ftruncate(fd, nbytes)
-                drop_caches()
-                time.sleep(idle)
-                start = time.perf_counter()
-                reserve_files([(fd, nbytes)], mmap.PAGESIZE, populate=True)
-                seconds = time.perf_counter() - start
-            finally:
-                os.close(fd)
-                os.unlink(sets_root(shm) / "touched")
+            os.ftruncate(fd, nbytes)
+            drop_caches()
+            time.sleep(idle)
+            start = time.perf_counter()
+            reserve_files([(fd, nbytes)], mmap.PAGESIZE, populate=True)
+            seconds = time.perf_counter() - start
         finally:
-            backing.release()
+            os.close(fd)
+            os.unlink(path)
     return nbytes / seconds / 1e9
 
 
@@ -333,7 +339,8 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
     files = sorted(p for p in ckpt.iterdir() if p.suffix == ".safetensors")
     fio = shutil.which("fio") is not None
     direct_name = "fio direct" if fio else "direct reader (fio missing)"
-    reads = reads_for(plan_tables(ckpt), DaemonConfig().load_threads)
+    plan = plan_tables(ckpt)
+    reads = reads_for(plan, DaemonConfig().load_threads)
     threads = reads.threads
     print(
         f"  engramd's reads: {reads.size // MiB} MiB, {threads} in flight "
@@ -369,7 +376,7 @@ def cold_loads(ckpt: Path, turns: int) -> list[Figure]:
                 figure.append(value)
         for figure, value in zip(idled, _serve(ckpt, True, IDLE_S), strict=True):
             figure.append(value)
-        touched.append(_first_touch(plan_tables(ckpt).nbytes, IDLE_S))
+        touched.append(_first_touch(plan.nbytes, IDLE_S))
         device = max(direct[-1], buffered[-1])
         print(
             f"  {turn:>4}  {direct[-1]:>21.2f} GB/s  {buffered[-1]:>10.2f} GB/s"
