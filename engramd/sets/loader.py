@@ -24,7 +24,7 @@
    pieces (engramd.checksum), so no thread waits for another's.
    Bytes not in the page cache are read O_DIRECT: the device writes the
    set's pages, with no page cache between and no copy (a fresh daemon's
-   cold load went from 0.99 to 0.35 CPU-s/GiB, docs/performance.md), and
+   cold load went from 0.99 to 0.27 CPU-s/GiB, docs/performance.md), and
    the node never holds the tables twice. A safetensors tensor starts
    anywhere in its file (8 bytes of length, a JSON header of any length),
    so the set puts each tensor at its lead (layout.DIRECT_ALIGN): the same
